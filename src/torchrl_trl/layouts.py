@@ -1,0 +1,336 @@
+"""Read TorchRL LLM layouts into per-sample sequences, texts and chat messages.
+
+This module is the one place that knows TorchRL's LLM key layout: the ``Tokens``,
+``Masks``, ``Text``, ``ChatHistory`` and ``LogProbs`` containers that
+``TransformersWrapper``/``vLLMWrapper``, ``ChatEnv`` and ``LLMCollector`` write::
+
+    ("tokens", "prompt" | "response" | "full")       int64 [*B, T] padded, or ragged
+    ("masks", "all_attention_mask")                   [*B, T_full], 1 on real tokens
+    ("text", "prompt" | "response" | "full")          str per sample
+    ("history", "prompt" | "response" | "full")       History [*B, n_messages]
+    ("next", "reward")                                float [*B, 1, 1] (GRPO convention)
+
+Any leading batch shape is flattened in row-major order, so sample ``i`` of every
+reader is the same rollout. Inputs may be dense padded tensors
+(``pad_output=True``: the prompt left-padded, the response right-padded), lazy stacks of
+per-sample tensors of different lengths (``pad_output=False``, ``LazyStackStorage``),
+lazy stacks of separately padded batches (several ``pad_output=True`` collector batches
+in one buffer) or nested tensors. Padding is removed with the attention mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
+from tensordict.utils import NestedKey
+
+__all__ = [
+    "Part",
+    "Ragged",
+    "available_keys",
+    "batch_numel",
+    "has_key",
+    "history_key",
+    "read_column",
+    "read_history",
+    "read_text",
+    "read_tokens",
+    "REWARD_KEY",
+    "text_key",
+    "token_key",
+    "ATTENTION_MASK_KEY",
+    "to_messages",
+]
+
+Part = Literal["prompt", "response", "full"]
+_PARTS = ("prompt", "response", "full")
+
+ATTENTION_MASK_KEY: NestedKey = ("masks", "all_attention_mask")
+#: Where TorchRL's GRPO pipeline (``MCAdvantage``, reward parsers) reads the reward.
+REWARD_KEY: NestedKey = ("next", "reward")
+
+
+def token_key(part: Part) -> NestedKey:
+    """``("tokens", part)``."""
+    return ("tokens", _check_part(part))
+
+
+def text_key(part: Part) -> NestedKey:
+    """``("text", part)``."""
+    return ("text", _check_part(part))
+
+
+def history_key(part: Part) -> NestedKey:
+    """``("history", part)``."""
+    return ("history", _check_part(part))
+
+
+def _check_part(part: str) -> str:
+    if part not in _PARTS:
+        raise ValueError(f"part must be one of {_PARTS}, got {part!r}")
+    return part
+
+
+# ---------------------------------------------------------------------------
+# Ragged sequences
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Variable-length 1-D sequences stored flat: sample ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]``.
+
+    Attributes:
+        values: ``[sum(lengths)]`` all samples' elements, concatenated.
+        lengths: int64 ``[N]`` length of each sample.
+    """
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def from_list(cls, seqs: Sequence[torch.Tensor | Sequence[int]], dtype=torch.long) -> Ragged:
+        tensors = [torch.as_tensor(s, dtype=dtype).reshape(-1) for s in seqs]
+        lengths = torch.tensor([t.numel() for t in tensors], dtype=torch.long)
+        values = torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype)
+        return cls(values, lengths)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """int64 ``[N + 1]`` start of each sample in :attr:`values`, then the total."""
+        return torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
+
+    def __len__(self) -> int:
+        return self.lengths.numel()
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        offsets = self.offsets
+        return self.values[offsets[i] : offsets[i + 1]]
+
+    def split(self) -> tuple[torch.Tensor, ...]:
+        """One tensor (a view) per sample."""
+        return torch.split(self.values, self.lengths.tolist())
+
+    def tolist(self) -> list[list]:
+        """One Python list per sample."""
+        flat = self.values.tolist()
+        out, start = [], 0
+        for n in self.lengths.tolist():
+            out.append(flat[start : start + n])
+            start += n
+        return out
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> Ragged:
+        """The samples at ``index`` (in that order), gathered without a Python loop."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        lengths = self.lengths[index]
+        starts = self.offsets[:-1][index]
+        # position of each output element inside its own sample
+        new_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+        within = torch.arange(int(lengths.sum())) - new_starts.repeat_interleave(lengths)
+        return Ragged(self.values[starts.repeat_interleave(lengths) + within], lengths)
+
+    def to_padded(
+        self,
+        pad_value: int | float = 0,
+        *,
+        side: Literal["left", "right"] = "right",
+        width: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad to ``[N, width]`` (``width`` defaults to the longest sample).
+
+        Returns:
+            ``(padded, mask)``; ``mask`` is bool ``[N, width]``, ``True`` on real elements.
+        """
+        n = len(self)
+        longest = int(self.lengths.max()) if n else 0
+        width = longest if width is None else width
+        if width < longest:
+            raise ValueError(f"width={width} is shorter than the longest sample ({longest})")
+        cols = torch.arange(width).expand(n, width)
+        if side == "right":
+            mask = cols < self.lengths[:, None]
+        else:
+            mask = cols >= (width - self.lengths)[:, None]
+        padded = self.values.new_full((n, width), pad_value)
+        padded[mask] = self.values
+        return padded, mask
+
+
+# ---------------------------------------------------------------------------
+# Walking lazy stacks
+# ---------------------------------------------------------------------------
+
+
+def _chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
+    """The tensor at ``key`` as a list of dense ``[n_i, T_i]`` chunks, in row-major order
+    of ``td``'s batch: one chunk per dense sub-tensordict of a lazy stack."""
+    if isinstance(td, LazyStackedTensorDict):
+        subs = td.tensordicts if td.stack_dim == 0 else td.unbind(0)
+        return [chunk for sub in subs for chunk in _chunks(sub, key)]
+    value = td.get(key)
+    if value.is_nested:
+        return [t.reshape(1, -1) for t in value.unbind(0)]
+    if value.ndim == td.batch_dims:  # a scalar per sample
+        return [value.reshape(-1, 1)]
+    return [value.reshape(-1, value.shape[-1])]
+
+
+def has_key(td: TensorDictBase, key: NestedKey) -> bool:
+    """Whether ``key`` is set (and not ``None``) in every sample of ``td``."""
+    try:
+        return td.get(key, None) is not None
+    except (KeyError, RuntimeError):
+        # a lazy stack raises when only some members hold the key, or when the
+        # members cannot be stacked; then ask the members
+        if isinstance(td, LazyStackedTensorDict):
+            return all(has_key(sub, key) for sub in td.tensordicts)
+        return False
+
+
+def available_keys(td: TensorDictBase) -> list[str]:
+    """Sorted leaf keys of ``td`` (``"a.b"`` for nested ones), to name in errors."""
+    sample = td
+    while isinstance(sample, LazyStackedTensorDict) and sample.tensordicts:
+        sample = sample.tensordicts[0]
+    keys = sample.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf)
+    return sorted(k if isinstance(k, str) else ".".join(k) for k in keys)
+
+
+def _is_leaf(cls: type) -> bool:
+    from tensordict.base import _default_is_leaf
+
+    return _default_is_leaf(cls) or issubclass(cls, (NonTensorData, NonTensorStack))
+
+
+def _require(td: TensorDictBase, key: NestedKey, what: str) -> None:
+    if not has_key(td, key):
+        raise KeyError(
+            f"{what}: key {key!r} not found in the rollouts. Available keys: "
+            f"{available_keys(td)}"
+        )
+
+
+def batch_numel(td: TensorDictBase) -> int:
+    """Number of samples, i.e. the product of ``td``'s batch dimensions."""
+    return td.batch_size.numel()
+
+
+# ---------------------------------------------------------------------------
+# Readers
+# ---------------------------------------------------------------------------
+
+
+def read_tokens(td: TensorDictBase, part: Part = "full") -> Ragged:
+    """The real (unpadded) token ids of each sample at ``("tokens", part)``.
+
+    Padding is removed with ``("masks", "all_attention_mask")`` when it is present: the
+    full sequence uses the mask as is; with padded outputs the prompt is the mask's first
+    ``T_prompt`` columns and the response its last ``T_response`` columns (TorchRL pads the
+    prompt on the left and the response on the right). Without a mask, every stored token
+    is taken as real.
+
+    Returns:
+        :class:`Ragged` int64 token ids, one sample per batch element (flattened).
+    """
+    key = token_key(part)
+    _require(td, key, "read_tokens")
+    tokens = _chunks(td, key)
+    masks = _chunks(td, ATTENTION_MASK_KEY) if has_key(td, ATTENTION_MASK_KEY) else None
+    if masks is not None and part != "full":
+        masks = [_slice_mask(m, t.shape[-1], part) for m, t in zip(masks, tokens)]
+    if masks is None or any(m is None for m in masks):
+        masks = [None] * len(tokens)
+    widths = {t.shape[-1] for t in tokens}
+    if len(widths) == 1 and all(m is not None for m in masks):
+        # one vectorised pass over everything (dense, or equal-width chunks)
+        values, mask = torch.cat(tokens), torch.cat(masks).bool()
+        return Ragged(values[mask], mask.sum(-1))
+    values, lengths = [], []
+    for t, m in zip(tokens, masks):
+        if m is None:
+            values.append(t.reshape(-1))
+            lengths.append(torch.full((t.shape[0],), t.shape[-1], dtype=torch.long))
+        else:
+            m = m.bool()
+            values.append(t[m])
+            lengths.append(m.sum(-1))
+    return Ragged(torch.cat(values), torch.cat(lengths).long())
+
+
+def _slice_mask(full_mask: torch.Tensor, width: int, part: str) -> torch.Tensor | None:
+    if full_mask.shape[-1] < width:
+        return None
+    return full_mask[..., :width] if part == "prompt" else full_mask[..., full_mask.shape[-1] - width :]
+
+
+def _flatten_nested_list(value: Any, depth: int) -> list:
+    if depth == 0:
+        return [value]
+    return [item for sub in value for item in _flatten_nested_list(sub, depth - 1)]
+
+
+def read_column(td: TensorDictBase, key: NestedKey) -> list[Any]:
+    """Per-sample values at ``key``: Python objects for non-tensor data, tensors (one per
+    sample, ragged allowed) otherwise."""
+    _require(td, key, "read_column")
+    value = td.get(key, as_list=True) if isinstance(td, LazyStackedTensorDict) else td.get(key)
+    if isinstance(value, (NonTensorData, NonTensorStack)):
+        value = value.tolist()
+        return _flatten_nested_list(value, td.batch_dims) if td.batch_dims else [value]
+    if isinstance(value, torch.Tensor) and not value.is_nested:
+        return list(value.reshape(-1, *value.shape[td.batch_dims :]).unbind(0))
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind(0))
+    return _flatten_nested_list(value, td.batch_dims)
+
+
+def read_text(td: TensorDictBase, part: Part = "full") -> list[str]:
+    """The text of each sample at ``("text", part)``; ``"full"`` falls back to
+    prompt + response when only those are stored."""
+    key = text_key(part)
+    if part == "full" and not has_key(td, key) and has_key(td, text_key("prompt")):
+        prompts, responses = read_text(td, "prompt"), read_text(td, "response")
+        return [p + r for p, r in zip(prompts, responses)]
+    return [str(t) for t in read_column(td, key)]
+
+
+def to_messages(history: Any) -> list[dict[str, str]]:
+    """A TorchRL ``History`` (one conversation) or list of message dicts -> plain
+    ``[{"role", "content"}, ...]`` as TRL's conversational format expects (TorchRL's
+    extra ``is_complete``/tool fields and ``"<none>"`` padding messages dropped)."""
+    if hasattr(history, "tolist"):
+        history = history.tolist()
+    if isinstance(history, dict):
+        history = [history]
+    return [
+        {"role": m["role"], "content": m["content"]}
+        for m in history
+        if m.get("role") not in (None, "<none>")
+    ]
+
+
+def read_history(td: TensorDictBase, part: Part = "full") -> list[list[dict[str, str]]]:
+    """The chat of each sample at ``("history", part)`` as plain role/content dicts."""
+    key = history_key(part)
+    _require(td, key, "read_history")
+    out = []
+    for sub in _leaf_tds(td):
+        history = sub.get(key)
+        conversations = history.tolist()
+        # a History of batch [n_messages] gives one conversation; [k, n] gives k
+        depth = history.batch_dims - 1
+        out.extend(to_messages(c) for c in _flatten_nested_list(conversations, depth))
+    return out
+
+
+def _leaf_tds(td: TensorDictBase) -> list[TensorDictBase]:
+    if isinstance(td, LazyStackedTensorDict):
+        subs = td.tensordicts if td.stack_dim == 0 else td.unbind(0)
+        return [leaf for sub in subs for leaf in _leaf_tds(sub)]
+    return [td]

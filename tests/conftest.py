@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny offline checkpoints, built once per test session."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import pytest
+import torch
+from tensordict import set_list_to_stack
+
+set_list_to_stack(True).set()
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Tiny policy and reward-model checkpoints saved with ``save_pretrained``."""
+    from torchrl_trl.testing import tiny_checkpoints
+
+    return tiny_checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="session")
+def policy_and_tokenizer(checkpoints):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints.policy)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    return model.eval(), tokenizer
