@@ -1,0 +1,6 @@
+"""TorchRL -> TRL data: replay buffers as datasets for TRL trainers."""
+
+from .dataset import TorchRLBufferDataset
+from .formats import BufferFormat, available_formats, get_format, register_format
+
+__all__ = ["BufferFormat", "TorchRLBufferDataset", "available_formats", "get_format", "register_format"]

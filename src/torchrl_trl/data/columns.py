@@ -1,0 +1,102 @@
+"""Read one column of a sampled batch, vectorised: the batch is indexed once per column.
+
+A column spec is a ``NestedKey`` (``"a.b"`` strings name nested keys, as upstream
+``TorchRLBufferDataset`` flattens them) or a callable ``fn(batch) -> list`` returning one
+value per row. LLM keys go through :mod:`torchrl_trl.layouts`: ``tokens.<part>`` yields only
+the real (unpadded) tokens, ``history.<part>`` plain ``{"role", "content"}`` messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Union
+
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import is_tensor_collection
+from tensordict.utils import NestedKey
+
+from .. import layouts
+
+__all__ = ["ColumnSpec", "column_name", "missing_key_error", "read_key", "to_nested_key"]
+
+ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
+_PARTS = ("prompt", "response", "full")
+
+
+def to_nested_key(key: NestedKey) -> NestedKey:
+    """``"a.b"`` -> ``("a", "b")``; tuples and plain names unchanged."""
+    if isinstance(key, str):
+        return tuple(key.split(".")) if "." in key else key
+    if isinstance(key, tuple) and len(key) == 1:
+        return key[0]
+    return key
+
+
+def column_name(key: NestedKey) -> str:
+    """The flat ``"a.b"`` name of a nested key."""
+    return key if isinstance(key, str) else ".".join(str(k) for k in key)
+
+
+def missing_key_error(td: TensorDictBase, key: NestedKey, what: str) -> KeyError:
+    return KeyError(
+        f"{what}: key {column_name(key)!r} is not in the replay buffer's samples. "
+        f"Available keys: {layouts.available_keys(td)}"
+    )
+
+
+def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tuple[list, torch.dtype | None]:
+    """Per-row values of ``key`` in ``td`` (leading batch dims flattened).
+
+    Returns:
+        ``(values, dtype)``: a list with one entry per row — Python objects (lists for
+        tensors) when ``python`` else tensors for tensor leaves — and the source tensor
+        dtype (``None`` for non-tensor data).
+
+    Raises:
+        KeyError: naming ``key`` and the available keys when it is missing.
+    """
+    key = to_nested_key(key)
+    if not layouts.has_key(td, key):
+        raise missing_key_error(td, key, "column")
+    tkey = key if isinstance(key, tuple) else (key,)
+    if len(tkey) == 2 and tkey[1] in _PARTS and tkey[0] in ("tokens", "history"):
+        if tkey[0] == "history":
+            return layouts.read_history(td, tkey[1]), None
+        ragged = layouts.read_tokens(td, tkey[1])
+        return (ragged.tolist() if python else list(ragged.split())), ragged.values.dtype
+    value = _get_dense(td, key)
+    if value is None:  # ragged lazy stack: one tensor per row
+        rows = layouts.read_column(td, key)
+        dtype = rows[0].dtype if rows and isinstance(rows[0], torch.Tensor) else None
+        if python:
+            rows = [r.tolist() if isinstance(r, torch.Tensor) else r for r in rows]
+        return rows, dtype
+    if isinstance(value, (NonTensorData, NonTensorStack)):
+        return layouts.read_column(td, key), None
+    if is_tensor_collection(value):
+        raise TypeError(
+            f"column: key {column_name(key)!r} holds a nested {type(value).__name__}, not a leaf; "
+            f"name one of its leaves. Available keys: {layouts.available_keys(td)}"
+        )
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            rows = list(value.unbind(0))
+            return ([r.tolist() for r in rows] if python else rows), value.dtype
+        flat = value.reshape(-1, *value.shape[td.batch_dims :])
+        return (flat.tolist() if python else list(flat.unbind(0))), value.dtype
+    return layouts.read_column(td, key), None
+
+
+def _get_dense(td: TensorDictBase, key: NestedKey) -> Any:
+    try:
+        return td.get(key)
+    except (RuntimeError, ValueError, TypeError):
+        if isinstance(td, LazyStackedTensorDict):
+            return None
+        raise
+
+
+def leaf_keys(td: TensorDictBase) -> list[NestedKey]:
+    """Every leaf key of ``td`` (tensors and non-tensor data), in a stable order."""
+    return [to_nested_key(k) for k in layouts.available_keys(td)]

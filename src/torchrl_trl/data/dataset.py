@@ -1,0 +1,436 @@
+"""``TorchRLBufferDataset``: a TorchRL replay buffer as a (Hugging Face) dataset for TRL.
+
+A drop-in superset of ``torchrl.modules.llm.trl_interop.TorchRLBufferDataset``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict import is_tensor_collection
+from tensordict.utils import NestedKey
+
+from . import sharding
+from .columns import ColumnSpec, column_name, leaf_keys, missing_key_error, read_key, to_nested_key
+from .features import infer_feature
+from .formats import BufferFormat, check_format, get_format
+
+__all__ = ["TorchRLBufferDataset"]
+
+Mode = Literal["online", "epoch"]
+
+
+class TorchRLBufferDataset(torch.utils.data.IterableDataset):
+    """A TorchRL :class:`~torchrl.data.ReplayBuffer` read as a dataset of flat dict rows.
+
+    Every argument of upstream ``torchrl.modules.llm.trl_interop.TorchRLBufferDataset``
+    works with the same meaning; everything after ``num_batches`` is new.
+
+    Args:
+        replay_buffer: any TorchRL ``ReplayBuffer`` (``LazyTensorStorage``,
+            ``LazyMemmapStorage``, ``ListStorage`` of TensorDicts or plain dicts,
+            ``LazyStackStorage`` of LLM rollouts, padded or ragged).
+        batch_size: rows read from the buffer per vectorised read (online: per
+            ``sample`` call; epoch: per chunk of the pass).
+
+    Keyword Args:
+        keys: raw keys to yield, flattened to ``"a.b"`` column names. Without ``keys``,
+            ``format`` and ``columns``, all leaf keys are yielded (as upstream). A key the
+            samples lack raises ``KeyError`` (upstream warns and drops it).
+        device: tensors yielded by ``__iter__`` are moved there.
+        num_batches: online mode: ``sample`` calls per iterator (``None``: unbounded).
+        format: a registered format name (``"sft"``, ``"sft_conversational"``,
+            ``"sft_messages"``, ``"sft_tokenized"``, ``"grpo"``, ``"grpo_conversational"``,
+            see :mod:`torchrl_trl.data.formats`) or a :class:`BufferFormat`.
+        columns: ``{trl_column: spec}`` with ``spec`` a nested key (``"a.b"`` or tuple) or
+            ``fn(batch) -> list`` (one value per row of the sampled batch).
+        extra_columns: keys yielded alongside the format's columns under their flat name
+            (e.g. ``["answer"]`` for a GRPO reward function), or a ``{name: key}`` dict.
+        mode: ``"online"`` samples with the buffer's own sampler; ``"epoch"`` reads each
+            item stored when a pass starts exactly once (``__len__``, ``set_epoch``).
+        shuffle: epoch mode: visit items in a random order drawn from ``(seed, epoch)``.
+        seed: epoch mode: the shuffle seed (default 0; must be equal on every rank).
+            Online mode: base seed of the per-rank/per-worker sampling streams (default:
+            ``torch.initial_seed()``; the rank is always mixed in).
+        num_shards: shards of the Hugging Face iterable (default: epoch ``4 * world_size``,
+            online ``world_size``); ranks and DataLoader workers split them.
+        rank, world_size: ``__iter__`` only: also split an epoch pass over processes (for
+            a plain ``DataLoader`` under ``torch.distributed``). Leave unset when a trainer
+            (accelerate) shards, as it does for :meth:`as_hf_dataset`.
+
+    Yields:
+        ``dict[str, Any]`` rows: for ``format``/``columns`` Python values (str, lists of
+        ints, role/content dicts); raw keys keep upstream's types (tensors, unwrapped
+        non-tensor data). ``tokens.<part>`` keys yield only the real (unpadded) tokens.
+    """
+
+    def __init__(
+        self,
+        replay_buffer,
+        batch_size: int,
+        *,
+        keys: Sequence[NestedKey] | None = None,
+        device: torch.device | str | None = None,
+        num_batches: int | None = 1,
+        format: str | BufferFormat | None = None,
+        columns: Mapping[str, ColumnSpec] | None = None,
+        extra_columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
+        mode: Mode = "online",
+        shuffle: bool = False,
+        seed: int | None = None,
+        num_shards: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        from torchrl.data.replay_buffers import ReplayBuffer
+
+        if not isinstance(replay_buffer, ReplayBuffer):
+            raise TypeError(
+                f"replay_buffer must be a torchrl ReplayBuffer instance, got {type(replay_buffer).__name__}."
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        if num_batches is not None and (
+            isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches <= 0
+        ):
+            raise ValueError(f"num_batches must be a positive integer or None, got {num_batches!r}.")
+        if mode not in ("online", "epoch"):
+            raise ValueError(f"mode must be 'online' or 'epoch', got {mode!r}.")
+        if num_shards is not None and (not isinstance(num_shards, int) or num_shards <= 0):
+            raise ValueError(f"num_shards must be a positive integer or None, got {num_shards!r}.")
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass both rank and world_size, or neither.")
+        if rank is not None and not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+        self._replay_buffer = replay_buffer
+        self._batch_size = batch_size
+        self._keys = None if keys is None else [to_nested_key(k) for k in keys]
+        self._device = torch.device(device) if device is not None else None
+        self._num_batches = num_batches
+        self._format = get_format(format) if format is not None else None
+        self._columns: dict[str, ColumnSpec] = {}
+        for name, spec in (columns or {}).items():
+            self._columns[name] = spec if callable(spec) else to_nested_key(spec)
+        if isinstance(extra_columns, Mapping):
+            extra = {name: to_nested_key(k) for name, k in extra_columns.items()}
+        else:
+            extra = {column_name(to_nested_key(k)): to_nested_key(k) for k in (extra_columns or [])}
+        self._columns.update(extra)
+        self._mode = mode
+        self._shuffle = shuffle
+        self._seed = seed
+        self._num_shards = num_shards
+        self._rank, self._world_size = rank, world_size
+        # shared memory, so DataLoader workers and the HF iterable see set_epoch()
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._passes = 0
+        self._features = None
+        self._python_rows: bool | None = None
+        if len(replay_buffer) > 0:
+            self._check(python=True)
+
+    # ------------------------------------------------------------------
+    # Reading the buffer
+    # ------------------------------------------------------------------
+
+    @property
+    def replay_buffer(self):
+        return self._replay_buffer
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    def _holds_python_rows(self) -> bool:
+        """Whether the storage holds plain Python rows (e.g. dicts in a ``ListStorage``),
+        which TorchRL's default collate cannot stack."""
+        if self._python_rows is None:
+            from torchrl.data import ListStorage
+
+            storage = self._replay_buffer.storage
+            self._python_rows = isinstance(storage, ListStorage) and not is_tensor_collection(
+                storage.get(0)
+            )
+        return self._python_rows
+
+    def _fetch(self, index: torch.Tensor) -> TensorDictBase:
+        """The rows at ``index`` as one batch (one storage read)."""
+        rb = self._replay_buffer
+        if not self._holds_python_rows():
+            return rb[index]
+        batch = _rows_to_td(rb.storage.get(index.tolist()))
+        transform = rb.transform
+        if transform is not None and len(transform):
+            batch = transform(batch)
+        return batch
+
+    def _sample(self) -> TensorDictBase:
+        rb = self._replay_buffer
+        if not self._holds_python_rows():
+            return rb.sample(self._batch_size)
+        index, _ = rb.sampler.sample(rb.storage, self._batch_size)
+        return self._fetch(torch.as_tensor(index).reshape(-1))
+
+    def _require_nonempty(self) -> int:
+        n = len(self._replay_buffer)
+        if n == 0:
+            raise ValueError(
+                "TorchRLBufferDataset: the replay buffer is empty; fill it (e.g. run the "
+                "collector) before iterating or calling as_hf_dataset()."
+            )
+        if self._mode == "epoch" and n < self._batch_size:
+            raise ValueError(
+                f"TorchRLBufferDataset: the replay buffer holds {n} items, fewer than one epoch "
+                f"batch (batch_size={self._batch_size}); lower batch_size or collect more."
+            )
+        return n
+
+    def _check(self, python: bool) -> dict[str, list]:
+        """Validate keys/format on the first stored rows (no sampler state consumed)."""
+        n = self._require_nonempty()
+        peek = self._fetch(torch.arange(min(n, 2)))
+        if self._format is not None:
+            check_format(self._format, peek)
+        for spec in [*(self._keys or []), *(s for s in self._columns.values() if not callable(s))]:
+            from .. import layouts
+
+            if not layouts.has_key(peek, spec):
+                raise missing_key_error(peek, spec, "TorchRLBufferDataset")
+        return self._convert(peek, python=python)
+
+    def _convert(self, batch: TensorDictBase, *, python: bool) -> dict[str, list]:
+        """``{column: one value per row}`` for a sampled batch, each key read once."""
+        cols: dict[str, list] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        raw_keys = self._keys
+        if raw_keys is None and self._format is None and not self._columns:
+            raw_keys = leaf_keys(batch)
+        if self._format is not None:
+            cols.update(self._format(batch))
+        for key in raw_keys or []:
+            cols[column_name(key)], self._dtypes[column_name(key)] = read_key(batch, key, python=python)
+        for name, spec in self._columns.items():
+            if callable(spec):
+                cols[name] = list(spec(batch))
+            else:
+                cols[name], self._dtypes[name] = read_key(batch, spec, python=python)
+        n = batch.batch_size.numel()
+        for name, values in cols.items():
+            if len(values) != n:
+                raise ValueError(f"column {name!r} has {len(values)} values for a batch of {n} rows")
+        return cols
+
+    def _rows(self, batch: TensorDictBase, python: bool) -> Iterator[dict[str, Any]]:
+        cols = self._convert(batch, python=python)
+        if not python and self._device is not None:
+            for name, values in cols.items():
+                cols[name] = [v.to(self._device) if isinstance(v, torch.Tensor) else v for v in values]
+        names = list(cols)
+        for row in zip(*cols.values()):
+            yield dict(zip(names, row))
+
+    # ------------------------------------------------------------------
+    # Epoch mode
+    # ------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch mode: the pass number mixed into the shuffle seed (the trainer calls
+        this on the Hugging Face iterable from :meth:`as_hf_dataset`, which shares it)."""
+        self._epoch.fill_(int(epoch))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def __len__(self) -> int:
+        """Epoch mode: items in one pass (``len(replay_buffer)`` now)."""
+        if self._mode != "epoch":
+            raise TypeError("TorchRLBufferDataset has no length in online mode; use mode='epoch'.")
+        return len(self._replay_buffer)
+
+    def _order(self) -> torch.Tensor:
+        n = self._require_nonempty()
+        seed = 0 if self._seed is None else self._seed
+        return sharding.epoch_order(n, shuffle=self._shuffle, seed=seed, epoch=self.epoch)
+
+    def _epoch_shards(self, shard_ids: Sequence[int], num_shards: int, python: bool) -> Iterator[dict]:
+        order = self._order()
+        bounds = sharding.shard_bounds(order.numel(), num_shards)
+        for s in shard_ids:
+            for chunk in order[bounds[s] : bounds[s + 1]].split(self._batch_size):
+                yield from self._rows(self._fetch(chunk), python)
+
+    # ------------------------------------------------------------------
+    # Online mode
+    # ------------------------------------------------------------------
+
+    def _online(self, stream: int, budget: int | None, python: bool) -> Iterator[dict]:
+        self._require_nonempty()
+        self._passes += 1
+        worker = sharding.consumer().worker
+        gen = torch.Generator().manual_seed(sharding.stream_seed(self._seed, stream, worker, self._passes))
+        done = 0
+        while budget is None or done < budget:
+            seed = int(torch.randint(2**62, (), generator=gen))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                batch = self._sample()
+            yield from self._rows(batch, python)
+            done += 1
+
+    # ------------------------------------------------------------------
+    # torch IterableDataset protocol
+    # ------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Rows for this DataLoader worker (and ``rank``, when given).
+
+        Online: each worker draws ``num_batches`` batches from its own random stream.
+        Epoch: the pass's chunks of ``batch_size`` are dealt round-robin over
+        (rank, worker), so together they read every item once.
+        """
+        me = sharding.consumer(self._rank, self._world_size)
+        if self._mode == "online":
+            yield from self._online(me.index, self._num_batches, python=False)
+            return
+        chunks = self._order().split(self._batch_size)
+        for i in range(me.index, len(chunks), me.count):
+            yield from self._rows(self._fetch(chunks[i]), python=False)
+
+    # ------------------------------------------------------------------
+    # Hugging Face datasets
+    # ------------------------------------------------------------------
+
+    @property
+    def features(self):
+        """``datasets.Features`` of the rows :meth:`as_hf_dataset` yields."""
+        from datasets import Features
+
+        if self._features is None:
+            sample = self._check(python=True)
+            declared = self._format.features() if self._format is not None else {}
+            feats = {}
+            for name, values in sample.items():
+                feats[name] = declared[name] if name in declared else infer_feature(
+                    values, self._dtypes.get(name)
+                )
+            self._features = Features(feats)
+        return self._features
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.features)
+
+    def _default_shards(self) -> int:
+        if self._num_shards is not None:
+            return self._num_shards
+        world = sharding.world_size()
+        return 4 * world if self._mode == "epoch" else world
+
+    def as_hf_dataset(self, *, map_style: bool = False, **snapshot_kwargs):
+        """A ``datasets.IterableDataset`` (``map_style=True``: :meth:`to_hf_dataset`).
+
+        It declares :attr:`features` and is made of ``num_shards`` shards, so under
+        several processes accelerate (``dataloader.dispatch_batches=False``, which
+        ``SFTTrainer`` forces) gives each rank its own shards, ``datasets`` splits a
+        rank's shards over its DataLoader workers, and with ``dispatch_batches=True``
+        rank 0 reads all of them: an epoch pass is read exactly once in each case.
+        Online, shard ``s`` is an independent sampling stream (``num_batches`` split
+        over the shards).
+        """
+        if map_style:
+            return self.to_hf_dataset(**snapshot_kwargs)
+        if snapshot_kwargs:
+            raise TypeError(f"unexpected arguments {sorted(snapshot_kwargs)} (only with map_style=True)")
+        features = self.features
+        k = self._default_shards()
+        ds = _from_generator(_HFGenerator(self, k), features, {"shard_ids": list(range(k))}, streaming=True)
+        ds._epoch = self._epoch  # one shared counter: the trainer's set_epoch reaches us
+        return ds
+
+    def to_hf_dataset(self, *, cache_dir: str | None = None, keep_in_memory: bool = False,
+                      writer_batch_size: int | None = None):
+        """A map-style ``datasets.Dataset`` snapshot: one pass over what is stored now (in
+        the epoch order), written to Arrow in chunks, so memory does not grow with the
+        buffer (unless ``keep_in_memory``)."""
+        features = self.features
+        gen = _HFGenerator(self, 1, force_epoch=True)
+        return _from_generator(
+            gen, features, {"shard_ids": [0]}, streaming=False, cache_dir=cache_dir,
+            keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size,
+        )
+
+    def __repr__(self) -> str:
+        keys_repr = self._keys if self._keys is not None else "<all>"
+        fmt = self._format.name if self._format is not None else None
+        return (
+            f"{self.__class__.__name__}(replay_buffer={self._replay_buffer!r}, "
+            f"batch_size={self._batch_size}, keys={keys_repr}, device={self._device}, "
+            f"num_batches={self._num_batches}, format={fmt}, columns={list(self._columns)}, "
+            f"mode={self._mode!r}, shuffle={self._shuffle}, seed={self._seed})"
+        )
+
+
+class _HFGenerator:
+    """Picklable generator for ``datasets``: yields the rows of the shards it is given."""
+
+    def __init__(self, dataset: TorchRLBufferDataset, num_shards: int, force_epoch: bool = False):
+        self.dataset = dataset
+        self.num_shards = num_shards
+        self.epoch_mode = force_epoch or dataset.mode == "epoch"
+
+    def __call__(self, shard_ids: list[int]) -> Iterator[dict[str, Any]]:
+        ds = self.dataset
+        if self.epoch_mode:
+            yield from ds._epoch_shards(shard_ids, self.num_shards, python=True)
+            return
+        budgets = None
+        if ds._num_batches is not None:
+            bounds = sharding.shard_bounds(ds._num_batches, self.num_shards)
+            budgets = [bounds[s + 1] - bounds[s] for s in range(self.num_shards)]
+        for s in shard_ids:
+            yield from ds._online(s, None if budgets is None else budgets[s], python=True)
+
+
+def _from_generator(gen, features, gen_kwargs, *, streaming: bool, **kwargs):
+    """``datasets`` ``from_generator`` with a fresh fingerprint, so ``datasets`` neither
+    hashes the generator (which would pickle the whole buffer) nor reuses a stale cache."""
+    from datasets.io.generator import GeneratorDatasetInputStream
+
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    return GeneratorDatasetInputStream(
+        generator=gen,
+        features=features,
+        gen_kwargs=gen_kwargs,
+        streaming=streaming,
+        fingerprint=f"torchrl_trl_{uuid.uuid4().hex}",
+        **kwargs,
+    ).read()
+
+
+def _rows_to_td(rows: list) -> TensorDictBase:
+    """Plain Python rows (dicts) -> a TensorDict with one row per entry."""
+    if rows and is_tensor_collection(rows[0]):
+        from tensordict import lazy_stack
+
+        return lazy_stack(list(rows))
+    n = len(rows)
+    if not all(isinstance(r, Mapping) for r in rows):
+        bad = next(type(r).__name__ for r in rows if not isinstance(r, Mapping))
+        raise TypeError(f"TorchRLBufferDataset: ListStorage rows must be dicts or TensorDicts, got {bad}")
+    out = TensorDict(batch_size=[n])
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        if isinstance(values[0], Mapping):
+            out.set(key, _rows_to_td(values))
+        elif all(isinstance(v, torch.Tensor) for v in values) and len({v.shape for v in values}) == 1:
+            out.set(key, torch.stack(values))
+        elif all(isinstance(v, (int, float, bool)) for v in values):
+            out.set(key, torch.tensor(values))
+        else:
+            out.set(key, NonTensorStack(*[NonTensorData(v) for v in values], batch_size=[n]))
+    return out

@@ -1,0 +1,94 @@
+"""``datasets.Features`` for the columns this package yields.
+
+Formats declare their features; columns read from arbitrary keys get features inferred
+from the first converted batch (Python values, with the source tensor dtype when known).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["infer_feature", "infer_features", "string", "int64", "messages", "token_list"]
+
+_DTYPES = {
+    torch.bool: "bool",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "float16",
+    torch.bfloat16: "float32",  # Arrow has no bfloat16
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+
+
+def string():
+    from datasets import Value
+
+    return Value("string")
+
+
+def int64():
+    from datasets import Value
+
+    return Value("int64")
+
+
+def token_list(dtype: str = "int64"):
+    """``List(Value(dtype))``: one token sequence (or mask) per row."""
+    from datasets import List, Value
+
+    return List(Value(dtype))
+
+
+def messages():
+    """``List({"role": string, "content": string})``: TRL's conversational format."""
+    from datasets import List
+
+    return List({"role": string(), "content": string()})
+
+
+def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
+    """The feature of one column from its per-row Python values (``None`` rows skipped).
+
+    Raises:
+        ValueError: when no row holds a value to infer from.
+    """
+    from datasets import List, Value
+
+    for v in values:
+        if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+            continue
+        if isinstance(v, str):
+            return Value("string")
+        if isinstance(v, bool):
+            return Value("bool")
+        if isinstance(v, int):
+            return Value(_DTYPES.get(dtype, "int64") if dtype is not None else "int64")
+        if isinstance(v, float):
+            return Value(_DTYPES.get(dtype, "float32") if dtype is not None else "float64")
+        if isinstance(v, torch.Tensor):
+            return infer_feature([v.tolist()], v.dtype)
+        if isinstance(v, Mapping):
+            return {k: infer_feature([r[k] for r in values if r is not None and k in r], dtype) for k in v}
+        if isinstance(v, (list, tuple)):
+            inner = [x for r in values if isinstance(r, (list, tuple)) for x in r]
+            return List(infer_feature(inner, dtype))
+        raise TypeError(f"cannot build a datasets feature for values of type {type(v).__name__}")
+    # only empty lists / None: a list of the dtype, or a string
+    if any(isinstance(v, (list, tuple)) for v in values):
+        return List(Value(_DTYPES.get(dtype, "int64") if dtype is not None else "string"))
+    raise ValueError("cannot infer a feature: every row of the column is None")
+
+
+def infer_features(columns: Mapping[str, Sequence[Any]], dtypes: Mapping[str, torch.dtype] | None = None):
+    """``datasets.Features`` for a dict of per-row column values."""
+    from datasets import Features
+
+    dtypes = dtypes or {}
+    return Features({name: infer_feature(vals, dtypes.get(name)) for name, vals in columns.items()})
