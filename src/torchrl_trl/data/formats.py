@@ -165,7 +165,8 @@ for _fmt in (
         (layouts.token_key("prompt"), layouts.token_key("response")),
         _sft_tokenized,
         lambda: {"input_ids": F.token_list(), "completion_mask": F.token_list()},
-        "pre-tokenized input_ids (prompt + response, no padding) and completion_mask",
+        "pre-tokenized input_ids (prompt + response, no padding) and completion_mask "
+        "(SFTConfig(completion_only_loss=True) makes TRL train on the response only)",
     ),
     BufferFormat(
         "grpo",
