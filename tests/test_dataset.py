@@ -1,0 +1,193 @@
+"""TorchRLBufferDataset: storages, formats, features, epoch/online modes, workers, errors."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch.utils.data import DataLoader
+from torchrl.data import LazyMemmapStorage, LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
+
+from torchrl_trl import layouts
+from torchrl_trl.data import BufferFormat, TorchRLBufferDataset, available_formats, get_format, register_format
+
+
+def _dense(n=10, t=6, storage=LazyTensorStorage):
+    rb = ReplayBuffer(storage=storage(32))
+    ids = torch.arange(n * t).view(n, t)
+    rb.extend(TensorDict({"input_ids": ids, "meta": {"score": torch.arange(n).float()}}, [n]))
+    return rb, ids
+
+
+def _as_list(rows):
+    return rows
+
+
+def _ids(rows, key="input_ids"):
+    return [tuple(torch.as_tensor(r[key]).tolist()) for r in rows]
+
+
+@pytest.mark.parametrize("storage", [LazyTensorStorage, LazyMemmapStorage], ids=["tensor", "memmap"])
+def test_dense_storages_epoch_and_upstream_keys(storage):
+    from torchrl.modules.llm.trl_interop import TorchRLBufferDataset as Upstream
+
+    rb, ids = _dense(storage=storage)
+    ds = TorchRLBufferDataset(rb, 4, mode="epoch")
+    rows = list(ds)
+    assert len(ds) == 10 and _ids(rows) == [tuple(r) for r in ids.tolist()]
+    assert [r["meta.score"].item() for r in rows] == list(range(10))
+    up = next(iter(Upstream(rb, 4)))
+    assert set(up) == set(rows[0]) and type(up["input_ids"]) is type(rows[0]["input_ids"])
+    hf = ds.as_hf_dataset()
+    assert dict(hf.features) == {"input_ids": hf.features["input_ids"], "meta.score": hf.features["meta.score"]}
+    assert str(hf.features["meta.score"].dtype) == "float32"
+    assert [r["input_ids"] for r in hf] == ids.tolist()
+
+
+def test_list_storage_dicts_and_tensordicts():
+    rb = ReplayBuffer(storage=ListStorage(10))
+    rb.extend([{"prompt": f"p{i}", "completion": f"c{i}", "x": i} for i in range(5)])
+    rows = list(TorchRLBufferDataset(rb, 2, columns={"prompt": "prompt", "completion": "completion"}, mode="epoch").as_hf_dataset())
+    assert rows == [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)]
+    online = list(TorchRLBufferDataset(rb, 3, num_batches=2, keys=["x"]))
+    assert len(online) == 6 and all(0 <= int(r["x"]) < 5 for r in online)
+    rb2 = ReplayBuffer(storage=ListStorage(10))
+    for i in range(5):
+        rb2.add(TensorDict({"text": {"prompt": f"q{i}"}, "ids": torch.arange(i + 1)}, []))
+    ds = TorchRLBufferDataset(rb2, 2, columns={"prompt": "text.prompt", "input_ids": "ids"}, mode="epoch")
+    rows = list(ds.as_hf_dataset())
+    assert rows == [{"prompt": f"q{i}", "input_ids": list(range(i + 1))} for i in range(5)]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["ragged", "padded"])
+def rollouts(request, policy_and_tokenizer):
+    from torchrl_trl import testing
+
+    model, tok = policy_and_tokenizer
+    env = testing.make_chat_env([{"query": f"say {i}", "answer": str(i)} for i in range(4)], batch_size=2, group_size=2)
+    policy = testing.make_policy_wrapper(model, tok, pad_output=request.param, max_new_tokens=5)
+    return testing.collect_rollouts(policy, env, total_turns=8)
+
+
+def test_lazy_stack_rollouts_formats_and_features(rollouts, policy_and_tokenizer):
+    _, tok = policy_and_tokenizer
+    assert isinstance(rollouts.storage, LazyStackStorage)
+    td = rollouts[:]
+    prompts, responses = layouts.read_tokens(td, "prompt").tolist(), layouts.read_tokens(td, "response").tolist()
+    for name in ["sft", "sft_conversational", "sft_messages", "sft_tokenized", "grpo", "grpo_conversational"]:
+        ds = TorchRLBufferDataset(rollouts, 3, format=name, extra_columns=["answer"], mode="epoch")
+        hf = ds.as_hf_dataset()
+        rows = list(hf)
+        assert len(rows) == 8
+        assert list(hf.features) == list(rows[0]) == [*get_format(name).features(), "answer"]
+        hf.features.encode_example(rows[0])  # the declared schema accepts what is yielded
+        assert [r["answer"] for r in rows] == layouts.read_column(td, "answer")
+        if name == "sft_tokenized":
+            assert [r["input_ids"] for r in rows] == [p + r for p, r in zip(prompts, responses)]
+            assert [r["completion_mask"] for r in rows] == [[0] * len(p) + [1] * len(r) for p, r in zip(prompts, responses)]
+            assert tok.pad_token_id not in sum((r["input_ids"] for r in rows), [])
+        if name == "grpo":
+            assert [r["prompt"] for r in rows] == layouts.read_text(td, "prompt")
+        if name == "sft_conversational":
+            assert [r["completion"] for r in rows] == layouts.read_history(td, "response")
+            assert set(rows[0]["completion"][0]) == {"role", "content"}
+    # raw token keys yield only the real tokens (padded rollouts too)
+    raw = list(TorchRLBufferDataset(rollouts, 4, keys=["tokens.response"], mode="epoch"))
+    assert [r["tokens.response"].tolist() for r in raw] == responses
+
+
+def test_columns_callable_and_map_snapshot(rollouts):
+    ds = TorchRLBufferDataset(
+        rollouts, 4, mode="epoch",
+        columns={"prompt": "text.prompt", "n_tokens": lambda b: layouts.read_tokens(b, "full").lengths.tolist()},
+    )
+    snap = ds.as_hf_dataset(map_style=True)
+    it = list(ds.as_hf_dataset())
+    assert len(snap) == 8 and snap.features == ds.features and snap.to_list() == it
+    assert it[0]["n_tokens"] == len(layouts.read_tokens(rollouts[:1], "full").values)
+
+
+def test_register_format():
+    fmt = BufferFormat("test_double", ("input_ids",), lambda b: {"x": (b.get("input_ids")[:, 0] * 2).tolist()},
+                       lambda: {"x": __import__("datasets").Value("int64")})
+    register_format(fmt)
+    assert "test_double" in available_formats()
+    with pytest.raises(ValueError, match="already registered"):
+        register_format(fmt)
+    rb, ids = _dense()
+    assert [r["x"] for r in TorchRLBufferDataset(rb, 4, format="test_double", mode="epoch").as_hf_dataset()] == (ids[:, 0] * 2).tolist()
+
+
+def test_epoch_shuffle_seed_and_set_epoch():
+    rb, ids = _dense(20)
+    ds = TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, seed=3)
+    a = _ids(ds)
+    assert sorted(a) == sorted(_ids([{"input_ids": r} for r in ids]))
+    assert a == _ids(TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, seed=3))
+    hf = ds.as_hf_dataset()
+    assert _ids(hf) == a
+    hf.set_epoch(1)  # what the trainer calls reaches the dataset
+    assert ds.epoch == 1 and _ids(hf) != a and sorted(_ids(hf)) == sorted(a)
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["torch", "hf"])
+def test_epoch_exactly_once_two_workers(hf):
+    rb, ids = _dense(22)
+    ds = TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True)
+    source = ds.as_hf_dataset() if hf else ds
+    loader = DataLoader(source, batch_size=3, num_workers=2, collate_fn=_as_list)
+    seen = [tuple(torch.as_tensor(r["input_ids"]).tolist()) for batch in loader for r in batch]
+    assert sorted(seen) == sorted(tuple(r) for r in ids.tolist())
+
+
+def test_epoch_rank_split_exactly_once():
+    rb, ids = _dense(22)
+    seen = []
+    for rank in range(2):
+        seen += _ids(TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, rank=rank, world_size=2))
+    assert sorted(seen) == sorted(tuple(r) for r in ids.tolist())
+    # accelerate's sharding of the HF iterable (what it does when dispatch_batches=False)
+    hf = TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, num_shards=4).as_hf_dataset()
+    seen = _ids(hf.shard(2, 0, contiguous=True)) + _ids(hf.shard(2, 1, contiguous=True))
+    assert sorted(seen) == sorted(tuple(r) for r in ids.tolist())
+
+
+def test_online_streams_differ_per_worker_and_shard():
+    rb, _ = _dense(32)
+    ds = TorchRLBufferDataset(rb, 8, num_batches=2, seed=0)
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    rows = [tuple(r["input_ids"].tolist()) for r in loader]
+    assert len(rows) == 2 * 2 * 8  # each worker draws num_batches batches (as upstream)
+    assert rows[0::2] != rows[1::2]  # distinct streams per worker
+    hf = TorchRLBufferDataset(rb, 8, num_batches=4, seed=0, num_shards=2).as_hf_dataset()
+    a, b = _ids(hf.shard(2, 0)), _ids(hf.shard(2, 1))
+    assert len(a) == len(b) == 16 and a != b
+    assert len(_ids(hf)) == 32  # num_batches split over the shards
+    assert len(list(TorchRLBufferDataset(rb, 8, num_batches=None).__iter__().__next__())) > 0
+
+
+def test_bad_inputs_raise_at_once(rollouts):
+    empty = ReplayBuffer(storage=LazyTensorStorage(8))
+    ds = TorchRLBufferDataset(empty, 4)
+    with pytest.raises(ValueError, match="replay buffer is empty"):
+        next(iter(ds))
+    with pytest.raises(ValueError, match="replay buffer is empty"):
+        ds.as_hf_dataset()
+    rb, _ = _dense()
+    with pytest.raises(KeyError, match=r"'nope'.*Available keys: \['input_ids', 'meta.score'\]"):
+        TorchRLBufferDataset(rb, 4, keys=["nope"])
+    with pytest.raises(KeyError, match=r"'meta.nope'.*Available keys"):
+        TorchRLBufferDataset(rb, 4, columns={"prompt": "meta.nope"})
+    with pytest.raises(KeyError, match=r"format 'sft' needs keys \['text.prompt', 'text.response'\].*Available keys: \['input_ids'"):
+        TorchRLBufferDataset(rb, 4, format="sft")
+    with pytest.raises(ValueError, match="unknown format 'dpo'; registered formats"):
+        TorchRLBufferDataset(rb, 4, format="dpo")
+    with pytest.raises(ValueError, match="holds 10 items, fewer than one epoch batch"):
+        TorchRLBufferDataset(rb, 16, mode="epoch")
+    with pytest.raises(KeyError, match="format 'grpo_conversational' needs keys"):
+        TorchRLBufferDataset(rb, 4, format="grpo_conversational")
+    with pytest.raises(TypeError, match="no length in online mode"):
+        len(TorchRLBufferDataset(rb, 4))
+    # a buffer filled after construction is checked when iteration starts
+    later = TorchRLBufferDataset(empty, 4, format="sft_tokenized")
+    empty.extend(TensorDict({"input_ids": torch.zeros(8, 3, dtype=torch.long)}, [8]))
+    with pytest.raises(KeyError, match="format 'sft_tokenized' needs keys"):
+        later.as_hf_dataset()
