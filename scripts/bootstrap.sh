@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install torchrl-trl into it.
+#   usage: source scripts/bootstrap.sh [extras]     e.g. extras="tests" or "demo,docs"
+# torch is installed first and alone (pip install torch==2.13.0 takes the CPU build this
+# machine carries; a bare "torch" requirement would resolve to a multi-GB CUDA build).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${TORCHRL_TRL_VENV:-$ROOT/.venv}"
+EXTRAS="${1:-tests}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.torchrl-trl-$EXTRAS-$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha1sum | cut -c1-12)"
+if [ ! -f "$STAMP" ]; then
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+    "$VENV/bin/python" -m pip install --quiet -c "$ROOT/constraints.txt" -e "$ROOT[$EXTRAS]"
+    touch "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

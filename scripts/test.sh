@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set everything up in .venv and run the test suite.
+#   usage: bash scripts/test.sh [pytest args]
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh" tests
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+exec python -m pytest -q "$@"
