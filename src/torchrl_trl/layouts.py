@@ -226,7 +226,13 @@ def batch_numel(td: TensorDictBase) -> int:
 # ---------------------------------------------------------------------------
 
 
-def read_tokens(td: TensorDictBase, part: Part = "full") -> Ragged:
+def read_tokens(
+    td: TensorDictBase,
+    part: Part = "full",
+    *,
+    key: NestedKey | None = None,
+    mask_key: NestedKey | None = ATTENTION_MASK_KEY,
+) -> Ragged:
     """The real (unpadded) token ids of each sample at ``("tokens", part)``.
 
     Padding is removed with ``("masks", "all_attention_mask")`` when it is present: the
@@ -235,13 +241,18 @@ def read_tokens(td: TensorDictBase, part: Part = "full") -> Ragged:
     prompt on the left and the response on the right). Without a mask, every stored token
     is taken as real.
 
+    ``key`` reads another token key (then ``part`` only says how the mask lines up with
+    it); ``mask_key`` reads another mask, ``None`` takes every stored token as real.
+
     Returns:
         :class:`Ragged` int64 token ids, one sample per batch element (flattened).
     """
-    key = token_key(part)
+    key = token_key(part) if key is None else key
     _require(td, key, "read_tokens")
     tokens = _chunks(td, key)
-    masks = _chunks(td, ATTENTION_MASK_KEY) if has_key(td, ATTENTION_MASK_KEY) else None
+    masks = (
+        _chunks(td, mask_key) if mask_key is not None and has_key(td, mask_key) else None
+    )
     if masks is not None and part != "full":
         masks = [_slice_mask(m, t.shape[-1], part) for m, t in zip(masks, tokens)]
     if masks is None or any(m is None for m in masks):

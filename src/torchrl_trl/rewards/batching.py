@@ -1,0 +1,140 @@
+"""Token-budget micro-batches: sort by length, pack, pad right, restore order.
+
+A batch of ``N`` sequences of lengths ``L_i`` padded to ``max(L)`` costs ``N * max(L)``
+token slots. Sorting by length and packing consecutive sequences while
+``rows * longest <= max_tokens_per_batch`` makes the processed slots close to
+``sum(L)`` (padding efficiency ~1) and bounds the peak activation memory by the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layouts import Ragged
+
+__all__ = ["MicroBatch", "iter_micro_batches", "plan_micro_batches", "truncate"]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One right-padded chunk of a :class:`Ragged` batch.
+
+    Attributes:
+        index: int64 ``[n]`` positions of these rows in the original batch.
+        input_ids: int64 ``[n, T]`` right-padded with the pad id.
+        attention_mask: int64 ``[n, T]``, 1 on real tokens.
+    """
+
+    index: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def processed_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    if not multiple or multiple <= 1:
+        return n
+    return -(-n // multiple) * multiple
+
+
+def plan_micro_batches(
+    lengths: torch.Tensor,
+    *,
+    max_tokens_per_batch: int | None,
+    max_batch_size: int | None = None,
+    pad_to_multiple_of: int | None = None,
+) -> list[torch.Tensor]:
+    """Split sample indices into micro-batches by a token budget.
+
+    Args:
+        lengths: int64 ``[N]`` sequence lengths.
+        max_tokens_per_batch: budget on ``rows * padded_width`` per micro-batch; ``None``
+            puts everything in one batch (still length-sorted). A sequence longer than
+            the budget gets a micro-batch of its own.
+        max_batch_size: optional cap on rows per micro-batch.
+        pad_to_multiple_of: the padded width is rounded up to this multiple.
+
+    Returns:
+        index tensors, longest sequences first; together a permutation of ``range(N)``.
+    """
+    n = lengths.numel()
+    if n == 0:
+        return []
+    # stable descending sort: equal lengths keep their order (deterministic batches)
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    if max_tokens_per_batch is None and max_batch_size is None:
+        return [order]
+    sorted_lengths = lengths[order].tolist()
+    batches, start = [], 0
+    while start < n:
+        width = _round_up(max(int(sorted_lengths[start]), 1), pad_to_multiple_of)
+        rows = n - start
+        if max_tokens_per_batch is not None:
+            # descending order: the first row sets the width of the whole micro-batch
+            rows = min(rows, max(1, max_tokens_per_batch // width))
+        if max_batch_size is not None:
+            rows = min(rows, max_batch_size)
+        batches.append(order[start : start + rows])
+        start += rows
+    return batches
+
+
+def iter_micro_batches(
+    ids: Ragged,
+    *,
+    pad_token_id: int,
+    max_tokens_per_batch: int | None,
+    max_batch_size: int | None = None,
+    pad_to_multiple_of: int | None = None,
+):
+    """Yield right-padded :class:`MicroBatch` es covering every row of ``ids`` once."""
+    for index in plan_micro_batches(
+        ids.lengths,
+        max_tokens_per_batch=max_tokens_per_batch,
+        max_batch_size=max_batch_size,
+        pad_to_multiple_of=pad_to_multiple_of,
+    ):
+        sub = ids.select(index)
+        width = _round_up(max(int(sub.lengths.max()), 1), pad_to_multiple_of)
+        input_ids, mask = sub.to_padded(pad_token_id, side="right", width=width)
+        yield MicroBatch(index, input_ids, mask.long())
+
+
+def truncate(
+    ids: Ragged, max_length: int | None, side: str
+) -> tuple[Ragged, int]:
+    """Cut sequences longer than ``max_length``.
+
+    Args:
+        side: ``"keep_end"`` keeps the last ``max_length`` tokens (the response and its
+            EOS, where reward models pool), ``"keep_start"`` the first ones, ``"error"``
+            raises.
+
+    Returns:
+        ``(ids, n_truncated)``.
+    """
+    if max_length is None or len(ids) == 0:
+        return ids, 0
+    too_long = ids.lengths > max_length
+    n = int(too_long.sum())
+    if n == 0:
+        return ids, 0
+    if side == "error":
+        worst = int(ids.lengths.max())
+        raise ValueError(
+            f"{n} sequence(s) exceed max_length={max_length} tokens (longest: {worst}); "
+            "pass truncation='keep_end' or 'keep_start', or a larger max_length"
+        )
+    seqs = list(ids.split())
+    for i in too_long.nonzero().flatten().tolist():
+        seqs[i] = seqs[i][-max_length:] if side == "keep_end" else seqs[i][:max_length]
+    return Ragged.from_list(seqs, dtype=ids.values.dtype), n

@@ -1,0 +1,420 @@
+"""``HFRewardModelWrapper``: a Hugging Face reward model as a TorchRL module.
+
+A drop-in superset of ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper``: the
+same arguments with the same meaning and defaults (reward ``[*B]`` at top-level
+``"reward"``, gradients kept unless ``inference_mode=True``), plus loading by path,
+ragged / text / chat inputs, re-tokenisation for a reward model with its own tokenizer
+or chat template, token-budget micro-batching, a truncation policy, device/dtype
+placement, TorchRL's GRPO reward convention and post-processing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Literal
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import nn
+
+from .. import layouts
+from ..layouts import Ragged
+from .batching import iter_micro_batches, truncate
+from .postprocess import RewardPostprocess, select_head
+from .render import RewardRenderer
+
+__all__ = ["HFRewardModelWrapper", "load_reward_model"]
+
+RewardShape = Literal["flat", "trailing", "step"]
+
+
+def load_reward_model(
+    path: str | os.PathLike,
+    *,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    load_tokenizer: bool = True,
+    **model_kwargs,
+) -> tuple[nn.Module, Any]:
+    """Load ``AutoModelForSequenceClassification`` (safetensors only) and its tokenizer
+    from a local directory, e.g. one written by ``trl.RewardTrainer.save_model``.
+
+    Returns:
+        ``(model in eval mode, tokenizer or None)``.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.fspath(path)
+    kwargs = dict(use_safetensors=True, trust_remote_code=trust_remote_code, **model_kwargs)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+    if device is not None:
+        model = model.to(device)
+    tokenizer = None
+    if load_tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model.eval(), tokenizer
+
+
+class HFRewardModelWrapper(TensorDictModuleBase):
+    """Score TorchRL LLM samples with a Hugging Face sequence-classification reward model.
+
+    Reads each sample's tokens, text or chat (see :mod:`torchrl_trl.rewards.render` for
+    which one and how it is rendered), scores them in length-sorted, right-padded
+    micro-batches and writes one reward per sample.
+
+    Args:
+        model: a loaded reward model (any ``*ForSequenceClassification`` or module whose
+            output has ``logits``/``rewards`` of shape ``[n]`` or ``[n, num_labels]``), or
+            a local path, loaded with :func:`load_reward_model` (safetensors,
+            ``trust_remote_code=False`` unless asked) together with its tokenizer.
+
+    Keyword Args (upstream, same meaning and defaults):
+        token_key: where token ids are read. Defaults to ``("tokens", "full")``.
+        attention_mask_key: mask of real tokens; ``None``: every stored token is real.
+        reward_key: where the reward is written. Defaults to ``"reward"``.
+        inference_mode: ``True`` scores under ``torch.no_grad()``; ``False`` (default)
+            keeps the graph.
+
+    Keyword Args (added):
+        tokenizer: the reward model's tokenizer (loaded from ``model``'s path by default).
+            Needed for text and chat inputs and for re-tokenisation.
+        policy_tokenizer: the tokenizer that produced the tokens in the tensordict. When it
+            differs from ``tokenizer`` (vocabulary or chat template), samples are
+            re-rendered (chat with the reward model's template, else text, else tokens
+            decoded with this tokenizer) and re-tokenised.
+        input_mode: ``"auto"`` (default), ``"tokens"``, ``"text"`` or ``"history"``.
+        part: ``"full"`` (prompt + response, default) or ``"response"``.
+        add_eos: ``"auto"`` (default; as ``trl.RewardTrainer`` tokenised its pairs),
+            ``"always"`` or ``"never"``.
+        chat_template_kwargs: forwarded to ``apply_chat_template``.
+        max_tokens_per_batch: token budget (rows x padded width) of one forward;
+            ``None``: one forward over everything. Defaults to 16384.
+        max_batch_size: optional cap on rows per forward.
+        pad_to_multiple_of: round each micro-batch width up to this multiple.
+        max_length: longest sequence fed to the model; defaults to the model's
+            ``max_position_embeddings`` when known. Longer ones follow ``truncation``.
+        truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, i.e.
+            the response and its EOS), ``"keep_start"`` or ``"error"``. Truncations are
+            counted in :attr:`truncated_count` and warned about once.
+        reward_shape: ``"flat"`` (``[*B]``, upstream), ``"trailing"`` (``[*B, 1]``) or
+            ``"step"`` (``[*B, 1, 1]``, TorchRL's GRPO convention as ``GSM8KRewardParser``
+            writes). Use :meth:`for_grpo` for ``("next", "reward")`` + ``"step"``.
+        accumulate: add to a reward already at ``reward_key`` instead of overwriting it.
+        reward_dtype: dtype of the written reward; defaults to the dtype of a reward
+            already there, else ``torch.get_default_dtype()``.
+        head_index: which output of a multi-label head is the reward.
+        scale, shift, clip, normalize, on_nonfinite, nonfinite_value: see
+            :class:`~torchrl_trl.rewards.postprocess.RewardPostprocess`.
+        pad_token_id: pad id for right-padding; defaults to the model config's (the id
+            HF's sequence classifiers pool against). If the model has none, this value is
+            also set on ``model.config`` so batched forwards work.
+        device, dtype: move / cast a model loaded by path (a loaded model is used where
+            it is). Inputs always go to the model's device.
+        trust_remote_code, model_kwargs: for loading by path.
+
+    Attributes:
+        truncated_count: sequences truncated so far.
+        nonfinite_count: non-finite rewards seen so far (``on_nonfinite="warn"``).
+        real_tokens, processed_tokens: token counters over all calls (padding
+            efficiency = real / processed).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str | os.PathLike,
+        *,
+        token_key: NestedKey = ("tokens", "full"),
+        attention_mask_key: NestedKey | None = ("masks", "all_attention_mask"),
+        reward_key: NestedKey = "reward",
+        inference_mode: bool = False,
+        tokenizer: Any = None,
+        policy_tokenizer: Any = None,
+        input_mode: Literal["auto", "tokens", "text", "history"] = "auto",
+        part: layouts.Part = "full",
+        add_eos: Literal["auto", "always", "never"] = "auto",
+        chat_template_kwargs: dict | None = None,
+        max_tokens_per_batch: int | None = 16384,
+        max_batch_size: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        max_length: int | None = None,
+        truncation: Literal["keep_end", "keep_start", "error"] = "keep_end",
+        reward_shape: RewardShape = "flat",
+        accumulate: bool = False,
+        reward_dtype: torch.dtype | None = None,
+        head_index: int | None = None,
+        scale: float = 1.0,
+        shift: float = 0.0,
+        clip: tuple[float | None, float | None] | None = None,
+        normalize: Literal["running"] | None = None,
+        on_nonfinite: Literal["raise", "warn"] = "raise",
+        nonfinite_value: float | None = None,
+        pad_token_id: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        trust_remote_code: bool = False,
+        model_kwargs: dict | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(model, (str, os.PathLike)):
+            model, loaded_tok = load_reward_model(
+                model,
+                trust_remote_code=trust_remote_code,
+                dtype=dtype,
+                device=device,
+                load_tokenizer=tokenizer is None,
+                **(model_kwargs or {}),
+            )
+            tokenizer = tokenizer if tokenizer is not None else loaded_tok
+        if truncation not in ("keep_end", "keep_start", "error"):
+            raise ValueError(
+                f"truncation must be 'keep_end', 'keep_start' or 'error', got {truncation!r}"
+            )
+        if reward_shape not in ("flat", "trailing", "step"):
+            raise ValueError(
+                f"reward_shape must be 'flat', 'trailing' or 'step', got {reward_shape!r}"
+            )
+        if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
+            raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.inference_mode = inference_mode
+        self.token_key, self.attention_mask_key, self.reward_key = (
+            token_key,
+            attention_mask_key,
+            reward_key,
+        )
+        self.in_keys = [token_key] + ([attention_mask_key] if attention_mask_key is not None else [])
+        self.out_keys = [reward_key]
+        self.max_tokens_per_batch, self.max_batch_size = max_tokens_per_batch, max_batch_size
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.truncation, self.reward_shape, self.accumulate = truncation, reward_shape, accumulate
+        self.reward_dtype, self.head_index = reward_dtype, head_index
+        config = getattr(model, "config", None)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._text_config = text_config
+        if max_length is None:
+            max_length = getattr(text_config, "max_position_embeddings", None)
+        self.max_length = max_length
+        self._num_embeddings = self._embedding_size(model)
+        self._check_vocab(tokenizer, "tokenizer")
+        self.pad_token_id = self._resolve_pad(pad_token_id)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(text_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        self.renderer = RewardRenderer(
+            tokenizer,
+            policy_tokenizer=policy_tokenizer,
+            input_mode=input_mode,
+            part=part,
+            token_key=token_key,
+            attention_mask_key=attention_mask_key,
+            add_eos=add_eos,
+            eos_token_id=eos,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        self.postprocess = RewardPostprocess(
+            scale=scale,
+            shift=shift,
+            clip=clip,
+            normalize=normalize,
+            on_nonfinite=on_nonfinite,
+            nonfinite_value=nonfinite_value,
+        )
+        self.truncated_count = 0
+        self.real_tokens = 0
+        self.processed_tokens = 0
+        self._warned_truncation = False
+
+    @classmethod
+    def for_grpo(cls, model, **kwargs) -> HFRewardModelWrapper:
+        """TorchRL's GRPO convention: reward ``[*B, 1, 1]`` at ``("next", "reward")``,
+        scored without gradients (all overridable)."""
+        kwargs.setdefault("reward_key", layouts.REWARD_KEY)
+        kwargs.setdefault("reward_shape", "step")
+        kwargs.setdefault("inference_mode", True)
+        return cls(model, **kwargs)
+
+    # -- checks --------------------------------------------------------------------
+
+    @staticmethod
+    def _embedding_size(model) -> int | None:
+        get = getattr(model, "get_input_embeddings", None)
+        emb = get() if callable(get) else None
+        return getattr(emb, "num_embeddings", None)
+
+    def _check_vocab(self, tokenizer, what: str) -> None:
+        if tokenizer is None or self._num_embeddings is None:
+            return
+        if len(tokenizer) > self._num_embeddings:
+            raise ValueError(
+                f"{what} has {len(tokenizer)} tokens but the reward model's embedding has "
+                f"{self._num_embeddings} rows: it is not this model's tokenizer (or call "
+                "model.resize_token_embeddings and fine-tune)"
+            )
+
+    def _resolve_pad(self, pad_token_id: int | None) -> int | None:
+        config_pad = getattr(self._text_config, "pad_token_id", None)
+        if pad_token_id is None:
+            return config_pad
+        if config_pad is None and self._text_config is not None:
+            # HF sequence classifiers pool at the right-most token != config.pad_token_id
+            self._text_config.pad_token_id = pad_token_id
+        elif config_pad is not None and config_pad != pad_token_id:
+            raise ValueError(
+                f"pad_token_id={pad_token_id} differs from model.config.pad_token_id={config_pad}, "
+                "which the model pools against: right-padding with another id changes rewards"
+            )
+        return pad_token_id
+
+    # -- scoring -------------------------------------------------------------------
+
+    @property
+    def nonfinite_count(self) -> int:
+        return self.postprocess.nonfinite_count
+
+    @property
+    def padding_efficiency(self) -> float:
+        """Real tokens / processed (padded) tokens over all calls so far."""
+        return self.real_tokens / self.processed_tokens if self.processed_tokens else 1.0
+
+    def _model_device(self) -> torch.device:
+        param = next(iter(self.model.parameters()), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def score_ids(self, ids: Ragged) -> torch.Tensor:
+        """Post-processed rewards ``float32 [N]`` on the model's device for reward-model
+        token ids (one sample per row of ``ids``), in the order given."""
+        ids, n_cut = truncate(ids, self.max_length, self.truncation)
+        if n_cut:
+            self.truncated_count += n_cut
+            if not self._warned_truncation:
+                self._warned_truncation = True
+                warnings.warn(
+                    f"{n_cut} reward-model input(s) longer than max_length={self.max_length} were "
+                    f"truncated ({self.truncation}); counted in truncated_count (warned once)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        n = len(ids)
+        device = self._model_device()
+        if n == 0:
+            return torch.zeros(0, device=device)
+        if self._num_embeddings is not None and ids.values.numel():
+            top = int(ids.values.max())
+            if top >= self._num_embeddings or int(ids.values.min()) < 0:
+                raise ValueError(
+                    f"token id {top} is outside the reward model's embedding "
+                    f"(num_embeddings={self._num_embeddings}): the tokens come from another "
+                    "tokenizer; pass policy_tokenizer= (and the reward model's tokenizer) to "
+                    "re-tokenise"
+                )
+        pad = self.pad_token_id
+        ctx = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
+        scores, order = [], []
+        with ctx:
+            for mb in iter_micro_batches(
+                ids,
+                pad_token_id=0 if pad is None else pad,
+                max_tokens_per_batch=self.max_tokens_per_batch,
+                max_batch_size=self.max_batch_size,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+            ):
+                needs_pad = mb.processed_tokens != mb.real_tokens or mb.index.numel() > 1
+                if pad is None and needs_pad:
+                    raise ValueError(
+                        "the reward model has no pad token (model.config.pad_token_id is None) "
+                        "so a padded batch cannot be pooled; pass pad_token_id= (RewardTrainer "
+                        "uses tokenizer.pad_token, else eos) or max_batch_size=1"
+                    )
+                self.real_tokens += mb.real_tokens
+                self.processed_tokens += mb.processed_tokens
+                out = self.model(
+                    input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)
+                )
+                logits = _extract_scores(out)
+                scores.append(select_head(logits, self.head_index, mb.index.numel()).float())
+                order.append(mb.index)
+        flat = torch.cat(scores)
+        inverse = torch.empty_like(torch.cat(order))
+        inverse[torch.cat(order)] = torch.arange(n)
+        return self.postprocess(flat[inverse.to(flat.device)])
+
+    def score_texts(self, texts: list[str]) -> torch.Tensor:
+        """Rewards ``float32 [N]`` for plain texts (EOS rule applied), on the model's device."""
+        return self.score_ids(self.renderer.encode_texts(list(texts)))
+
+    def score_messages(self, conversations: list[list[dict[str, str]]]) -> torch.Tensor:
+        """Rewards ``float32 [N]`` for chats (lists of ``{"role", "content"}`` dicts, or
+        TorchRL ``History``), rendered with the reward model's chat template."""
+        return self.score_ids(self.renderer.encode_messages(list(conversations)))
+
+    def score(self, tensordict: TensorDictBase) -> torch.Tensor:
+        """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened),
+        on the model's device; nothing is written."""
+        return self.score_ids(self.renderer.render(tensordict))
+
+    # -- writing -------------------------------------------------------------------
+
+    def shape_rewards(
+        self, rewards: torch.Tensor, batch_size: torch.Size, *, like: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """``[N]`` -> ``batch_size`` + the trailing dims of :attr:`reward_shape`, with the
+        output dtype (``like``'s, else :attr:`reward_dtype` / default) on ``device``."""
+        trailing = {"flat": (), "trailing": (1,), "step": (1, 1)}[self.reward_shape]
+        dtype = self.reward_dtype
+        if dtype is None:
+            dtype = like.dtype if like is not None and like.is_floating_point() else torch.get_default_dtype()
+        out = rewards.reshape(*batch_size, *trailing).to(dtype)
+        return out.to(device) if device is not None else out
+
+    def write(self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None):
+        """Write ``[N]`` rewards into ``tensordict`` at ``key`` (default :attr:`reward_key`)."""
+        key = self.reward_key if key is None else key
+        existing = tensordict.get(key, None) if layouts.has_key(tensordict, key) else None
+        if isinstance(existing, torch.Tensor) and existing.is_nested:
+            existing = None
+        device = tensordict.device
+        if device is None:
+            device = existing.device if isinstance(existing, torch.Tensor) else torch.device("cpu")
+        out = self.shape_rewards(
+            rewards, tensordict.batch_size, like=existing if isinstance(existing, torch.Tensor) else None,
+            device=device,
+        )
+        if self.accumulate and isinstance(existing, torch.Tensor):
+            out = existing.to(out.dtype) + out.reshape(existing.shape)
+        tensordict.set(key, out)
+        return tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Score ``tensordict`` and write the reward at ``reward_key`` (in place).
+
+        Reads tokens at ``token_key`` (+ ``attention_mask_key``), or ``("text", part)`` /
+        ``("history", part)``; any batch shape. Writes ``reward_key`` shaped
+        ``batch_size`` (+ ``(1,)`` / ``(1, 1)`` per :attr:`reward_shape`) on the
+        tensordict's device.
+        """
+        return self.write(tensordict, self.score(tensordict))
+
+
+def _extract_scores(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    for name in ("logits", "rewards"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, dict) and "logits" in out:
+        return out["logits"]
+    raise RuntimeError(
+        f"could not read a reward from the model output of type {type(out).__name__}: "
+        "expected a 'logits' or 'rewards' attribute, or a tensor"
+    )

@@ -1,0 +1,122 @@
+"""``HFRewardTransform``: score with a Hugging Face reward model inside TorchRL.
+
+Two places to put it:
+
+- **On a ``ChatEnv``** (``env.append_transform(HFRewardTransform(...))``): every
+  ``env.step`` scores the conversation so far (the policy output in the root tensordict:
+  tokens / text / history ``"full"``) and writes ``("next", "reward")`` ``[*B, 1, 1]``.
+  Works turn by turn in multi-turn envs. Put ``KLRewardTransform`` after it: it reads
+  ``next["reward"]`` and subtracts the KL term (``RetrieveKL`` on a buffer does the same).
+- **On a replay buffer**, to score once when rollouts are written: the buffer runs its
+  transforms' ``inv`` from the last appended to the first on ``extend``, so append it
+  *after* ``MCAdvantage`` (``rb.append_transform(MCAdvantage(...));
+  rb.append_transform(HFRewardTransform(...))``) and it runs first. Sampling from the
+  buffer does not score again.
+
+Scoring runs under ``torch.no_grad()`` unless ``inference_mode=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import Transform
+
+from .model import HFRewardModelWrapper
+
+__all__ = ["HFRewardTransform"]
+
+
+def _as_tuple(key: NestedKey) -> tuple:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+class HFRewardTransform(Transform):
+    """Write reward-model scores as TorchRL rewards.
+
+    Args:
+        model: a reward model, a local path (loaded with its tokenizer), or an
+            :class:`HFRewardModelWrapper` already configured.
+
+    Keyword Args:
+        reward_key: reward key *inside* ``"next"`` (env: ``next_tensordict[reward_key]``;
+            buffer: ``td["next", reward_key]``). Defaults to ``"reward"``.
+        reward_shape: ``"step"`` (default, ``[*B, 1, 1]`` as ``GSM8KRewardParser`` writes),
+            ``"trailing"`` or ``"flat"``.
+        accumulate: add to a reward already there (e.g. another parser's) instead of
+            overwriting it. Defaults to ``False``.
+        inference_mode: score without gradients. Defaults to ``True``.
+        **kwargs: any other :class:`HFRewardModelWrapper` argument (``tokenizer``,
+            ``policy_tokenizer``, ``max_tokens_per_batch``, ``max_length``,
+            ``truncation``, ``head_index``, ``scale``, ...).
+
+    The wrapped scorer is :attr:`scorer` (its counters: ``truncated_count``,
+    ``nonfinite_count``, ``padding_efficiency``).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        reward_key: NestedKey = "reward",
+        reward_shape: str = "step",
+        accumulate: bool = False,
+        inference_mode: bool = True,
+        **kwargs,
+    ) -> None:
+        if isinstance(model, HFRewardModelWrapper):
+            if kwargs:
+                raise TypeError(
+                    f"pass either a configured HFRewardModelWrapper or wrapper arguments, not both "
+                    f"(got {sorted(kwargs)})"
+                )
+            scorer = model
+        else:
+            scorer = HFRewardModelWrapper(
+                model,
+                reward_key=reward_key,
+                reward_shape=reward_shape,
+                accumulate=accumulate,
+                inference_mode=inference_mode,
+                **kwargs,
+            )
+        self._next_reward_key = _as_tuple(reward_key)
+        super().__init__(
+            in_keys=list(scorer.in_keys), out_keys=[reward_key]
+        )
+        self.scorer = scorer
+
+    # env: the policy output is in the root tensordict, the reward goes to "next"
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        rewards = self.scorer.score(tensordict)
+        key = self._next_reward_key
+        return self.scorer.write(next_tensordict, rewards, key[0] if len(key) == 1 else key)
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return tensordict_reset
+
+    # replay buffer: score once on write ...
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if tensordict is None:
+            return tensordict
+        rewards = self.scorer.score(tensordict)
+        return self.scorer.write(tensordict, rewards, ("next", *self._next_reward_key))
+
+    # ... and pass through on sample / forward
+    def _call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return tensordict
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        trailing = {"flat": (), "trailing": (1,), "step": (1, 1)}[self.scorer.reward_shape]
+        key = self._next_reward_key
+        reward_spec[key[0] if len(key) == 1 else key] = Unbounded(
+            reward_spec.shape + trailing, dtype=self.scorer.reward_dtype or torch.get_default_dtype()
+        )
+        return reward_spec

@@ -1,0 +1,333 @@
+"""TorchRL rewards as TRL ``reward_funcs`` (TorchRL -> TRL).
+
+:func:`as_trl_reward_func` turns a TorchRL reward (our ``HFRewardModelWrapper``, a reward
+parser such as ``GSM8KRewardParser``, or any TensorDict module writing a reward key) into
+the plain callable ``GRPOTrainer``/``RLOOTrainer`` accept in ``reward_funcs``::
+
+    f(prompts, completions, completion_ids, **columns) -> list[float]
+
+It is a callable object with a ``__name__``, deliberately not an ``nn.Module``: TRL treats
+every ``nn.Module`` reward func as a sequence-classification model.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, TensorDict, TensorDictBase, lazy_stack
+from tensordict.utils import NestedKey
+
+from torchrl_trl import layouts
+from torchrl_trl.rewards.functions import TRL_EXTRA_KWARGS
+
+__all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "rollouts_from_trl"]
+
+
+def is_conversational(prompts: Sequence[Any]) -> bool:
+    """TRL's test: the prompt is a list of ``{"role", "content"}`` messages."""
+    if not prompts:
+        return False
+    first = prompts[0]
+    return isinstance(first, list) and bool(first) and isinstance(first[0], dict) and "role" in first[0]
+
+
+def _completion_text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion)
+
+
+def rollouts_from_trl(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    *,
+    columns: dict[str, Sequence[Any]] | None = None,
+    tokenizer=None,
+) -> TensorDictBase:
+    """Build TorchRL rollouts (a lazy stack of ``N`` per-sample TensorDicts) from TRL's
+    reward-function arguments.
+
+    Keys written, per sample:
+
+    - chat data: ``("history", "prompt" | "response" | "full")`` (``History``);
+    - ``("text", "response")`` (the completion text); ``("text", "prompt")`` and
+      ``("text", "full")`` for text data, or for chat data when ``tokenizer`` is given
+      (the prompt rendered with its chat template and a generation prompt);
+    - ``("tokens", "response")`` from ``completion_ids``; ``("tokens", "prompt" | "full")``
+      when ``tokenizer`` is given;
+    - each column at the top level, e.g. ``"answer"``.
+    """
+    n = len(prompts)
+    if len(completions) != n:
+        raise ValueError(f"got {n} prompts but {len(completions)} completions")
+    if completion_ids is not None and len(completion_ids) != n:
+        raise ValueError(f"got {n} prompts but {len(completion_ids)} completion_ids")
+    columns = columns or {}
+    for name, values in columns.items():
+        if len(values) != n:
+            raise ValueError(f"column {name!r} has {len(values)} values, expected {n} (one per completion)")
+    chat = is_conversational(prompts)
+    if chat:
+        from torchrl.data.llm import History
+
+    rows = []
+    for i in range(n):
+        prompt, completion = prompts[i], completions[i]
+        row: dict[str, Any] = {}
+        response_text = _completion_text(completion)
+        text = {"response": NonTensorData(response_text)}
+        if chat:
+            if isinstance(completion, str):
+                completion = [{"role": "assistant", "content": completion}]
+            row["history"] = {
+                "prompt": History.from_chats([prompt])[0],
+                "response": History.from_chats([completion])[0],
+                "full": History.from_chats([list(prompt) + list(completion)])[0],
+            }
+            if tokenizer is not None:
+                prompt_text = tokenizer.apply_chat_template(
+                    prompt, tokenize=False, add_generation_prompt=True
+                )
+                text["prompt"] = NonTensorData(prompt_text)
+                text["full"] = NonTensorData(prompt_text + response_text)
+        else:
+            text["prompt"] = NonTensorData(prompt)
+            text["full"] = NonTensorData(prompt + response_text)
+        row["text"] = text
+        tokens = {}
+        if completion_ids is not None:
+            tokens["response"] = torch.as_tensor(list(completion_ids[i]), dtype=torch.long)
+        if tokenizer is not None and "prompt" in text:
+            prompt_ids = tokenizer(str(text["prompt"].data), add_special_tokens=False)["input_ids"]
+            tokens["prompt"] = torch.as_tensor(prompt_ids, dtype=torch.long)
+            if "response" in tokens:
+                tokens["full"] = torch.cat([tokens["prompt"], tokens["response"]])
+        if tokens:
+            row["tokens"] = tokens
+        for name, values in columns.items():
+            value = values[i]
+            row[name] = value if isinstance(value, torch.Tensor) else NonTensorData(value)
+        rows.append(TensorDict(row, batch_size=[]))
+    return lazy_stack(rows)
+
+
+def _conversations(prompts, completions) -> list[list[dict]]:
+    out = []
+    for p, c in zip(prompts, completions):
+        if isinstance(c, str):
+            c = [{"role": "assistant", "content": c}]
+        out.append(list(p) + list(c))
+    return out
+
+
+def _default_name(reward: Any) -> str:
+    model = getattr(reward, "model", None)
+    config = getattr(model, "config", None)
+    path = getattr(config, "_name_or_path", "") if config is not None else ""
+    if path:
+        return str(path).rstrip("/").split("/")[-1]
+    return type(reward).__name__
+
+
+def _has_custom_step(reward: Any) -> bool:
+    from torchrl.envs import Transform
+
+    return isinstance(reward, Transform) and type(reward)._step is not Transform._step
+
+
+class TRLRewardFunc:
+    """A TorchRL reward as a TRL reward function; build it with :func:`as_trl_reward_func`.
+
+    ``__call__(prompts, completions, completion_ids=None, **kwargs) -> list[float]``, one
+    reward per completion, in order. Counters: :attr:`calls`, :attr:`scored`.
+    """
+
+    def __init__(
+        self,
+        reward: Any,
+        *,
+        tokenizer=None,
+        name: str | None = None,
+        reward_key: NestedKey | None = None,
+        columns: Sequence[str] | None = None,
+    ):
+        if isinstance(reward, TRLRewardFunc):
+            raise TypeError("reward is already a TRL reward function")
+        if not callable(reward):
+            raise TypeError(f"reward must be a TorchRL module or transform, got {type(reward).__name__}")
+        self.reward = reward
+        self.tokenizer = tokenizer
+        self.__name__ = name or _default_name(reward)
+        self.reward_key = reward_key
+        self.columns = list(columns) if columns is not None else None
+        self.calls = 0
+        self.scored = 0
+        self._parsers: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"TRLRewardFunc({self.__name__!r}, reward={type(self.reward).__name__})"
+
+    def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float]:
+        self.calls += 1
+        if len(completions) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions")
+        if not prompts:
+            return []
+        columns = {k: v for k, v in kwargs.items() if k not in TRL_EXTRA_KWARGS}
+        if self.columns is not None:
+            missing = [c for c in self.columns if c not in columns]
+            if missing:
+                raise KeyError(
+                    f"{self.__name__}: columns {missing} were not passed by the trainer; "
+                    f"dataset columns available: {sorted(columns)}"
+                )
+            columns = {c: columns[c] for c in self.columns}
+        with torch.no_grad():
+            rewards = self._score(prompts, completions, completion_ids, columns)
+        rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
+        if rewards.shape[1] != 1:
+            raise ValueError(
+                f"{self.__name__}: expected one reward per completion, got shape "
+                f"{tuple(rewards.shape)} for {len(prompts)} completions"
+            )
+        self.scored += len(prompts)
+        return rewards[:, 0].tolist()
+
+    def _score(self, prompts, completions, completion_ids, columns) -> torch.Tensor:
+        reward = self.reward
+        chat = is_conversational(prompts)
+        if hasattr(reward, "score_ids") and getattr(reward, "tokenizer", None) is not None:
+            return self._score_like_trl(prompts, completions, chat)
+        # other scorers exposing text/chat entry points
+        if chat and hasattr(reward, "score_messages"):
+            return torch.as_tensor(reward.score_messages(_conversations(prompts, completions)))
+        if not chat and hasattr(reward, "score_texts"):
+            return torch.as_tensor(reward.score_texts([p + c for p, c in zip(prompts, completions)]))
+        td = rollouts_from_trl(
+            prompts, completions, completion_ids, columns=columns, tokenizer=self.tokenizer
+        )
+        if _has_custom_step(reward):
+            # a reward parser (GSM8KRewardParser...): reads the step's input and the
+            # columns of "next", writes the reward into "next"
+            parser = self._parser_for(reward, chat)
+            next_td = td.select(*columns) if columns else td.empty()
+            out = parser._step(td, next_td)
+            return self._read_reward(out if out is not None else next_td, relative=True)
+        out = reward(td)
+        return self._read_reward(out if isinstance(out, TensorDictBase) else td, relative=False)
+
+    def _score_like_trl(self, prompts, completions, chat: bool) -> torch.Tensor:
+        """Our HFRewardModelWrapper on exactly the token ids TRL's ``reward_funcs=[model]``
+        path builds (``_calculate_rewards``): chat -> the reward tokenizer's chat template
+        over ``prompt + completion``; text -> ``prompt + completion``; both tokenised with
+        ``add_special_tokens=False`` and nothing appended. Scoring is then micro-batched
+        (right padding, token budget) instead of one padded forward."""
+        reward = self.reward
+        tok = reward.tokenizer
+        if chat:
+            conversations = _conversations(prompts, completions)
+            renderer = getattr(reward, "renderer", None)
+            if renderer is not None and hasattr(renderer, "render_messages"):
+                texts = renderer.render_messages(conversations)
+            else:
+                texts = [tok.apply_chat_template(c, tokenize=False) for c in conversations]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        ids = tok(texts, add_special_tokens=False)["input_ids"]
+        return reward.score_ids(layouts.Ragged.from_list(ids))
+
+    def _parser_for(self, parser, chat: bool):
+        """The parser set up for this data (chat -> history, else text), without
+        changing the caller's object: a shallow copy gets the input keys and mode."""
+        mode = "history" if chat else "text"
+        if mode in self._parsers:
+            return self._parsers[mode]
+        in_keys = list(getattr(parser, "in_keys", []) or [])
+        has_mode = hasattr(parser, "_input_mode")
+        if in_keys and (not has_mode or parser._input_mode is not None):
+            self._parsers[mode] = parser
+            return parser
+        parser = copy.copy(parser)
+        if not in_keys:
+            answer = self.columns[0] if self.columns else "answer"
+            first = ("history", "full") if chat else ("text", "response")
+            parser.in_keys = [first, answer]
+        if has_mode and parser._input_mode is None:
+            first = parser.in_keys[0]
+            parser._input_mode = first[0] if isinstance(first, tuple) else mode
+        self._parsers[mode] = parser
+        return parser
+
+    def _read_reward(self, td: TensorDictBase, *, relative: bool) -> torch.Tensor:
+        if self.reward_key is not None:
+            key = self.reward_key
+            key = (key,) if isinstance(key, str) else tuple(key)
+            if relative and key[0] == "next" and len(key) > 1:
+                key = key[1:]
+            candidates = [key]
+        elif relative:
+            candidates = [("reward",)]
+        else:
+            out_keys = [
+                (k,) if isinstance(k, str) else tuple(k)
+                for k in getattr(self.reward, "out_keys", []) or []
+            ]
+            candidates = [tuple(layouts.REWARD_KEY), ("reward",)] + [
+                k for k in out_keys if "reward" in k[-1]
+            ]
+        for key in candidates:
+            if layouts.has_key(td, key):
+                values = layouts.read_column(td, key)
+                return torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in values])
+        raise KeyError(
+            f"{self.__name__}: the reward module wrote none of the reward keys {candidates}. "
+            f"Pass reward_key=... . Keys after the call: {layouts.available_keys(td)}"
+        )
+
+
+def as_trl_reward_func(
+    reward: Any,
+    *,
+    tokenizer=None,
+    name: str | None = None,
+    reward_key: NestedKey | None = None,
+    columns: Sequence[str] | None = None,
+) -> TRLRewardFunc:
+    """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
+
+    Args:
+        reward: one of
+
+            - our ``HFRewardModelWrapper``: TRL's prompts and completions are
+              concatenated (chat: the conversation ``prompt + completion``, rendered with
+              the reward model's chat template; text: ``prompt + completion``) and scored
+              micro-batched, giving the rewards of TRL's own ``reward_funcs=[model]``;
+            - a TorchRL reward parser (a ``Transform`` with its own ``_step``, e.g.
+              ``GSM8KRewardParser``): called as ``env.step`` calls it, on rollouts built
+              from TRL's arguments (see :func:`rollouts_from_trl`); without ``in_keys`` it
+              reads ``("history", "full")`` (chat) or ``("text", "response")`` (text) and
+              the ``"answer"`` column (the first of ``columns`` if given);
+            - any TensorDict module writing a reward: called on those rollouts; the reward
+              is read at ``reward_key`` (default: ``("next", "reward")``, ``"reward"``, or
+              an out_key named like ``*reward*``), one value per completion.
+
+    Keyword Args:
+        tokenizer: the policy tokenizer, used to build ``("text", "prompt" | "full")`` and
+            ``("tokens", "prompt" | "full")`` for chat data, for modules reading those.
+        name: the name TRL logs the reward under (default: the reward model's directory
+            name, or the class name).
+        reward_key: where the module writes the reward.
+        columns: dataset columns to pass (default: all the trainer passes); naming one the
+            trainer does not pass raises a ``KeyError``.
+
+    Returns:
+        a :class:`TRLRewardFunc`: ``f(prompts, completions, completion_ids, **kwargs)
+        -> list[float]``.
+    """
+    return TRLRewardFunc(
+        reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns
+    )
