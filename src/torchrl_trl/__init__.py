@@ -1,3 +1,48 @@
-"""torchrl-trl: mix TorchRL and Hugging Face TRL one piece at a time."""
+"""torchrl-trl: mix TorchRL and Hugging Face TRL one piece at a time.
+
+Public names (imported on first use, so ``import torchrl_trl`` stays light and never
+imports ``trl``, ``datasets`` or ``ray``):
+
+- TorchRL -> TRL data: :class:`TorchRLBufferDataset`, :func:`register_format`,
+  :class:`BufferFormat`, :func:`available_formats`
+- HF/TRL -> TorchRL rewards: :class:`HFRewardModelWrapper`, :class:`HFRewardTransform`
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "TorchRLBufferDataset": "torchrl_trl.data",
+    "BufferFormat": "torchrl_trl.data",
+    "available_formats": "torchrl_trl.data",
+    "get_format": "torchrl_trl.data",
+    "register_format": "torchrl_trl.data",
+    "HFRewardModelWrapper": "torchrl_trl.rewards",
+    "HFRewardTransform": "torchrl_trl.rewards",
+    "load_reward_model": "torchrl_trl.rewards",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchrl_trl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
+
+
+if TYPE_CHECKING:
+    from .data import BufferFormat, TorchRLBufferDataset, available_formats, get_format, register_format
+    from .rewards import HFRewardModelWrapper, HFRewardTransform, load_reward_model

@@ -1,0 +1,423 @@
+"""The end-to-end demo: both integration paths on a task that really learns, on a CPU.
+
+The hidden rule: an answer is better the larger the fraction of its characters that are
+vowels. Nobody tells the policy or the reward model; they learn it from data:
+
+1. build a tiny tokenizer, policy and reward model (:mod:`torchrl_trl.testing`);
+2. TRL -> TorchRL: ``trl.RewardTrainer`` learns the rule from synthetic preference pairs;
+   its held-out pairwise accuracy is reported;
+3. TorchRL GRPO with that reward model: ``LLMCollector`` over a ``ChatEnv`` carrying
+   ``HFRewardTransform`` -> replay buffer with ``MCAdvantage`` -> ``GRPOLoss``, reporting
+   the reward-model score and the hidden rule's true score per iteration;
+4. TorchRL -> TRL: the best-scored rollouts kept in a TorchRL buffer train the policy
+   further with ``trl.SFTTrainer`` (best-of-n), reporting the true score before and after;
+5. a summary table, a reward curve (PNG) and a JSON of every number in ``output_dir``.
+
+Run it with ``torchrl-trl demo`` (``--quick`` for a run of well under a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["DemoConfig", "run_demo", "true_score"]
+
+VOWELS = frozenset("aeiouAEIOU")
+
+
+def true_score(text: str) -> float:
+    """The hidden rule: the fraction of ``text``'s characters that are vowels (0 if empty)."""
+    return sum(c in VOWELS for c in text) / len(text) if text else 0.0
+
+
+def vowel_fraction_reward(prompts, completions, **kwargs) -> list[float]:
+    """The hidden rule as a TRL-style reward function (used only to *measure*)."""
+    return [true_score(_completion_text(c)) for c in completions]
+
+
+def _completion_text(completion) -> str:
+    if isinstance(completion, list):  # conversational: [{"role": "assistant", ...}]
+        return "".join(m["content"] for m in completion)
+    return completion
+
+
+@dataclass
+class DemoConfig:
+    """Settings of :func:`run_demo`; the CLI flags map one to one."""
+
+    output_dir: Path = Path("torchrl_trl_demo")
+    iterations: int = 40
+    seed: int = 0
+    device: str = "cpu"
+    policy: Path | None = None
+    reward_model: Path | None = None
+    quick: bool = False
+    group_size: int = 4
+    prompts_per_batch: int = 4
+    max_new_tokens: int = 12
+    lr: float = 3e-3
+    reward_pairs: int = 1200
+    reward_epochs: int = 2
+    sft_steps: int = 20
+    progress: bool = True
+    results: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.output_dir = Path(self.output_dir)
+        if self.quick:
+            self.iterations = min(self.iterations, 12)
+            self.reward_pairs = min(self.reward_pairs, 400)
+            self.reward_epochs = 1
+            self.sft_steps = min(self.sft_steps, 6)
+
+
+PROMPTS = [f"say something nice about {thing}" for thing in (
+    "cats", "dogs", "the sea", "trees", "music", "bread", "rain", "books",
+    "the moon", "coffee", "bikes", "snow", "friends", "tea", "maps", "clocks",
+)]
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    """Run the whole demo; returns (and writes to ``output_dir/results.json``) the numbers."""
+    from tensordict import set_list_to_stack
+
+    from torchrl_trl import testing
+
+    set_list_to_stack(True).set()
+    _quiet_libraries()
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    results: dict = {"config": {k: str(v) for k, v in asdict(cfg).items() if k != "results"}}
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    checkpoints = testing.tiny_checkpoints(cfg.output_dir / "checkpoints", seed=cfg.seed)
+    policy_path = Path(cfg.policy or checkpoints.policy)
+    rm_init_path = Path(cfg.reward_model or checkpoints.reward_model)
+    timings["build"] = time.perf_counter() - t0
+    _say(f"[1/4] tiny models ready: policy={policy_path}, reward model={rm_init_path}")
+
+    t0 = time.perf_counter()
+    rm_path, rm_accuracy = train_reward_model(rm_init_path, cfg)
+    timings["reward_model"] = time.perf_counter() - t0
+    results["reward_model"] = {"path": str(rm_path), "heldout_pairwise_accuracy": rm_accuracy}
+    _say(f"[2/4] RewardTrainer done: held-out pairwise accuracy {rm_accuracy:.3f}")
+
+    t0 = time.perf_counter()
+    grpo = run_grpo(policy_path, rm_path, cfg)
+    timings["grpo"] = time.perf_counter() - t0
+    results["grpo"] = {k: v for k, v in grpo.items() if k not in ("model", "tokenizer", "archive")}
+    _say(
+        f"[3/4] GRPO done: true score {grpo['true_score'][0]:.3f} -> {grpo['true_score'][-1]:.3f}, "
+        f"reward-model score {grpo['rm_score'][0]:.3f} -> {grpo['rm_score'][-1]:.3f}"
+    )
+
+    t0 = time.perf_counter()
+    sft = run_best_of_n_sft(grpo["model"], grpo["tokenizer"], grpo["archive"], cfg)
+    timings["sft"] = time.perf_counter() - t0
+    results["sft_best_of_n"] = sft
+    _say(
+        f"[4/4] SFTTrainer on best-of-n from the TorchRL buffer: true score "
+        f"{sft['true_score_before']:.3f} -> {sft['true_score_after']:.3f}"
+    )
+
+    results["timings_s"] = timings
+    _write_outputs(results, cfg.output_dir)
+    _say(summary_table(results))
+    _say(f"wrote {cfg.output_dir / 'results.json'} and {cfg.output_dir / 'reward_curve.png'}")
+    cfg.results = results
+    return results
+
+
+# ---------------------------------------------------------------------------
+# Step 2: a reward model from synthetic preference pairs (TRL RewardTrainer)
+# ---------------------------------------------------------------------------
+
+
+def _random_answers(tokenizer, n: int, rng: random.Random, max_tokens: int) -> list[str]:
+    """Answers that look like what the untrained policy writes: random non-special tokens."""
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    out = []
+    while len(out) < n:
+        ids = [rng.choice(vocab) for _ in range(rng.randint(3, max_tokens))]
+        text = tokenizer.decode(ids)
+        if text.strip():
+            out.append(text)
+    return out
+
+
+def preference_pairs(tokenizer, n: int, seed: int, max_tokens: int) -> list[dict]:
+    """``n`` conversational pairs (``prompt``/``chosen``/``rejected``) ranked by the hidden rule
+    (ties and near-ties under 0.05 apart are skipped)."""
+    rng = random.Random(seed)
+    pairs = []
+    while len(pairs) < n:
+        a, b = _random_answers(tokenizer, 2, rng, max_tokens)
+        sa, sb = true_score(a), true_score(b)
+        if abs(sa - sb) < 0.05:
+            continue
+        chosen, rejected = (a, b) if sa > sb else (b, a)
+        prompt = rng.choice(PROMPTS)
+        pairs.append(
+            {
+                "prompt": [{"role": "user", "content": prompt}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
+    return pairs
+
+
+def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
+    """Train ``init_path`` with ``trl.RewardTrainer``; return its output dir and held-out accuracy."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    from torchrl_trl import HFRewardModelWrapper
+
+    tokenizer = AutoTokenizer.from_pretrained(init_path)
+    model = AutoModelForSequenceClassification.from_pretrained(init_path)
+    train_pairs = preference_pairs(tokenizer, cfg.reward_pairs, cfg.seed, cfg.max_new_tokens)
+    heldout = preference_pairs(tokenizer, 200, cfg.seed + 10_000, cfg.max_new_tokens)
+    out_dir = cfg.output_dir / "reward_model"
+    args = RewardConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=16,
+        num_train_epochs=cfg.reward_epochs,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=cfg.device == "cpu",
+        bf16=False,
+        seed=cfg.seed,
+        disable_tqdm=True,
+    )
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(train_pairs), processing_class=tokenizer
+    )
+    _train_quietly(trainer)
+    trainer.save_model(str(out_dir))
+    tokenizer.save_pretrained(out_dir)
+
+    scorer = HFRewardModelWrapper(str(out_dir), inference_mode=True, device=cfg.device)
+    chosen = scorer.score_messages([p["prompt"] + p["chosen"] for p in heldout])
+    rejected = scorer.score_messages([p["prompt"] + p["rejected"] for p in heldout])
+    return out_dir, float((chosen > rejected).float().mean())
+
+
+# ---------------------------------------------------------------------------
+# Step 3: TorchRL GRPO with the reward model in the environment
+# ---------------------------------------------------------------------------
+
+
+def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
+    """GRPO: ``LLMCollector`` over ``ChatEnv`` + ``HFRewardTransform`` -> buffer with
+    ``MCAdvantage`` -> ``GRPOLoss``. Returns per-iteration scores, the trained policy, and a
+    buffer (``archive``) of every scored rollout for step 4."""
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+    from torchrl.objectives.llm.grpo import GRPOLoss, MCAdvantage
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torchrl_trl import HFRewardTransform, layouts, testing
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    model = AutoModelForCausalLM.from_pretrained(policy_path).to(cfg.device).eval()
+    rows = [{"query": p} for p in PROMPTS]
+    env = testing.make_chat_env(rows, batch_size=cfg.prompts_per_batch, group_size=cfg.group_size)
+    env = env.append_transform(HFRewardTransform(str(rm_path), policy_tokenizer=tokenizer))
+    sampler = testing.make_policy_wrapper(
+        model, tokenizer, max_new_tokens=cfg.max_new_tokens, device=cfg.device
+    )
+    learner = testing.make_policy_wrapper(model, tokenizer, generate=False, device=cfg.device)
+    loss_fn = GRPOLoss(learner, entropy_coeff=0.0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+
+    turns_per_iteration = cfg.prompts_per_batch * cfg.group_size * 4
+    buffer = ReplayBuffer(
+        storage=LazyStackStorage(turns_per_iteration * 2),
+        sampler=SamplerWithoutReplacement(),
+        batch_size=cfg.prompts_per_batch * cfg.group_size,
+    )
+    buffer.append_transform(MCAdvantage(grpo_size=cfg.group_size))
+    archive = ReplayBuffer(storage=LazyStackStorage(turns_per_iteration * cfg.iterations))
+    collector = LLMCollector(
+        env=env,
+        policy=sampler,
+        dialog_turns_per_batch=turns_per_iteration,
+        replay_buffer=buffer,
+        total_dialog_turns=turns_per_iteration * cfg.iterations,
+    )
+    rm_scores, true_scores = [], []
+    for _ in _progress(collector, cfg, total=cfg.iterations, desc="GRPO"):
+        rollouts = buffer[:]
+        archive.extend(rollouts)
+        rewards = torch.stack(layouts.read_column(rollouts, layouts.REWARD_KEY)).float()
+        rm_scores.append(float(rewards.mean()))
+        true_scores.append(_mean_true_score(layouts.read_text(rollouts, "response")))
+        for batch in buffer:
+            with torch.no_grad():
+                batch = learner(batch)  # ("log_probs", "full") of the sampling policy
+            loss = loss_fn(batch).loss_objective
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        buffer.empty()
+    collector.shutdown()
+    return {
+        "rm_score": rm_scores,
+        "true_score": true_scores,
+        "model": model,
+        "tokenizer": tokenizer,
+        "archive": archive,
+    }
+
+
+def _mean_true_score(texts: list[str]) -> float:
+    return sum(map(true_score, texts)) / max(len(texts), 1)
+
+
+# ---------------------------------------------------------------------------
+# Step 4: TRL SFTTrainer on best-of-n read from the TorchRL buffer
+# ---------------------------------------------------------------------------
+
+
+def run_best_of_n_sft(model, tokenizer, archive, cfg: DemoConfig) -> dict:
+    """Best-of-n rows from the scored rollouts in ``archive`` train ``model`` with
+    ``trl.SFTTrainer``; the true score of fresh samples is measured before and after."""
+    from trl import SFTConfig, SFTTrainer
+
+    from torchrl_trl import TorchRLBufferDataset, best_of_n
+
+    best = best_of_n(archive, k=1)
+    dataset = TorchRLBufferDataset(best, batch_size=8, format="sft_conversational", mode="epoch")
+    before = measure_true_score(model, tokenizer, cfg)
+    args = SFTConfig(
+        output_dir=str(cfg.output_dir / "sft"),
+        per_device_train_batch_size=8,
+        max_steps=cfg.sft_steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=cfg.device == "cpu",
+        bf16=False,
+        seed=cfg.seed,
+        disable_tqdm=True,
+        completion_only_loss=True,
+    )
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset.as_hf_dataset(), processing_class=tokenizer
+    )
+    _train_quietly(trainer)
+    model.eval()
+    after = measure_true_score(model, tokenizer, cfg)
+    return {"rows": len(best), "true_score_before": before, "true_score_after": after}
+
+
+def measure_true_score(model, tokenizer, cfg: DemoConfig, samples_per_prompt: int = 4) -> float:
+    """Mean hidden-rule score of freshly sampled answers to every demo prompt."""
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
+    inputs = tokenizer.apply_chat_template(
+        conversations, add_generation_prompt=True, return_tensors="pt", padding=True, return_dict=True
+    ).to(cfg.device)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(cfg.seed + 1)
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=True,
+            num_return_sequences=samples_per_prompt,
+        )
+    torch.random.set_rng_state(generator_state)
+    texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    return _mean_true_score(texts)
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def summary_table(results: dict) -> str:
+    grpo, sft = results["grpo"], results["sft_best_of_n"]
+    rows = [
+        ("reward model held-out pairwise accuracy", "", f"{results['reward_model']['heldout_pairwise_accuracy']:.3f}"),
+        ("GRPO reward-model score", f"{grpo['rm_score'][0]:.3f}", f"{grpo['rm_score'][-1]:.3f}"),
+        ("GRPO true score (hidden rule)", f"{grpo['true_score'][0]:.3f}", f"{grpo['true_score'][-1]:.3f}"),
+        ("SFT best-of-n true score", f"{sft['true_score_before']:.3f}", f"{sft['true_score_after']:.3f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':{width}}  {'start':>7}  {'end':>7}", "-" * (width + 18)]
+    lines += [f"{name:{width}}  {start:>7}  {end:>7}" for name, start, end in rows]
+    return "\n".join(lines)
+
+
+def _write_outputs(results: dict, output_dir: Path) -> None:
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(results["grpo"]["true_score"], label="true score (hidden rule)")
+    ax2 = ax.twinx()
+    ax2.plot(results["grpo"]["rm_score"], color="tab:orange", label="reward-model score")
+    ax.set_xlabel("GRPO iteration")
+    ax.set_ylabel("true score")
+    ax2.set_ylabel("reward-model score")
+    fig.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(output_dir / "reward_curve.png", dpi=100)
+    plt.close(fig)
+
+
+def _train_quietly(trainer) -> None:
+    """``trainer.train()`` without the per-log metric dicts printed to stdout."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+
+
+def _progress(iterable, cfg: DemoConfig, total: int, desc: str):
+    if not cfg.progress:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc)
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _quiet_libraries() -> None:
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("torchrl").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
