@@ -19,7 +19,8 @@ applies, in this order):
 
 EOS rule (``add_eos="auto"``): text and tokens get the reward model's EOS appended
 unless they already end with it, optionally followed by whitespace (ChatML ends a turn
-with ``"<|im_end|>\\n"``). Chat-template renders are left exactly as the template writes
+with ``"<|im_end|>\\n"``); tokens are left as they are when the reward model's tokenizer
+is unknown (a model object passed without ``tokenizer=``, as upstream). Chat-template renders are left exactly as the template writes
 them. ``"always"``/``"never"`` force it either way. Decoding then re-encoding can give
 other token ids than the policy generated (BPE merges across the boundary): prefer
 history or a shared tokenizer when exactness matters.
@@ -228,6 +229,10 @@ class RewardRenderer:
     def _eos_tokens(self, ids: Ragged) -> Ragged:
         eos = self.eos_token_id
         if self.add_eos == "never" or eos is None or len(ids) == 0:
+            return ids
+        if self.add_eos == "auto" and self.tokenizer is None:
+            # without the tokenizer a trailing "\n" after EOS cannot be told from text:
+            # tokens are used as they are (upstream behaviour)
             return ids
         seqs = list(ids.split())
         changed = False

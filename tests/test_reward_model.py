@@ -1,0 +1,319 @@
+"""HFRewardModelWrapper: the same rewards whatever the input layout, re-tokenisation,
+micro-batching, truncation, post-processing, device/dtype and bad input."""
+
+import warnings
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, lazy_stack
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from torchrl_trl.rewards import HFRewardModelWrapper
+
+CONVS = [
+    [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "four"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello world! how are you today?"}],
+    [
+        {"role": "system", "content": "you are a helpful assistant"},
+        {"role": "user", "content": "count"},
+        {"role": "assistant", "content": "0 1 2 3 4 5 6 7 8 9 10 11 12"},
+    ],
+    [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tok(checkpoints):
+    return AutoTokenizer.from_pretrained(checkpoints.policy)
+
+
+@pytest.fixture(scope="module")
+def rm(checkpoints):
+    return AutoModelForSequenceClassification.from_pretrained(checkpoints.reward_model).eval()
+
+
+def _alone(model, ids):
+    """Reference: one sequence, no padding, plain model call."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, 0].float()
+
+
+def _ids(tok, convs=CONVS):
+    return [tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"] for c in convs]
+
+
+def _ragged_td(ids):
+    return lazy_stack(
+        [
+            TensorDict(
+                {
+                    "tokens": {"full": torch.tensor(i)},
+                    "masks": {"all_attention_mask": torch.ones(len(i), dtype=torch.bool)},
+                },
+                [],
+            )
+            for i in ids
+        ]
+    )
+
+
+def _left_padded_td(ids, pad):
+    width = max(map(len, ids))
+    tokens = torch.full((len(ids), width), pad)
+    mask = torch.zeros(len(ids), width, dtype=torch.bool)
+    for row, i in enumerate(ids):
+        tokens[row, width - len(i) :] = torch.tensor(i)
+        mask[row, width - len(i) :] = True
+    return TensorDict({"tokens": {"full": tokens}, "masks": {"all_attention_mask": mask}}, [len(ids)])
+
+
+def _text_td(texts):
+    return TensorDict({"text": {"full": NonTensorStack(*texts)}}, [len(texts)])
+
+
+def _history_td(convs):
+    from torchrl.data.llm import History
+
+    return TensorDict({"history": {"full": History.from_chats(convs)}}, [len(convs)])
+
+
+def test_same_rewards_across_layouts(checkpoints, tok, rm):
+    ids = _ids(tok)
+    texts = [tok.apply_chat_template(c, tokenize=False) for c in CONVS]
+    ref = torch.stack([_alone(rm, i) for i in ids])
+    scorer = HFRewardModelWrapper(checkpoints.reward_model, policy_tokenizer=tok, inference_mode=True)
+
+    got = {
+        "ragged": scorer(_ragged_td(ids))["reward"],
+        "left_padded": scorer(_left_padded_td(ids, tok.pad_token_id))["reward"],
+        "text": scorer(_text_td(texts))["reward"],
+        "history": scorer(_history_td(CONVS))["reward"],
+        "score_texts": scorer.score_texts(texts),
+        "score_messages": scorer.score_messages(CONVS),
+    }
+    assert scorer.renderer.resolve_mode(_ragged_td(ids)) == "tokens"
+    assert scorer.renderer.resolve_mode(_history_td(CONVS)) == "history"
+    for name, value in got.items():
+        assert value.shape == (4,), name
+        torch.testing.assert_close(value, ref, atol=1e-5, rtol=0, msg=name)
+    # the rewards differ between conversations: agreement is not trivial
+    assert ref.std() > 1e-4
+
+
+def test_micro_batched_equals_unbatched_and_order_restored(checkpoints, tok):
+    ids = _ids(tok) * 3
+    td = _ragged_td(ids)
+    one = HFRewardModelWrapper(checkpoints.reward_model, max_tokens_per_batch=None, inference_mode=True)
+    small = HFRewardModelWrapper(checkpoints.reward_model, max_tokens_per_batch=60, inference_mode=True)
+    r_one = one(td.clone())["reward"]
+    r_small = small(td.clone())["reward"]
+    torch.testing.assert_close(r_small, r_one, atol=1e-5, rtol=0)
+    torch.testing.assert_close(r_small[:4], r_small[4:8], atol=1e-6, rtol=0)
+    # several micro-batches ran, each within the budget (or a single over-long row)
+    assert small.processed_tokens > 0 and small.padding_efficiency >= one.padding_efficiency
+    from torchrl_trl.rewards.batching import plan_micro_batches
+
+    lengths = torch.tensor([len(i) for i in ids])
+    plan = plan_micro_batches(lengths, max_tokens_per_batch=60)
+    assert len(plan) > 1
+    assert sorted(torch.cat(plan).tolist()) == list(range(len(ids)))
+    for idx in plan:
+        assert len(idx) == 1 or len(idx) * int(lengths[idx].max()) <= 60
+
+
+def test_leading_batch_shape_and_grpo_convention(checkpoints, tok, rm):
+    ids = _ids(tok)
+    td = _left_padded_td(ids, tok.pad_token_id).reshape(2, 2)
+    ref = torch.stack([_alone(rm, i) for i in ids]).reshape(2, 2)
+    flat = HFRewardModelWrapper(checkpoints.reward_model)(td.clone())
+    assert flat["reward"].shape == (2, 2)
+    grpo = HFRewardModelWrapper.for_grpo(checkpoints.reward_model)(td.clone())
+    assert grpo["next", "reward"].shape == (2, 2, 1, 1)
+    torch.testing.assert_close(grpo["next", "reward"].reshape(2, 2), ref, atol=1e-5, rtol=0)
+
+
+def test_other_tokenizer_is_rerendered_with_its_template(checkpoints, tok):
+    path = checkpoints.reward_model_other_tokenizer
+    rm_tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    scorer = HFRewardModelWrapper(path, policy_tokenizer=tok, inference_mode=True)
+    assert not scorer.renderer.tokens_direct
+
+    # history: exactly the model on the text rendered with the RM's own template
+    rendered = [rm_tok.apply_chat_template(c, tokenize=False) for c in CONVS]
+    assert rendered[0].startswith("[user] ")
+    ref = torch.stack([_alone(model, rm_tok(t, add_special_tokens=False)["input_ids"]) for t in rendered])
+    td = _history_td(CONVS)
+    # tokens are there too, but they are the policy's: auto prefers the chat
+    td.update(_left_padded_td(_ids(tok), tok.pad_token_id))
+    torch.testing.assert_close(scorer(td)["reward"], ref, atol=1e-6, rtol=0)
+
+    # tokens only: decoded with the policy tokenizer, policy EOS swapped for the RM's,
+    # re-tokenised with the RM's tokenizer
+    ids = [i + [tok.eos_token_id] if i[-1] != tok.eos_token_id else i for i in _ids(tok)]
+    only_tokens = _ragged_td(ids)
+    assert scorer.renderer.resolve_mode(only_tokens) == "tokens->text"
+    texts = tok.batch_decode(ids, skip_special_tokens=False)
+    expected_texts = [t + rm_tok.eos_token if not t.rstrip().endswith(rm_tok.eos_token) else t for t in texts]
+    ref_tokens = torch.stack([_alone(model, rm_tok(t)["input_ids"]) for t in expected_texts])
+    torch.testing.assert_close(scorer(only_tokens)["reward"], ref_tokens, atol=1e-6, rtol=0)
+
+
+def test_eos_rule_matches_reward_trainer(checkpoints, tok, rm):
+    # RewardTrainer appends EOS to plain-text pairs that lack it
+    scorer = HFRewardModelWrapper(checkpoints.reward_model, inference_mode=True)
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello"
+    ref = _alone(rm, tok(text + tok.eos_token)["input_ids"])
+    torch.testing.assert_close(scorer.score_texts([text])[0], ref, atol=1e-6, rtol=0)
+    # a truncated response's tokens get the same EOS
+    ids = tok(text)["input_ids"]
+    torch.testing.assert_close(scorer(_ragged_td([ids]))["reward"][0], ref, atol=1e-5, rtol=0)
+    never = HFRewardModelWrapper(checkpoints.reward_model, inference_mode=True, add_eos="never")
+    torch.testing.assert_close(never(_ragged_td([ids]))["reward"][0], _alone(rm, ids), atol=1e-5, rtol=0)
+
+
+def test_upstream_defaults_and_gradients(checkpoints, tok, rm):
+    from torchrl.modules.llm.trl_interop import HFRewardModelWrapper as Upstream
+
+    td = _left_padded_td(_ids(tok), tok.pad_token_id)
+    up = Upstream(rm)(td.clone())["reward"]
+    ours = HFRewardModelWrapper(rm)(td.clone())["reward"]
+    assert ours.shape == up.shape == (4,)
+    torch.testing.assert_close(ours, up.detach(), atol=1e-4, rtol=0)
+    assert ours.requires_grad  # inference_mode=False keeps gradients, as upstream
+    ours.sum().backward()
+    assert rm.score.weight.grad is not None
+    rm.zero_grad(set_to_none=True)
+    assert not HFRewardModelWrapper(rm, inference_mode=True)(td.clone())["reward"].requires_grad
+
+
+def test_truncation_is_counted(checkpoints, tok, rm):
+    ids = _ids(tok)
+    td = _ragged_td(ids)
+    keep_end = HFRewardModelWrapper(rm, max_length=10, inference_mode=True)
+    with pytest.warns(RuntimeWarning, match="truncated"):
+        r = keep_end(td.clone())["reward"]
+    n_long = sum(len(i) > 10 for i in ids)
+    assert keep_end.truncated_count == n_long > 0
+    torch.testing.assert_close(r, torch.stack([_alone(rm, i[-10:]) for i in ids]), atol=1e-5, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        keep_end(td.clone())
+    assert keep_end.truncated_count == 2 * n_long
+    keep_start = HFRewardModelWrapper(rm, max_length=10, truncation="keep_start", inference_mode=True)
+    with pytest.warns(RuntimeWarning):
+        r = keep_start(td.clone())["reward"]
+    torch.testing.assert_close(r, torch.stack([_alone(rm, i[:10]) for i in ids]), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_length=10"):
+        HFRewardModelWrapper(rm, max_length=10, truncation="error")(td.clone())
+    # default max_length: the model's position limit
+    assert HFRewardModelWrapper(rm).max_length == rm.config.max_position_embeddings
+
+
+def test_postprocessing(checkpoints, tok, rm):
+    ids = _ids(tok)
+    td = _ragged_td(ids)
+    raw = torch.stack([_alone(rm, i) for i in ids])
+    s = HFRewardModelWrapper(rm, scale=2.0, shift=1.0, inference_mode=True)(td.clone())["reward"]
+    torch.testing.assert_close(s, 2 * raw + 1, atol=1e-5, rtol=0)
+    mid = float(raw.median())
+    c = HFRewardModelWrapper(rm, clip=(None, mid), inference_mode=True)(td.clone())["reward"]
+    torch.testing.assert_close(c, raw.clamp(max=mid), atol=1e-5, rtol=0)
+    norm = HFRewardModelWrapper(rm, normalize="running", inference_mode=True)
+    n1 = norm(td.clone())["reward"]
+    torch.testing.assert_close(n1, (raw - raw.mean()) / raw.std(), atol=1e-4, rtol=0)
+    n2 = norm(_ragged_td(ids[:2]))["reward"]
+    seen = torch.cat([raw, raw[:2]])
+    torch.testing.assert_close(n2, (raw[:2] - seen.mean()) / seen.std(), atol=1e-4, rtol=0)
+    assert int(norm.postprocess.count) == 6
+
+
+def test_multi_label_head(checkpoints, tok):
+    from torchrl_trl.testing import make_reward_model
+
+    model = make_reward_model(tok, num_labels=3)
+    td = _ragged_td(_ids(tok))
+    with pytest.raises(ValueError, match="num_labels=3.*head_index"):
+        HFRewardModelWrapper(model)(td.clone())
+    r = HFRewardModelWrapper(model, head_index=2, inference_mode=True)(td.clone())["reward"]
+    with torch.no_grad():
+        ref = torch.stack([model(input_ids=torch.tensor([i])).logits[0, 2] for i in _ids(tok)])
+    torch.testing.assert_close(r, ref, atol=1e-5, rtol=0)
+
+
+def test_bad_input_errors(checkpoints, tok, rm):
+    from torchrl_trl.testing import make_reward_model, make_tokenizer
+
+    td = TensorDict({"query": NonTensorStack("a", "b"), "foo": torch.zeros(2)}, [2])
+    with pytest.raises(KeyError, match=r"tokens.*history.*text.*Available keys.*foo"):
+        HFRewardModelWrapper(checkpoints.reward_model)(td)
+    with pytest.raises(KeyError, match="Available keys"):
+        HFRewardModelWrapper(rm, input_mode="tokens")(td)
+    with pytest.raises(ValueError, match="tokenizer"):
+        HFRewardModelWrapper(rm, input_mode="text")
+    # a tokenizer whose vocabulary does not fit the model
+    big = make_tokenizer(vocab_size=200)
+    with pytest.raises(ValueError, match="200 tokens.*160 rows"):
+        HFRewardModelWrapper(rm, tokenizer=big)
+    with pytest.raises(ValueError, match="outside the reward model's embedding"):
+        HFRewardModelWrapper(rm)(_ragged_td([[1, 2, 500]]))
+    # no pad token
+    nopad = make_reward_model(tok, pad_token_id=None)
+    two = _ragged_td(_ids(tok)[:2])
+    with pytest.raises(ValueError, match="no pad token"):
+        HFRewardModelWrapper(nopad)(two.clone())
+    one_by_one = HFRewardModelWrapper(nopad, max_batch_size=1, inference_mode=True)(two.clone())["reward"]
+    padded = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, inference_mode=True)(two.clone())
+    torch.testing.assert_close(padded["reward"], one_by_one, atol=1e-5, rtol=0)
+
+
+class _NaNModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(160, 1)
+        self.config = None
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids, attention_mask=None):
+        out = self.emb(input_ids)[:, 0]
+        out[0] = float("nan")
+        return out
+
+
+def test_nonfinite_rewards(tok):
+    td = _ragged_td(_ids(tok))
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        HFRewardModelWrapper(_NaNModel(), pad_token_id=0)(td.clone())
+    w = HFRewardModelWrapper(_NaNModel(), on_nonfinite="warn", nonfinite_value=0.0, max_batch_size=1)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        r = w(td.clone())["reward"]
+    assert w.nonfinite_count == 4 and torch.equal(r, torch.zeros(4))
+
+
+def test_bfloat16_model_float_tensordict(checkpoints, tok):
+    ids = _ids(tok)
+    scorer = HFRewardModelWrapper.for_grpo(checkpoints.reward_model, dtype=torch.bfloat16)
+    assert next(scorer.model.parameters()).dtype == torch.bfloat16
+    td = _ragged_td(ids)
+    out = scorer(td)
+    assert out["next", "reward"].dtype == torch.float32
+    bf16 = AutoModelForSequenceClassification.from_pretrained(checkpoints.reward_model, dtype=torch.bfloat16)
+    ref = torch.stack([_alone(bf16, i) for i in ids])
+    # bfloat16 arithmetic: batched and alone agree to bf16 precision
+    torch.testing.assert_close(out["next", "reward"].reshape(-1), ref, atol=2e-4, rtol=0)
+    # an existing float64 reward sets the output dtype
+    td64 = _ragged_td(ids)
+    td64.set(("next", "reward"), torch.zeros(4, 1, 1, dtype=torch.float64))
+    assert scorer(td64)["next", "reward"].dtype == torch.float64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_model_cpu_tensordict(checkpoints, tok, rm):
+    ids = _ids(tok)
+    scorer = HFRewardModelWrapper(checkpoints.reward_model, device="cuda", inference_mode=True)
+    out = scorer(_ragged_td(ids))["reward"]
+    assert out.device.type == "cpu"
+    ref = torch.stack([_alone(rm, i) for i in ids])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
