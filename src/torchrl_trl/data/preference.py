@@ -1,0 +1,269 @@
+"""Offline training data from groups of scored completions: preference pairs (DPO,
+RewardTrainer), KTO rows and best-of-n (rejection sampling) rows for SFT.
+
+Each builder takes a ``ReplayBuffer`` (or a TensorDict) of rollouts with a group id
+(``"query"`` by default, as ``MCAdvantage``) and one reward per rollout (``("next",
+"reward")``), groups them with :func:`~torchrl_trl.data.groups.find_groups`, and returns a
+NEW ``ReplayBuffer(LazyStackStorage)`` that :class:`~torchrl_trl.data.TorchRLBufferDataset`
+reads with the matching format (see :mod:`torchrl_trl.data.offline_formats`)::
+
+    pairs = preference_pairs(rb)                     # rows: chosen / rejected / margin
+    TorchRLBufferDataset(pairs, 8, format="dpo_conversational", mode="epoch")
+    TorchRLBufferDataset(kto_rows(rb), 8, format="kto_conversational", mode="epoch")
+    TorchRLBufferDataset(best_of_n(rb, k=1), 8, format="sft_conversational", mode="epoch")
+
+What was skipped (ties, incomplete groups, groups of one, ...) is counted in the returned
+buffer's ``build_stats`` (a :class:`~torchrl_trl.data.groups.SkipStats`), warned about once
+per call, and an error is raised when nothing is left.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.utils import NestedKey
+
+from .. import layouts
+from .groups import Groups, SkipStats, find_groups, take_rows
+
+__all__ = ["best_of_n", "kto_rows", "preference_pairs"]
+
+
+def _to_buffer(td: TensorDictBase, stats: SkipStats):
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+
+    stats.report()
+    rb = ReplayBuffer(storage=LazyStackStorage(max(td.numel(), 1)), batch_size=None)
+    rb.extend(td)
+    rb.build_stats = stats
+    return rb
+
+
+def _check_threshold(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if value != value:
+        raise ValueError(f"{name} must not be NaN")
+    return value
+
+
+def _all_tied(rewards: torch.Tensor) -> bool:
+    return bool((rewards == rewards[0]).all())
+
+
+def preference_pairs(
+    rollouts,
+    *,
+    strategy: Literal["best_vs_worst", "all"] = "best_vs_worst",
+    margin: float = 0.0,
+    reward_key: NestedKey = layouts.REWARD_KEY,
+    group_key: NestedKey = "query",
+    group_size: int | None = None,
+):
+    """Preference pairs from each group of completions of one prompt.
+
+    Args:
+        rollouts: ``ReplayBuffer`` or TensorDict of scored rollouts (see the module doc).
+
+    Keyword Args:
+        strategy: ``"best_vs_worst"``: one pair per group, the highest-reward completion
+            (first in arrival order among equals) against the lowest;
+            ``"all"``: every pair of the group whose reward gap is above ``margin``.
+        margin: a pair is kept only when ``reward_chosen - reward_rejected > margin``
+            (``0.0``: any strict preference; ties are always skipped).
+        reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
+
+    Returns:
+        a new ``ReplayBuffer(LazyStackStorage)``; each row holds ``"chosen"`` and
+        ``"rejected"`` (the two whole rollouts, sharing their tensors with the input),
+        ``"margin"`` (float ``[]``, ``reward_chosen - reward_rejected``, RewardTrainer's
+        ``margin`` column in the ``reward*`` formats) and ``"group"`` (int64 ``[]``, the
+        index of the group it came from). ``.build_stats`` holds the :class:`SkipStats`.
+
+    Raises:
+        KeyError: the rollouts lack ``reward_key`` or ``group_key``.
+        ValueError: no pair is left (every group tied, of size one, incomplete, ...).
+    """
+    if strategy not in ("best_vs_worst", "all"):
+        raise ValueError(f"strategy must be 'best_vs_worst' or 'all', got {strategy!r}")
+    margin = _check_threshold("margin", margin)
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0 (ties are never a preference), got {margin}")
+    groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size,
+                         op="preference_pairs")
+    stats, rewards = groups.stats, groups.rewards
+    chosen, rejected, group_index = [], [], []
+    for g, rows in enumerate(groups.members):
+        r = rewards[rows]
+        if _all_tied(r):
+            stats.skip("tied_group")
+            continue
+        if strategy == "best_vs_worst":
+            # argmax/argmin return the first occurrence: ties broken by arrival order
+            pairs = [(int(r.argmax()), int(r.argmin()))]
+        else:
+            i, j = torch.triu_indices(len(rows), len(rows), offset=1)
+            first_better = r[i] > r[j]
+            ci, ri = torch.where(first_better, i, j), torch.where(first_better, j, i)
+            tied = r[i] == r[j]
+            stats.skip("tied_pair", int(tied.sum()))
+            pairs = [(a, b) for a, b, t in zip(ci.tolist(), ri.tolist(), tied.tolist()) if not t]
+        kept = [(a, b) for a, b in pairs if float(r[a] - r[b]) > margin]
+        stats.skip("below_margin", len(pairs) - len(kept))
+        if kept:
+            stats.used_groups += 1
+        for a, b in kept:
+            chosen.append(int(rows[a]))
+            rejected.append(int(rows[b]))
+            group_index.append(g)
+    stats.rows = len(chosen)
+    if not chosen:
+        stats.report()
+    ci, ri = torch.tensor(chosen), torch.tensor(rejected)
+    td = TensorDict(
+        {
+            "chosen": take_rows(groups.rollouts, ci),
+            "rejected": take_rows(groups.rollouts, ri),
+            "margin": rewards[ci] - rewards[ri],
+            "group": torch.tensor(group_index, dtype=torch.long),
+        },
+        batch_size=[len(chosen)],
+    )
+    return _to_buffer(td, stats)
+
+
+def kto_rows(
+    rollouts,
+    *,
+    threshold: float | None = None,
+    k: int | None = None,
+    reward_key: NestedKey = layouts.REWARD_KEY,
+    group_key: NestedKey = "query",
+    group_size: int | None = None,
+    label_key: NestedKey = "label",
+):
+    """Unpaired desirable/undesirable rows for ``KTOTrainer``.
+
+    Keyword Args:
+        threshold: a number: every rollout is a row, desirable (``label=True``) when its
+            reward is ``>= threshold``; no grouping (``group_key`` is not read).
+            ``None`` (default): rank within each group: the ``k`` highest-reward
+            completions are desirable, the ``k`` lowest undesirable; completions whose
+            reward appears on both sides of the cut are skipped (``"tied_at_cut"``), the
+            middle one of an odd group is left out (``"middle_rollout"``), all-tied groups
+            and groups of one are skipped.
+        k: rank mode: completions per side (default ``len(group) // 2``; at most that).
+        reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
+        label_key: where the bool label is written in each row.
+
+    Returns:
+        a new ``ReplayBuffer(LazyStackStorage)`` of the selected rollouts (tensors shared
+        with the input), each with a bool ``[]`` label at ``label_key``; ``.build_stats`` holds the :class:`SkipStats`. Read it with the
+        ``"kto"`` / ``"kto_conversational"`` formats.
+    """
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"k must be a positive integer or None, got {k!r}")
+    if threshold is not None:
+        if k is not None:
+            raise ValueError("pass threshold= or k= (rank within groups), not both")
+        threshold = _check_threshold("threshold", threshold)
+        from .groups import read_rewards, to_rollouts
+
+        td = to_rollouts(rollouts)
+        rewards = read_rewards(td, reward_key)
+        stats = SkipStats(op="kto_rows", rollouts=td.numel())
+        finite = torch.isfinite(rewards)
+        stats.skip("nonfinite_reward", int((~finite).sum()))
+        index = finite.nonzero().reshape(-1)
+        labels = rewards[index] >= threshold
+        stats.rows = index.numel()
+        rows_td = td
+    else:
+        groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size,
+                             op="kto_rows")
+        stats, rewards, rows_td = groups.stats, groups.rewards, groups.rollouts
+        picked, picked_labels = [], []
+        for rows in groups.members:
+            r = rewards[rows]
+            if _all_tied(r):
+                stats.skip("tied_group")
+                continue
+            n = len(rows)
+            kk = n // 2 if k is None else min(k, n // 2)
+            order = torch.sort(r, descending=True, stable=True).indices
+            top, bottom = order[:kk], order[n - kk :]
+            stats.skip("middle_rollout", n - 2 * kk)
+            both = set(r[top].tolist()) & set(r[bottom].tolist())
+            good = [int(rows[i]) for i in top.tolist() if float(r[i]) not in both]
+            bad = [int(rows[i]) for i in bottom.tolist() if float(r[i]) not in both]
+            stats.skip("tied_at_cut", 2 * kk - len(good) - len(bad))
+            if good or bad:
+                stats.used_groups += 1
+            picked += good + bad
+            picked_labels += [True] * len(good) + [False] * len(bad)
+        index, labels = torch.tensor(picked, dtype=torch.long), torch.tensor(picked_labels, dtype=torch.bool)
+        stats.rows = len(picked)
+    if stats.rows == 0:
+        stats.report()
+    out = take_rows(rows_td, index)
+    out.set(label_key, labels)
+    return _to_buffer(out, stats)
+
+
+def best_of_n(
+    rollouts,
+    *,
+    k: int = 1,
+    reward_key: NestedKey = layouts.REWARD_KEY,
+    group_key: NestedKey = "query",
+    group_size: int | None = None,
+    min_reward: float | None = None,
+):
+    """Rejection sampling: the ``k`` highest-reward completions of each group, for SFT.
+
+    Keyword Args:
+        k: completions kept per group (ties broken by arrival order). Groups of ``k`` or
+            fewer completions carry no choice and are skipped (``"group_not_larger_than_k"``),
+            as are all-tied groups.
+        reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
+        min_reward: also drop kept completions whose reward is ``< min_reward``
+            (counted as ``"below_min_reward"``).
+
+    Returns:
+        a new ``ReplayBuffer(LazyStackStorage)`` of the kept rollouts (their tensors shared
+        with the input, all their keys kept, so every SFT format reads it);
+        ``.build_stats`` holds the :class:`SkipStats`.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    if group_size is not None and isinstance(group_size, int) and not isinstance(group_size, bool) and k >= group_size:
+        raise ValueError(f"k={k} keeps every completion of a group of group_size={group_size}; use k < group_size")
+    if min_reward is not None:
+        min_reward = _check_threshold("min_reward", min_reward)
+    groups: Groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size,
+                                 op="best_of_n")
+    stats, rewards = groups.stats, groups.rewards
+    kept = []
+    for rows in groups.members:
+        r = rewards[rows]
+        if len(rows) <= k:
+            stats.skip("group_not_larger_than_k")
+            continue
+        if _all_tied(r):
+            stats.skip("tied_group")
+            continue
+        top = torch.sort(r, descending=True, stable=True).indices[:k]
+        if min_reward is not None:
+            ok = r[top] >= min_reward
+            stats.skip("below_min_reward", int((~ok).sum()))
+            top = top[ok]
+        if top.numel():
+            stats.used_groups += 1
+        kept += rows[top].tolist()
+    stats.rows = len(kept)
+    if not kept:
+        stats.report()
+    return _to_buffer(take_rows(groups.rollouts, torch.tensor(kept, dtype=torch.long)), stats)
