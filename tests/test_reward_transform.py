@@ -1,0 +1,65 @@
+"""HFRewardTransform on a replay buffer (score once on write, ahead of MCAdvantage) and
+on a ChatEnv (single- and multi-turn)."""
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from torchrl_trl import layouts
+from torchrl_trl.rewards import HFRewardTransform
+from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
+
+ROWS = [
+    {"query": "what is two plus two?", "answer": "4"},
+    {"query": "hello world", "answer": "hi"},
+]
+
+
+def _history_reference(path, conversations):
+    """The RM's own template + tokenizer, one conversation at a time."""
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    out = []
+    with torch.no_grad():
+        for c in conversations:
+            ids = tok(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]
+            out.append(model(input_ids=torch.tensor([ids])).logits[0, 0])
+    return torch.stack(out)
+
+
+def test_replay_buffer_scores_once_before_mcadvantage(checkpoints, policy_and_tokenizer):
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+
+    model, tok = policy_and_tokenizer
+    path = checkpoints.reward_model_other_tokenizer
+    reward_tf = HFRewardTransform(path, policy_tokenizer=tok)
+    rb = ReplayBuffer(storage=LazyStackStorage(16), batch_size=4)
+    rb.append_transform(MCAdvantage(grpo_size=2))
+    rb.append_transform(reward_tf)  # the buffer runs write transforms last-to-first
+    collect_rollouts(make_policy_wrapper(model, tok), make_chat_env(ROWS), total_turns=4, replay_buffer=rb)
+    assert len(rb) == 4
+    data = rb[:]
+    rewards = torch.stack(data.get(("next", "reward"), as_list=True))
+    assert rewards.shape == (4, 1, 1)
+    ref = _history_reference(path, layouts.read_history(data, "full"))
+    torch.testing.assert_close(rewards.reshape(-1), ref, atol=1e-5, rtol=0)
+    assert data.get("advantage", as_padded_tensor=True).shape == (4, 1, 1)
+    scored = reward_tf.scorer.real_tokens
+    rb.sample()  # sampling does not score again
+    assert reward_tf.scorer.real_tokens == scored
+
+
+def test_env_multi_turn_rewards(checkpoints, policy_and_tokenizer):
+    model, tok = policy_and_tokenizer
+    path = checkpoints.reward_model_other_tokenizer
+    env = make_chat_env(ROWS, batch_size=2, group_size=1, max_turns=2)
+    env = env.append_transform(HFRewardTransform(path, policy_tokenizer=tok))
+    rb = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)
+    data = rb[:]
+    assert len(rb) == 4
+    convs = layouts.read_history(data, "full")
+    n_assistant = sorted(sum(m["role"] == "assistant" for m in c) for c in convs)
+    assert n_assistant == [1, 1, 2, 2]  # the second turn scores the whole conversation
+    rewards = torch.stack(data.get(("next", "reward"), as_list=True)).reshape(-1)
+    torch.testing.assert_close(rewards, _history_reference(path, convs), atol=1e-5, rtol=0)
