@@ -178,8 +178,8 @@ def test_bad_inputs_raise_at_once(rollouts):
         TorchRLBufferDataset(rb, 4, columns={"prompt": "meta.nope"})
     with pytest.raises(KeyError, match=r"format 'sft' needs keys \['text.prompt', 'text.response'\].*Available keys: \['input_ids'"):
         TorchRLBufferDataset(rb, 4, format="sft")
-    with pytest.raises(ValueError, match="unknown format 'dpo'; registered formats"):
-        TorchRLBufferDataset(rb, 4, format="dpo")
+    with pytest.raises(ValueError, match="unknown format 'no_such_format'; registered formats"):
+        TorchRLBufferDataset(rb, 4, format="no_such_format")
     with pytest.raises(ValueError, match="holds 10 items, fewer than one epoch batch"):
         TorchRLBufferDataset(rb, 16, mode="epoch")
     with pytest.raises(KeyError, match="format 'grpo_conversational' needs keys"):
