@@ -52,6 +52,7 @@ def plan_micro_batches(
     max_tokens_per_batch: int | None,
     max_batch_size: int | None = None,
     pad_to_multiple_of: int | None = None,
+    min_fill: float | None = 0.9,
 ) -> list[torch.Tensor]:
     """Split sample indices into micro-batches by a token budget.
 
@@ -62,6 +63,9 @@ def plan_micro_batches(
             the budget gets a micro-batch of its own.
         max_batch_size: optional cap on rows per micro-batch.
         pad_to_multiple_of: the padded width is rounded up to this multiple.
+        min_fill: a micro-batch only takes sequences at least ``min_fill`` x its longest,
+            so each one's padding efficiency is >= ``min_fill`` (before rounding);
+            ``None`` packs by the budget alone.
 
     Returns:
         index tensors, longest sequences first; together a permutation of ``range(N)``.
@@ -83,6 +87,12 @@ def plan_micro_batches(
             rows = min(rows, max(1, max_tokens_per_batch // width))
         if max_batch_size is not None:
             rows = min(rows, max_batch_size)
+        if min_fill:
+            floor = min_fill * sorted_lengths[start]
+            fits = 1
+            while fits < rows and sorted_lengths[start + fits] >= floor:
+                fits += 1
+            rows = fits
         batches.append(order[start : start + rows])
         start += rows
     return batches
@@ -95,6 +105,7 @@ def iter_micro_batches(
     max_tokens_per_batch: int | None,
     max_batch_size: int | None = None,
     pad_to_multiple_of: int | None = None,
+    min_fill: float | None = 0.9,
 ):
     """Yield right-padded :class:`MicroBatch` es covering every row of ``ids`` once."""
     for index in plan_micro_batches(
@@ -102,6 +113,7 @@ def iter_micro_batches(
         max_tokens_per_batch=max_tokens_per_batch,
         max_batch_size=max_batch_size,
         pad_to_multiple_of=pad_to_multiple_of,
+        min_fill=min_fill,
     ):
         sub = ids.select(index)
         width = _round_up(max(int(sub.lengths.max()), 1), pad_to_multiple_of)

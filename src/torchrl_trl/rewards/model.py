@@ -98,6 +98,8 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             ``None``: one forward over everything. Defaults to 16384.
         max_batch_size: optional cap on rows per forward.
         pad_to_multiple_of: round each micro-batch width up to this multiple.
+        min_fill: a micro-batch only holds sequences of at least ``min_fill`` x its
+            longest, so its padding efficiency is >= ``min_fill`` (``None``: budget only).
         max_length: longest sequence fed to the model; defaults to the model's
             ``max_position_embeddings`` when known. Longer ones follow ``truncation``.
         truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, i.e.
@@ -143,6 +145,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         max_tokens_per_batch: int | None = 16384,
         max_batch_size: int | None = None,
         pad_to_multiple_of: int | None = None,
+        min_fill: float | None = 0.9,
         max_length: int | None = None,
         truncation: Literal["keep_end", "keep_start", "error"] = "keep_end",
         reward_shape: RewardShape = "flat",
@@ -193,7 +196,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         self.in_keys = [token_key] + ([attention_mask_key] if attention_mask_key is not None else [])
         self.out_keys = [reward_key]
         self.max_tokens_per_batch, self.max_batch_size = max_tokens_per_batch, max_batch_size
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_multiple_of, self.min_fill = pad_to_multiple_of, min_fill
         self.truncation, self.reward_shape, self.accumulate = truncation, reward_shape, accumulate
         self.reward_dtype, self.head_index = reward_dtype, head_index
         config = getattr(model, "config", None)
@@ -326,6 +329,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
                 max_tokens_per_batch=self.max_tokens_per_batch,
                 max_batch_size=self.max_batch_size,
                 pad_to_multiple_of=self.pad_to_multiple_of,
+                min_fill=self.min_fill,
             ):
                 needs_pad = mb.processed_tokens != mb.real_tokens or mb.index.numel() > 1
                 if pad is None and needs_pad:
