@@ -261,9 +261,9 @@ def test_bad_input_errors(checkpoints, tok, rm):
     nopad = make_reward_model(tok, pad_token_id=None)
     two = _ragged_td(_ids(tok)[:2])
     with pytest.raises(ValueError, match="no pad token"):
-        HFRewardModelWrapper(nopad)(two.clone())
+        HFRewardModelWrapper(nopad, min_fill=None)(two.clone())
     one_by_one = HFRewardModelWrapper(nopad, max_batch_size=1, inference_mode=True)(two.clone())["reward"]
-    padded = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, inference_mode=True)(two.clone())
+    padded = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, min_fill=None, inference_mode=True)(two.clone())
     torch.testing.assert_close(padded["reward"], one_by_one, atol=1e-5, rtol=0)
 
 
