@@ -75,14 +75,16 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             a local path, loaded with :func:`load_reward_model` (safetensors,
             ``trust_remote_code=False`` unless asked) together with its tokenizer.
 
-    Keyword Args (upstream, same meaning and defaults):
+    The first four keyword arguments are upstream's, with the same meaning and defaults;
+    the rest are added.
+
+    Keyword Args:
         token_key: where token ids are read. Defaults to ``("tokens", "full")``.
         attention_mask_key: mask of real tokens; ``None``: every stored token is real.
         reward_key: where the reward is written. Defaults to ``"reward"``.
         inference_mode: ``True`` scores under ``torch.no_grad()``; ``False`` (default)
             keeps the graph.
 
-    Keyword Args (added):
         tokenizer: the reward model's tokenizer (loaded from ``model``'s path by default).
             Needed for text and chat inputs and for re-tokenisation.
         policy_tokenizer: the tokenizer that produced the tokens in the tensordict. When it
