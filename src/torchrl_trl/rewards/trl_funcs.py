@@ -186,7 +186,7 @@ class TRLRewardFunc:
                     f"dataset columns available: {sorted(columns)}"
                 )
             columns = {c: columns[c] for c in self.columns}
-        with torch.no_grad():
+        with torch.inference_mode():  # as TRL scores its reward models
             rewards = self._score(prompts, completions, completion_ids, columns)
         rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
         if rewards.shape[1] != 1:
