@@ -189,7 +189,7 @@ class RewardFunctionWrapper(Transform):
     - text rollouts: ``prompts[i]``/``completions[i]`` are ``("text", "prompt")`` and
       ``("text", "response")``;
     - ``completion_ids[i]``: the response token ids (``("tokens", "response")``, padding
-      removed) as a list of ints;
+      removed) as a list of ints (``None`` when the rollouts hold no tokens);
     - columns: per-row lists of the dataset fields carried in the rollouts (``"answer"``...).
 
     With ``tokenizer`` given, completion texts are decoded from the token ids with
@@ -233,7 +233,8 @@ class RewardFunctionWrapper(Transform):
         - on a ``ChatEnv``: ``env.append_transform(wrapper)``; ``env.step`` writes
           ``("next", "reward")``;
         - on a replay buffer: ``rb.append_transform(wrapper)``: rollouts are scored when
-          written (``extend``), not again when sampled. Transforms run in reverse order on
+          written (``extend``), not again when sampled (once attached to an env or a
+          buffer, calling ``forward`` directly is a no-op). Transforms run in reverse order on
           write, so append it *after* ``MCAdvantage`` to score before the advantage.
     """
 
