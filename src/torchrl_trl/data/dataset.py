@@ -15,7 +15,9 @@ from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
 
 from . import sharding
-from .columns import ColumnSpec, column_name, leaf_keys, missing_key_error, read_key, to_nested_key
+from .columns import (
+    ColumnSpec, column_name, leaf_keys, missing_key_error, read_key, read_key_columnar, to_nested_key,
+)
 from .features import infer_feature
 from .formats import BufferFormat, check_format, get_format
 
@@ -61,6 +63,13 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         rank, world_size: ``__iter__`` only: also split an epoch pass over processes (for
             a plain ``DataLoader`` under ``torch.distributed``). Leave unset when a trainer
             (accelerate) shards, as it does for :meth:`as_hf_dataset`.
+        sample_filter: ``fn(batch) -> bool tensor [B]``: rows where it is ``False`` are
+            not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`, which counts
+            what it drops). An epoch pass then yields fewer than ``len(self)`` rows.
+        index_column: yield each row's storage index (an int) under this column name, so
+            the trainer can hand it back (e.g. to
+            :func:`torchrl_trl.online.update_priorities`); needs
+            ``remove_unused_columns=False`` in the trainer's config.
 
     Yields:
         ``dict[str, Any]`` rows: for ``format``/``columns`` Python values (str, lists of
@@ -85,6 +94,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         num_shards: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
+        index_column: str | None = None,
     ) -> None:
         from torchrl.data.replay_buffers import ReplayBuffer
 
@@ -125,6 +136,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         self._seed = seed
         self._num_shards = num_shards
         self._rank, self._world_size = rank, world_size
+        self._sample_filter = sample_filter
+        self._index_column = index_column
         # shared memory, so DataLoader workers and the HF iterable see set_epoch()
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self._passes = 0
@@ -151,7 +164,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         if self._python_rows is None:
             from torchrl.data import ListStorage
 
-            storage = self._replay_buffer.storage
+            # remote buffers (RayReplayBuffer) expose no local storage: they hold TensorDicts
+            storage = getattr(self._replay_buffer, "_storage", None)
             self._python_rows = isinstance(storage, ListStorage) and not is_tensor_collection(
                 storage.get(0)
             )
@@ -168,12 +182,17 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             batch = transform(batch)
         return batch
 
-    def _sample(self) -> TensorDictBase:
+    def _sample(self) -> tuple[TensorDictBase, torch.Tensor | None]:
+        """A sampled batch and, when ``index_column`` is set, its storage indices."""
         rb = self._replay_buffer
         if not self._holds_python_rows():
-            return rb.sample(self._batch_size)
+            if self._index_column is None:
+                return rb.sample(self._batch_size), None
+            batch, info = rb.sample(self._batch_size, return_info=True)
+            return batch, torch.as_tensor(info["index"]).reshape(-1)
         index, _ = rb.sampler.sample(rb.storage, self._batch_size)
-        return self._fetch(torch.as_tensor(index).reshape(-1))
+        index = torch.as_tensor(index).reshape(-1)
+        return self._fetch(index), index
 
     def _require_nonempty(self) -> int:
         n = len(self._replay_buffer)
@@ -200,11 +219,19 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
             if not layouts.has_key(peek, spec):
                 raise missing_key_error(peek, spec, "TorchRLBufferDataset")
-        return self._convert(peek, python=python)
+        cols = self._convert(peek, python=python)
+        if self._index_column is not None:
+            cols[self._index_column] = list(range(peek.batch_size.numel()))
+        return cols
 
-    def _convert(self, batch: TensorDictBase, *, python: bool) -> dict[str, list]:
-        """``{column: one value per row}`` for a sampled batch, each key read once."""
-        cols: dict[str, list] = {}
+    def _convert(self, batch: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
+        """``{column: one value per row}`` for a sampled batch, each key read once.
+
+        ``python``: ``True`` lists of Python values, ``False`` lists of tensors for tensor
+        leaves, ``"columnar"`` each column in its cheapest whole-batch form (a list, a
+        tensor ``[B, ...]`` or a ``Ragged``; see :mod:`torchrl_trl.data.arrow`).
+        """
+        cols: dict[str, Any] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         raw_keys = self._keys
         if raw_keys is None and self._format is None and not self._columns:
@@ -212,23 +239,49 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         if self._format is not None:
             cols.update(self._format(batch))
         for key in raw_keys or []:
-            cols[column_name(key)], self._dtypes[column_name(key)] = read_key(batch, key, python=python)
+            cols[column_name(key)], self._dtypes[column_name(key)] = self._read(batch, key, python)
         for name, spec in self._columns.items():
             if callable(spec):
                 cols[name] = list(spec(batch))
             else:
-                cols[name], self._dtypes[name] = read_key(batch, spec, python=python)
+                cols[name], self._dtypes[name] = self._read(batch, spec, python)
         n = batch.batch_size.numel()
         for name, values in cols.items():
             if len(values) != n:
                 raise ValueError(f"column {name!r} has {len(values)} values for a batch of {n} rows")
         return cols
 
-    def _rows(self, batch: TensorDictBase, python: bool) -> Iterator[dict[str, Any]]:
+    @staticmethod
+    def _read(batch: TensorDictBase, key: NestedKey, python: bool | str):
+        if python == "columnar":
+            return read_key_columnar(batch, key)
+        return read_key(batch, key, python=python)
+
+    def _columns_of(
+        self, batch: TensorDictBase, python: bool | str, index: torch.Tensor | None = None
+    ) -> dict[str, Any] | None:
+        """The converted columns of ``batch`` after ``sample_filter`` (``None``: all dropped)."""
+        if self._sample_filter is not None:
+            keep = torch.as_tensor(self._sample_filter(batch), dtype=torch.bool).reshape(-1)
+            if not keep.all():
+                kept = keep.nonzero().squeeze(-1)
+                if not kept.numel():
+                    return None
+                batch = batch[kept]
+                index = None if index is None else index[kept]
         cols = self._convert(batch, python=python)
-        if not python and self._device is not None:
+        if self._index_column is not None:
+            index = torch.as_tensor(index).reshape(-1)
+            cols[self._index_column] = index.clone() if python == "columnar" else index.tolist()
+        if python is False and self._device is not None:
             for name, values in cols.items():
                 cols[name] = [v.to(self._device) if isinstance(v, torch.Tensor) else v for v in values]
+        return cols
+
+    def _rows(self, batch: TensorDictBase, python: bool, index: torch.Tensor | None = None) -> Iterator[dict[str, Any]]:
+        cols = self._columns_of(batch, python, index)
+        if cols is None:
+            return
         names = list(cols)
         for row in zip(*cols.values()):
             yield dict(zip(names, row))
@@ -257,18 +310,20 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         seed = 0 if self._seed is None else self._seed
         return sharding.epoch_order(n, shuffle=self._shuffle, seed=seed, epoch=self.epoch)
 
-    def _epoch_shards(self, shard_ids: Sequence[int], num_shards: int, python: bool) -> Iterator[dict]:
+    def _epoch_batches(self, shard_ids: Sequence[int], num_shards: int) -> Iterator[tuple[TensorDictBase, torch.Tensor]]:
+        """``(batch, storage index)`` chunks of the pass's shards ``shard_ids``."""
         order = self._order()
         bounds = sharding.shard_bounds(order.numel(), num_shards)
         for s in shard_ids:
             for chunk in order[bounds[s] : bounds[s + 1]].split(self._batch_size):
-                yield from self._rows(self._fetch(chunk), python)
+                yield self._fetch(chunk), chunk
 
     # ------------------------------------------------------------------
     # Online mode
     # ------------------------------------------------------------------
 
-    def _online(self, stream: int, budget: int | None, python: bool) -> Iterator[dict]:
+    def _online(self, stream: int, budget: int | None) -> Iterator[tuple[TensorDictBase, torch.Tensor | None]]:
+        """``(batch, storage index or None)``: ``budget`` sampled batches of stream ``stream``."""
         self._require_nonempty()
         self._passes += 1
         worker = sharding.consumer().worker
@@ -278,8 +333,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             seed = int(torch.randint(2**62, (), generator=gen))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                batch = self._sample()
-            yield from self._rows(batch, python)
+                batch, index = self._sample()
+            yield batch, index
             done += 1
 
     # ------------------------------------------------------------------
@@ -295,11 +350,12 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         """
         me = sharding.consumer(self._rank, self._world_size)
         if self._mode == "online":
-            yield from self._online(me.index, self._num_batches, python=False)
+            for batch, index in self._online(me.index, self._num_batches):
+                yield from self._rows(batch, python=False, index=index)
             return
         chunks = self._order().split(self._batch_size)
         for i in range(me.index, len(chunks), me.count):
-            yield from self._rows(self._fetch(chunks[i]), python=False)
+            yield from self._rows(self._fetch(chunks[i]), python=False, index=chunks[i])
 
     # ------------------------------------------------------------------
     # Hugging Face datasets
@@ -318,6 +374,10 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
                 feats[name] = declared[name] if name in declared else infer_feature(
                     values, self._dtypes.get(name)
                 )
+            if self._index_column is not None:
+                from datasets import Value
+
+                feats[self._index_column] = Value("int64")
             self._features = Features(feats)
         return self._features
 
@@ -346,9 +406,11 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             return self.to_hf_dataset(**snapshot_kwargs)
         if snapshot_kwargs:
             raise TypeError(f"unexpected arguments {sorted(snapshot_kwargs)} (only with map_style=True)")
+        from .arrow import make_iterable_dataset
+
         features = self.features
         k = self._default_shards()
-        ds = _from_generator(_HFGenerator(self, k), features, {"shard_ids": list(range(k))}, streaming=True)
+        ds = make_iterable_dataset(_HFBatches(self, k), list(range(k)), features)
         ds._epoch = self._epoch  # one shared counter: the trainer's set_epoch reaches us
         return ds
 
@@ -358,7 +420,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         the epoch order), written to Arrow in chunks, so memory does not grow with the
         buffer (unless ``keep_in_memory``)."""
         features = self.features
-        gen = _HFGenerator(self, 1, force_epoch=True)
+        gen = _HFBatches(self, 1, force_epoch=True).rows
         return _from_generator(
             gen, features, {"shard_ids": [0]}, streaming=False, cache_dir=cache_dir,
             keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size,
@@ -375,25 +437,41 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         )
 
 
-class _HFGenerator:
-    """Picklable generator for ``datasets``: yields the rows of the shards it is given."""
+class _HFBatches:
+    """Picklable source of column batches for ``datasets``: ``gen(shard_ids)`` yields
+    ``(key, {column: values})`` for the shards it is given (see :mod:`.arrow`)."""
 
-    def __init__(self, dataset: TorchRLBufferDataset, num_shards: int, force_epoch: bool = False):
+    def __init__(self, dataset: TorchRLBufferDataset, num_shards: int, force_epoch: bool = False,
+                 python: bool | str = "columnar"):
         self.dataset = dataset
         self.num_shards = num_shards
         self.epoch_mode = force_epoch or dataset.mode == "epoch"
+        self.python = python
 
-    def __call__(self, shard_ids: list[int]) -> Iterator[dict[str, Any]]:
+    def batches(self, shard_ids: list[int]) -> Iterator[tuple[str, TensorDictBase, torch.Tensor | None]]:
         ds = self.dataset
         if self.epoch_mode:
-            yield from ds._epoch_shards(shard_ids, self.num_shards, python=True)
+            for i, (batch, index) in enumerate(ds._epoch_batches(shard_ids, self.num_shards)):
+                yield f"epoch_{i}", batch, index
             return
         budgets = None
         if ds._num_batches is not None:
             bounds = sharding.shard_bounds(ds._num_batches, self.num_shards)
             budgets = [bounds[s + 1] - bounds[s] for s in range(self.num_shards)]
         for s in shard_ids:
-            yield from ds._online(s, None if budgets is None else budgets[s], python=True)
+            for i, (batch, index) in enumerate(ds._online(s, None if budgets is None else budgets[s])):
+                yield f"{s}_{i}", batch, index
+
+    def __call__(self, shard_ids: list[int]) -> Iterator[tuple[str, dict[str, Any]]]:
+        for key, batch, index in self.batches(shard_ids):
+            cols = self.dataset._columns_of(batch, self.python, index)
+            if cols is not None:
+                yield key, cols
+
+    def rows(self, shard_ids: list[int]) -> Iterator[dict[str, Any]]:
+        """Python rows (``from_generator``'s protocol, for the map-style snapshot)."""
+        for key, batch, index in self.batches(shard_ids):
+            yield from self.dataset._rows(batch, True, index)
 
 
 def _from_generator(gen, features, gen_kwargs, *, streaming: bool, **kwargs):

@@ -1,0 +1,409 @@
+"""``CollectorCallback``: run a TorchRL collector alongside a Hugging Face / TRL trainer."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .staleness import VERSION_KEYS, StalenessFilter, read_policy_version
+
+__all__ = ["CollectorCallback", "CollectorError", "wait_for_items"]
+
+
+class CollectorError(RuntimeError):
+    """The collector feeding the trainer failed (its exception is the ``__cause__``)."""
+
+
+def wait_for_items(
+    replay_buffer,
+    min_items: int,
+    *,
+    timeout: float,
+    check: Callable[[], None] | None = None,
+    poll: float = 0.05,
+) -> int:
+    """Block until ``len(replay_buffer) >= min_items``; return the length.
+
+    ``check()`` runs at every poll and should raise if the producer is dead (so a dead
+    collector fails fast instead of running out the clock). Raises ``TimeoutError`` after
+    ``timeout`` seconds, naming how many items arrived.
+    """
+    start = time.monotonic()
+    n = len(replay_buffer)
+    while n < min_items:
+        if check is not None:
+            check()
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            raise TimeoutError(
+                f"the replay buffer holds {n} items after waiting {waited:.1f}s "
+                f"(timeout={timeout}s) for at least {min_items}; the collector is not producing "
+                "data fast enough (or at all)."
+            )
+        time.sleep(poll)
+        n = len(replay_buffer)
+    return n
+
+
+class CollectorCallback(TrainerCallback):
+    """Run a TorchRL collector that fills the buffer a ``TorchRLBufferDataset`` reads,
+    alongside a ``transformers.Trainer`` / TRL trainer.
+
+    Args:
+        collector: an ``LLMCollector`` (or any TorchRL collector) writing into
+            ``replay_buffer``; or a ``RayLLMCollector`` (remote; started with ``start()``).
+
+    Keyword Args:
+        replay_buffer: the buffer (default ``collector.replay_buffer``).
+        frames_per_step: dialog turns (items) to collect per collection (default: one
+            collector batch, ``collector.frames_per_batch``).
+        collect_every: collect after every ``collect_every`` optimizer steps (synchronous
+            mode).
+        background: collect continuously in a background thread (local collectors; a
+            ``RayLLMCollector`` always runs remotely). An exception in that thread is
+            re-raised in the trainer as :class:`CollectorError` at the next step.
+        min_buffer_size: ``on_train_begin`` collects (sync) or waits (background / remote,
+            up to ``wait_timeout`` s) until the buffer holds this many items.
+        wait_timeout: seconds to wait for data before a ``TimeoutError``.
+        update_weights_every: push the trainer's weights to the collector's policy every
+            this many optimizer steps (``0``: never). Through
+            ``collector.update_policy_weights_`` (TorchRL's weight-update path: the local
+            fallback copy, a configured ``weight_updater`` such as ``vLLMUpdater``, or Ray),
+            which also bumps the ``PolicyVersion`` of ``track_policy_version=True``
+            collectors. When the policy *is* the trainer's model (same module object), there
+            is nothing to copy: only the version is bumped.
+        weights_fn: ``fn(model) -> weights`` given to ``update_policy_weights_`` (default: the
+            model's ``TensorDict.from_module`` weights, nested under ``"model"`` when the
+            collector's policy wraps the model as ``policy.model`` like
+            ``TransformersWrapper``).
+        staleness: a :class:`StalenessFilter` (the dataset's ``sample_filter``) whose
+            ``consumer_version`` follows the collector's policy version; its counters are
+            logged. A buffer sampler with a ``consumer_version`` (TorchRL's
+            ``StalenessAwareSampler``) is kept in step too.
+        log_buffer_staleness: log mean/max staleness of (up to 4096 of) the stored items.
+        log_prefix: prefix of the collector metrics in the logs.
+
+    Logged at each trainer log (in ``logs`` and ``trainer.state.log_history``):
+    ``collector/buffer_size``, ``collector/write_count``, ``collector/frames_per_sec``
+    (items written per wall second since the previous log), ``collector/collect_seconds``
+    (time the trainer spent collecting, sync mode), ``collector/policy_version``,
+    ``collector/weight_updates``, and ``staleness/*`` (see :class:`StalenessFilter`,
+    ``staleness/buffer_mean``, ``staleness/buffer_max``). To have reporting integrations
+    (wandb, tensorboard) see them, add the callback with :meth:`attach`, which places it
+    before them.
+
+    Use as a context manager (or call :meth:`close`) so a failed ``train()`` still stops
+    the background collection.
+    """
+
+    def __init__(
+        self,
+        collector,
+        *,
+        replay_buffer=None,
+        frames_per_step: int | None = None,
+        collect_every: int = 1,
+        background: bool = False,
+        min_buffer_size: int = 1,
+        wait_timeout: float = 60.0,
+        update_weights_every: int = 1,
+        weights_fn: Callable[[torch.nn.Module], Any] | None = None,
+        staleness: StalenessFilter | None = None,
+        log_buffer_staleness: bool = True,
+        log_prefix: str = "collector/",
+        shutdown_on_end: bool = False,
+    ) -> None:
+        rb = replay_buffer if replay_buffer is not None else getattr(collector, "replay_buffer", None)
+        if rb is None:
+            raise ValueError(
+                "CollectorCallback: the collector has no replay_buffer; build it with "
+                "replay_buffer=... (the buffer the dataset reads) or pass replay_buffer=."
+            )
+        for name, value in (("collect_every", collect_every), ("update_weights_every", update_weights_every)):
+            if not isinstance(value, int) or value < 0 or (name == "collect_every" and value == 0):
+                raise ValueError(f"{name} must be a {'positive' if name == 'collect_every' else 'non-negative'} int, got {value!r}")
+        self.collector = collector
+        self.replay_buffer = rb
+        self.remote = type(collector).__module__.endswith("ray_collector")
+        if frames_per_step is None:
+            frames_per_step = 1 if self.remote else int(getattr(collector, "frames_per_batch", None) or 1)
+        self.frames_per_step = int(frames_per_step)
+        self.collect_every = collect_every
+        self.background = bool(background)
+        self.min_buffer_size = int(min_buffer_size)
+        self.wait_timeout = float(wait_timeout)
+        self.update_weights_every = update_weights_every
+        self.weights_fn = weights_fn
+        self.staleness = staleness
+        self.log_buffer_staleness = log_buffer_staleness
+        self.log_prefix = log_prefix
+        self.shutdown_on_end = shutdown_on_end
+
+        self.weight_updates = 0
+        self.collect_seconds = 0.0
+        self._iter = None
+        self._lock = threading.Lock()  # one collector batch, or one weight push, at a time
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._exhausted = False
+        self._started_remote = False
+        self._last_log = (time.monotonic(), self._write_count())
+        self._shared_warned = False
+
+    # ------------------------------------------------------------------
+    # collecting
+    # ------------------------------------------------------------------
+
+    def _write_count(self) -> int:
+        return int(self.replay_buffer.write_count)
+
+    def _next_batch(self) -> bool:
+        """One collector batch into the buffer; ``False`` when the collector is exhausted."""
+        if self._iter is None:
+            self._iter = iter(self.collector)
+        try:
+            next(self._iter)
+        except StopIteration:
+            if not self._exhausted:
+                warnings.warn(
+                    f"CollectorCallback: the collector is exhausted (total_dialog_turns reached) after "
+                    f"{self._write_count()} writes; training continues on the stored data.",
+                    stacklevel=3,
+                )
+            self._exhausted = True
+            return False
+        return True
+
+    def collect(self, frames: int | None = None, *, model: torch.nn.Module | None = None) -> int:
+        """Collect at least ``frames`` items (default ``frames_per_step``) now, in this
+        thread; returns how many were written. Wraps collector errors in
+        :class:`CollectorError`. With a shared model, generation runs in eval mode."""
+        frames = self.frames_per_step if frames is None else int(frames)
+        start_wc, t0 = self._write_count(), time.monotonic()
+        was_training = model is not None and self._shares_model(model) and model.training
+        if was_training:
+            model.eval()
+        try:
+            with self._lock:
+                while self._write_count() - start_wc < frames and not self._exhausted:
+                    self._next_batch()
+        except Exception as err:
+            raise CollectorError(
+                f"the collector raised while collecting {frames} items "
+                f"({self._write_count() - start_wc} written; the {len(self.replay_buffer)} stored items are kept): {err!r}"
+            ) from err
+        finally:
+            if was_training:
+                model.train()
+            self.collect_seconds += time.monotonic() - t0
+        return self._write_count() - start_wc
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    if not self._next_batch():
+                        return
+        except BaseException as err:  # handed to the trainer thread by check()
+            self._error = err
+
+    def start(self) -> None:
+        """Start continuous collection: a background thread (local) or the remote
+        collector's ``start()`` (Ray)."""
+        if self.remote:
+            if not self._started_remote:
+                self.collector.start()
+                self._started_remote = True
+            return
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="torchrl-trl-collector", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Raise :class:`CollectorError` if the collector died (background thread raised,
+        or the Ray actor is gone)."""
+        if self._error is not None:
+            err = self._error
+            raise CollectorError(
+                f"the background collector died: {err!r}; the {len(self.replay_buffer)} items "
+                "already stored are kept."
+            ) from err
+        if self.remote and self._started_remote:
+            try:
+                running = self.collector.is_running()
+            except Exception as err:  # ray.exceptions.RayActorError and friends
+                raise CollectorError(f"the remote collector is unreachable (actor died?): {err!r}") from err
+            if not running:
+                raise CollectorError("the remote collector stopped running (its collection thread ended).")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop continuous collection (joins the thread up to ``timeout`` s)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                warnings.warn(f"CollectorCallback: the collector thread did not stop within {timeout}s", stacklevel=2)
+            self._thread = None
+        if self.remote and self._started_remote:
+            try:
+                self.collector.async_shutdown(timeout=timeout)
+            except Exception:  # the actor may be gone already
+                pass
+            self._started_remote = False
+
+    def close(self) -> None:
+        """Stop collecting; shut the collector down when ``shutdown_on_end``."""
+        self.stop()
+        if self.shutdown_on_end and not self.remote:
+            self.collector.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------
+    # weights and versions
+    # ------------------------------------------------------------------
+
+    def _policy_module(self):
+        policy = getattr(self.collector, "policy", None) if not self.remote else None
+        return getattr(policy, "model", policy)
+
+    def _shares_model(self, model) -> bool:
+        return model is not None and self._policy_module() is model
+
+    @property
+    def policy_version(self) -> int | None:
+        version = getattr(self.collector, "policy_version", None)
+        return version if isinstance(version, int) else None
+
+    def push_weights(self, model: torch.nn.Module) -> None:
+        """Send ``model``'s weights to the collector's policy now (and bump its version)."""
+        from tensordict import TensorDict
+
+        if self._shares_model(model):
+            if self.background and not self._shared_warned:
+                self._shared_warned = True
+                warnings.warn(
+                    "CollectorCallback(background=True) with a policy that shares the trainer's model: "
+                    "generation reads weights while the optimizer updates them; give the collector "
+                    "its own copy of the model for consistent rollouts.",
+                    stacklevel=2,
+                )
+            with self._lock:
+                self.collector.increment_version()
+        else:
+            if self.weights_fn is not None:
+                weights = self.weights_fn(model)
+            else:
+                weights = TensorDict.from_module(model).data
+                if self.remote:
+                    weights = weights.cpu()
+                inner = getattr(getattr(self.collector, "policy", None), "model", None)
+                if self.remote or isinstance(inner, torch.nn.Module):
+                    weights = TensorDict({"model": weights}, batch_size=[])
+            with self._lock:
+                self.collector.update_policy_weights_(weights)
+        self.weight_updates += 1
+        self._sync_versions()
+
+    def _sync_versions(self) -> None:
+        version = self.policy_version
+        if version is None:
+            return
+        if self.staleness is not None:
+            self.staleness.consumer_version = version
+        sampler = getattr(self.replay_buffer, "_sampler", None)
+        if sampler is not None and hasattr(sampler, "consumer_version"):
+            sampler.consumer_version = version
+
+    # ------------------------------------------------------------------
+    # trainer events
+    # ------------------------------------------------------------------
+
+    def attach(self, trainer) -> CollectorCallback:
+        """Add this callback to ``trainer`` right after its flow callback, before the
+        reporting integrations, so they see the collector metrics. Returns ``self``."""
+        callbacks = trainer.callback_handler.callbacks
+        callbacks.insert(min(1, len(callbacks)), self)
+        return self
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._sync_versions()
+        if self.background or self.remote:
+            self.start()
+            wait_for_items(self.replay_buffer, self.min_buffer_size, timeout=self.wait_timeout, check=self.check)
+        else:
+            missing = self.min_buffer_size - len(self.replay_buffer)
+            if missing > 0:
+                self.collect(max(missing, 1), model=model)
+        self._last_log = (time.monotonic(), self._write_count())
+        return control
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        try:
+            self.check()
+        except CollectorError:
+            self.stop()
+            raise
+        step = state.global_step
+        if self.update_weights_every and step % self.update_weights_every == 0 and model is not None:
+            self.push_weights(model)
+        if not (self.background or self.remote) and step % self.collect_every == 0:
+            self.collect(model=model)
+        return control
+
+    def metrics(self) -> dict[str, float]:
+        """The collector metrics logged at each trainer log."""
+        p = self.log_prefix
+        now, wc = time.monotonic(), self._write_count()
+        t_prev, wc_prev = self._last_log
+        self._last_log = (now, wc)
+        out: dict[str, float] = {
+            f"{p}buffer_size": len(self.replay_buffer),
+            f"{p}write_count": wc,
+            f"{p}frames_per_sec": (wc - wc_prev) / max(now - t_prev, 1e-9),
+            f"{p}collect_seconds": self.collect_seconds,
+            f"{p}weight_updates": self.weight_updates,
+        }
+        version = self.policy_version
+        if version is not None:
+            out[f"{p}policy_version"] = version
+        if self.staleness is not None:
+            out.update(self.staleness.stats())
+        if self.log_buffer_staleness and version is not None:
+            n = len(self.replay_buffer)
+            if n:
+                try:
+                    versions = read_policy_version(self.replay_buffer[max(0, n - 4096) : n], VERSION_KEYS)
+                except KeyError:
+                    versions = None
+                if versions is not None:
+                    stale = (version - versions).clamp_min(0).float()
+                    out["staleness/buffer_mean"] = float(stale.mean())
+                    out["staleness/buffer_max"] = float(stale.max())
+        return out
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = self.metrics()
+        if logs is not None:
+            logs.update(metrics)
+        # Trainer.log appends a copy of ``logs`` to log_history before on_log runs
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+        return control

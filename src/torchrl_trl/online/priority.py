@@ -1,0 +1,123 @@
+"""Priority feedback: per-sample priorities set from a value the trainer computes.
+
+The hook:
+
+1. the buffer samples by priority: ``ReplayBuffer(sampler=PrioritizedSampler(...))`` from
+   TorchRL, or :class:`TensorPrioritizedSampler` (same protocol, pure PyTorch, for when
+   TorchRL's C++ segment trees are unavailable);
+2. ``TorchRLBufferDataset(..., index_column="index")`` yields each row's storage index,
+   and the trainer keeps it (``remove_unused_columns=False``; pop it from ``inputs`` in
+   ``compute_loss`` before the model call);
+3. in ``compute_loss``, call :func:`update_priorities` (or
+   ``CollectorCallback.update_priorities``) with the indices and a per-sample value (loss,
+   ``|advantage|``), shape ``[B]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.samplers import Sampler
+
+__all__ = ["TensorPrioritizedSampler", "update_priorities"]
+
+
+def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> None:
+    """Set the priority of the rows at ``indices`` (int ``[B]``) to ``|values| + eps``
+    (``[B]``, detached, moved to CPU). Works with local and Ray buffers whose sampler has
+    priorities (``PrioritizedSampler``, :class:`TensorPrioritizedSampler`).
+
+    Raises ``ValueError`` on mismatched lengths, ``TypeError`` when the buffer's sampler
+    keeps no priorities (TorchRL's default ``RandomSampler`` ignores them silently).
+    """
+    idx = torch.as_tensor(indices).detach().to("cpu", torch.long).reshape(-1)
+    val = torch.as_tensor(values).detach().to("cpu", torch.float64).reshape(-1)
+    if idx.numel() != val.numel():
+        raise ValueError(f"update_priorities: {idx.numel()} indices but {val.numel()} values")
+    if not torch.isfinite(val).all():
+        raise ValueError(f"update_priorities: non-finite values at positions {(~torch.isfinite(val)).nonzero().flatten().tolist()}")
+    sampler = getattr(replay_buffer, "_sampler", None)
+    if sampler is not None and not _has_priorities(sampler):
+        raise TypeError(
+            f"update_priorities: the buffer's sampler {type(sampler).__name__} keeps no priorities; "
+            "use torchrl.data.PrioritizedSampler or torchrl_trl.online.TensorPrioritizedSampler."
+        )
+    replay_buffer.update_priority(idx, val.abs() + eps)
+
+
+def _has_priorities(sampler) -> bool:
+    return type(sampler).update_priority is not Sampler.update_priority
+
+
+class TensorPrioritizedSampler(Sampler):
+    """Proportional prioritised sampling, ``P(i) ∝ p_i ** alpha``, with importance weights
+    ``(N P(i)) ** -beta / max`` (Schaul et al.), in plain PyTorch (O(N) per sample).
+
+    Same protocol as TorchRL's ``PrioritizedSampler`` (``update_priority``, ``_weight`` in
+    the sample info, new rows get the current max priority); use it when
+    ``torchrl._torchrl`` (TorchRL's C++ segment trees) cannot load, as with torch 2.13 and
+    torchrl 0.14.1 wheels.
+
+    Args:
+        max_capacity: the storage's capacity.
+        alpha, beta: prioritisation and importance-sampling exponents.
+        eps: floor of a priority.
+    """
+
+    def __init__(self, max_capacity: int, alpha: float = 1.0, beta: float = 1.0, eps: float = 1e-8):
+        self._max_capacity = int(max_capacity)
+        self._alpha, self._beta, self._eps = float(alpha), float(beta), float(eps)
+        self._priority = torch.zeros(self._max_capacity, dtype=torch.float64)
+        self._max_priority = 1.0
+
+    def sample(self, storage, batch_size: int):
+        n = len(storage)
+        if n == 0:
+            raise RuntimeError("TensorPrioritizedSampler: cannot sample from an empty storage.")
+        p = self._priority[:n].clamp_min(self._eps) ** self._alpha
+        probs = p / p.sum()
+        index = torch.multinomial(probs, batch_size, replacement=True)
+        w = (n * probs[index]) ** (-self._beta)
+        return index, {"_weight": (w / w.max()).float()}
+
+    def add(self, index: int) -> None:
+        self._priority[index] = self._max_priority
+
+    def extend(self, index) -> None:
+        self._priority[torch.as_tensor(index).reshape(-1)] = self._max_priority
+
+    def update_priority(self, index, priority, *, storage=None) -> None:
+        index = torch.as_tensor(index).reshape(-1).long()
+        priority = torch.as_tensor(priority, dtype=torch.float64).reshape(-1).expand(index.numel())
+        self._priority[index] = priority
+        self._max_priority = max(self._max_priority, float(priority.max()))
+
+    def mark_update(self, index, *, storage=None) -> None:
+        self.update_priority(index, self._max_priority)
+
+    def priorities(self, n: int | None = None) -> torch.Tensor:
+        """float64 ``[n]``: the stored priorities (``p_i``, before ``alpha``)."""
+        return self._priority[: self._max_capacity if n is None else n].clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"priority": self._priority.clone(), "max_priority": self._max_priority}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._priority.copy_(torch.as_tensor(state_dict["priority"]))
+        self._max_priority = float(state_dict["max_priority"])
+
+    def _empty(self):
+        self._priority.zero_()
+        self._max_priority = 1.0
+
+    def dumps(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), Path(path) / "priority.pt")
+
+    def loads(self, path):
+        self.load_state_dict(torch.load(Path(path) / "priority.pt"))
+
+    def __repr__(self):
+        return f"TensorPrioritizedSampler(max_capacity={self._max_capacity}, alpha={self._alpha}, beta={self._beta})"

@@ -1,0 +1,124 @@
+"""Staleness: how many policy versions ago a stored rollout was generated.
+
+Rollouts carry the version of the policy that made them when the collector runs with
+``track_policy_version=True`` (TorchRL's ``PolicyVersion`` transform writes an int64
+``"policy_version"``, and ``("next", "policy_version")`` on steps). The *consumer version*
+is the version the trainer's weights have now (:class:`CollectorCallback` keeps it equal to
+the collector's ``policy_version``, bumped at every weight push).
+
+- Drop: pass a :class:`StalenessFilter` as ``sample_filter=`` of ``TorchRLBufferDataset``;
+  rows with ``staleness > max_staleness`` are not yielded, and are counted.
+- Down-weight: pass :meth:`StalenessFilter.weight_column` as a ``columns=`` entry; each row
+  gets ``weight_fn(staleness)`` (default ``1 / (1 + staleness)``) for the loss to use.
+- Online mode alternative: TorchRL's ``StalenessAwareSampler`` as the buffer's sampler
+  (:class:`CollectorCallback` updates its ``consumer_version`` too).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+
+__all__ = ["StalenessFilter", "read_policy_version", "VERSION_KEYS"]
+
+#: where TorchRL puts the version: the step's ("next", ...) entry is the version at
+#: generation time; the root entry is the version when the prompt was reset.
+VERSION_KEYS: tuple[NestedKey, ...] = (("next", "policy_version"), "policy_version")
+
+
+def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSION_KEYS) -> torch.Tensor:
+    """int64 ``[B]``: the policy version of each row (``B = batch.numel()``), from the first
+    of ``keys`` the batch has. Raises ``KeyError`` naming the keys tried and those present."""
+    from .. import layouts
+
+    for key in keys:
+        if layouts.has_key(batch, key):
+            values = layouts.read_column(batch, key)
+            return torch.as_tensor([int(torch.as_tensor(v).reshape(-1)[0]) for v in values], dtype=torch.int64)
+    raise KeyError(
+        f"no policy version in the batch: tried {list(keys)}; available keys: "
+        f"{layouts.available_keys(batch)}. Run the collector with track_policy_version=True."
+    )
+
+
+class StalenessFilter:
+    """Drop (and count) rows generated more than ``max_staleness`` versions ago.
+
+    A callable ``fn(batch) -> bool tensor [B]`` for ``TorchRLBufferDataset(sample_filter=...)``.
+
+    Args:
+        max_staleness: largest accepted ``consumer_version - row_version`` (``None``: keep
+            all, only measure).
+
+    Keyword Args:
+        version_keys: keys tried in order to read each row's version (see
+            :data:`VERSION_KEYS`).
+        weight_fn: ``staleness (int64 [B]) -> float [B]`` for :meth:`weight_column`.
+        consumer_version: initial version of the trainer's weights (set by
+            :class:`CollectorCallback` after each weight push, or by hand).
+
+    Counters (thread-safe; read by :class:`CollectorCallback` into the trainer's logs):
+    ``seen``, ``dropped``, ``max_seen`` and ``stats()``.
+    """
+
+    def __init__(
+        self,
+        max_staleness: int | None = None,
+        *,
+        version_keys: Sequence[NestedKey] = VERSION_KEYS,
+        weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        consumer_version: int = 0,
+    ) -> None:
+        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"max_staleness must be a non-negative int or None, got {max_staleness!r}")
+        self.max_staleness = max_staleness
+        self.version_keys = tuple(version_keys)
+        self.weight_fn = weight_fn or (lambda s: 1.0 / (1.0 + s.float()))
+        self.consumer_version = int(consumer_version)
+        self._lock = threading.Lock()
+        self.seen = 0
+        self.dropped = 0
+        self._sum = 0
+        self.max_seen = 0
+        self._warned = False
+
+    def staleness(self, batch: TensorDictBase) -> torch.Tensor:
+        """int64 ``[B]``: ``consumer_version - version`` of each row (clamped at 0)."""
+        return (self.consumer_version - read_policy_version(batch, self.version_keys)).clamp_min(0)
+
+    def __call__(self, batch: TensorDictBase) -> torch.Tensor:
+        stale = self.staleness(batch)
+        keep = torch.ones_like(stale, dtype=torch.bool) if self.max_staleness is None else stale <= self.max_staleness
+        n_drop = int((~keep).sum())
+        with self._lock:
+            self.seen += stale.numel()
+            self.dropped += n_drop
+            self._sum += int(stale.sum())
+            self.max_seen = max(self.max_seen, int(stale.max()) if stale.numel() else 0)
+        if n_drop and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"StalenessFilter: dropping rows older than max_staleness={self.max_staleness} "
+                f"versions (consumer_version={self.consumer_version}); counted in "
+                "'staleness/dropped' (warned once).",
+                stacklevel=2,
+            )
+        return keep
+
+    def weight_column(self, batch: TensorDictBase) -> list[float]:
+        """A ``columns=`` spec: ``weight_fn(staleness)`` per row (down-weighting)."""
+        return [float(w) for w in self.weight_fn(self.staleness(batch))]
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "staleness/seen": self.seen,
+                "staleness/dropped": self.dropped,
+                "staleness/mean_read": self._sum / self.seen if self.seen else 0.0,
+                "staleness/max_read": self.max_seen,
+            }

@@ -1,0 +1,393 @@
+"""Online loop on one machine: CollectorCallback with a real LLMCollector and a real TRL
+trainer, staleness, priority feedback, checkpoint/resume, faults, concurrent reads."""
+
+import threading
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.collectors.llm import LLMCollector
+from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
+
+from torchrl_trl import layouts, testing
+from torchrl_trl.data import TorchRLBufferDataset
+from torchrl_trl.online import (
+    BufferCheckpointCallback,
+    CollectorCallback,
+    CollectorError,
+    StalenessFilter,
+    TensorPrioritizedSampler,
+    load_buffer,
+    save_buffer,
+    update_priorities,
+    wait_for_items,
+)
+
+ROWS = [{"query": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
+
+
+def _load(checkpoints):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(checkpoints.policy), AutoTokenizer.from_pretrained(checkpoints.policy)
+
+
+def _collector(model, tok, rb, policy=None):
+    env = testing.make_chat_env(ROWS, batch_size=2, group_size=2)
+    policy = policy or testing.make_policy_wrapper(model, tok, max_new_tokens=4)
+    return LLMCollector(env=env, policy=policy, dialog_turns_per_batch=4, replay_buffer=rb, total_dialog_turns=-1,
+                        track_policy_version=True)
+
+
+def _sft_args(tmp_path, steps, **kw):
+    from trl import SFTConfig
+
+    kw.setdefault("save_strategy", "no")
+    return SFTConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, use_cpu=True, bf16=False,
+                     report_to=[], logging_steps=1, dataloader_num_workers=0, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_callback_collects_pushes_weights_and_logs(checkpoints, tmp_path):
+    from trl import SFTTrainer
+
+    trainer_model, tok = _load(checkpoints)
+    collector_model, _ = _load(checkpoints)  # the collector's own copy: weights must be pushed
+    rb = ReplayBuffer(storage=LazyStackStorage(64))
+    collector = _collector(collector_model, tok, rb)
+    staleness = StalenessFilter(max_staleness=None)
+    cb = CollectorCallback(collector, update_weights_every=1, collect_every=1, min_buffer_size=4, staleness=staleness)
+    cb.collect(4)  # the dataset needs data to declare its features
+    ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None, sample_filter=staleness)
+    seen = []
+
+    class Recording(SFTTrainer):
+        def compute_loss(self, model, inputs, *a, **k):
+            for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"]):
+                seen.append(ids[mask.bool()].tolist())
+            return super().compute_loss(model, inputs, *a, **k)
+
+    with cb:
+        trainer = Recording(model=trainer_model, args=_sft_args(tmp_path, 3), train_dataset=ds.as_hf_dataset(),
+                            processing_class=tok, callbacks=[cb])
+        trainer.train()
+
+    # each step: optimizer step -> weights pushed (version + 1) -> one batch collected with them
+    versions = sorted(layouts.read_column(rb[:], ("next", "policy_version")))
+    assert [int(v) for v in versions] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert collector.policy_version == 3 and cb.weight_updates == 3
+    for name, p in trainer_model.named_parameters():
+        torch.testing.assert_close(collector_model.get_parameter(name), p, msg=name)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["collector/buffer_size"] for h in logs] == [8, 12, 16]
+    assert [h["collector/policy_version"] for h in logs] == [1, 2, 3]
+    assert [h["staleness/buffer_max"] for h in logs] == [1, 2, 3]
+    assert all(h["collector/frames_per_sec"] > 0 for h in logs)
+    assert logs[-1]["staleness/seen"] == staleness.seen > 0
+    # what the trainer trained on is what the collector stored
+    td = rb[:]
+    prompts, responses = layouts.read_tokens(td, "prompt").tolist(), layouts.read_tokens(td, "response").tolist()
+    stored = {tuple(p + r) for p, r in zip(prompts, responses)}
+    assert seen and all(tuple(t) in stored for t in seen)
+
+
+def test_shared_model_only_bumps_version(policy_and_tokenizer):
+    model, tok = policy_and_tokenizer
+    rb = ReplayBuffer(storage=LazyStackStorage(16))
+    collector = _collector(model, tok, rb)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = CollectorCallback(collector)
+    assert cb._shares_model(model)
+    cb.push_weights(model)
+    assert collector.policy_version == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    collector.shutdown()
+
+
+def _versioned_buffer(versions):
+    n = len(versions)
+    rb = ReplayBuffer(storage=LazyTensorStorage(n))
+    ids = torch.arange(n)
+    rb.extend(TensorDict({"id": ids, "next": {"policy_version": torch.as_tensor(versions)}}, [n]))
+    return rb
+
+
+def test_staleness_filter_drops_counts_and_weights():
+    versions = [0, 1, 2, 3, 4, 5, 5, 2]
+    rb = _versioned_buffer(versions)
+    filt = StalenessFilter(max_staleness=2, consumer_version=5)
+    ds = TorchRLBufferDataset(rb, 3, mode="epoch", sample_filter=filt,
+                              columns={"id": "id", "weight": filt.weight_column})
+    with pytest.warns(UserWarning, match="max_staleness=2"):
+        rows = list(ds.as_hf_dataset())
+    assert sorted(r["id"] for r in rows) == [i for i, v in enumerate(versions) if 5 - v <= 2]
+    assert all(r["weight"] == pytest.approx(1 / (1 + 5 - versions[r["id"]])) for r in rows)
+    stats = filt.stats()
+    assert stats["staleness/dropped"] == 4 and stats["staleness/seen"] == 8
+    assert stats["staleness/max_read"] == 5
+    with pytest.raises(KeyError, match="track_policy_version"):
+        StalenessFilter(1)(TensorDict({"id": torch.arange(2)}, [2]))
+
+
+def _collate(rows):
+    ids = torch.stack([torch.as_tensor(r["input_ids"]) for r in rows])
+    return {"input_ids": ids, "labels": ids.clone(), "index": torch.as_tensor([r["index"] for r in rows])}
+
+
+def _id_buffer(n, sampler=None):
+    rb = ReplayBuffer(storage=LazyTensorStorage(n), sampler=sampler)
+    i = torch.arange(n)
+    ids = torch.stack([1 + i // 10, 1 + i % 10, torch.full_like(i, 5), torch.full_like(i, 6)], -1)
+    rb.extend(TensorDict({"input_ids": ids}, [n]))
+    return rb
+
+
+def _item_id(ids):
+    return int((ids[0] - 1) * 10 + ids[1] - 1)
+
+
+@pytest.mark.timeout(120)
+def test_priority_feedback_from_compute_loss(policy_and_tokenizer, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    _, tok = policy_and_tokenizer
+    model = testing.make_policy(tok)
+    n = 12
+    sampler = TensorPrioritizedSampler(n, alpha=1.0, beta=1.0)
+    rb = _id_buffer(n, sampler)
+    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index", num_batches=None, seed=0)
+    updates = []
+
+    class PriorityTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            index = inputs.pop("index")
+            for ids, i in zip(inputs["input_ids"], index):  # the index names the row it came with
+                assert _item_id(ids) == int(i)
+            logits = model(input_ids=inputs["input_ids"]).logits[:, :-1]
+            per_token = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), inputs["labels"][:, 1:], reduction="none")
+            per_sample = per_token.mean(-1)
+            update_priorities(rb, index, per_sample)
+            updates.append((index.clone(), per_sample.detach().clone()))
+            return per_sample.mean()
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, use_cpu=True,
+                             bf16=False, report_to=[], save_strategy="no", remove_unused_columns=False,
+                             dataloader_num_workers=0)
+    PriorityTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), data_collator=_collate).train()
+    assert len(updates) == 3
+    prio = sampler.priorities(n)
+    last = {}
+    for index, values in updates:
+        for i, v in zip(index.tolist(), values.tolist()):
+            last[i] = v
+    for i, v in last.items():
+        assert prio[i].item() == pytest.approx(v + 1e-6, rel=1e-5)
+    # sampling follows the updated priorities
+    update_priorities(rb, torch.arange(n), torch.tensor([1e6] + [1e-3] * (n - 1)))
+    torch.manual_seed(0)
+    got = [row["index"] for row in TorchRLBufferDataset(rb, 8, columns={"input_ids": "input_ids"}, index_column="index", seed=1)]
+    assert got.count(0) >= 7
+    with pytest.raises(TypeError, match="keeps no priorities"):
+        update_priorities(_id_buffer(4), [0], [1.0])
+    with pytest.raises(ValueError, match="2 indices but 1 values"):
+        update_priorities(rb, [0, 1], [1.0])
+
+
+def test_buffer_save_load_ragged_rollouts(policy_and_tokenizer, tmp_path):
+    model, tok = policy_and_tokenizer
+    env = testing.make_chat_env(ROWS, batch_size=2, group_size=2)
+    rb = testing.collect_rollouts(testing.make_policy_wrapper(model, tok, max_new_tokens=4), env, total_turns=8)
+    save_buffer(rb, tmp_path / "b")  # LazyStackStorage: dumps() refuses, items fallback
+    rb2 = ReplayBuffer(storage=LazyStackStorage(16))
+    meta = load_buffer(rb2, tmp_path / "b")
+    assert meta["method"] == "items" and len(rb2) == len(rb) == 8
+    assert layouts.read_tokens(rb2[:], "full").tolist() == layouts.read_tokens(rb[:], "full").tolist()
+    assert layouts.read_history(rb2[:], "full") == layouts.read_history(rb[:], "full")
+    rb2.extend(rb[:2])  # the writer's cursor came back too
+    assert len(rb2) == 10
+
+
+def _resume_run(tmp_path, max_steps, resume=None):
+    from transformers import Trainer, TrainingArguments
+
+    tok = testing.make_tokenizer()
+    model = testing.make_policy(tok)
+    rb = ReplayBuffer(storage=LazyTensorStorage(40))
+    if resume is None:
+        i = torch.arange(18)
+        ids = torch.stack([1 + i // 10, 1 + i % 10, torch.full_like(i, 5), torch.full_like(i, 6)], -1)
+        rb.extend(TensorDict({"input_ids": ids}, [18]))
+    else:
+        load_buffer(rb, tmp_path / f"checkpoint-{resume}" / "torchrl_buffer")
+    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index", mode="epoch",
+                              shuffle=True, seed=3)
+    seen = []
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            seen.append(inputs.pop("index").tolist())
+            return model(**inputs).loss
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4,
+                             use_cpu=True, bf16=False, report_to=[], save_strategy="steps", save_steps=3,
+                             remove_unused_columns=False, dataloader_num_workers=0, logging_steps=1)
+    cb = BufferCheckpointCallback(rb)
+    trainer = Recording(model=model, args=args, train_dataset=ds.as_hf_dataset(), data_collator=_collate, callbacks=[cb])
+    trainer.train(resume_from_checkpoint=None if resume is None else str(tmp_path / f"checkpoint-{resume}"))
+    return seen, cb
+
+
+@pytest.mark.timeout(150)
+def test_resume_from_checkpoint_gives_same_next_samples(tmp_path):
+    # 18 items, batches of 4 -> 5 steps an epoch (last batch of 2): 8 steps cross an epoch
+    full, _ = _resume_run(tmp_path / "full", 8)
+    first, _ = _resume_run(tmp_path / "cut", 6)
+    assert first == full[:6]
+    resumed, cb = _resume_run(tmp_path / "cut", 8, resume=6)
+    assert cb.restored_from is not None
+    assert resumed == full[6:8]
+    # epoch 0 read every item once; epoch 1 is another order
+    assert sorted(i for b in full[:5] for i in b) == list(range(18))
+    assert full[5] != full[0]
+
+
+# ----------------------------------------------------------------------------
+# faults
+# ----------------------------------------------------------------------------
+
+
+class _FailingPolicy:
+    """Wraps a policy; raises on call number ``fail_at`` (0-based), optionally sleeps."""
+
+    def __init__(self, policy, fail_at=None, sleep=0.0):
+        self.policy, self.fail_at, self.sleep, self.calls = policy, fail_at, sleep, 0
+
+    def __call__(self, td):
+        self.calls += 1
+        if self.fail_at is not None and self.calls > self.fail_at:
+            raise RuntimeError("simulated generation failure")
+        time.sleep(self.sleep)
+        return self.policy(td)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["policy"], name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_collector_that_dies_raises_clear_error(checkpoints, tmp_path, background):
+    from trl import SFTTrainer
+
+    model, tok = _load(checkpoints)
+    rb = ReplayBuffer(storage=LazyStackStorage(64))
+    policy = _FailingPolicy(testing.make_policy_wrapper(model, tok, max_new_tokens=4), fail_at=2)
+    collector = _collector(model, tok, rb, policy=policy)
+    cb = CollectorCallback(collector, background=background, update_weights_every=0, wait_timeout=20)
+    cb.collect(4)
+    stored = layouts.read_tokens(rb[:], "full").tolist()
+    ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
+    trainer = SFTTrainer(model=model, args=_sft_args(tmp_path, 50), train_dataset=ds.as_hf_dataset(),
+                         processing_class=tok, callbacks=[cb])
+    t0 = time.monotonic()
+    with cb, pytest.raises(CollectorError, match="simulated generation failure|died") as info:
+        trainer.train()
+    assert time.monotonic() - t0 < 60
+    assert "simulated generation failure" in repr(info.value.__cause__)
+    assert trainer.state.global_step < 50
+    # nothing already stored is lost
+    now = layouts.read_tokens(rb[:], "full").tolist()
+    assert now[: len(stored)] == stored and len(now) >= 4
+    assert cb._thread is None
+
+
+@pytest.mark.timeout(60)
+def test_buffer_that_runs_dry_times_out(policy_and_tokenizer):
+    model, tok = policy_and_tokenizer
+    rb = ReplayBuffer(storage=LazyStackStorage(64))
+    policy = _FailingPolicy(testing.make_policy_wrapper(model, tok, max_new_tokens=4), sleep=30)
+    cb = CollectorCallback(_collector(model, tok, rb, policy=policy), background=True, min_buffer_size=4,
+                           wait_timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="holds 0 items after waiting"):
+        cb.on_train_begin(None, None, None)
+    assert time.monotonic() - t0 < 5
+    cb._stop.set()  # the sleeping thread is a daemon; it exits after its call
+    # an empty buffer is an error for the dataset, not a hang
+    with pytest.raises(ValueError, match="replay buffer is empty"):
+        next(iter(TorchRLBufferDataset(ReplayBuffer(storage=LazyStackStorage(4)), 2, keys=["x"])))
+    with pytest.raises(TimeoutError):
+        wait_for_items(rb, 1, timeout=0.2)
+
+
+# ----------------------------------------------------------------------------
+# concurrency
+# ----------------------------------------------------------------------------
+
+
+def _item(ids):
+    n = ids.numel()
+    k = 3 + (ids % 5)  # ragged lengths derived from the id
+    return [TensorDict({"id": i, "double": 2 * i, "tokens": torch.full((int(kk),), int(i)),
+                        "text": f"item-{int(i)}"}, []) for i, kk in zip(ids, k)][:n]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("storage", ["tensor", "stack"])
+def test_concurrent_writer_and_reader_see_whole_items(storage):
+    from tensordict import lazy_stack
+
+    cap = 48
+    if storage == "tensor":
+        rb = ReplayBuffer(storage=LazyTensorStorage(cap))
+
+        def batch(ids):
+            return TensorDict({"id": ids, "double": 2 * ids, "tokens": ids[:, None].expand(-1, 6).clone()}, [len(ids)])
+    else:
+        rb = ReplayBuffer(storage=LazyStackStorage(cap))
+
+        def batch(ids):
+            return lazy_stack(_item(ids))
+
+    rb.extend(batch(torch.arange(8)))
+    written = [8]
+    stop = threading.Event()
+    errors = []
+
+    def writer():
+        try:
+            while not stop.is_set() and written[0] < 4000:
+                rb.extend(batch(torch.arange(written[0], written[0] + 8)))
+                written[0] += 8
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    keys = ["id", "double", "tokens"]
+    online = TorchRLBufferDataset(rb, 8, keys=keys, num_batches=None, seed=0)
+    epoch = TorchRLBufferDataset(rb, 8, keys=keys, mode="epoch")
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    rows = 0
+    try:
+        for _ in range(15):  # rounds, each an online burst and an epoch pass over what is there
+            it = iter(online)
+            for _ in range(40):
+                rows += _check_row(next(it), written[0])
+            for row in epoch:
+                rows += _check_row(row, written[0])
+    finally:
+        stop.set()
+        t.join(10)
+    assert not errors, errors
+    assert written[0] > 8 * 10, "the writer barely ran: no real concurrency"
+    assert rows > 500
+
+
+def _check_row(row, written):
+    i = int(row["id"])
+    assert 0 <= i < written + 8
+    assert int(row["double"]) == 2 * i
+    tokens = torch.as_tensor(row["tokens"])
+    assert tokens.numel() > 0 and (tokens == i).all(), (i, tokens)
+    return 1
