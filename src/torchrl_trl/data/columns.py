@@ -18,7 +18,7 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 
-__all__ = ["ColumnSpec", "column_name", "missing_key_error", "read_key", "to_nested_key"]
+__all__ = ["ColumnSpec", "column_name", "missing_key_error", "read_key", "read_key_columnar", "to_nested_key", "to_pylist"]
 
 ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
 _PARTS = ("prompt", "response", "full")
@@ -56,6 +56,39 @@ def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tupl
     Raises:
         KeyError: naming ``key`` and the available keys when it is missing.
     """
+    values, dtype = read_key_columnar(td, key)
+    if python:
+        return to_pylist(values), dtype
+    if isinstance(values, layouts.Ragged):
+        return list(values.split()), dtype
+    if isinstance(values, torch.Tensor):
+        return list(values.unbind(0)), dtype
+    return list(values), dtype
+
+
+def to_pylist(values: Any) -> list:
+    """A column from :func:`read_key_columnar` as one Python value per row (lists for
+    tensors and ragged rows)."""
+    if type(values) is list:
+        return values
+    if isinstance(values, torch.Tensor) and values.dtype == torch.bfloat16:
+        values = values.float()
+    if hasattr(values, "tolist"):
+        return values.tolist()
+    return list(values)
+
+
+def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dtype | None]:
+    """``key``'s values for the whole batch in their cheapest form, one row per entry:
+
+    a tensor ``[B, ...]`` (dense leaves), a :class:`~torchrl_trl.layouts.Ragged`
+    (``tokens.<part>``: only the real tokens) or a list (text, messages, non-tensor data,
+    ragged/nested leaves as per-row Python lists). Also returns the source tensor dtype
+    (``None`` for non-tensor data).
+
+    Raises:
+        KeyError: naming ``key`` and the available keys when it is missing.
+    """
     key = to_nested_key(key)
     if not layouts.has_key(td, key):
         raise missing_key_error(td, key, "column")
@@ -64,14 +97,12 @@ def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tupl
         if tkey[0] == "history":
             return layouts.read_history(td, tkey[1]), None
         ragged = layouts.read_tokens(td, tkey[1])
-        return (ragged.tolist() if python else list(ragged.split())), ragged.values.dtype
+        return ragged, ragged.values.dtype
     value = _get_dense(td, key)
     if value is None:  # ragged lazy stack: one tensor per row
         rows = layouts.read_column(td, key)
         dtype = rows[0].dtype if rows and isinstance(rows[0], torch.Tensor) else None
-        if python:
-            rows = [r.tolist() if isinstance(r, torch.Tensor) else r for r in rows]
-        return rows, dtype
+        return _RaggedRows(rows), dtype
     if isinstance(value, (NonTensorData, NonTensorStack)):
         return layouts.read_column(td, key), None
     if is_tensor_collection(value):
@@ -81,11 +112,17 @@ def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tupl
         )
     if isinstance(value, torch.Tensor):
         if value.is_nested:
-            rows = list(value.unbind(0))
-            return ([r.tolist() for r in rows] if python else rows), value.dtype
-        flat = value.reshape(-1, *value.shape[td.batch_dims :])
-        return (flat.tolist() if python else list(flat.unbind(0))), value.dtype
+            return _RaggedRows(list(value.unbind(0))), value.dtype
+        return value.reshape(-1, *value.shape[td.batch_dims :]), value.dtype
     return layouts.read_column(td, key), None
+
+
+class _RaggedRows(list):
+    """Per-row values (tensors of different shapes, or anything else) read row by row;
+    ``tolist`` converts each tensor row to Python."""
+
+    def tolist(self) -> list:
+        return [r.tolist() if isinstance(r, torch.Tensor) else r for r in self]
 
 
 def _get_dense(td: TensorDictBase, key: NestedKey) -> Any:

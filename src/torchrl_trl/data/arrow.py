@@ -1,0 +1,175 @@
+"""Column batches -> ``datasets``: a typed examples iterable that skips per-row encoding.
+
+``IterableDataset.from_generator(..., features=...)`` encodes and decodes every row one at
+a time (``Features.encode_example`` / ``decode_example``, tensors cast to Python lists).
+:class:`ColumnarExamplesIterable` instead gets whole batches of columns and tells
+``datasets`` its rows are already typed (``is_typed``, ``features``), so they pass through
+untouched; rows are built from each batch in one go (one ``tolist`` per column), and the
+Arrow path (``iter_arrow``: ``with_format("torch"/"numpy"/"arrow")``, batched ``map``)
+builds one ``pyarrow.Table`` per batch, with token lists made from flat values + offsets
+(no per-row Python).
+
+A column batch is ``{name: values}`` with ``values`` one of: a list (one Python value per
+row), a tensor ``[B, ...]`` (one row per leading index) or a :class:`~torchrl_trl.layouts.Ragged`
+(one sequence per row).
+
+This module imports ``datasets``: import it only where a Hugging Face dataset is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from copy import deepcopy
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from datasets import DatasetInfo, IterableDataset
+from datasets.iterable_dataset import _BaseExamplesIterable  # the examples-iterable protocol
+
+from ..layouts import Ragged
+from .columns import to_pylist as column_to_pylist
+
+__all__ = ["ColumnarExamplesIterable", "column_to_pylist", "columns_to_table", "make_iterable_dataset"]
+
+ColumnBatch = Mapping[str, Any]
+
+
+def _numpy(t: torch.Tensor, dtype) -> np.ndarray:
+    """``t`` flattened as a numpy array of the Arrow value type ``dtype`` (no copy when the
+    dtypes agree)."""
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    arr = t.detach().cpu().reshape(-1).numpy()
+    want = dtype.to_pandas_dtype() if pa.types.is_integer(dtype) or pa.types.is_floating(dtype) else None
+    return arr if want is None or arr.dtype == want else arr.astype(want)
+
+
+def _column_to_arrow(values: Any, arrow_type):
+    if isinstance(values, Ragged) and (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
+        lengths = values.lengths.to(torch.int64)
+        offsets = np.zeros(lengths.numel() + 1, dtype=np.int64 if pa.types.is_large_list(arrow_type) else np.int32)
+        np.cumsum(lengths.numpy(), out=offsets[1:])
+        cls = pa.LargeListArray if pa.types.is_large_list(arrow_type) else pa.ListArray
+        return cls.from_arrays(offsets, pa.array(_numpy(values.values, arrow_type.value_type)), type=arrow_type)
+    if isinstance(values, torch.Tensor):
+        if values.ndim == 1 and not pa.types.is_nested(arrow_type):
+            return pa.array(_numpy(values, arrow_type), type=arrow_type)
+        if values.ndim == 2 and pa.types.is_list(arrow_type) and not pa.types.is_nested(arrow_type.value_type):
+            n, t = values.shape
+            offsets = np.arange(0, n * t + 1, t, dtype=np.int32)
+            return pa.ListArray.from_arrays(offsets, pa.array(_numpy(values, arrow_type.value_type)), type=arrow_type)
+    return pa.array(column_to_pylist(values), type=arrow_type)
+
+
+def columns_to_table(cols: ColumnBatch, features):
+    """A ``pyarrow.Table`` with ``features``' schema from one column batch."""
+    schema = features.arrow_schema
+    arrays = [_column_to_arrow(cols[name], schema.field(name).type) for name in features]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _rows(cols: ColumnBatch) -> Iterator[dict]:
+    names = list(cols)
+    for row in zip(*(column_to_pylist(v) for v in cols.values())):
+        yield dict(zip(names, row))
+
+
+class ColumnarExamplesIterable(_BaseExamplesIterable):
+    """Examples iterable over ``generate_batches(shard_ids) -> ((key, column batch), ...)``.
+
+    Shards are ``shard_ids`` (a list of ints): ``datasets`` splits them over ranks and
+    DataLoader workers (``shard_data_sources``) and permutes them
+    (``shuffle_data_sources``), as for a generator's list ``gen_kwargs``.
+    """
+
+    def __init__(self, generate_batches: Callable[[list[int]], Iterator[tuple[Any, ColumnBatch]]],
+                 shard_ids: list[int], features) -> None:
+        super().__init__()
+        self.generate_batches = generate_batches
+        self.shard_ids = list(shard_ids)
+        self._features = features
+
+    # -- typing: rows already match ``features``, so datasets applies nothing per row
+    @property
+    def is_typed(self) -> bool:
+        return True
+
+    @property
+    def features(self):
+        return self._features
+
+    @property
+    def iter_arrow(self):
+        return self._iter_arrow
+
+    @property
+    def sleep_on_threads_shutdown(self) -> bool:
+        return False
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_ids)
+
+    def _init_state_dict(self) -> dict:
+        self._state_dict = {"shard_idx": 0, "shard_example_idx": 0, "type": type(self).__name__}
+        return self._state_dict
+
+    def _batches(self) -> Iterator[tuple[int, Any, ColumnBatch, int]]:
+        """``(start, key, cols, n)``: batches left to read, ``start`` rows to skip in the
+        first one (resuming from a state dict)."""
+        state = self._state_dict
+        first_shard = state["shard_idx"] if state else 0
+        for s in self.shard_ids[first_shard:]:
+            skip = state["shard_example_idx"] if state else 0
+            seen = 0
+            for key, cols in self.generate_batches([s]):
+                n = len(next(iter(cols.values()))) if cols else 0
+                if seen + n > skip:
+                    yield max(skip - seen, 0), key, cols, n
+                seen += n
+            if state:
+                state["shard_idx"] += 1
+                state["shard_example_idx"] = 0
+
+    def __iter__(self):
+        state = self._state_dict
+        for start, key, cols, _ in self._batches():
+            for i, row in enumerate(_rows(cols)):
+                if i < start:
+                    continue
+                if state:
+                    state["shard_example_idx"] += 1
+                yield f"{key}_{i}", row
+
+    def _iter_arrow(self):
+        state = self._state_dict
+        for start, key, cols, n in self._batches():
+            table = columns_to_table(cols, self._features)
+            if start:
+                table = table.slice(start)
+            if state:
+                state["shard_example_idx"] += n - start
+            yield key, table
+
+    def _with_shards(self, shard_ids: list[int]) -> ColumnarExamplesIterable:
+        return ColumnarExamplesIterable(self.generate_batches, shard_ids, self._features)
+
+    def shuffle_data_sources(self, generator: np.random.Generator) -> ColumnarExamplesIterable:
+        order = deepcopy(generator).permutation(len(self.shard_ids))
+        return self._with_shards([self.shard_ids[i] for i in order])
+
+    def shard_data_sources(self, num_shards: int, index: int, contiguous=True) -> ColumnarExamplesIterable:
+        picked = self.split_shard_indices_by_worker(num_shards, index, contiguous=contiguous)
+        return self._with_shards([self.shard_ids[i] for i in picked])
+
+    def reshard_data_sources(self) -> ColumnarExamplesIterable:
+        return self._with_shards(self.shard_ids)
+
+
+def make_iterable_dataset(generate_batches, shard_ids: list[int], features):
+    """A ``datasets.IterableDataset`` declaring ``features`` whose rows come from
+    ``generate_batches(shard_ids)`` column batches without per-row encoding."""
+    ex_iterable = ColumnarExamplesIterable(generate_batches, shard_ids, features)
+    return IterableDataset(ex_iterable, info=DatasetInfo(features=features))
