@@ -1,0 +1,140 @@
+"""Ray: a RayLLMCollector actor writes into a RayReplayBuffer while a TRL trainer trains
+from it; weights pushed to the actor; a killed collector actor and a killed buffer actor
+give clear errors, never a hang."""
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import torch  # noqa: E402
+
+from torchrl_trl import layouts  # noqa: E402
+from torchrl_trl.data import TorchRLBufferDataset  # noqa: E402
+from torchrl_trl.online import CollectorCallback, CollectorError, wait_for_items  # noqa: E402
+from torchrl_trl.online.ray import make_ray_collector, make_ray_replay_buffer  # noqa: E402
+
+ROWS = [{"query": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import sys
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    # the actor's factories live in this test module, which Ray workers cannot import
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+def _env_factory():
+    from tensordict import set_list_to_stack
+
+    from torchrl_trl import testing
+
+    set_list_to_stack(True).set()
+    return testing.make_chat_env(ROWS, batch_size=2, group_size=2)
+
+
+def _policy_factory():
+    import torch
+
+    from torchrl_trl import testing
+
+    torch.set_num_threads(1)
+    tok = testing.make_tokenizer()
+    return testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=4)
+
+
+def _versions(rb):
+    return [int(v) for v in layouts.read_column(rb[:], ("next", "policy_version"))]
+
+
+@pytest.mark.timeout(150)
+def test_ray_collector_feeds_trainer_then_faults(ray_session, tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    from torchrl_trl import testing
+
+    rb = make_ray_replay_buffer(256)
+    collector = make_ray_collector(_env_factory, _policy_factory, rb, dialog_turns_per_batch=4)
+    try:
+        cb = CollectorCallback(collector, replay_buffer=rb, min_buffer_size=4, wait_timeout=90, update_weights_every=1)
+        cb.start()
+        wait_for_items(rb, 4, timeout=90, check=cb.check)
+        tok = testing.make_tokenizer()
+        model = testing.make_policy(tok)
+        ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
+        seen = []
+
+        class Recording(SFTTrainer):
+            def compute_loss(self, model, inputs, *a, **k):
+                for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"]):
+                    seen.append(tuple(ids[mask.bool()].tolist()))
+                return super().compute_loss(model, inputs, *a, **k)
+
+        args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, use_cpu=True, bf16=False,
+                         report_to=[], logging_steps=1, save_strategy="no", dataloader_num_workers=0)
+        trainer = Recording(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
+        cb.attach(trainer)
+        trainer.train()
+        assert trainer.state.global_step == 3
+        # three pushes reached the actor: its PolicyVersion is 3, and rollouts made after
+        # the last push carry version 3
+        assert collector.policy_version == 3
+        deadline = time.monotonic() + 60
+        while 3 not in _versions(rb):
+            assert time.monotonic() < deadline, f"no version-3 rollout; versions {sorted(set(_versions(rb)))}"
+            time.sleep(0.2)
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        assert [h["collector/policy_version"] for h in logs] == [1, 2, 3]
+        assert all(h["collector/buffer_size"] >= 4 for h in logs)
+        # what the trainer trained on was written by the actor
+        td = rb[:]
+        stored = {tuple(p + r) for p, r in zip(layouts.read_tokens(td, "prompt").tolist(),
+                                               layouts.read_tokens(td, "response").tolist())}
+        assert len(seen) == 12 and set(seen) <= stored
+
+        # fault 1: the collector actor is killed -> clear error; the buffer keeps its data
+        cb2 = CollectorCallback(collector, replay_buffer=rb)
+        cb2._started_remote = True
+        ray.kill(collector._collector, no_restart=True)
+        with pytest.raises(CollectorError, match="unreachable|stopped"):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                cb2.check()
+                time.sleep(0.1)
+        n = len(rb)
+        assert n >= 4 and len(_versions(rb)) == n
+        with pytest.raises(TimeoutError):  # nobody writes anymore: waiting is bounded
+            wait_for_items(rb, n + 1, timeout=0.5)
+        epoch = TorchRLBufferDataset(rb, 4, format="sft_tokenized", mode="epoch")
+        assert len(list(epoch)) == n
+    finally:
+        rb.close()
+    # fault 2: the buffer actor is gone -> the reader fails fast
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        next(iter(ds))
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(60)
+def test_ray_buffer_epoch_reads_each_item_once(ray_session):
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage
+
+    rb = make_ray_replay_buffer(32, storage=LazyTensorStorage)
+    try:
+        rb.extend(TensorDict({"id": torch.arange(10), "x": 3 * torch.arange(10)}, [10]))
+        ranks = [list(TorchRLBufferDataset(rb, 3, keys=["id", "x"], mode="epoch", shuffle=True, seed=2,
+                                           rank=r, world_size=2)) for r in range(2)]
+        ids = sorted(int(row["id"]) for rows in ranks for row in rows)
+        assert ids == list(range(10)) and all(ranks)
+        assert all(int(row["x"]) == 3 * int(row["id"]) for rows in ranks for row in rows)
+        rows = list(TorchRLBufferDataset(rb, 4, keys=["id"], index_column="index", mode="epoch").as_hf_dataset())
+        assert [r["index"] for r in rows] == [r["id"] for r in rows] == list(range(10))
+    finally:
+        rb.close()
