@@ -6,6 +6,8 @@ imports ``trl``, ``datasets`` or ``ray``):
 - TorchRL -> TRL data: :class:`TorchRLBufferDataset`, :func:`register_format`,
   :class:`BufferFormat`, :func:`available_formats`
 - HF/TRL -> TorchRL rewards: :class:`HFRewardModelWrapper`, :class:`HFRewardTransform`
+- reward functions both ways: :class:`RewardFunctionWrapper` (TRL-style functions in
+  TorchRL), :func:`as_trl_reward_func` (TorchRL rewards as TRL ``reward_funcs``)
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ _EXPORTS = {
     "HFRewardModelWrapper": "torchrl_trl.rewards",
     "HFRewardTransform": "torchrl_trl.rewards",
     "load_reward_model": "torchrl_trl.rewards",
+    "RewardFunctionWrapper": "torchrl_trl.rewards.functions",
+    "as_trl_reward_func": "torchrl_trl.rewards.trl_funcs",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -46,3 +50,5 @@ def __dir__():
 if TYPE_CHECKING:
     from .data import BufferFormat, TorchRLBufferDataset, available_formats, get_format, register_format
     from .rewards import HFRewardModelWrapper, HFRewardTransform, load_reward_model
+    from .rewards.functions import RewardFunctionWrapper
+    from .rewards.trl_funcs import as_trl_reward_func
