@@ -88,6 +88,16 @@ class Ragged:
     Attributes:
         values: ``[sum(lengths)]`` all samples' elements, concatenated.
         lengths: int64 ``[N]`` length of each sample.
+
+    Examples:
+        >>> seqs = Ragged.from_list([[1, 2, 3], [4]])
+        >>> seqs.tolist(), seqs.lengths.tolist()
+        ([[1, 2, 3], [4]], [3, 1])
+        >>> ids, mask = seqs.to_padded(0, side="left")
+        >>> ids.tolist()
+        [[1, 2, 3], [0, 0, 4]]
+        >>> seqs.select([1, 0]).tolist()
+        [[4], [1, 2, 3]]
     """
 
     values: torch.Tensor
@@ -246,6 +256,21 @@ def read_tokens(
 
     Returns:
         :class:`Ragged` int64 token ids, one sample per batch element (flattened).
+
+    Examples:
+        Left-padded tokens (``pad_output=True``) and ragged ones read the same:
+
+        >>> import torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> padded = TensorDict({
+        ...     "tokens": {"full": torch.tensor([[0, 5, 6], [7, 8, 9]])},
+        ...     "masks": {"all_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])},
+        ... }, batch_size=[2])
+        >>> read_tokens(padded).tolist()
+        [[5, 6], [7, 8, 9]]
+        >>> ragged = lazy_stack([TensorDict({"tokens": {"full": torch.tensor(t)}}) for t in ([5, 6], [7, 8, 9])])
+        >>> read_tokens(ragged).tolist()
+        [[5, 6], [7, 8, 9]]
     """
     key = token_key(part) if key is None else key
     _require(td, key, "read_tokens")

@@ -236,6 +236,19 @@ class RewardFunctionWrapper(Transform):
           written (``extend``), not again when sampled (once attached to an env or a
           buffer, calling ``forward`` directly is a no-op). Transforms run in reverse order on
           write, so append it *after* ``MCAdvantage`` to score before the advantage.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> def length_reward(prompts, completions, **kwargs):
+        ...     return [float(len(c)) for c in completions]
+        >>> def says_hi(prompts, completions, **kwargs):
+        ...     return [1.0 if "hi" in c else None for c in completions]
+        >>> rollouts = TensorDict(
+        ...     {"text": {"prompt": ["q1", "q2"], "response": ["hi there", "no"]}}, batch_size=[2]
+        ... )
+        >>> wrapper = RewardFunctionWrapper([length_reward, says_hi], weights=[1.0, 10.0])
+        >>> wrapper(rollouts)["next", "reward"].flatten().tolist()  # None is excluded, not 0
+        [18.0, 2.0]
     """
 
     def __init__(

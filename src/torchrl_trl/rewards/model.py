@@ -128,6 +128,24 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         nonfinite_count: non-finite rewards seen so far (``on_nonfinite="warn"``).
         real_tokens, processed_tokens: token counters over all calls (padding
             efficiency = real / processed).
+
+    Examples:
+        Ragged rollouts (TorchRL's default ``pad_output=False``) scored in TorchRL's GRPO
+        convention:
+
+        >>> import tempfile, torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> from torchrl_trl import testing
+        >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
+        >>> scorer = HFRewardModelWrapper.for_grpo(str(paths.reward_model))
+        >>> rollouts = lazy_stack([
+        ...     TensorDict({"tokens": {"full": torch.tensor([5, 6, 7])}}),
+        ...     TensorDict({"tokens": {"full": torch.tensor([8, 9])}}),
+        ... ])
+        >>> scorer(rollouts)["next", "reward"].shape
+        torch.Size([2, 1, 1])
+        >>> scorer.score_texts(["hello", "bye"]).shape
+        torch.Size([2])
     """
 
     def __init__(

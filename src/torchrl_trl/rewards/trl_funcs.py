@@ -327,6 +327,21 @@ def as_trl_reward_func(
     Returns:
         a :class:`TRLRewardFunc`: ``f(prompts, completions, completion_ids, **kwargs)
         -> list[float]``.
+
+    Examples:
+        >>> import tempfile
+        >>> from torchrl_trl import HFRewardModelWrapper, testing
+        >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
+        >>> reward_func = as_trl_reward_func(HFRewardModelWrapper(str(paths.reward_model)), name="rm")
+        >>> reward_func.__name__
+        'rm'
+        >>> rewards = reward_func(
+        ...     prompts=[[{"role": "user", "content": "hi"}]] * 2,
+        ...     completions=[[{"role": "assistant", "content": "hello"}], [{"role": "assistant", "content": "bye"}]],
+        ...     completion_ids=[[1], [2]],
+        ... )
+        >>> len(rewards), all(isinstance(r, float) for r in rewards)
+        (2, True)
     """
     return TRLRewardFunc(
         reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns
