@@ -8,6 +8,8 @@ imports ``trl``, ``datasets`` or ``ray``):
 - HF/TRL -> TorchRL rewards: :class:`HFRewardModelWrapper`, :class:`HFRewardTransform`
 - reward functions both ways: :class:`RewardFunctionWrapper` (TRL-style functions in
   TorchRL), :func:`as_trl_reward_func` (TorchRL rewards as TRL ``reward_funcs``)
+- online: :class:`CollectorCallback` (a TorchRL collector alongside a TRL trainer),
+  :class:`StalenessFilter`, :func:`update_priorities`, :class:`BufferCheckpointCallback`
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ _EXPORTS = {
     "load_reward_model": "torchrl_trl.rewards",
     "RewardFunctionWrapper": "torchrl_trl.rewards.functions",
     "as_trl_reward_func": "torchrl_trl.rewards.trl_funcs",
+    "CollectorCallback": "torchrl_trl.online",
+    "CollectorError": "torchrl_trl.online",
+    "StalenessFilter": "torchrl_trl.online",
+    "update_priorities": "torchrl_trl.online",
+    "TensorPrioritizedSampler": "torchrl_trl.online",
+    "BufferCheckpointCallback": "torchrl_trl.online",
+    "save_buffer": "torchrl_trl.online",
+    "load_buffer": "torchrl_trl.online",
+    "wait_for_items": "torchrl_trl.online",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -51,4 +62,15 @@ if TYPE_CHECKING:
     from .data import BufferFormat, TorchRLBufferDataset, available_formats, get_format, register_format
     from .rewards import HFRewardModelWrapper, HFRewardTransform, load_reward_model
     from .rewards.functions import RewardFunctionWrapper
+    from .online import (
+        BufferCheckpointCallback,
+        CollectorCallback,
+        CollectorError,
+        StalenessFilter,
+        TensorPrioritizedSampler,
+        load_buffer,
+        save_buffer,
+        update_priorities,
+        wait_for_items,
+    )
     from .rewards.trl_funcs import as_trl_reward_func
