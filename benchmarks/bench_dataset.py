@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import tempfile
 import time
 
@@ -45,8 +46,12 @@ def collator():
 
 
 def drain(hf, batch_size=16, limit=None):
-    """Rows/s through a trainer-style DataLoader + TRL's collator."""
+    """Rows/s through a trainer-style DataLoader + TRL's collator (no trainer preprocessing)."""
     loader = DataLoader(hf, batch_size=batch_size, collate_fn=collator())
+    return _rate(loader, limit)
+
+
+def _rate(loader, limit=None):
     n, t = 0, time.perf_counter()
     for batch in loader:
         n += batch["input_ids"].shape[0]
@@ -55,23 +60,75 @@ def drain(hf, batch_size=16, limit=None):
     return n / (time.perf_counter() - t)
 
 
-def fixed_length(rows=4096, t=256, batch=256):
+def sft_loader(hf, tmp, batch_size=16):
+    """The DataLoader ``SFTTrainer`` itself builds from ``hf``: its dataset preparation
+    (labels, truncation to ``max_length``, filtering), accelerate's loader, its collator."""
+    from trl import SFTConfig, SFTTrainer
+
+    from torchrl_trl import testing
+
+    tok = testing.make_tokenizer()
+    args = SFTConfig(output_dir=tmp, max_steps=1, per_device_train_batch_size=batch_size, use_cpu=True, bf16=False,
+                     report_to=[], save_strategy="no", disable_tqdm=True)
+    trainer = SFTTrainer(model=testing.make_policy(tok), args=args, train_dataset=hf, processing_class=tok)
+    return trainer.get_train_dataloader()
+
+
+def compare(named_fns, repeats):
+    """Run each ``fn() -> rate`` once as warm-up, then ``repeats`` times interleaved (so
+    the machine's load hits every side alike). Returns ``{name: median rate}`` and, for
+    each name, the median of its per-round ratio against the first one."""
+    for fn in named_fns.values():
+        fn()
+    rates = {name: [] for name in named_fns}
+    for _ in range(repeats):
+        for name, fn in named_fns.items():
+            rates[name].append(fn())
+    base = next(iter(rates))
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    ratio = {name: statistics.median([a / b for a, b in zip(r, rates[base])]) for name, r in rates.items()}
+    return med, ratio
+
+
+def _line(title, med, ratio, target=None):
+    base = next(iter(med))
+    parts = [f"{name} {rate:,.0f} rows/s" for name, rate in med.items()]
+    ratios = " | ".join(f"{name}/{base} {ratio[name]:.2f}x" for name in list(med)[1:])
+    print(f"[{title}] " + " | ".join(parts) + f" | {ratios}" + (f" (target {target})" if target else ""))
+
+
+def fixed_length(rows=4096, t=256, batch=256, repeats=5):
+    import warnings
+
     from datasets import IterableDataset
     from torchrl.modules.llm.trl_interop import TorchRLBufferDataset as Upstream
 
+    warnings.filterwarnings("ignore", message="To copy construct from a tensor")
     rb = ReplayBuffer(storage=LazyTensorStorage(rows))
     rb.extend(TensorDict({"input_ids": torch.randint(1, 100, (rows, t))}, [rows]))
     nb = rows // batch
     up = Upstream(rb, batch, keys=["input_ids"], num_batches=nb).as_hf_dataset()
     ours = TorchRLBufferDataset(rb, batch, keys=["input_ids"], num_batches=nb).as_hf_dataset()
-    assert isinstance(ours, IterableDataset)
-    drain(up, limit=512), drain(ours, limit=512)  # warm-up
-    r_up, r_ours = drain(up), drain(ours)
-    print(f"[fixed T={t} rows={rows} batch={batch}] upstream {r_up:,.0f} rows/s | ours {r_ours:,.0f} rows/s "
-          f"| ratio {r_ours / r_up:.2f}x (target >= 2x)")
+    ours_t = TorchRLBufferDataset(rb, batch, keys=["input_ids"], num_batches=nb).as_hf_dataset(tensors=True)
+    assert isinstance(ours, IterableDataset) and ours.column_names == ["input_ids"]
+    med, ratio = compare({"upstream": lambda: drain(up), "ours": lambda: drain(ours),
+                          "ours(tensors=True)": lambda: drain(ours_t)}, repeats)
+    _line(f"fixed T={t} rows={rows} batch={batch}, DataLoader + TRL collator", med, ratio, ">= 2x")
+    # what the collator alone costs per row on the row types each side yields
+    coll, ids = collator(), torch.randint(1, 100, (16, t))
+    for name, rws in [("tensor rows (upstream)", [{"input_ids": r} for r in ids.unbind(0)]),
+                      ("list rows (ours)", [{"input_ids": r} for r in ids.tolist()])]:
+        t0 = time.perf_counter()
+        for _ in range(50):
+            coll(rws)
+        print(f"    TRL collator alone on {name}: {(time.perf_counter() - t0) / 50 / 16 * 1e6:.0f} us/row")
+    with tempfile.TemporaryDirectory() as tmp:
+        up_dl, ours_dl = sft_loader(up, tmp), sft_loader(ours, tmp)
+        med, ratio = compare({"upstream": lambda: _rate(up_dl, 1024), "ours": lambda: _rate(ours_dl, 1024)}, repeats)
+    _line(f"fixed T={t}, SFTTrainer.get_train_dataloader() (its dataset preparation + collator)", med, ratio, ">= 2x")
 
 
-def ragged(rows=4096, batch=256):
+def ragged(rows=4096, batch=256, repeats=5):
     set_list_to_stack(True).set()
     g = torch.Generator().manual_seed(0)
     rb = ReplayBuffer(storage=LazyStackStorage(rows))
@@ -96,12 +153,12 @@ def ragged(rows=4096, batch=256):
     feats = Features({"input_ids": List(Value("int64")), "completion_mask": List(Value("int64"))})
     base = IterableDataset.from_generator(hand_written, features=feats)
     ours = TorchRLBufferDataset(rb, batch, format="sft_tokenized", mode="epoch").as_hf_dataset()
-    r_base, r_ours = drain(base), drain(ours)
-    print(f"[ragged rollouts rows={rows}] hand-written {r_base:,.0f} rows/s | ours {r_ours:,.0f} rows/s "
-          f"| ratio {r_ours / r_base:.2f}x")
+    assert next(iter(ours)) == next(iter(base))
+    med, ratio = compare({"hand-written": lambda: drain(base), "ours": lambda: drain(ours)}, repeats)
+    _line(f"ragged rollouts rows={rows}, DataLoader + TRL collator", med, ratio, ">= 1x")
 
 
-def sft_step(rows=512, t=64, steps=16):
+def sft_step(rows=512, t=64, steps=16, repeats=3):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -111,22 +168,24 @@ def sft_step(rows=512, t=64, steps=16):
     rb = ReplayBuffer(storage=LazyTensorStorage(rows))
     ids = torch.randint(5, 100, (rows, t))
     rb.extend(TensorDict({"input_ids": ids}, [rows]))
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ["in-memory Dataset", "buffer (epoch)", "in-memory Dataset ", "buffer (epoch) "]:
-            if name.startswith("buffer"):
+
+        def run(kind):
+            if kind == "buffer":
                 ds = TorchRLBufferDataset(rb, 64, mode="epoch", columns={"input_ids": "input_ids"}).as_hf_dataset()
             else:
                 ds = Dataset.from_dict({"input_ids": ids.tolist()})
             args = SFTConfig(output_dir=tmp, max_steps=steps, per_device_train_batch_size=8, use_cpu=True, bf16=False,
-                             report_to=[], save_strategy="no", logging_steps=10_000, disable_tqdm=True)
+                             report_to=[], save_strategy="no", logging_steps=10_000, disable_tqdm=True, seed=0)
+            torch.manual_seed(0)
             trainer = SFTTrainer(model=testing.make_policy(tok), args=args, train_dataset=ds, processing_class=tok)
             t0 = time.perf_counter()
             trainer.train()
-            results.setdefault(name.strip(), []).append(steps / (time.perf_counter() - t0))
-    base, ours = max(results["in-memory Dataset"]), max(results["buffer (epoch)"])
-    print(f"[SFT step, tiny model, T={t}] in-memory Dataset {base:.1f} steps/s | buffer {ours:.1f} steps/s "
-          f"| ratio {ours / base:.3f} (target >= 0.95)")
+            return steps / (time.perf_counter() - t0)
+
+        med, ratio = compare({"in-memory Dataset": lambda: run("memory"), "buffer (epoch)": lambda: run("buffer")}, repeats)
+    print(f"[SFT step, tiny model, T={t}, {steps} steps of 8] in-memory Dataset {med['in-memory Dataset']:.1f} steps/s | "
+          f"buffer {med['buffer (epoch)']:.1f} steps/s | ratio {ratio['buffer (epoch)']:.3f} (target >= 0.95)")
 
 
 def scale(rows, t=512, batch=1024):
@@ -156,14 +215,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=int, default=20_000, help="rows of the 512-token memmap epoch (full: 200000)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["fixed", "ragged", "sft", "scale"])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: on a shared 2-core machine, more threads oversubscribe "
+                             "the cores and small tensor ops get 10-30x slower; DataLoader workers also use 1)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats per comparison (median reported)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if "fixed" not in args.skip:
-        fixed_length()
+        fixed_length(repeats=args.repeats)
     if "ragged" not in args.skip:
-        ragged()
+        ragged(repeats=args.repeats)
     if "sft" not in args.skip:
-        sft_step()
+        sft_step(repeats=max(1, args.repeats // 2 + 1))
     if "scale" not in args.skip:
         scale(args.scale)
 

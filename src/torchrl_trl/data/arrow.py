@@ -70,9 +70,17 @@ def columns_to_table(cols: ColumnBatch, features):
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _rows(cols: ColumnBatch) -> Iterator[dict]:
+def _per_row(values: Any, tensors: bool) -> list:
+    if tensors and isinstance(values, Ragged):
+        return list(values.split())
+    if tensors and isinstance(values, torch.Tensor):
+        return list(values.unbind(0))
+    return column_to_pylist(values)
+
+
+def _rows(cols: ColumnBatch, tensors: bool = False) -> Iterator[dict]:
     names = list(cols)
-    for row in zip(*(column_to_pylist(v) for v in cols.values())):
+    for row in zip(*(_per_row(v, tensors) for v in cols.values())):
         yield dict(zip(names, row))
 
 
@@ -85,11 +93,12 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
     """
 
     def __init__(self, generate_batches: Callable[[list[int]], Iterator[tuple[Any, ColumnBatch]]],
-                 shard_ids: list[int], features) -> None:
+                 shard_ids: list[int], features, tensors: bool = False) -> None:
         super().__init__()
         self.generate_batches = generate_batches
         self.shard_ids = list(shard_ids)
         self._features = features
+        self.tensors = tensors  # rows hold tensor views for tensor/ragged columns
 
     # -- typing: rows already match ``features``, so datasets applies nothing per row
     @property
@@ -136,7 +145,7 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
     def __iter__(self):
         state = self._state_dict
         for start, key, cols, _ in self._batches():
-            for i, row in enumerate(_rows(cols)):
+            for i, row in enumerate(_rows(cols, self.tensors)):
                 if i < start:
                     continue
                 if state:
@@ -154,7 +163,7 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
             yield key, table
 
     def _with_shards(self, shard_ids: list[int]) -> ColumnarExamplesIterable:
-        return ColumnarExamplesIterable(self.generate_batches, shard_ids, self._features)
+        return ColumnarExamplesIterable(self.generate_batches, shard_ids, self._features, self.tensors)
 
     def shuffle_data_sources(self, generator: np.random.Generator) -> ColumnarExamplesIterable:
         order = deepcopy(generator).permutation(len(self.shard_ids))
@@ -168,8 +177,9 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
         return self._with_shards(self.shard_ids)
 
 
-def make_iterable_dataset(generate_batches, shard_ids: list[int], features):
+def make_iterable_dataset(generate_batches, shard_ids: list[int], features, tensors: bool = False):
     """A ``datasets.IterableDataset`` declaring ``features`` whose rows come from
-    ``generate_batches(shard_ids)`` column batches without per-row encoding."""
-    ex_iterable = ColumnarExamplesIterable(generate_batches, shard_ids, features)
+    ``generate_batches(shard_ids)`` column batches without per-row encoding (``tensors``:
+    tensor and token columns as 1-row tensor views instead of Python lists)."""
+    ex_iterable = ColumnarExamplesIterable(generate_batches, shard_ids, features, tensors)
     return IterableDataset(ex_iterable, info=DatasetInfo(features=features))
