@@ -202,3 +202,20 @@ def test_rloo_trainer_prompts_from_buffer(rollouts, checkpoints, tmp_path):
     # 2 steps x 4 completions = the first 4 buffer prompts, each generated num_generations=2 times
     assert seen == [row for row in stored for _ in range(2)]
     assert trainer.state.global_step == 2
+
+
+def test_full_circle_reward_model_learns_the_function(tmp_path):
+    """examples/full_circle.py: buffer -> RewardTrainer -> saved RM by path -> TorchRL scores
+    held-out rollouts. Measured over seeds 0-2: trained 0.78-0.85, the untrained RM 0.37-0.46,
+    randomly initialised RMs 0.31-0.65 on such held-out pairs; 0.70 is above all of those."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "full_circle.py"
+    spec = importlib.util.spec_from_file_location("full_circle", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.run(tmp_path, seed=0)
+    assert result["heldout_pairs"] >= 30
+    assert result["accuracy"] >= 0.70, result
+    assert result["accuracy"] - result["untrained_accuracy"] >= 0.2, result
