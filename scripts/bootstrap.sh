@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment and install torchrl-trl into it.
-#   usage: source scripts/bootstrap.sh [extras]     e.g. extras="tests" or "demo,docs"
+#   usage: source scripts/bootstrap.sh
+# One environment serves the demo, the tests and the docs (extras: tests, docs).
 # torch is installed first and alone (pip install torch==2.13.0 takes the CPU build this
 # machine carries; a bare "torch" requirement would resolve to a multi-GB CUDA build).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${TORCHRL_TRL_VENV:-$ROOT/.venv}"
-EXTRAS="${1:-tests}"
+EXTRAS="tests,docs"
 PY="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
-STAMP="$VENV/.torchrl-trl-$EXTRAS-$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha1sum | cut -c1-12)"
+STAMP="$VENV/.torchrl-trl-$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha1sum | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
     "$VENV/bin/python" -m pip install --quiet -c "$ROOT/constraints.txt" -e "$ROOT[$EXTRAS]"
     touch "$STAMP"

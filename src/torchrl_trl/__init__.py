@@ -4,7 +4,8 @@ Public names (imported on first use, so ``import torchrl_trl`` stays light and n
 imports ``trl``, ``datasets`` or ``ray``):
 
 - TorchRL -> TRL data: :class:`TorchRLBufferDataset`, :func:`register_format`,
-  :class:`BufferFormat`, :func:`available_formats`
+  :class:`BufferFormat`, :func:`available_formats`; scored groups -> offline trainer rows:
+  :func:`best_of_n`, :func:`preference_pairs`, :func:`kto_rows`
 - HF/TRL -> TorchRL rewards: :class:`HFRewardModelWrapper`, :class:`HFRewardTransform`
 - reward functions both ways: :class:`RewardFunctionWrapper` (TRL-style functions in
   TorchRL), :func:`as_trl_reward_func` (TorchRL rewards as TRL ``reward_funcs``)
@@ -26,6 +27,12 @@ _EXPORTS = {
     "available_formats": "torchrl_trl.data",
     "get_format": "torchrl_trl.data",
     "register_format": "torchrl_trl.data",
+    "best_of_n": "torchrl_trl.data.preference",
+    "preference_pairs": "torchrl_trl.data.preference",
+    "kto_rows": "torchrl_trl.data.preference",
+    "SkipStats": "torchrl_trl.data.groups",
+    "SkippedRolloutsWarning": "torchrl_trl.data.groups",
+    "find_groups": "torchrl_trl.data.groups",
     "HFRewardModelWrapper": "torchrl_trl.rewards",
     "HFRewardTransform": "torchrl_trl.rewards",
     "load_reward_model": "torchrl_trl.rewards",
@@ -62,6 +69,8 @@ if TYPE_CHECKING:
     from .data import BufferFormat, TorchRLBufferDataset, available_formats, get_format, register_format
     from .rewards import HFRewardModelWrapper, HFRewardTransform, load_reward_model
     from .rewards.functions import RewardFunctionWrapper
+    from .data.groups import SkippedRolloutsWarning, SkipStats, find_groups
+    from .data.preference import best_of_n, kto_rows, preference_pairs
     from .online import (
         BufferCheckpointCallback,
         CollectorCallback,

@@ -304,7 +304,9 @@ def run_best_of_n_sft(model, tokenizer, archive, cfg: DemoConfig) -> dict:
     from torchrl_trl import TorchRLBufferDataset, best_of_n
 
     best = best_of_n(archive, k=1)
-    dataset = TorchRLBufferDataset(best, batch_size=8, format="sft_conversational", mode="epoch")
+    # MCAdvantage's regrouping keeps ("history", "full") but not the prompt/response
+    # split, so train on whole chats and let the template's generation tags mask the prompt
+    dataset = TorchRLBufferDataset(best, batch_size=8, format="sft_messages", mode="epoch")
     before = measure_true_score(model, tokenizer, cfg)
     args = SFTConfig(
         output_dir=str(cfg.output_dir / "sft"),
@@ -319,7 +321,7 @@ def run_best_of_n_sft(model, tokenizer, archive, cfg: DemoConfig) -> dict:
         bf16=False,
         seed=cfg.seed,
         disable_tqdm=True,
-        completion_only_loss=True,
+        assistant_only_loss=True,
     )
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset.as_hf_dataset(), processing_class=tokenizer
@@ -371,7 +373,11 @@ def summary_table(results: dict) -> str:
 
 def _write_outputs(results: dict, output_dir: Path) -> None:
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        _say("matplotlib is not installed (pip install 'torchrl-trl[demo]'): no reward_curve.png")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
