@@ -192,18 +192,10 @@ def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
     heldout = preference_pairs(tokenizer, 200, cfg.seed + 10_000, cfg.max_new_tokens)
     out_dir = cfg.output_dir / "reward_model"
     args = RewardConfig(
-        output_dir=str(out_dir),
+        **_quiet_trainer_args(cfg, out_dir),
         per_device_train_batch_size=16,
         num_train_epochs=cfg.reward_epochs,
         learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=cfg.device == "cpu",
-        bf16=False,
-        seed=cfg.seed,
-        disable_tqdm=True,
     )
     trainer = RewardTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(train_pairs), processing_class=tokenizer
@@ -309,18 +301,10 @@ def run_best_of_n_sft(model, tokenizer, archive, cfg: DemoConfig) -> dict:
     dataset = TorchRLBufferDataset(best, batch_size=8, format="sft_messages", mode="epoch")
     before = measure_true_score(model, tokenizer, cfg)
     args = SFTConfig(
-        output_dir=str(cfg.output_dir / "sft"),
+        **_quiet_trainer_args(cfg, cfg.output_dir / "sft"),
         per_device_train_batch_size=8,
         max_steps=cfg.sft_steps,
         learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=cfg.device == "cpu",
-        bf16=False,
-        seed=cfg.seed,
-        disable_tqdm=True,
         assistant_only_loss=True,
     )
     trainer = SFTTrainer(
@@ -393,6 +377,22 @@ def _write_outputs(results: dict, output_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(output_dir / "reward_curve.png", dpi=100)
     plt.close(fig)
+
+
+def _quiet_trainer_args(cfg: DemoConfig, output_dir: Path) -> dict:
+    """TRL config arguments shared by the demo's trainers: constant LR, no checkpoints,
+    no loggers, float32 (TRL defaults to bf16, which CPUs run slowly or not at all)."""
+    return dict(
+        output_dir=str(output_dir),
+        lr_scheduler_type="constant",
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=cfg.device == "cpu",
+        bf16=False,
+        seed=cfg.seed,
+        disable_tqdm=True,
+    )
 
 
 def _train_quietly(trainer) -> None:

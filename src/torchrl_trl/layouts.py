@@ -43,6 +43,7 @@ __all__ = [
     "text_key",
     "token_key",
     "ATTENTION_MASK_KEY",
+    "TORCHRL_ROOT_KEYS",
     "to_messages",
 ]
 
@@ -50,6 +51,12 @@ Part = Literal["prompt", "response", "full"]
 _PARTS = ("prompt", "response", "full")
 
 ATTENTION_MASK_KEY: NestedKey = ("masks", "all_attention_mask")
+#: Top-level keys TorchRL's LLM envs, wrappers, collectors and losses write into rollouts
+#: (anything else at the top level, e.g. ``"answer"``, came from the dataset).
+TORCHRL_ROOT_KEYS = frozenset({
+    "text", "history", "tokens", "masks", "log_probs", "next", "done", "terminated",
+    "truncated", "step_count", "reward", "action", "is_init", "collector", "advantage",
+})  # fmt: skip
 #: Where TorchRL's GRPO pipeline (``MCAdvantage``, reward parsers) reads the reward.
 REWARD_KEY: NestedKey = ("next", "reward")
 

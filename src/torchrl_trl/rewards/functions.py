@@ -37,12 +37,6 @@ InputMode = Literal["auto", "history", "text"]
 #: keyword arguments TRL passes that are not dataset columns
 TRL_EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
 
-# top-level rollout keys TorchRL itself writes: never dataset columns
-_TORCHRL_KEYS = {
-    "text", "history", "tokens", "masks", "log_probs", "next", "done", "terminated",
-    "truncated", "step_count", "reward", "action", "is_init", "collector", "advantage",
-}  # fmt: skip
-
 
 def callable_name(func: Callable) -> str:
     """The name TRL logs a reward function under (``__name__``, or the class name)."""
@@ -388,7 +382,7 @@ class RewardFunctionWrapper(Transform):
             sample = sample.tensordicts[0]
         out = {}
         for key in sample.keys():
-            if key in _TORCHRL_KEYS or key in ("prompt", "completion", "completion_ids"):
+            if key in layouts.TORCHRL_ROOT_KEYS or key in ("prompt", "completion", "completion_ids"):
                 continue
             if isinstance(sample.get(key), (NonTensorData, NonTensorStack)):
                 out[key] = (key,)

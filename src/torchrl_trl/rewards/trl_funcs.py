@@ -254,7 +254,7 @@ class TRLRewardFunc:
         parser = copy.copy(parser)
         if not in_keys:
             answer = self.columns[0] if self.columns else "answer"
-            first = ("history", "full") if chat else ("text", "response")
+            first = layouts.history_key("full") if chat else layouts.text_key("response")
             parser.in_keys = [first, answer]
         if has_mode and parser._input_mode is None:
             first = parser.in_keys[0]
