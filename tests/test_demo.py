@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-# Measured over seeds 0-3 with --quick (see the closing note): with learning the
-# true score rises by >= 0.2; with lr=0 (pure sampling noise) it moves by < 0.05.
+# Measured over seeds 0-3 with --quick: with learning (lr=3e-3) the true score rose by
+# 0.27-0.30; with lr=0 (pure sampling noise) it moved by at most 0.02.
 MIN_TRUE_SCORE_GAIN = 0.1
 
 
