@@ -63,3 +63,46 @@ def test_env_multi_turn_rewards(checkpoints, policy_and_tokenizer):
     assert n_assistant == [1, 1, 2, 2]  # the second turn scores the whole conversation
     rewards = torch.stack(data.get(("next", "reward"), as_list=True)).reshape(-1)
     torch.testing.assert_close(rewards, _history_reference(path, convs), atol=1e-5, rtol=0)
+
+
+def test_configured_wrapper_is_used_as_configured(checkpoints, policy_and_tokenizer):
+    from torchrl_trl.rewards import HFRewardModelWrapper
+
+    model, tok = policy_and_tokenizer
+    scorer = HFRewardModelWrapper.for_grpo(str(checkpoints.reward_model), policy_tokenizer=tok)
+    env = make_chat_env(ROWS, batch_size=2, group_size=1).append_transform(HFRewardTransform(scorer))
+    data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=2)[:]
+    rewards = torch.stack(data.get(("next", "reward"), as_list=True))
+    assert rewards.shape == (2, 1, 1) and not rewards.requires_grad
+    with pytest.raises(TypeError, match="reward_shape"):
+        HFRewardTransform(scorer, reward_shape="flat")
+
+
+def test_composes_with_retrieve_kl(checkpoints, policy_and_tokenizer):
+    """TorchRL's RetrieveKL, run on rollouts our transform scored, turns the reward-model
+    reward into the per-token reward ``rm_reward - kl_penalty`` (coeff 1)."""
+    from transformers import AutoModelForCausalLM
+    from torchrl.envs.llm.transforms import RetrieveKL
+
+    model, tok = policy_and_tokenizer
+    ref = AutoModelForCausalLM.from_pretrained(checkpoints.policy).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    env = make_chat_env(ROWS, batch_size=2, group_size=2)
+    env = env.append_transform(HFRewardTransform(str(checkpoints.reward_model), policy_tokenizer=tok))
+    data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)[:]
+    rm_reward = torch.stack(layouts.read_column(data, layouts.REWARD_KEY)).reshape(-1)
+
+    kl = RetrieveKL(
+        gen_model=make_policy_wrapper(model, tok, generate=False),
+        ref_model=make_policy_wrapper(ref, tok, generate=False, log_probs_key="ref_log_probs"),
+        assistant_only=True,
+        coeff=1.0,
+    )
+    out = kl(data)
+    token_rewards = out.get(("next", "reward"), as_list=True)
+    penalties = out.get(("next", "kl_penalty"), as_list=True)
+    for i in range(4):
+        torch.testing.assert_close(token_rewards[i].reshape(-1), rm_reward[i] - penalties[i].reshape(-1))
+    assert any(p.abs().sum() > 0 for p in penalties)  # the reference really differs

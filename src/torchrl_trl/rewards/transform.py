@@ -40,7 +40,9 @@ class HFRewardTransform(Transform):
 
     Args:
         model: a reward model, a local path (loaded with its tokenizer), or an
-            :class:`HFRewardModelWrapper` already configured.
+            :class:`HFRewardModelWrapper` already configured — then it is used exactly
+            as configured (its key, shape and gradient mode; e.g. build it with
+            :meth:`HFRewardModelWrapper.for_grpo`) and no other argument may be given.
 
     Keyword Args:
         reward_key: reward key *inside* ``"next"`` (env: ``next_tensordict[reward_key]``;
@@ -62,32 +64,40 @@ class HFRewardTransform(Transform):
         self,
         model: Any,
         *,
-        reward_key: NestedKey = "reward",
-        reward_shape: str = "step",
-        accumulate: bool = False,
-        inference_mode: bool = True,
+        reward_key: NestedKey | None = None,
+        reward_shape: str | None = None,
+        accumulate: bool | None = None,
+        inference_mode: bool | None = None,
         **kwargs,
     ) -> None:
         if isinstance(model, HFRewardModelWrapper):
-            if kwargs:
+            # a configured scorer is used exactly as configured: any setting given here
+            # too would be ambiguous
+            given = {"reward_key": reward_key, "reward_shape": reward_shape, "accumulate": accumulate,
+                     "inference_mode": inference_mode, **kwargs}  # fmt: skip
+            given = sorted(k for k, v in given.items() if v is not None)
+            if given:
                 raise TypeError(
                     f"pass either a configured HFRewardModelWrapper or wrapper arguments, not both "
-                    f"(got {sorted(kwargs)})"
+                    f"(got {given}); the wrapper's own settings are used"
                 )
             scorer = model
+            reward_key = _as_tuple(scorer.reward_key)
+            if reward_key[0] == "next" and len(reward_key) > 1:
+                reward_key = reward_key[1:]
         else:
+            reward_key = "reward" if reward_key is None else reward_key
             scorer = HFRewardModelWrapper(
                 model,
                 reward_key=reward_key,
-                reward_shape=reward_shape,
-                accumulate=accumulate,
-                inference_mode=inference_mode,
+                reward_shape="step" if reward_shape is None else reward_shape,
+                accumulate=bool(accumulate),
+                inference_mode=True if inference_mode is None else inference_mode,
                 **kwargs,
             )
         self._next_reward_key = _as_tuple(reward_key)
-        super().__init__(
-            in_keys=list(scorer.in_keys), out_keys=[reward_key]
-        )
+        out_key = self._next_reward_key
+        super().__init__(in_keys=list(scorer.in_keys), out_keys=[out_key[0] if len(out_key) == 1 else out_key])
         self.scorer = scorer
 
     # env: the policy output is in the root tensordict, the reward goes to "next"
