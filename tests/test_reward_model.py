@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, lazy_stack
+from tensordict import NonTensorStack, TensorDict, lazy_stack
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from torchrl_trl.rewards import HFRewardModelWrapper

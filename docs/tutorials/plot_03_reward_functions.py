@@ -17,7 +17,6 @@ Reward code written for one library runs in the other:
 # dataset column by keyword, and return one float (or ``None``) per completion.
 import tempfile
 
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrl_trl import HFRewardModelWrapper, RewardFunctionWrapper, as_trl_reward_func, layouts, testing

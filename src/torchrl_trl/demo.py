@@ -38,17 +38,6 @@ def true_score(text: str) -> float:
     return sum(c in VOWELS for c in text) / len(text) if text else 0.0
 
 
-def vowel_fraction_reward(prompts, completions, **kwargs) -> list[float]:
-    """The hidden rule as a TRL-style reward function (used only to *measure*)."""
-    return [true_score(_completion_text(c)) for c in completions]
-
-
-def _completion_text(completion) -> str:
-    if isinstance(completion, list):  # conversational: [{"role": "assistant", ...}]
-        return "".join(m["content"] for m in completion)
-    return completion
-
-
 @dataclass
 class DemoConfig:
     """Settings of :func:`run_demo`; the CLI flags map one to one."""
@@ -416,8 +405,10 @@ def _say(message: str) -> None:
 
 
 def _quiet_libraries() -> None:
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    # the libraries' own deprecation chatter; our SkippedRolloutsWarning etc. stay visible
+    for module in ("torch", "torchrl", "tensordict", "transformers", "trl", "datasets", "accelerate"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     logging.getLogger("torchrl").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 

@@ -285,9 +285,17 @@ def read_tokens(
     masks = (
         _chunks(td, mask_key) if mask_key is not None and has_key(td, mask_key) else None
     )
-    if masks is not None and part != "full":
-        masks = [_slice_mask(m, t.shape[-1], part) for m, t in zip(masks, tokens)]
-    if masks is None or any(m is None for m in masks):
+    if masks is not None:
+        if part != "full":
+            masks = [_slice_mask(m, t.shape[-1], part) for m, t in zip(masks, tokens)]
+        for m, t in zip(masks, tokens):
+            if m is None or m.shape != t.shape:
+                raise ValueError(
+                    f"read_tokens: the mask at {mask_key!r} (width {None if m is None else m.shape[-1]}) "
+                    f"does not line up with the tokens at {key!r} (shape {tuple(t.shape)}); "
+                    "expected the attention mask of the full sequence"
+                )
+    else:
         masks = [None] * len(tokens)
     widths = {t.shape[-1] for t in tokens}
     if len(widths) == 1 and all(m is not None for m in masks):

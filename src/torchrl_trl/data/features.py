@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["infer_feature", "infer_features", "string", "int64", "messages", "token_list"]
+__all__ = ["infer_feature", "string", "messages", "token_list"]
 
 _DTYPES = {
     torch.bool: "bool",
@@ -31,12 +31,6 @@ def string():
     from datasets import Value
 
     return Value("string")
-
-
-def int64():
-    from datasets import Value
-
-    return Value("int64")
 
 
 def token_list(dtype: str = "int64"):
@@ -84,11 +78,3 @@ def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
     if any(isinstance(v, (list, tuple)) for v in values):
         return List(Value(_DTYPES.get(dtype, "int64") if dtype is not None else "string"))
     raise ValueError("cannot infer a feature: every row of the column is None")
-
-
-def infer_features(columns: Mapping[str, Sequence[Any]], dtypes: Mapping[str, torch.dtype] | None = None):
-    """``datasets.Features`` for a dict of per-row column values."""
-    from datasets import Features
-
-    dtypes = dtypes or {}
-    return Features({name: infer_feature(vals, dtypes.get(name)) for name, vals in columns.items()})

@@ -24,7 +24,7 @@ name                        columns                                    read from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,11 +187,6 @@ for _fmt in (
 del _fmt
 
 
-def format_columns(fmt: BufferFormat) -> list[str]:
-    """Column names a format yields (from its declared features)."""
-    return list(fmt.features())
-
-
 def check_format(fmt: BufferFormat, td: TensorDictBase) -> None:
     """Raise ``KeyError`` naming every key ``fmt`` needs that ``td`` lacks."""
     missing = fmt.missing_keys(td)
@@ -201,7 +196,3 @@ def check_format(fmt: BufferFormat, td: TensorDictBase) -> None:
             f"format {fmt.name!r} needs keys {names} that the replay buffer's samples lack. "
             f"Available keys: {layouts.available_keys(td)}"
         )
-
-
-def as_mapping(columns: Mapping | None) -> dict:
-    return dict(columns or {})

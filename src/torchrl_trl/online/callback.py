@@ -13,6 +13,9 @@ from transformers import TrainerCallback
 
 from .staleness import VERSION_KEYS, StalenessFilter, read_policy_version
 
+#: consecutive collector batches that write nothing before ``collect`` gives up
+_MAX_EMPTY_BATCHES = 64
+
 __all__ = ["CollectorCallback", "CollectorError", "wait_for_items"]
 
 
@@ -192,8 +195,20 @@ class CollectorCallback(TrainerCallback):
             model.eval()
         try:
             with self._lock:
+                empty_batches = 0
                 while self._write_count() - start_wc < frames and not self._exhausted:
+                    before = self._write_count()
                     self._next_batch()
+                    # a write transform such as MCAdvantage may hold a few batches back
+                    # until their groups are complete, but not forever
+                    empty_batches = empty_batches + 1 if self._write_count() == before else 0
+                    if empty_batches >= _MAX_EMPTY_BATCHES and not self._exhausted:
+                        raise RuntimeError(
+                            f"{empty_batches} collector batches in a row wrote nothing into "
+                            "the replay buffer the callback watches; pass the buffer the "
+                            "collector writes to (LLMCollector(replay_buffer=...)) as "
+                            "replay_buffer="
+                        )
         except Exception as err:
             raise CollectorError(
                 f"the collector raised while collecting {frames} items "
@@ -256,8 +271,8 @@ class CollectorCallback(TrainerCallback):
         if self.remote and self._started_remote:
             try:
                 self.collector.async_shutdown(timeout=timeout)
-            except Exception:  # the actor may be gone already
-                pass
+            except Exception as err:  # the actor may be gone already
+                warnings.warn(f"CollectorCallback: remote collector shutdown failed: {err!r}", stacklevel=2)
             self._started_remote = False
 
     def close(self) -> None:

@@ -75,7 +75,13 @@ def load_buffer(replay_buffer, path: str | os.PathLike) -> dict[str, Any]:
         state = torch.load(path / "items.pt", weights_only=False)
         replay_buffer.empty()
         if state["items"]:
-            replay_buffer.extend(lazy_stack(state["items"]))
+            # the items were stored after the buffer's write transforms ran (reward
+            # scoring, MCAdvantage): put them back as they are, without running them again
+            transform, replay_buffer._transform = replay_buffer._transform, None
+            try:
+                replay_buffer.extend(lazy_stack(state["items"]))
+            finally:
+                replay_buffer._transform = transform
         replay_buffer._writer.load_state_dict(state["writer"])
         replay_buffer._sampler.load_state_dict(state["sampler"])
     if len(replay_buffer) != meta["len"]:
