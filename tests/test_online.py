@@ -130,6 +130,28 @@ def test_staleness_filter_drops_counts_and_weights():
         StalenessFilter(1)(TensorDict({"id": torch.arange(2)}, [2]))
 
 
+def test_staleness_filter_is_shared_with_worker_copies():
+    """DataLoader workers get the filter through torch's ForkingPickler: the trainer's
+    later version updates reach them, and their drops reach the trainer's counters."""
+    import io
+    import pickle
+
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  registers torch's shared-memory reductions
+
+    filt = StalenessFilter(max_staleness=1, consumer_version=0)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(filt)
+    worker_copy = pickle.loads(buf.getvalue())
+    filt.consumer_version = 3  # the trainer pushed weights after the workers started
+    batch = TensorDict({"next": {"policy_version": torch.tensor([0, 2, 3])}}, [3])
+    with pytest.warns(UserWarning, match="max_staleness=1"):
+        keep = worker_copy(batch)
+    assert keep.tolist() == [False, True, True]
+    assert filt.stats()["staleness/dropped"] == 1 and filt.seen == 3
+
+
 def _collate(rows):
     ids = torch.stack([torch.as_tensor(r["input_ids"]) for r in rows])
     return {"input_ids": ids, "labels": ids.clone(), "index": torch.as_tensor([r["index"] for r in rows])}

@@ -27,6 +27,7 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .groups import Groups, SkipStats, find_groups, take_rows
+from .offline_formats import CHOSEN_KEY, LABEL_KEY, MARGIN_KEY, REJECTED_KEY
 
 __all__ = ["best_of_n", "kto_rows", "preference_pairs"]
 
@@ -125,9 +126,9 @@ def preference_pairs(
     ci, ri = torch.tensor(chosen), torch.tensor(rejected)
     td = TensorDict(
         {
-            "chosen": take_rows(groups.rollouts, ci),
-            "rejected": take_rows(groups.rollouts, ri),
-            "margin": rewards[ci] - rewards[ri],
+            CHOSEN_KEY: take_rows(groups.rollouts, ci),
+            REJECTED_KEY: take_rows(groups.rollouts, ri),
+            MARGIN_KEY: rewards[ci] - rewards[ri],
             "group": torch.tensor(group_index, dtype=torch.long),
         },
         batch_size=[len(chosen)],
@@ -143,7 +144,6 @@ def kto_rows(
     reward_key: NestedKey = layouts.REWARD_KEY,
     group_key: NestedKey = "query",
     group_size: int | None = None,
-    label_key: NestedKey = "label",
 ):
     """Unpaired desirable/undesirable rows for ``KTOTrainer``.
 
@@ -157,12 +157,11 @@ def kto_rows(
             and groups of one are skipped.
         k: rank mode: completions per side (default ``len(group) // 2``; at most that).
         reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
-        label_key: where the bool label is written in each row.
 
     Returns:
         a new ``ReplayBuffer(LazyStackStorage)`` of the selected rollouts (tensors shared
-        with the input), each with a bool ``[]`` label at ``label_key``; ``.build_stats`` holds the :class:`SkipStats`. Read it with the
-        ``"kto"`` / ``"kto_conversational"`` formats.
+        with the input), each with a bool ``[]`` ``"label"``; ``.build_stats`` holds the
+        :class:`SkipStats`. Read it with the ``"kto"`` / ``"kto_conversational"`` formats.
     """
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"k must be a positive integer or None, got {k!r}")
@@ -209,7 +208,7 @@ def kto_rows(
     if stats.rows == 0:
         stats.report()
     out = take_rows(rows_td, index)
-    out.set(label_key, labels)
+    out.set(LABEL_KEY, labels)
     return _to_buffer(out, stats)
 
 

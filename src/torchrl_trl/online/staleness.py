@@ -46,6 +46,10 @@ def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSI
     )
 
 
+def _inverse_staleness(staleness: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + staleness.float())
+
+
 class StalenessFilter:
     """Drop (and count) rows generated more than ``max_staleness`` versions ago.
 
@@ -62,8 +66,9 @@ class StalenessFilter:
         consumer_version: initial version of the trainer's weights (set by
             :class:`CollectorCallback` after each weight push, or by hand).
 
-    Counters (thread-safe; read by :class:`CollectorCallback` into the trainer's logs):
-    ``seen``, ``dropped``, ``max_seen`` and ``stats()``.
+    Counters (in shared memory, so DataLoader workers' drops are counted too; read by
+    :class:`CollectorCallback` into the trainer's logs): ``seen``, ``dropped``,
+    ``max_seen`` and ``stats()``.
     """
 
     def __init__(
@@ -78,14 +83,44 @@ class StalenessFilter:
             raise ValueError(f"max_staleness must be a non-negative int or None, got {max_staleness!r}")
         self.max_staleness = max_staleness
         self.version_keys = tuple(version_keys)
-        self.weight_fn = weight_fn or (lambda s: 1.0 / (1.0 + s.float()))
-        self.consumer_version = int(consumer_version)
+        self.weight_fn = weight_fn or _inverse_staleness
+        # the version and the counters live in shared memory, so DataLoader worker
+        # processes (which hold a pickled copy of the filter) see the trainer's version
+        # updates and their drops reach the trainer's logs
+        self._version = torch.tensor([int(consumer_version)]).share_memory_()
+        self._counts = torch.zeros(4, dtype=torch.int64).share_memory_()  # seen, dropped, sum, max
         self._lock = threading.Lock()
-        self.seen = 0
-        self.dropped = 0
-        self._sum = 0
-        self.max_seen = 0
         self._warned = False
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def consumer_version(self) -> int:
+        """The version of the trainer's weights that staleness is measured against."""
+        return int(self._version[0])
+
+    @consumer_version.setter
+    def consumer_version(self, value: int) -> None:
+        self._version[0] = int(value)
+
+    @property
+    def seen(self) -> int:
+        return int(self._counts[0])
+
+    @property
+    def dropped(self) -> int:
+        return int(self._counts[1])
+
+    @property
+    def max_seen(self) -> int:
+        return int(self._counts[3])
 
     def staleness(self, batch: TensorDictBase) -> torch.Tensor:
         """int64 ``[B]``: ``consumer_version - version`` of each row (clamped at 0)."""
@@ -95,11 +130,11 @@ class StalenessFilter:
         stale = self.staleness(batch)
         keep = torch.ones_like(stale, dtype=torch.bool) if self.max_staleness is None else stale <= self.max_staleness
         n_drop = int((~keep).sum())
-        with self._lock:
-            self.seen += stale.numel()
-            self.dropped += n_drop
-            self._sum += int(stale.sum())
-            self.max_seen = max(self.max_seen, int(stale.max()) if stale.numel() else 0)
+        with self._lock:  # within a process; across worker processes the counts may race
+            self._counts[0] += stale.numel()
+            self._counts[1] += n_drop
+            self._counts[2] += int(stale.sum())
+            self._counts[3] = max(int(self._counts[3]), int(stale.max()) if stale.numel() else 0)
         if n_drop and not self._warned:
             self._warned = True
             warnings.warn(
@@ -115,10 +150,10 @@ class StalenessFilter:
         return [float(w) for w in self.weight_fn(self.staleness(batch))]
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
-            return {
-                "staleness/seen": self.seen,
-                "staleness/dropped": self.dropped,
-                "staleness/mean_read": self._sum / self.seen if self.seen else 0.0,
-                "staleness/max_read": self.max_seen,
-            }
+        seen, dropped, total, most = self._counts.tolist()
+        return {
+            "staleness/seen": seen,
+            "staleness/dropped": dropped,
+            "staleness/mean_read": total / seen if seen else 0.0,
+            "staleness/max_read": most,
+        }
