@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     demo.add_argument("--quick", action="store_true", help="a short run (well under a minute), as the tests use")
-    demo.add_argument("--iterations", type=int, default=40, help="GRPO iterations (default: 40; --quick caps it at 12)")
+    demo.add_argument("--iterations", type=int, default=25, help="GRPO iterations (default: 25; --quick caps it at 12)")
     demo.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same numbers")
     demo.add_argument("--device", default="cpu", help="torch device for the policy and reward model (default: cpu)")
     demo.add_argument("--policy", type=Path, default=None, help="local causal-LM checkpoint dir to use instead of the tiny built-in policy")

@@ -43,7 +43,7 @@ class DemoConfig:
     """Settings of :func:`run_demo`; the CLI flags map one to one."""
 
     output_dir: Path = Path("torchrl_trl_demo")
-    iterations: int = 40
+    iterations: int = 25
     seed: int = 0
     device: str = "cpu"
     policy: Path | None = None
@@ -362,7 +362,7 @@ def _write_outputs(results: dict, output_dir: Path) -> None:
     ax.set_xlabel("GRPO iteration")
     ax.set_ylabel("true score")
     ax2.set_ylabel("reward-model score")
-    fig.legend(loc="upper left")
+    fig.legend(loc="lower right", bbox_to_anchor=(0.86, 0.2))
     fig.tight_layout()
     fig.savefig(output_dir / "reward_curve.png", dpi=100)
     plt.close(fig)

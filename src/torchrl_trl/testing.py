@@ -40,13 +40,15 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 UNK_TOKEN = "<|unk|>"
 
-#: ChatML, the same layout as TorchRL's ``chatml_format`` template, so the policy's
-#: tokenizer and TorchRL's ``History`` render conversations identically.
+#: ChatML, the same text as TorchRL's ``chatml_format`` template, so the policy's
+#: tokenizer and TorchRL's ``History`` render conversations identically. The generation
+#: tags also cover the assistant's ``<|im_end|>``, so SFT with ``assistant_only_loss``
+#: learns to stop.
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' -%}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}{% generation %}{{ message['content'] }}"
-    "{% endgeneration %}{{ '<|im_end|>\n' }}"
+    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
     "{%- else -%}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{%- endif %}"

@@ -9,15 +9,19 @@ Traps this module handles:
   collector actor needs is ``buffer.client()``, a picklable handle without shutdown rights.
 - ``TorchRLBufferDataset(ray_buffer, ...)`` reads through the actor: each ``sample`` /
   epoch chunk is one actor round-trip, so prefer large ``batch_size`` reads.
+- Other processes (every ``torchrun`` rank) reach the same buffer by name: create it with
+  ``make_ray_replay_buffer(..., name=...)`` and call :func:`connect_ray_replay_buffer` in
+  each rank; what they get reads and writes through the actor but cannot kill it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import time
 from functools import partial
 from typing import Any
 
-__all__ = ["make_ray_collector", "make_ray_replay_buffer"]
+__all__ = ["connect_ray_replay_buffer", "make_ray_collector", "make_ray_replay_buffer"]
 
 
 def _require_ray():
@@ -35,6 +39,8 @@ def make_ray_replay_buffer(
     sampler: Callable[[], Any] | None = None,
     num_cpus: float = 0,
     ray_init_config: dict[str, Any] | None = None,
+    name: str | None = None,
+    namespace: str | None = None,
     **kwargs,
 ):
     """A ``torchrl.data.RayReplayBuffer`` (one Ray actor owns the storage).
@@ -48,6 +54,9 @@ def make_ray_replay_buffer(
         sampler: a zero-argument factory of the sampler (built inside the actor).
         num_cpus: CPUs reserved for the buffer actor (0: it only moves data).
         ray_init_config: ``ray.init`` arguments when Ray is not initialised yet.
+        name, namespace: make the actor a named Ray actor, so other processes of the
+            cluster attach to it with :func:`connect_ray_replay_buffer` (``namespace``
+            default: the current job's namespace, which other jobs do not see; pass one).
         **kwargs: other ``ReplayBuffer`` arguments (``batch_size``, ``writer`` factory...).
 
     Close it with ``buffer.close()`` (kills the actor; what it held is lost unless saved
@@ -58,9 +67,16 @@ def make_ray_replay_buffer(
 
     if sampler is not None:
         kwargs["sampler"] = sampler
+    remote_config: dict[str, Any] = {"num_cpus": num_cpus}
+    if name is not None:
+        remote_config["name"] = name
+    if namespace is not None:
+        if name is None:
+            raise ValueError("namespace= names where a named actor lives; pass name= too.")
+        remote_config["namespace"] = namespace
     return RayReplayBuffer(
         storage=partial(storage or LazyStackStorage, capacity),
-        remote_config={"num_cpus": num_cpus},
+        remote_config=remote_config,
         ray_init_config=ray_init_config,
         **kwargs,
     )
@@ -99,3 +115,125 @@ def make_ray_collector(
         remote_config={"num_cpus": num_cpus, "num_gpus": num_gpus},
         **kwargs,
     )
+
+
+def connect_ray_replay_buffer(
+    name: str,
+    *,
+    namespace: str | None = None,
+    address: str | None = None,
+    timeout: float = 30.0,
+    ray_init_config: dict[str, Any] | None = None,
+):
+    """Attach this process to a named Ray buffer actor made by another process.
+
+    For several trainer processes reading one buffer: the driver creates it with
+    ``make_ray_replay_buffer(..., name=name, namespace=namespace)``, then every
+    ``torchrun`` rank calls this and hands the result to ``TorchRLBufferDataset``.
+
+    Args:
+        name: the actor's name.
+
+    Keyword Args:
+        namespace: the actor's namespace (as given when it was made).
+        address: the cluster to join when Ray is not initialised in this process
+            (``"auto"``, ``"HOST:6379"``, or the creator's
+            ``ray.get_runtime_context().gcs_address``); ignored if it is.
+        timeout: seconds to wait for the actor to appear (ranks may start before it
+            exists); then ``LookupError`` listing the named actors that do exist.
+        ray_init_config: other ``ray.init`` arguments.
+
+    Returns:
+        An :class:`AttachedRayReplayBuffer`: a ``torchrl.data.RayReplayBuffer`` (so
+        ``TorchRLBufferDataset`` and ``BufferCheckpointCallback`` accept it) whose reads,
+        writes and ``len`` go to the actor. Its ``close()`` detaches this process only
+        (and leaves Ray if this call started it); the actor lives on, owned by its creator.
+    """
+    ray = _require_ray()
+    from torchrl._comm.ray_runtime import _RayRuntimeLease
+
+    config = dict(ray_init_config or {})
+    if address is not None:
+        config.setdefault("address", address)
+    if namespace is not None:
+        config.setdefault("namespace", namespace)
+    lease = _RayRuntimeLease.acquire(config)
+    try:
+        actor = _wait_for_actor(ray, name, namespace, timeout)
+        return _attached_class()(actor, lease=lease)
+    except BaseException:
+        lease.release()
+        raise
+
+
+def _wait_for_actor(ray, name: str, namespace: str | None, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+    try:
+        known = sorted(
+            f"{a['namespace']}/{a['name']}" for a in ray.util.list_named_actors(all_namespaces=True)
+        )
+    except Exception:  # listing is only for the message
+        known = ["<could not list>"]
+    ns = namespace if namespace is not None else ray.get_runtime_context().namespace
+    raise LookupError(
+        f"connect_ray_replay_buffer: no Ray actor named {name!r} in namespace {ns!r} after "
+        f"{timeout}s; named actors in the cluster: {known or 'none'}. Create it with "
+        "make_ray_replay_buffer(..., name=..., namespace=...)."
+    )
+
+
+_ATTACHED_CLASS = None
+
+
+def _attached_class():
+    global _ATTACHED_CLASS
+    if _ATTACHED_CLASS is not None:
+        return _ATTACHED_CLASS
+    from torchrl.data import RayReplayBuffer
+
+    class AttachedRayReplayBuffer(RayReplayBuffer):
+        """A ``RayReplayBuffer`` view of an actor another process owns (see
+        :func:`connect_ray_replay_buffer`): same reads/writes, no shutdown rights."""
+
+        def __init__(self, actor, *, lease=None):
+            # RayReplayBuffer.__init__ would create a new actor: set the attributes its
+            # methods read (the actor handle, its transport, the client) instead. Data is
+            # moved to CPU before it is sent (has_gpu=False), which is right for any actor.
+            self._rb = actor
+            self.has_gpu = False
+            self._transport_kind = "ray"
+            self._delayed_init = False
+            self._client = RayReplayBuffer.client(self)
+            self._lease = lease
+
+        def close(self) -> None:
+            """Detach: the actor keeps running for its owner and the other processes."""
+            if self.__dict__.pop("_rb", None) is not None and self._lease is not None:
+                self._lease.release()
+
+        def __reduce__(self):
+            # a copy (e.g. in a DataLoader worker) is another reader, without the lease
+            return (type(self), (self._rb,))
+
+        def __repr__(self) -> str:
+            return f"{type(self).__name__}(actor={getattr(self, '_rb', '<detached>')!r})"
+
+    # pickled by reference to this module (its __getattr__ below)
+    AttachedRayReplayBuffer.__module__ = __name__
+    AttachedRayReplayBuffer.__qualname__ = "AttachedRayReplayBuffer"
+    _ATTACHED_CLASS = AttachedRayReplayBuffer
+    return AttachedRayReplayBuffer
+
+
+def __getattr__(name: str):
+    # the class subclasses torchrl's RayReplayBuffer: built on first use, like the imports
+    if name == "AttachedRayReplayBuffer":
+        return _attached_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
