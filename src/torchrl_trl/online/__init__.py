@@ -26,6 +26,7 @@ _EXPORTS = {
     "load_buffer": ".checkpoint",
     "make_ray_replay_buffer": ".ray",
     "make_ray_collector": ".ray",
+    "connect_ray_replay_buffer": ".ray",
 }
 
 __all__ = sorted(_EXPORTS)

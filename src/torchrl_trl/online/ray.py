@@ -16,8 +16,8 @@ Traps this module handles:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
