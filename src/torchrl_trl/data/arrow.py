@@ -90,15 +90,19 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
     Shards are ``shard_ids`` (a list of ints): ``datasets`` splits them over ranks and
     DataLoader workers (``shard_data_sources``) and permutes them
     (``shuffle_data_sources``), as for a generator's list ``gen_kwargs``.
+
+    ``num_passes`` (default 1; ``None``: endless): one iteration goes over its shards that
+    many times, calling ``generate_batches([s], pass_index=k)`` in pass ``k > 0``.
     """
 
     def __init__(self, generate_batches: Callable[[list[int]], Iterator[tuple[Any, ColumnBatch]]],
-                 shard_ids: list[int], features, tensors: bool = False) -> None:
+                 shard_ids: list[int], features, tensors: bool = False, num_passes: int | None = 1) -> None:
         super().__init__()
         self.generate_batches = generate_batches
         self.shard_ids = list(shard_ids)
         self._features = features
         self.tensors = tensors  # rows hold tensor views for tensor/ragged columns
+        self.num_passes = num_passes
 
     # -- typing: rows already match ``features``, so datasets applies nothing per row
     @property
@@ -122,25 +126,31 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
         return len(self.shard_ids)
 
     def _init_state_dict(self) -> dict:
-        self._state_dict = {"shard_idx": 0, "shard_example_idx": 0, "type": type(self).__name__}
+        self._state_dict = {"pass_idx": 0, "shard_idx": 0, "shard_example_idx": 0, "type": type(self).__name__}
         return self._state_dict
 
     def _batches(self) -> Iterator[tuple[int, Any, ColumnBatch, int]]:
         """``(start, key, cols, n)``: batches left to read, ``start`` rows to skip in the
         first one (resuming from a state dict)."""
         state = self._state_dict
-        first_shard = state["shard_idx"] if state else 0
-        for s in self.shard_ids[first_shard:]:
-            skip = state["shard_example_idx"] if state else 0
-            seen = 0
-            for key, cols in self.generate_batches([s]):
-                n = len(next(iter(cols.values()))) if cols else 0
-                if seen + n > skip:
-                    yield max(skip - seen, 0), key, cols, n
-                seen += n
+        k = state.get("pass_idx", 0) if state else 0
+        while self.num_passes is None or k < self.num_passes:
+            first_shard = state["shard_idx"] if state else 0
+            for s in self.shard_ids[first_shard:]:
+                skip = state["shard_example_idx"] if state else 0
+                seen = 0
+                for key, cols in self.generate_batches([s], **({"pass_index": k} if k else {})):
+                    n = len(next(iter(cols.values()))) if cols else 0
+                    if seen + n > skip:
+                        yield max(skip - seen, 0), key, cols, n
+                    seen += n
+                if state:
+                    state["shard_idx"] += 1
+                    state["shard_example_idx"] = 0
+            k += 1
             if state:
-                state["shard_idx"] += 1
-                state["shard_example_idx"] = 0
+                state["pass_idx"] = k
+                state["shard_idx"] = 0
 
     def __iter__(self):
         state = self._state_dict
@@ -163,7 +173,7 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
             yield key, table
 
     def _with_shards(self, shard_ids: list[int]) -> ColumnarExamplesIterable:
-        return ColumnarExamplesIterable(self.generate_batches, shard_ids, self._features, self.tensors)
+        return ColumnarExamplesIterable(self.generate_batches, shard_ids, self._features, self.tensors, self.num_passes)
 
     def shuffle_data_sources(self, generator: np.random.Generator) -> ColumnarExamplesIterable:
         order = deepcopy(generator).permutation(len(self.shard_ids))
@@ -177,9 +187,11 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
         return self._with_shards(self.shard_ids)
 
 
-def make_iterable_dataset(generate_batches, shard_ids: list[int], features, tensors: bool = False):
+def make_iterable_dataset(generate_batches, shard_ids: list[int], features, tensors: bool = False,
+                          num_passes: int | None = 1):
     """A ``datasets.IterableDataset`` declaring ``features`` whose rows come from
     ``generate_batches(shard_ids)`` column batches without per-row encoding (``tensors``:
-    tensor and token columns as 1-row tensor views instead of Python lists)."""
-    ex_iterable = ColumnarExamplesIterable(generate_batches, shard_ids, features, tensors)
+    tensor and token columns as 1-row tensor views instead of Python lists), going over
+    its shards ``num_passes`` times per iteration (``None``: endless)."""
+    ex_iterable = ColumnarExamplesIterable(generate_batches, shard_ids, features, tensors, num_passes)
     return IterableDataset(ex_iterable, info=DatasetInfo(features=features))

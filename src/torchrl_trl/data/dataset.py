@@ -70,6 +70,12 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             the trainer can hand it back (e.g. to
             :func:`torchrl_trl.online.update_priorities`); needs
             ``remove_unused_columns=False`` in the trainer's config.
+        num_passes: epoch mode: passes over the buffer one iterator makes, pass ``k``
+            shuffled with epoch ``epoch + k`` (default 1; ``None``: endless). With a trainer
+            driven by ``max_steps``, ``None`` makes its whole run one Transformers "epoch",
+            so resuming from a checkpoint skips exactly the batches already trained, also
+            after the first pass (with 1, Transformers counts ``max_steps`` batches per
+            epoch and a resume after the first pass restarts at the next pass).
 
     Yields:
         ``dict[str, Any]`` rows: for ``format``/``columns`` Python values (str, lists of
@@ -96,6 +102,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         world_size: int | None = None,
         sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
         index_column: str | None = None,
+        num_passes: int | None = 1,
     ) -> None:
         from torchrl.data.replay_buffers import ReplayBuffer
 
@@ -113,6 +120,10 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"mode must be 'online' or 'epoch', got {mode!r}.")
         if num_shards is not None and (not isinstance(num_shards, int) or num_shards <= 0):
             raise ValueError(f"num_shards must be a positive integer or None, got {num_shards!r}.")
+        if num_passes is not None and (
+            isinstance(num_passes, bool) or not isinstance(num_passes, int) or num_passes <= 0
+        ):
+            raise ValueError(f"num_passes must be a positive integer or None, got {num_passes!r}.")
         if (rank is None) != (world_size is None):
             raise ValueError("pass both rank and world_size, or neither.")
         if rank is not None and not 0 <= rank < world_size:
@@ -138,6 +149,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         self._rank, self._world_size = rank, world_size
         self._sample_filter = sample_filter
         self._index_column = index_column
+        self._num_passes = num_passes
         # shared memory, so DataLoader workers and the HF iterable see set_epoch()
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self._passes = 0
@@ -300,19 +312,31 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         return int(self._epoch)
 
     def __len__(self) -> int:
-        """Epoch mode: items in one pass (``len(replay_buffer)`` now)."""
+        """Epoch mode: items one iterator yields (``num_passes * len(replay_buffer)`` now)."""
         if self._mode != "epoch":
             raise TypeError("TorchRLBufferDataset has no length in online mode; use mode='epoch'.")
-        return len(self._replay_buffer)
+        if self._num_passes is None:
+            raise TypeError("TorchRLBufferDataset has no length with num_passes=None (endless passes).")
+        return self._num_passes * len(self._replay_buffer)
 
-    def _order(self) -> torch.Tensor:
+    def _order(self, epoch: int | None = None) -> torch.Tensor:
         n = self._require_nonempty()
         seed = 0 if self._seed is None else self._seed
-        return sharding.epoch_order(n, shuffle=self._shuffle, seed=seed, epoch=self.epoch)
+        epoch = self.epoch if epoch is None else epoch
+        return sharding.epoch_order(n, shuffle=self._shuffle, seed=seed, epoch=epoch)
 
-    def _epoch_batches(self, shard_ids: Sequence[int], num_shards: int) -> Iterator[tuple[TensorDictBase, torch.Tensor]]:
-        """``(batch, storage index)`` chunks of the pass's shards ``shard_ids``."""
-        order = self._order()
+    def _pass_epochs(self) -> Iterator[int]:
+        """The epoch of each pass one iterator makes (``epoch``, ``epoch + 1``, ...)."""
+        first, k = self.epoch, 0
+        while self._num_passes is None or k < self._num_passes:
+            yield first + k
+            k += 1
+
+    def _epoch_batches(
+        self, shard_ids: Sequence[int], num_shards: int, epoch: int | None = None
+    ) -> Iterator[tuple[TensorDictBase, torch.Tensor]]:
+        """``(batch, storage index)`` chunks of shards ``shard_ids`` of the pass ``epoch``."""
+        order = self._order(epoch)
         bounds = sharding.shard_bounds(order.numel(), num_shards)
         for s in shard_ids:
             for chunk in order[bounds[s] : bounds[s + 1]].split(self._batch_size):
@@ -353,9 +377,10 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             for batch, index in self._online(me.index, self._num_batches):
                 yield from self._rows(batch, python=False, index=index)
             return
-        chunks = self._order().split(self._batch_size)
-        for i in range(me.index, len(chunks), me.count):
-            yield from self._rows(self._fetch(chunks[i]), python=False, index=chunks[i])
+        for epoch in self._pass_epochs():
+            chunks = self._order(epoch).split(self._batch_size)
+            for i in range(me.index, len(chunks), me.count):
+                yield from self._rows(self._fetch(chunks[i]), python=False, index=chunks[i])
 
     # ------------------------------------------------------------------
     # Hugging Face datasets
@@ -419,7 +444,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
         features = self.features
         k = self._default_shards()
-        ds = make_iterable_dataset(_HFBatches(self, k), list(range(k)), features, tensors=tensors)
+        passes = self._num_passes if self._mode == "epoch" else 1
+        ds = make_iterable_dataset(_HFBatches(self, k), list(range(k)), features, tensors=tensors, num_passes=passes)
         ds._epoch = self._epoch  # one shared counter: the trainer's set_epoch reaches us
         return ds
 
@@ -457,11 +483,13 @@ class _HFBatches:
         self.epoch_mode = force_epoch or dataset.mode == "epoch"
         self.python = python
 
-    def batches(self, shard_ids: list[int]) -> Iterator[tuple[str, TensorDictBase, torch.Tensor | None]]:
+    def batches(self, shard_ids: list[int], pass_index: int = 0) -> Iterator[tuple[str, TensorDictBase, torch.Tensor | None]]:
+        """Epoch mode: pass ``pass_index`` of an iterator (shuffled with ``epoch + pass_index``)."""
         ds = self.dataset
         if self.epoch_mode:
-            for i, (batch, index) in enumerate(ds._epoch_batches(shard_ids, self.num_shards)):
-                yield f"epoch_{i}", batch, index
+            epoch = ds.epoch + pass_index
+            for i, (batch, index) in enumerate(ds._epoch_batches(shard_ids, self.num_shards, epoch)):
+                yield f"epoch{pass_index}_{i}", batch, index
             return
         budgets = None
         if ds._num_batches is not None:
@@ -471,8 +499,8 @@ class _HFBatches:
             for i, (batch, index) in enumerate(ds._online(s, None if budgets is None else budgets[s])):
                 yield f"{s}_{i}", batch, index
 
-    def __call__(self, shard_ids: list[int]) -> Iterator[tuple[str, dict[str, Any]]]:
-        for key, batch, index in self.batches(shard_ids):
+    def __call__(self, shard_ids: list[int], pass_index: int = 0) -> Iterator[tuple[str, dict[str, Any]]]:
+        for key, batch, index in self.batches(shard_ids, pass_index):
             cols = self.dataset._columns_of(batch, self.python, index)
             if cols is not None:
                 yield key, cols
