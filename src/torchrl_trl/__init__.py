@@ -47,6 +47,7 @@ _EXPORTS = {
     "save_buffer": "torchrl_trl.online",
     "load_buffer": "torchrl_trl.online",
     "wait_for_items": "torchrl_trl.online",
+    "connect_ray_replay_buffer": "torchrl_trl.online",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
         load_buffer,
         save_buffer,
         update_priorities,
+        connect_ray_replay_buffer,
         wait_for_items,
     )
     from .rewards.trl_funcs import as_trl_reward_func
