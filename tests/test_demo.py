@@ -7,7 +7,8 @@ import sys
 import pytest
 
 # Measured over seeds 0-3 with --quick: with learning (lr=3e-3) the true score rose by
-# 0.27-0.30; with lr=0 (pure sampling noise) it moved by at most 0.02.
+# 0.27-0.30; with lr=0 (pure sampling noise) it moved by at most 0.02. (After the chat
+# template's generation tags moved, seed 0 rises by 0.225.)
 MIN_TRUE_SCORE_GAIN = 0.1
 
 
