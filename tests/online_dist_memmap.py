@@ -13,37 +13,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from torchrl.data import LazyMemmapStorage, ReplayBuffer  # noqa: E402
 
-from torchrl_trl import testing  # noqa: E402
-from torchrl_trl.data import TorchRLBufferDataset  # noqa: E402
+from online_dist_common import train_one_pass  # noqa: E402
 from torchrl_trl.online import load_buffer  # noqa: E402
 
 if __name__ == "__main__":
-    from trl import SFTConfig, SFTTrainer
-
     src, out = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
     rb = ReplayBuffer(storage=LazyMemmapStorage(64))
     load_buffer(rb, src)  # an uninitialised memmap storage maps the saved files
-    tok = testing.make_tokenizer()
-    model = testing.make_policy(tok)
-    ds = TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, seed=1, columns={"input_ids": "input_ids"})
-    seen = []
-
-    class Recording(SFTTrainer):
-        def compute_loss(self, model, inputs, *a, **k):
-            for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"]):
-                seen.append(ids[mask.bool()].tolist())
-            return super().compute_loss(model, inputs, *a, **k)
-
-    steps = 3  # 22 items, 8 shards: ranks get 11 each -> 3 batches of <= 4
-    args = SFTConfig(output_dir=out + f".tmp{rank}", max_steps=steps, per_device_train_batch_size=4, use_cpu=True,
-                     bf16=False, report_to=[], save_strategy="no", ddp_backend="gloo", dataloader_num_workers=0,
-                     logging_steps=1)
-    trainer = Recording(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
-    trainer.train()
-    result = {"world_size": int(os.environ["WORLD_SIZE"]), "seen": seen, "steps": trainer.state.global_step,
-              "stored": rb[:]["input_ids"].tolist(), "len": len(rb),
-              "memmap": bool(rb.storage._storage.is_memmap())}
+    result = train_one_pass(rb, out)
+    result.update({"memmap": bool(rb.storage._storage.is_memmap())})
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
