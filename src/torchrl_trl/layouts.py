@@ -186,11 +186,14 @@ class Ragged:
 
 def _chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
     """The tensor at ``key`` as a list of dense ``[n_i, T_i]`` chunks, in row-major order
-    of ``td``'s batch: one chunk per dense sub-tensordict of a lazy stack."""
+    of ``td``'s batch: one chunk per dense sub-tensordict of a lazy stack, one per sample
+    where a dense tensordict holds a lazily stacked sub-tensordict."""
     if isinstance(td, LazyStackedTensorDict):
         subs = td.tensordicts if td.stack_dim == 0 else td.unbind(0)
         return [chunk for sub in subs for chunk in _chunks(sub, key)]
-    value = td.get(key)
+    value = _get(td, key)
+    if isinstance(value, list):  # one tensor per sample
+        return [torch.as_tensor(v).reshape(1, -1) for v in value]
     if value.is_nested:
         return [t.reshape(1, -1) for t in value.unbind(0)]
     if value.ndim == td.batch_dims:  # a scalar per sample
@@ -198,16 +201,35 @@ def _chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
     return [value.reshape(-1, value.shape[-1])]
 
 
+def _get(td: TensorDictBase, key: NestedKey) -> Any:
+    """``td.get(key)``; where that cannot stack (a dense tensordict whose ``Tokens`` /
+    ``Masks`` are a lazy stack of samples of different lengths, as
+    ``TransformersWrapper(pad_output=False)`` with text or history input and
+    ``ReplayBuffer(ListStorage)`` samples give), a flat list with one value per sample."""
+    try:
+        return td.get(key)
+    except RuntimeError:
+        if isinstance(td, LazyStackedTensorDict) or td.batch_dims == 0:
+            raise
+        return _flatten_nested_list(td.get(key, as_list=True), td.batch_dims)
+
+
 def has_key(td: TensorDictBase, key: NestedKey) -> bool:
-    """Whether ``key`` is set (and not ``None``) in every sample of ``td``."""
+    """Whether ``key`` is set (and not ``None``) in every sample of ``td``.
+
+    Looks inside lazy stacks, also those nested in a dense tensordict: a key that is
+    present but cannot be stacked counts as present."""
     try:
         return td.get(key, None) is not None
     except (KeyError, RuntimeError):
         # a lazy stack raises when only some members hold the key, or when the
-        # members cannot be stacked; then ask the members
+        # members cannot be stacked; then ask the members (or the samples)
         if isinstance(td, LazyStackedTensorDict):
-            return all(has_key(sub, key) for sub in td.tensordicts)
-        return False
+            subs = td.tensordicts if td.stack_dim == 0 else td.unbind(0)
+            return all(has_key(sub, key) for sub in subs)
+        if td.batch_dims == 0:
+            return False
+        return all(has_key(sample, key) for sample in td.unbind(0))
 
 
 def available_keys(td: TensorDictBase) -> list[str]:
@@ -286,6 +308,10 @@ def read_tokens(
         _chunks(td, mask_key) if mask_key is not None and has_key(td, mask_key) else None
     )
     if masks is not None:
+        if [t.shape[0] for t in tokens] != [m.shape[0] for m in masks]:
+            # one side stacks and the other does not (e.g. equal response widths, mask
+            # widths differing between collector batches): line them up sample by sample
+            tokens, masks = _rows(tokens), _rows(masks)
         if part != "full":
             masks = [_slice_mask(m, t.shape[-1], part) for m, t in zip(masks, tokens)]
         for m, t in zip(masks, tokens):
@@ -314,6 +340,10 @@ def read_tokens(
     return Ragged(torch.cat(values), torch.cat(lengths).long())
 
 
+def _rows(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [row for chunk in chunks for row in chunk.split(1)]
+
+
 def _slice_mask(full_mask: torch.Tensor, width: int, part: str) -> torch.Tensor | None:
     if full_mask.shape[-1] < width:
         return None
@@ -330,7 +360,9 @@ def read_column(td: TensorDictBase, key: NestedKey) -> list[Any]:
     """Per-sample values at ``key``: Python objects for non-tensor data, tensors (one per
     sample, ragged allowed) otherwise."""
     _require(td, key, "read_column")
-    value = td.get(key, as_list=True) if isinstance(td, LazyStackedTensorDict) else td.get(key)
+    value = td.get(key, as_list=True) if isinstance(td, LazyStackedTensorDict) else _get(td, key)
+    if isinstance(value, list) and not isinstance(td, LazyStackedTensorDict):
+        return value  # one value per sample already
     if isinstance(value, (NonTensorData, NonTensorStack)):
         value = value.tolist()
         return _flatten_nested_list(value, td.batch_dims) if td.batch_dims else [value]
