@@ -14,7 +14,37 @@ import torch
 
 from ..layouts import Ragged
 
-__all__ = ["MicroBatch", "iter_micro_batches", "plan_micro_batches", "truncate"]
+__all__ = [
+    "MicroBatch",
+    "check_count",
+    "check_fraction",
+    "iter_micro_batches",
+    "plan_micro_batches",
+    "truncate",
+]
+
+
+def check_count(name: str, value, *, minimum: int = 1, optional: bool = True) -> int | None:
+    """``value`` as an ``int >= minimum`` (``None`` allowed when ``optional``); a
+    ``ValueError``/``TypeError`` naming the argument otherwise."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_fraction(name: str, value) -> float | None:
+    """``value`` as a float in ``(0, 1]``, or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in (0, 1] or None, got {value!r}")
+    if not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1] (or None), got {value}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -70,6 +100,10 @@ def plan_micro_batches(
     Returns:
         index tensors, longest sequences first; together a permutation of ``range(N)``.
     """
+    check_count("max_tokens_per_batch", max_tokens_per_batch)
+    check_count("max_batch_size", max_batch_size)
+    check_count("pad_to_multiple_of", pad_to_multiple_of)
+    check_fraction("min_fill", min_fill)
     n = lengths.numel()
     if n == 0:
         return []

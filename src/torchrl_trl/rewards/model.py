@@ -11,6 +11,7 @@ placement, TorchRL's GRPO reward convention and post-processing.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import warnings
 from typing import Any, Literal
@@ -23,9 +24,9 @@ from torch import nn
 
 from .. import layouts
 from ..layouts import Ragged
-from .batching import iter_micro_batches, truncate
+from .batching import check_count, check_fraction, iter_micro_batches, truncate
 from .postprocess import RewardPostprocess, select_head
-from .render import RewardRenderer
+from .render import RewardRenderer, check_ids
 
 __all__ = ["HFRewardModelWrapper", "load_reward_model"]
 
@@ -79,8 +80,14 @@ class HFRewardModelWrapper(TensorDictModuleBase):
     the rest are added.
 
     Keyword Args:
-        token_key: where token ids are read. Defaults to ``("tokens", "full")``.
-        attention_mask_key: mask of real tokens; ``None``: every stored token is real.
+        token_key: where token ids are read. Defaults to ``("tokens", part)``, i.e.
+            ``("tokens", "full")`` as upstream.
+        attention_mask_key: mask of real tokens; it must be present when tokens are read
+            (``KeyError`` otherwise, as upstream). ``None``: every stored token is real and
+            the model is called with ``input_ids`` only, as upstream, unless a micro-batch
+            holds sequences of different lengths: then it also gets the padding mask, or,
+            when its ``forward`` takes no ``attention_mask``, only equal lengths are
+            batched together.
         reward_key: where the reward is written. Defaults to ``"reward"``.
         inference_mode: ``True`` scores under ``torch.no_grad()``; ``False`` (default)
             keeps the graph.
@@ -119,9 +126,17 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         pad_token_id: pad id for right-padding; defaults to the model config's (the id
             HF's sequence classifiers pool against). If the model has none, this value is
             also set on ``model.config`` so batched forwards work.
-        device, dtype: move / cast a model loaded by path (a loaded model is used where
-            it is). Inputs always go to the model's device.
-        trust_remote_code, model_kwargs: for loading by path.
+        device, dtype: move / cast a model loaded by path. Inputs always go to the
+            model's device. With a model object they raise ``TypeError`` (move the model
+            yourself with ``model.to(...)``: it is used where it is).
+        trust_remote_code, model_kwargs: for loading by path only (``TypeError`` with a
+            model object).
+
+    A module with no ``config`` and no ``pad_token_id=`` (a stand-in like upstream's
+    tests use) gets the stored ``input_ids`` + ``attention_mask`` as given, as upstream
+    passes them, in row chunks of the token budget, whenever the rows have one width and
+    nothing is truncated or appended; otherwise (ragged rows) they are right-padded with
+    0 next to their mask.
 
     Attributes:
         truncated_count: sequences truncated so far.
@@ -139,8 +154,9 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
         >>> scorer = HFRewardModelWrapper.for_grpo(str(paths.reward_model))
         >>> rollouts = lazy_stack([
-        ...     TensorDict({"tokens": {"full": torch.tensor([5, 6, 7])}}),
-        ...     TensorDict({"tokens": {"full": torch.tensor([8, 9])}}),
+        ...     TensorDict({"tokens": {"full": torch.tensor(t)},
+        ...                 "masks": {"all_attention_mask": torch.ones(len(t), dtype=torch.bool)}})
+        ...     for t in ([5, 6, 7], [8, 9])
         ... ])
         >>> scorer(rollouts)["next", "reward"].shape
         torch.Size([2, 1, 1])
@@ -152,7 +168,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         self,
         model: nn.Module | str | os.PathLike,
         *,
-        token_key: NestedKey = ("tokens", "full"),
+        token_key: NestedKey | None = None,
         attention_mask_key: NestedKey | None = ("masks", "all_attention_mask"),
         reward_key: NestedKey = "reward",
         inference_mode: bool = False,
@@ -185,6 +201,16 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         model_kwargs: dict | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(model, (str, os.PathLike)):
+            for_path_only = {"device": device, "dtype": dtype, "model_kwargs": model_kwargs}
+            for_path_only["trust_remote_code"] = trust_remote_code or None
+            given = sorted(k for k, v in for_path_only.items() if v is not None)
+            if given:
+                raise TypeError(
+                    f"{given} only apply when the model is loaded by path, but a "
+                    f"{type(model).__name__} object was passed: it is used where and as it is "
+                    "(move or cast it first, e.g. model.to(device, dtype))"
+                )
         if isinstance(model, (str, os.PathLike)):
             model, loaded_tok = load_reward_model(
                 model,
@@ -203,17 +229,22 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             raise ValueError(
                 f"reward_shape must be 'flat', 'trailing' or 'step', got {reward_shape!r}"
             )
-        if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
-            raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
+        check_count("max_tokens_per_batch", max_tokens_per_batch)
+        check_count("max_batch_size", max_batch_size)
+        check_count("pad_to_multiple_of", pad_to_multiple_of)
+        check_fraction("min_fill", min_fill)
+        check_count("max_length", max_length)
+        check_count("pad_token_id", pad_token_id, minimum=0)
+        if head_index is not None and (isinstance(head_index, bool) or not isinstance(head_index, int)):
+            raise TypeError(f"head_index must be an int or None, got {head_index!r}")
+        if reward_dtype is not None and not (
+            isinstance(reward_dtype, torch.dtype) and reward_dtype.is_floating_point
+        ):
+            raise TypeError(f"reward_dtype must be a floating torch.dtype or None, got {reward_dtype!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.inference_mode = inference_mode
-        self.token_key, self.attention_mask_key, self.reward_key = (
-            token_key,
-            attention_mask_key,
-            reward_key,
-        )
-        self.in_keys = [token_key] + ([attention_mask_key] if attention_mask_key is not None else [])
+        self.attention_mask_key, self.reward_key = attention_mask_key, reward_key
         self.out_keys = [reward_key]
         self.max_tokens_per_batch, self.max_batch_size = max_tokens_per_batch, max_batch_size
         self.pad_to_multiple_of, self.min_fill = pad_to_multiple_of, min_fill
@@ -243,6 +274,13 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             eos_token_id=eos,
             chat_template_kwargs=chat_template_kwargs,
         )
+        self.token_key = self.renderer.token_key
+        #: the keys read when every input is present (``input_mode="auto"`` falls back to
+        #: history or text, or to tokens, when the preferred input is absent)
+        self.in_keys = self.renderer.in_keys()
+        # a stand-in module (no config, no pad id): stored ids + mask go in as given
+        self._as_given = self._text_config is None and self.pad_token_id is None
+        self._model_takes_mask = _takes_argument(model, "attention_mask")
         self.postprocess = RewardPostprocess(
             scale=scale,
             shift=shift,
@@ -312,9 +350,34 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         param = next(iter(self.model.parameters()), None)
         return param.device if param is not None else torch.device("cpu")
 
-    def score_ids(self, ids: Ragged) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """One model call -> float ``[n]`` scores (head selected, not post-processed).
+        ``attention_mask=`` is omitted when ``attention_mask_key`` is ``None`` and nothing
+        is padding."""
+        device = self._model_device()
+        if attention_mask is None or (self.attention_mask_key is None and bool(attention_mask.all())):
+            out = self.model(input_ids=input_ids.to(device))
+        else:
+            out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+        return select_head(_extract_scores(out), self.head_index, input_ids.shape[0]).float()
+
+    def _check_vocab_range(self, ids: Ragged, where: str) -> None:
+        if self._num_embeddings is None or not ids.values.numel():
+            return
+        top = int(ids.values.max())
+        if top >= self._num_embeddings:
+            raise ValueError(
+                f"{where}: token id {top} is outside the reward model's embedding "
+                f"(num_embeddings={self._num_embeddings}): the tokens come from another "
+                "tokenizer; pass policy_tokenizer= (and the reward model's tokenizer) to "
+                "re-tokenise"
+            )
+
+    def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
         """Post-processed rewards ``float32 [N]`` on the model's device for reward-model
-        token ids (one sample per row of ``ids``), in the order given."""
+        token ids (one sample per row of ``ids``), in the order given. ``where`` names the
+        input in error messages."""
+        check_ids(ids, where)
         ids, n_cut = truncate(ids, self.max_length, self.truncation)
         if n_cut:
             self.truncated_count += n_cut
@@ -327,19 +390,11 @@ class HFRewardModelWrapper(TensorDictModuleBase):
                     stacklevel=3,
                 )
         n = len(ids)
-        device = self._model_device()
         if n == 0:
-            return torch.zeros(0, device=device)
-        if self._num_embeddings is not None and ids.values.numel():
-            top = int(ids.values.max())
-            if top >= self._num_embeddings or int(ids.values.min()) < 0:
-                raise ValueError(
-                    f"token id {top} is outside the reward model's embedding "
-                    f"(num_embeddings={self._num_embeddings}): the tokens come from another "
-                    "tokenizer; pass policy_tokenizer= (and the reward model's tokenizer) to "
-                    "re-tokenise"
-                )
+            return torch.zeros(0, device=self._model_device())
+        self._check_vocab_range(ids, where)
         pad = self.pad_token_id
+        no_mask = self.attention_mask_key is None and not self._model_takes_mask
         ctx = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
         scores, order = [], []
         with ctx:
@@ -348,11 +403,12 @@ class HFRewardModelWrapper(TensorDictModuleBase):
                 pad_token_id=0 if pad is None else pad,
                 max_tokens_per_batch=self.max_tokens_per_batch,
                 max_batch_size=self.max_batch_size,
-                pad_to_multiple_of=self.pad_to_multiple_of,
-                min_fill=self.min_fill,
+                # a model that takes no mask cannot tell padding: equal lengths only
+                pad_to_multiple_of=None if no_mask else self.pad_to_multiple_of,
+                min_fill=1.0 if no_mask else self.min_fill,
             ):
                 needs_pad = mb.processed_tokens != mb.real_tokens or mb.index.numel() > 1
-                if pad is None and needs_pad:
+                if pad is None and needs_pad and self._text_config is not None:
                     raise ValueError(
                         "the reward model has no pad token (model.config.pad_token_id is None) "
                         "so a padded batch cannot be pooled; pass pad_token_id= (RewardTrainer "
@@ -360,16 +416,49 @@ class HFRewardModelWrapper(TensorDictModuleBase):
                     )
                 self.real_tokens += mb.real_tokens
                 self.processed_tokens += mb.processed_tokens
-                out = self.model(
-                    input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)
-                )
-                logits = _extract_scores(out)
-                scores.append(select_head(logits, self.head_index, mb.index.numel()).float())
+                scores.append(self._forward(mb.input_ids, mb.attention_mask))
                 order.append(mb.index)
         flat = torch.cat(scores)
         inverse = torch.empty_like(torch.cat(order))
         inverse[torch.cat(order)] = torch.arange(n)
         return self.postprocess(flat[inverse.to(flat.device)])
+
+    def _given_tokens(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The stored ``[N, T]`` ids (and mask) as they are, when a stand-in module gets
+        them so (see the class doc); ``None`` when the general path applies."""
+        r = self.renderer
+        if not self._as_given or r.part != "full" or not r.keeps_tokens:
+            return None
+        rows = layouts.read_column(td, self.token_key)
+        if len({tuple(t.shape) for t in rows}) != 1 or rows[0].ndim != 1:
+            return None
+        if self.max_length is not None and rows[0].shape[0] > self.max_length:
+            return None
+        ids = torch.stack(rows)
+        if self.attention_mask_key is None:
+            return ids, None
+        mask = torch.stack(layouts.read_column(td, self.attention_mask_key))
+        if mask.shape != ids.shape:
+            raise ValueError(
+                f"the attention mask at {self.attention_mask_key!r} has shape {tuple(mask.shape)}, "
+                f"the tokens at {self.token_key!r} {tuple(ids.shape)}: expected the same shape"
+            )
+        return ids, mask
+
+    def _score_given(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Rows of stored ``[N, T]`` ids + mask, unchanged, in budget-sized chunks."""
+        n, width = ids.shape
+        rows = n if self.max_tokens_per_batch is None else max(1, self.max_tokens_per_batch // max(width, 1))
+        rows = min(rows, self.max_batch_size or rows)
+        ctx = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
+        with ctx:
+            scores = [
+                self._forward(ids[i : i + rows], None if mask is None else mask[i : i + rows])
+                for i in range(0, n, rows)
+            ]
+        self.real_tokens += int(mask.sum()) if mask is not None else ids.numel()
+        self.processed_tokens += ids.numel()
+        return self.postprocess(torch.cat(scores))
 
     def score_texts(self, texts: list[str]) -> torch.Tensor:
         """Rewards ``float32 [N]`` for plain texts (EOS rule applied), on the model's device."""
@@ -383,7 +472,17 @@ class HFRewardModelWrapper(TensorDictModuleBase):
     def score(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened),
         on the model's device; nothing is written."""
-        return self.score_ids(self.renderer.render(tensordict))
+        mode = self.renderer.resolve_mode(tensordict)
+        if mode == "tokens":
+            where = f"tokens at {self.token_key!r}"
+            ids = self.renderer.read_token_ids(tensordict)  # mask present, ids checked
+            self._check_vocab_range(ids, where)
+            given = self._given_tokens(tensordict)
+            if given is not None:
+                return self._score_given(*given)
+            return self.score_ids(self.renderer.append_eos(ids), where=where)
+        where = f"{mode} at {self.renderer.in_keys(mode)[0]!r}"
+        return self.score_ids(self.renderer.render(tensordict, mode), where=where)
 
     # -- writing -------------------------------------------------------------------
 
@@ -414,7 +513,14 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             device=device,
         )
         if self.accumulate and isinstance(existing, torch.Tensor):
-            out = existing.to(out.dtype) + out.reshape(existing.shape)
+            if existing.shape != out.shape:
+                raise ValueError(
+                    f"accumulate=True: the reward already at {key!r} has shape "
+                    f"{tuple(existing.shape)}, this scorer writes {tuple(out.shape)} "
+                    f"(reward_shape={self.reward_shape!r}); pass the reward_shape of the reward "
+                    "it adds to"
+                )
+            out = existing.to(out.dtype) + out
         tensordict.set(key, out)
         return tensordict
 
@@ -429,6 +535,14 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         return self.write(tensordict, self.score(tensordict))
 
 
+def _takes_argument(model: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def _extract_scores(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
@@ -439,6 +553,7 @@ def _extract_scores(out: Any) -> torch.Tensor:
     if isinstance(out, dict) and "logits" in out:
         return out["logits"]
     raise RuntimeError(
-        f"could not read a reward from the model output of type {type(out).__name__}: "
-        "expected a 'logits' or 'rewards' attribute, or a tensor"
+        "HFRewardModelWrapper: could not extract reward from model output. Got type "
+        f"{type(out).__name__}. Expected an output with a 'logits' or 'rewards' attribute, a "
+        "dict with 'logits', or a bare torch.Tensor."
     )

@@ -6,13 +6,31 @@ running normalisation ``(r - mean) / std`` -> ``scale * r + shift`` -> ``clamp(c
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from typing import Literal
 
 import torch
 from torch import nn
 
-__all__ = ["RewardPostprocess", "select_head"]
+__all__ = ["RewardPostprocess", "RewardShapeError", "check_real", "select_head"]
+
+
+class RewardShapeError(RuntimeError, ValueError):
+    """The model output is not one scalar reward per input. A ``RuntimeError`` as
+    upstream's ``HFRewardModelWrapper`` raises (and a ``ValueError``)."""
+
+
+def check_real(name: str, value, *, optional: bool = False) -> float | None:
+    """``value`` as a finite float (``None`` allowed when ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
 def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> torch.Tensor:
@@ -22,16 +40,19 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
             raise ValueError(f"head_index={head_index} given but the model returns one score per row")
         return logits
     if logits.ndim != 2 or logits.shape[0] != n_rows:
-        raise RuntimeError(
-            f"reward model returned logits of shape {tuple(logits.shape)}; expected "
-            f"[{n_rows}] or [{n_rows}, num_labels]"
+        raise RewardShapeError(
+            f"HFRewardModelWrapper: expected one scalar reward per input with shape [{n_rows}] "
+            f"or [{n_rows}, 1] (or [{n_rows}, num_labels] with head_index=), got "
+            f"{tuple(logits.shape)}"
         )
     k = logits.shape[-1]
     if head_index is None:
         if k != 1:
-            raise ValueError(
-                f"the reward model has a multi-label head (num_labels={k}); pass head_index= "
-                f"(0..{k - 1}) to pick the output to use as the reward"
+            raise RewardShapeError(
+                f"HFRewardModelWrapper: expected one scalar reward per input, got logits of "
+                f"shape {tuple(logits.shape)}: the reward model has a multi-label head "
+                f"(num_labels={k}); pass head_index= (0..{k - 1}) to pick the output to use as "
+                "the reward"
             )
         return logits[:, 0]
     if not -k <= head_index < k:
@@ -73,9 +94,19 @@ class RewardPostprocess(nn.Module):
             raise ValueError(f"normalize must be None or 'running', got {normalize!r}")
         if on_nonfinite not in ("raise", "warn"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'warn', got {on_nonfinite!r}")
-        if clip is not None and len(clip) != 2:
-            raise ValueError(f"clip must be (low, high), got {clip!r}")
-        self.scale, self.shift, self.clip = float(scale), float(shift), clip
+        if clip is not None:
+            if not isinstance(clip, (tuple, list)) or len(clip) != 2:
+                raise ValueError(f"clip must be (low, high), got {clip!r}")
+            low = check_real("clip[0]", clip[0], optional=True)
+            high = check_real("clip[1]", clip[1], optional=True)
+            if low is not None and high is not None and low > high:
+                raise ValueError(f"clip=(low, high) needs low <= high, got {clip!r}")
+            clip = (low, high)
+        scale, shift = check_real("scale", scale), check_real("shift", shift)
+        nonfinite_value = check_real("nonfinite_value", nonfinite_value, optional=True)
+        if check_real("eps", eps) <= 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        self.scale, self.shift, self.clip = scale, shift, clip
         self.normalize, self.update_stats, self.eps = normalize, update_stats, eps
         self.on_nonfinite, self.nonfinite_value = on_nonfinite, nonfinite_value
         self.nonfinite_count = 0

@@ -37,7 +37,7 @@ from tensordict.utils import NestedKey
 from .. import layouts
 from ..layouts import Ragged
 
-__all__ = ["RewardRenderer", "same_tokenizer"]
+__all__ = ["RewardRenderer", "check_ids", "same_tokenizer"]
 
 InputMode = Literal["auto", "tokens", "text", "history"]
 
@@ -102,6 +102,12 @@ class RewardRenderer:
                 f"input_mode={input_mode!r} needs the reward model's tokenizer: pass tokenizer= "
                 "(or load the model by path, which loads its tokenizer)"
             )
+        if token_key is not None and part != "full" and _as_tuple(token_key) == layouts.token_key("full"):
+            raise ValueError(
+                f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot "
+                f"score the {part}; leave token_key unset (it then reads "
+                f"{layouts.token_key(part)!r}) or pass part='full'"
+            )
         self.tokenizer = tokenizer
         self.policy_tokenizer = policy_tokenizer
         self.input_mode = input_mode
@@ -163,19 +169,70 @@ class RewardRenderer:
             return "tokens->text"
         return mode
 
-    def render(self, td: TensorDictBase) -> Ragged:
-        """Reward-model token ids of every sample of ``td`` (batch flattened row-major)."""
-        mode = self.resolve_mode(td)
-        if mode == "tokens":
-            ids = layouts.read_tokens(
-                td, self.part, key=self.token_key, mask_key=self.attention_mask_key
+    def preferred_mode(self) -> str:
+        """The input read when every input is present (``input_mode``, or what ``"auto"``
+        tries first)."""
+        if self.input_mode != "auto":
+            return self.input_mode
+        if self.tokens_direct:
+            return "tokens"
+        if getattr(self.tokenizer, "chat_template", None):
+            return "history"
+        return "text"
+
+    def in_keys(self, mode: str | None = None) -> list[NestedKey]:
+        """The keys read for ``mode`` (default: :meth:`preferred_mode`)."""
+        mode = self.preferred_mode() if mode is None else mode
+        if mode == "history":
+            return [layouts.history_key(self.part)]
+        if mode == "text":
+            return [layouts.text_key(self.part)]
+        keys = [self.token_key]
+        return keys + ([self.attention_mask_key] if self.attention_mask_key is not None else [])
+
+    @property
+    def keeps_tokens(self) -> bool:
+        """Whether token inputs reach the model unchanged (no EOS appended)."""
+        return self.add_eos == "never" or self.eos_token_id is None or (
+            self.add_eos == "auto" and self.tokenizer is None
+        )
+
+    def read_token_ids(self, td: TensorDictBase) -> Ragged:
+        """The real token ids at :attr:`token_key` (padding removed with the mask),
+        checked: integer ids >= 0, at least one real token per sample.
+
+        Raises:
+            KeyError: the configured mask key is absent (``attention_mask_key=None``
+                takes every stored token as real).
+            TypeError: the ids are not integers.
+            ValueError: a negative id, or a sample without tokens (empty, or an
+                all-zero mask row).
+        """
+        mask_key = self.attention_mask_key
+        if mask_key is not None and not layouts.has_key(td, mask_key):
+            raise KeyError(
+                f"HFRewardModelWrapper: attention_mask_key {mask_key!r} not found in the input "
+                f"TensorDict (tokens at {self.token_key!r}). Pass attention_mask_key=None if "
+                f"every stored token is real. Available keys: {layouts.available_keys(td)}"
             )
-            return self._eos_tokens(ids)
+        ids = layouts.read_tokens(td, self.part, key=self.token_key, mask_key=mask_key)
+        where = f"tokens at {self.token_key!r}" + (
+            f" (attention mask {mask_key!r})" if mask_key is not None else ""
+        )
+        check_ids(ids, where)
+        return ids
+
+    def render(self, td: TensorDictBase, mode: str | None = None) -> Ragged:
+        """Reward-model token ids of every sample of ``td`` (batch flattened row-major);
+        ``mode`` as :meth:`resolve_mode` returns it (resolved when not given)."""
+        mode = self.resolve_mode(td) if mode is None else mode
+        if mode == "tokens":
+            return self.append_eos(self.read_token_ids(td))
         if mode == "history":
             return self.encode_messages(layouts.read_history(td, self.part))
         if mode == "text":
             return self.encode_texts(layouts.read_text(td, self.part))
-        ids = layouts.read_tokens(td, self.part, key=self.token_key, mask_key=self.attention_mask_key)
+        ids = self.read_token_ids(td)
         texts = self.policy_tokenizer.batch_decode(ids.tolist(), skip_special_tokens=False)
         return self.encode_texts(texts)
 
@@ -190,12 +247,12 @@ class RewardRenderer:
             )
         return [
             self.tokenizer.apply_chat_template(
-                layouts.to_messages(c),
+                _checked_messages(layouts.to_messages(c), i),
                 tokenize=False,
                 add_generation_prompt=False,
                 **self.chat_template_kwargs,
             )
-            for c in conversations
+            for i, c in enumerate(conversations)
         ]
 
     def encode_messages(self, conversations: list[list[dict[str, str]]]) -> Ragged:
@@ -223,10 +280,14 @@ class RewardRenderer:
     def encode_texts(self, texts: list[str]) -> Ragged:
         if self.tokenizer is None:
             raise ValueError("scoring text needs the reward model's tokenizer: pass tokenizer=")
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise TypeError(f"text {i} is a {type(t).__name__}, expected str: {t!r}")
         enc = self.tokenizer(self.prepare_texts(list(texts)), add_special_tokens=True)["input_ids"]
         return Ragged.from_list(enc)
 
-    def _eos_tokens(self, ids: Ragged) -> Ragged:
+    def append_eos(self, ids: Ragged) -> Ragged:
+        """Token inputs with the EOS rule applied (see module doc)."""
         eos = self.eos_token_id
         if self.add_eos == "never" or eos is None or len(ids) == 0:
             return ids
@@ -263,3 +324,37 @@ class RewardRenderer:
                     i for i, t in enumerate(texts) if t and not t.strip() and i not in specials
                 }
         return self._whitespace_ids
+
+
+def _as_tuple(key: NestedKey) -> tuple:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def check_ids(ids: Ragged, where: str) -> None:
+    """Raise unless ``ids`` are integer token ids >= 0 with at least one per sample;
+    ``where`` (e.g. ``"tokens at ('tokens', 'full')"``) goes into the message."""
+    dtype = ids.values.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"{where}: token ids must be integers, got dtype {dtype}")
+    empty = (ids.lengths == 0).nonzero().flatten()
+    if empty.numel():
+        raise ValueError(
+            f"{where}: sample(s) {empty[:10].tolist()} (of {len(ids)}) have no tokens (an empty "
+            "sequence or an all-zero attention-mask row): there is nothing to score"
+        )
+    if ids.values.numel() and int(ids.values.min()) < 0:
+        bad = int(ids.values.min())
+        sample = int(torch.searchsorted(ids.offsets[1:], (ids.values < 0).nonzero()[0, 0], right=True))
+        raise ValueError(f"{where}: negative token id {bad} in sample {sample}; token ids must be >= 0")
+
+
+def _checked_messages(messages: list[dict], conversation: int) -> list[dict]:
+    for j, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not isinstance(content, (str, list)):
+            raise TypeError(
+                f"conversation {conversation}, message {j}: expected a str 'role' and a str "
+                f"'content' (or a list of content parts), got role={role!r} "
+                f"({type(role).__name__}), content={content!r} ({type(content).__name__})"
+            )
+    return messages

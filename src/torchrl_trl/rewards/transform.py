@@ -12,6 +12,11 @@ Two places to put it:
   *after* ``MCAdvantage`` (``rb.append_transform(MCAdvantage(...));
   rb.append_transform(HFRewardTransform(...))``) and it runs first. Sampling from the
   buffer does not score again.
+- **Called as a module** (``transform(td)``, or in a ``TensorDictSequential``): scores
+  ``td`` and writes ``("next", reward_key)``, as on a buffer write.
+
+``in_keys`` are the keys the scorer reads (tokens + mask, text or history: see
+:attr:`HFRewardModelWrapper.in_keys`); ``out_keys`` is ``[("next", reward_key)]``.
 
 Scoring runs under ``torch.no_grad()`` unless ``inference_mode=False``.
 """
@@ -96,8 +101,7 @@ class HFRewardTransform(Transform):
                 **kwargs,
             )
         self._next_reward_key = _as_tuple(reward_key)
-        out_key = self._next_reward_key
-        super().__init__(in_keys=list(scorer.in_keys), out_keys=[out_key[0] if len(out_key) == 1 else out_key])
+        super().__init__(in_keys=list(scorer.in_keys), out_keys=[("next", *self._next_reward_key)])
         self.scorer = scorer
 
     # env: the policy output is in the root tensordict, the reward goes to "next"
@@ -116,12 +120,24 @@ class HFRewardTransform(Transform):
         rewards = self.scorer.score(tensordict)
         return self.scorer.write(tensordict, rewards, ("next", *self._next_reward_key))
 
-    # ... and pass through on sample / forward
+    # ... and pass through on sample
     def _call(self, tensordict: TensorDictBase) -> TensorDictBase:
         return tensordict
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return tensordict
+        """Standalone: score ``tensordict`` and write ``("next", reward_key)``. Inside a
+        replay buffer this is the sampling path (rollouts were scored when written): a
+        no-op."""
+        if self.__dict__.get("_container") is not None:
+            return tensordict
+        return self._inv_call(tensordict)
+
+    def transform_output_spec(self, output_spec):
+        # out_keys are rollout keys ("next", ...); the env's reward spec is relative to "next"
+        output_spec = output_spec.clone()
+        if "full_reward_spec" in output_spec.keys():
+            output_spec["full_reward_spec"] = self.transform_reward_spec(output_spec["full_reward_spec"])
+        return output_spec
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
         trailing = {"flat": (), "trailing": (1,), "step": (1, 1)}[self.scorer.reward_shape]
