@@ -6,6 +6,8 @@
 - :func:`update_priorities`, :class:`TensorPrioritizedSampler`: priority feedback.
 - :class:`BufferCheckpointCallback`, :func:`save_buffer`, :func:`load_buffer`: the buffer
   saved with, and restored from, the trainer's checkpoints.
+- :class:`TorchRLRolloutFunc`: TorchRL (policy, ``ChatEnv``, replay buffer) as the
+  ``rollout_func`` of TRL's ``GRPOTrainer``.
 - :mod:`torchrl_trl.online.ray`: Ray buffers and collectors (imports ``ray`` on use).
 """
 
@@ -27,6 +29,7 @@ _EXPORTS = {
     "make_ray_replay_buffer": ".ray",
     "make_ray_collector": ".ray",
     "connect_ray_replay_buffer": ".ray",
+    "TorchRLRolloutFunc": ".rollout_func",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,466 @@
+"""TorchRL as the rollout engine of TRL's ``GRPOTrainer`` (``rollout_func=``).
+
+:class:`TorchRLRolloutFunc` is a TRL ``rollout_func`` backed by a TorchRL LLM policy
+(``TransformersWrapper``) and, optionally, a TorchRL ``ChatEnv`` with its transforms
+(reward parsers, tools, several turns). Every rollout can be written into a TorchRL
+replay buffer, one item per sample and turn, as ``LLMCollector`` writes them.
+
+What TRL 1.16 does with a ``rollout_func`` (read in ``trl/trainer/grpo_trainer.py``):
+
+- **Prompts arrive repeated.** The docstring (l. 258-265) says the function receives "the raw
+  per-process prompt slice with no duplication" and must return ``num_generations``
+  completions per prompt. The code disagrees: the train sampler is
+  ``RepeatSampler(mini_repeat_count=num_generations)`` (l. 1309), ``_generate_and_score_completions``
+  passes ``[x["prompt"] for x in inputs]`` of that repeated batch to ``_generate``
+  (l. 2337, 2427), which calls ``rollout_func(prompts, trainer)`` as is (l. 2210). So each
+  prompt comes ``num_generations`` times in a row, and the function must return exactly one
+  completion per prompt it receives, in order: TRL groups rewards by consecutive blocks of
+  ``num_generations`` for the advantages. This module does that, and tests it.
+- **Keys.** ``prompt_ids``, ``completion_ids``, ``logprobs`` are required (``ValueError``
+  naming the missing ones, l. 2211-2215). ``env_mask`` is popped and used as the tool
+  mask: the loss mask is ``completion_mask * env_mask`` (l. 2272, 2497), and only
+  ``env_mask == 1`` tokens count in the logged lengths. Every other key ("extra field",
+  including ``logprob_token_ids``, which nothing in the trainer reads) is merged into each
+  input row, *only when it is a list* (l. 2741-2747), and so reaches every reward function
+  as a keyword argument next to the dataset columns.
+- **Log-probs.** The returned ``logprobs`` become ``sampling_per_token_logps``; NaN marks an
+  unknown value (l. 2515). They enter the loss only through (a) the vLLM importance-sampling
+  correction, gated by ``use_vllm and vllm_importance_sampling_correction`` (l. 2644, 2660,
+  3146), and ``use_vllm`` needs vLLM installed and a vLLM server or colocated engine; and (b)
+  ``off_policy_mask_threshold`` (DeepSeek-V3.2 off-policy sequence mask, l. 3068), which
+  works without vLLM. ``old_per_token_logps`` is recomputed by the trainer's own forward
+  when ``gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0``
+  (l. 2642), otherwise the current log-probs (detached) are the old ones.
+- TRL pads the prompts on the left and the completions on the right and computes the
+  log-probs without ``position_ids``; with RoPE models (Llama, Qwen2) that equals scoring
+  each sequence alone.
+
+What TorchRL 0.14.1 does that matters here:
+
+- ``TransformersWrapper(generate=True, return_log_probs=True)`` writes ``0.0`` as the
+  log-prob of the *first* generated token (``_log_probs_generate``: ``td["log_probs"][:, 0] = 0``),
+  the other positions equal a forward pass. With ``logprobs="rescore"`` (default) the
+  log-probs are recomputed by TorchRL's own scoring path
+  (``policy.get_new_version(generate=False, input_mode="tokens")``) on the exact token
+  sequence, with the same weights, right after generation; with ``logprobs="generate"``
+  the generated values are kept and that first position is set to NaN (unknown), which
+  TRL neutralises.
+- The log-probs are those of the raw logits (temperature 1, no top-k/top-p): equal to TRL's
+  recomputation when ``temperature == 1`` (a warning is given otherwise).
+- ``ChatEnv`` in history mode re-renders the chat each turn; the tokens of turn ``k + 1``'s
+  prompt must start with turn ``k``'s prompt + response, otherwise the sequence TRL trains
+  on would not be what the policy generated: that raises (tokenizer/template that does not
+  round-trip), it is never patched silently.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
+from tensordict.utils import NestedKey
+
+from .. import layouts
+
+__all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
+
+#: Keys TRL's ``GRPOTrainer`` requires from a ``rollout_func``.
+TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+#: Keys this module adds to each rollout item it writes into the replay buffer.
+GROUP_ID_KEY = "group_id"
+VERSION_KEY = "policy_version"
+TURN_KEY = "turn"
+#: Name under which the env's reward (summed over turns) reaches TRL's reward functions.
+TORCHRL_REWARD_FIELD = "torchrl_reward"
+_OWN_KEYS = frozenset({GROUP_ID_KEY, VERSION_KEY, TURN_KEY, "query", "_reset"})
+
+
+class RolloutBatch(dict):
+    """TRL's rollout dict (``prompt_ids``, ``completion_ids``, ``logprobs``, ``env_mask``,
+    extra fields) with the TorchRL steps it came from in :attr:`steps` (one lazy stack
+    ``[N]`` per turn)."""
+
+    steps: list[TensorDictBase]
+
+
+def _per_sample(td: TensorDictBase) -> TensorDictBase:
+    """``td`` ``[B]`` as a lazy stack of ``B`` per-sample TensorDicts, the form
+    ``LazyStackStorage`` stores and every layout reader reads (a dense TensorDict holding
+    lazily stacked ``Tokens`` is not readable by key)."""
+    if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0 and td.batch_dims == 1:
+        return td
+    return lazy_stack(list(td.reshape(-1).unbind(0)))
+
+
+def _to_python(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+class TorchRLRolloutFunc:
+    """A TRL ``GRPOTrainer`` ``rollout_func`` that generates with TorchRL.
+
+    ``f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask", **extra}``,
+    one completion per prompt received (TRL repeats each prompt ``num_generations`` times).
+
+    Args:
+        policy: a TorchRL ``TransformersWrapper`` (``generate=True``, ``return_log_probs=True``,
+            ``input_mode`` ``"text"`` or ``"history"``). ``None``: built on the first call
+            around the trainer's own model and tokenizer (shared parameters, on-policy), with
+            TRL's generation settings (``max_completion_length``, ``temperature``, ``top_p``,
+            ``top_k``, ``min_p``, ``repetition_penalty``).
+
+    Keyword Args:
+        env: a TorchRL ``ChatEnv`` (a ``TransformedEnv`` over one, e.g. with a reward parser
+            or a ``StepCounter(max_steps=k)`` for ``k`` turns), in the policy's input mode.
+            The prompts are given to it in chunks of its batch size as ``"query"`` at reset;
+            ``len(prompts)`` must be a multiple of that size. ``None``: one generation per
+            prompt, no env.
+        max_turns: most turns per episode with ``env`` (the env's ``done`` ends it earlier;
+            all samples of a chunk must end at the same turn).
+        context_fn: ``fn(prompts) -> {column: list}``, columns added to the env's reset
+            TensorDict (e.g. the ``"answer"`` a reward parser reads; TRL gives a
+            ``rollout_func`` the prompts only).
+        forward_keys: top-level rollout keys to pass to TRL's reward functions (read from
+            each sample's last turn). ``None``: every non-TorchRL top-level key (e.g.
+            ``"answer"``). The env's reward ``("next", "reward")``, summed over turns, is
+            always passed as ``"torchrl_reward"`` when present.
+        replay_buffer: a TorchRL ``ReplayBuffer``; each sample's every turn is extended into
+            it as one item, with ``"group_id"`` (consecutive ``num_generations`` samples share
+            it), ``"policy_version"`` and ``"turn"``.
+        logprobs: ``"rescore"`` (default) or ``"generate"``, see the module doc.
+        sync_weights: only when ``policy`` does not share the trainer's parameters:
+            ``"copy"`` loads the trainer model's ``state_dict`` into ``policy.model`` whenever
+            the trainer's ``global_step`` changed; ``None`` never touches the weights.
+
+    Attributes:
+        policy_version: the trainer's ``global_step`` when the weights last generated.
+        calls, samples: counters.
+    """
+
+    def __init__(
+        self,
+        policy=None,
+        *,
+        env=None,
+        max_turns: int = 1,
+        context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None,
+        forward_keys: Sequence[NestedKey] | None = None,
+        replay_buffer=None,
+        logprobs: Literal["rescore", "generate"] = "rescore",
+        sync_weights: Literal["copy"] | None = "copy",
+    ):
+        if logprobs not in ("rescore", "generate"):
+            raise ValueError(f"logprobs must be 'rescore' or 'generate', got {logprobs!r}")
+        if sync_weights not in ("copy", None):
+            raise ValueError(f"sync_weights must be 'copy' or None, got {sync_weights!r}")
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        if env is None and max_turns != 1:
+            raise ValueError("max_turns > 1 needs an env (a ChatEnv) to produce the next turn's prompt")
+        if policy is not None:
+            _check_policy(policy)
+        self.policy = policy
+        self.env = env
+        self.max_turns = max_turns
+        self.context_fn = context_fn
+        self.forward_keys = None if forward_keys is None else list(forward_keys)
+        self.replay_buffer = replay_buffer
+        self.logprobs = logprobs
+        self.sync_weights = sync_weights
+        self.policy_version = -1
+        self.calls = 0
+        self.samples = 0
+        self.__name__ = type(self).__name__
+        self._scorer = None
+        self._next_group = 0
+        self._lock = threading.Lock()
+        self._warned_temperature = False
+
+    # -- TRL entry point ---------------------------------------------------------------
+
+    def __call__(self, prompts: list, trainer=None) -> RolloutBatch:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list, got {type(prompts).__name__} {prompts!r:.80}")
+        with self._lock:
+            policy = self._policy_for(trainer)
+            group_size = _group_size(trainer, len(prompts))
+            version = self._sync(trainer, policy)
+            if self.env is None:
+                steps = [self._generate(policy, prompts)]
+            else:
+                steps = self._run_env(policy, prompts)
+            batch = self._to_trl(policy, steps)
+            self._annotate(steps, group_size, version)
+            if self.replay_buffer is not None:
+                for step in steps:
+                    self.replay_buffer.extend(step)
+            self.calls += 1
+            self.samples += len(prompts)
+            return batch
+
+    # -- weights -----------------------------------------------------------------------
+
+    def _policy_for(self, trainer):
+        if self.policy is not None:
+            return self.policy
+        if trainer is None:
+            raise ValueError("policy=None builds the policy from the trainer, but no trainer was passed")
+        from torchrl.modules.llm import TransformersWrapper
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        generate_kwargs = {
+            "max_new_tokens": trainer.max_completion_length,
+            "do_sample": True,
+            "temperature": trainer.temperature,
+        }
+        for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(trainer, name, None)
+            if value is not None:
+                generate_kwargs[name] = value
+        self.policy = TransformersWrapper(
+            model,
+            tokenizer=trainer.processing_class,
+            input_mode="history" if self.env is None else self.env.input_mode,
+            generate=True,
+            return_log_probs=True,
+            pad_output=False,
+            generate_kwargs=generate_kwargs,
+        )
+        return self.policy
+
+    def _sync(self, trainer, policy) -> int:
+        """Bring ``policy``'s weights to the trainer's and return their version."""
+        if trainer is None:
+            self.policy_version = max(self.policy_version, 0)
+            return self.policy_version
+        step = int(trainer.state.global_step)
+        if step != self.policy_version:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            if policy.model is not model and self.sync_weights == "copy":
+                policy.model.load_state_dict(model.state_dict())
+            self.policy_version = step
+        temperature = getattr(trainer, "temperature", 1.0)
+        if temperature != 1.0 and not self._warned_temperature:
+            self._warned_temperature = True
+            warnings.warn(
+                f"trainer.temperature={temperature}: TorchRL's log-probs are those of the raw logits "
+                "(temperature 1), TRL's recomputed ones use logits / temperature; they differ.",
+                stacklevel=3,
+            )
+        return self.policy_version
+
+    # -- generation --------------------------------------------------------------------
+
+    def _generate(self, policy, prompts: list) -> TensorDictBase:
+        td = _policy_input(policy, prompts)
+        return _per_sample(policy(td))
+
+    def _run_env(self, policy, prompts: list) -> list[TensorDictBase]:
+        env = self.env
+        chunk = env.batch_size.numel()
+        if len(prompts) % chunk:
+            raise ValueError(
+                f"got {len(prompts)} prompts but the env's batch size is {tuple(env.batch_size)}: the "
+                f"number of prompts (TRL's generation batch) must be a multiple of {chunk}"
+            )
+        context = self.context_fn(list(prompts)) if self.context_fn is not None else {}
+        for name, values in context.items():
+            if len(values) != len(prompts):
+                raise ValueError(
+                    f"context_fn returned {len(values)} values for column {name!r}, expected {len(prompts)}"
+                )
+        per_chunk = []
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start : start + chunk]
+            cols = {k: list(v[start : start + chunk]) for k, v in context.items()}
+            per_chunk.append(self._episode(policy, part, cols))
+        n_turns = {len(c) for c in per_chunk}
+        if len(n_turns) != 1:
+            raise ValueError(f"env episodes of different chunks ended after different numbers of turns: {n_turns}")
+        return [lazy_stack([s for c in per_chunk for s in c[t].tensordicts]) for t in range(n_turns.pop())]
+
+    def _episode(self, policy, prompts: list, columns: dict) -> list[TensorDictBase]:
+        from tensordict import NonTensorStack
+
+        env = self.env
+        query = _env_query(prompts)
+        reset = TensorDict({"query": query}, batch_size=env.batch_size)
+        for name, values in columns.items():
+            reset.set(name, NonTensorStack(*values) if not isinstance(values[0], torch.Tensor) else torch.stack(values))
+        td = env.reset(reset)
+        steps = []
+        for turn in range(self.max_turns):
+            td = policy(td)
+            last = turn == self.max_turns - 1
+            if last:
+                step = env.step(td)
+            else:
+                step, td = env.step_and_maybe_reset(td)
+            step = _per_sample(step)
+            steps.append(step)
+            done = step.get(("next", "done")).reshape(-1)
+            if done.all():
+                break
+            if done.any():
+                raise ValueError(
+                    f"turn {turn}: {int(done.sum())} of {done.numel()} episodes ended while others go on; "
+                    "TorchRLRolloutFunc needs every episode of an env batch to end at the same turn "
+                    "(e.g. a StepCounter(max_steps=k))"
+                )
+        return steps
+
+    # -- TorchRL -> TRL ----------------------------------------------------------------
+
+    def _to_trl(self, policy, steps: list[TensorDictBase]) -> RolloutBatch:
+        first = steps[0]
+        prompt_ids = layouts.read_tokens(first, "prompt").tolist()
+        completion_ids = [[] for _ in prompt_ids]
+        env_mask = [[] for _ in prompt_ids]
+        gen_logprobs = [[] for _ in prompt_ids]
+        previous_full = [list(p) for p in prompt_ids]
+        for turn, step in enumerate(steps):
+            prompts = layouts.read_tokens(step, "prompt").tolist()
+            responses = layouts.read_tokens(step, "response").tolist()
+            lps = layouts.read_tokens(step, "response", key=("log_probs", "response")).tolist()
+            for i, (p, r, lp) in enumerate(zip(prompts, responses, lps)):
+                prev = previous_full[i]
+                if p[: len(prev)] != prev:
+                    at = next((j for j, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
+                    raise ValueError(
+                        f"sample {i}, turn {turn}: the prompt tokens do not start with the previous turn's "
+                        f"prompt + response (first difference at position {at}: the chat was re-rendered and "
+                        "re-tokenised to other ids). The sequence TRL would train on is not what the policy "
+                        "generated; use a tokenizer/chat template that round-trips, or ChatEnv(input_mode='tokens')."
+                    )
+                if len(lp) != len(r):
+                    raise ValueError(
+                        f"sample {i}, turn {turn}: {len(lp)} log-probs for {len(r)} response tokens at "
+                        "('log_probs', 'response')"
+                    )
+                glue = p[len(prev) :]
+                completion_ids[i] += glue + r
+                env_mask[i] += [0] * len(glue) + [1] * len(r)
+                if lp:  # TorchRL 0.14.1 writes 0.0 for the first generated token: unknown
+                    lp = [float("nan")] + lp[1:]
+                gen_logprobs[i] += [float("nan")] * len(glue) + lp
+                previous_full[i] = p + r
+        if self.logprobs == "rescore":
+            logprobs = self._rescore(policy, prompt_ids, completion_ids)
+        else:
+            logprobs = gen_logprobs
+        out = RolloutBatch(prompt_ids=prompt_ids, completion_ids=completion_ids, logprobs=logprobs)
+        if len(steps) > 1 or any(0 in m for m in env_mask):
+            out["env_mask"] = env_mask
+        out.update(self._forward_fields(steps))
+        out.steps = steps
+        return out
+
+    def _rescore(self, policy, prompt_ids, completion_ids) -> list[list[float]]:
+        """Per-token log-probs of ``completion_ids`` given ``prompt_ids``, by TorchRL's
+        scoring path (``generate=False``) on the exact sequences."""
+        if self._scorer is None or self._scorer.model is not policy.model:
+            self._scorer = policy.get_new_version(
+                generate=False, input_mode="tokens", input_key=("tokens", "full"), pad_output=False
+            )
+        rows = [
+            TensorDict({"tokens": {"full": torch.tensor(p + c, dtype=torch.long)}})
+            for p, c in zip(prompt_ids, completion_ids)
+        ]
+        with torch.no_grad():
+            scored = self._scorer(lazy_stack(rows))
+        full = scored.get(("log_probs", "full"), as_list=True)
+        return [lp[len(p) :].tolist() for lp, p in zip(full, prompt_ids)]
+
+    def _forward_fields(self, steps: list[TensorDictBase]) -> dict[str, list]:
+        last = steps[-1]
+        keys = self.forward_keys
+        if keys is None:
+            sample = last.tensordicts[0]
+            keys = [k for k in sample.keys() if k not in layouts.TORCHRL_ROOT_KEYS and k not in _OWN_KEYS]
+        fields = {}
+        for key in keys:
+            name = key if isinstance(key, str) else ".".join(key)
+            fields[name] = [_to_python(v) for v in layouts.read_column(last, key)]
+        if layouts.has_key(last, layouts.REWARD_KEY):
+            total = sum(
+                torch.stack([r.reshape(()) for r in layouts.read_column(s, layouts.REWARD_KEY)]).float()
+                for s in steps
+            )
+            fields[TORCHRL_REWARD_FIELD] = total.tolist()
+        return fields
+
+    def _annotate(self, steps: list[TensorDictBase], group_size: int, version: int) -> None:
+        n = steps[0].batch_size[0]
+        groups = [self._next_group + i // group_size for i in range(n)]
+        self._next_group += -(-n // group_size)
+        for turn, step in enumerate(steps):
+            for i, sample in enumerate(step.tensordicts):
+                sample.set(GROUP_ID_KEY, torch.tensor(groups[i]))
+                sample.set(VERSION_KEY, torch.tensor(version))
+                sample.set(TURN_KEY, torch.tensor(turn))
+
+
+def _check_policy(policy) -> None:
+    if not getattr(policy, "generate", False):
+        raise ValueError("policy must generate (TransformersWrapper(..., generate=True))")
+    if not getattr(policy, "return_log_probs", False):
+        raise ValueError("policy must return log-probs (TransformersWrapper(..., return_log_probs=True))")
+    if getattr(policy, "num_samples", None) not in (None, 1):
+        raise ValueError(
+            f"policy.num_samples={policy.num_samples}: TRL already repeats each prompt num_generations "
+            "times, so the policy must sample one completion per prompt"
+        )
+    mode = getattr(policy, "input_mode", None)
+    if mode not in ("text", "history"):
+        raise ValueError(f"policy.input_mode must be 'text' or 'history', got {mode!r}")
+
+
+def _group_size(trainer, n: int) -> int:
+    if trainer is None:
+        return n
+    training = getattr(trainer.model, "training", True)
+    g = trainer.num_generations if training else getattr(trainer, "num_generations_eval", trainer.num_generations)
+    if n % g:
+        raise ValueError(f"got {n} prompts, not a multiple of num_generations={g}")
+    return g
+
+
+def _policy_input(policy, prompts: list) -> TensorDictBase:
+    from ..rewards.trl_funcs import is_conversational
+
+    n = len(prompts)
+    chat = is_conversational(prompts)
+    if policy.input_mode == "history":
+        from torchrl.data.llm import History
+
+        if not chat:
+            raise ValueError(
+                "the policy reads chat history (input_mode='history') but TRL's prompts are plain text; "
+                "use a dataset of conversational prompts or a policy with input_mode='text'"
+            )
+        history = History.from_chats([layouts.to_messages(p) for p in prompts])
+        return TensorDict({"history": {"prompt": history}}, batch_size=[n])
+    if chat:
+        tok = policy.tokenizer
+        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    else:
+        texts = [str(p) for p in prompts]
+    return TensorDict({"text": {"prompt": texts}}, batch_size=[n])
+
+
+def _env_query(prompts: list):
+    from ..rewards.trl_funcs import is_conversational
+
+    if is_conversational(prompts):
+        from torchrl.data.llm import History
+
+        return History.from_chats([layouts.to_messages(p) for p in prompts])
+    from tensordict import NonTensorStack
+
+    return NonTensorStack(*[str(p) for p in prompts])

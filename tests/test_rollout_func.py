@@ -1,0 +1,283 @@
+"""TorchRLRolloutFunc: TRL's GRPOTrainer trains on TorchRL rollouts (single turn, two-turn ChatEnv).
+
+Every check compares what TRL trained on (captured in ``compute_loss``, a public Trainer
+method) with what TorchRL wrote into the replay buffer, and TorchRL's log-probs with an
+independent reference: the HF model's forward on each unpadded sequence alone, with the
+weights that generated it.
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from torchrl_trl import layouts  # noqa: E402
+from torchrl_trl.online import TorchRLRolloutFunc  # noqa: E402
+
+QUESTIONS = ["what is two plus two?", "hello world"]
+ANSWERS = {"what is two plus two?": "four", "hello world": "hi"}
+
+
+def _reference_logps(model, prompt_ids, completion_ids):
+    """log p(completion token | prefix) from one forward per sequence, no padding."""
+    out = []
+    with torch.no_grad():
+        for p, c in zip(prompt_ids, completion_ids):
+            ids = torch.tensor([p + c])
+            logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()
+            out.append(logits.log_softmax(-1).gather(-1, torch.tensor(c)[:, None])[:, 0])
+    return out
+
+
+def _make_trainer(model, tokenizer, rollout_func, reward, tmp_path, *, max_steps=2):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    class CapturingTrainer(GRPOTrainer):
+        """Records the batch TRL computes the loss on, and the reference log-probs of its
+        sequences under the weights that generated them (no optimizer step in between:
+        steps_per_generation == gradient_accumulation_steps == 1)."""
+
+        captured: list = []
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            keep = inputs["completion_mask"].bool()
+            prompts = [ids[m.bool()].tolist() for ids, m in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
+            completions = [ids[m].tolist() for ids, m in zip(inputs["completion_ids"], keep)]
+            row = {
+                "prompt_ids": prompts,
+                "completion_ids": completions,
+                "sampling_logps": [lp[m] for lp, m in zip(inputs["sampling_per_token_logps"], keep)],
+                "reference": _reference_logps(self.accelerator.unwrap_model(model), prompts, completions),
+            }
+            if "tool_mask" in inputs:
+                row["env_mask"] = [t[m].tolist() for t, m in zip(inputs["tool_mask"], keep)]
+            type(self).captured.append(row)
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    CapturingTrainer.captured = []
+    args = GRPOConfig(
+        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=6, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1, shuffle_dataset=False, beta=0.0, gradient_checkpointing=False,
+        learning_rate=1e-2,
+    )
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": q}] for q in QUESTIONS],
+        "answer": [ANSWERS[q] for q in QUESTIONS],
+    })
+    return CapturingTrainer(
+        model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
+        processing_class=tokenizer, rollout_func=rollout_func,
+    )
+
+
+class Recorder:
+    """Wraps a rollout func or a reward func and records each call."""
+
+    def __init__(self, func, name):
+        self.func, self.__name__, self.calls = func, name, []
+
+    def __call__(self, *args, **kwargs):
+        out = self.func(*args, **kwargs)
+        self.calls.append((args, kwargs, out))
+        return out
+
+
+def _buffer_turns(buffer, n_calls, batch, turns):
+    """The buffer's items as [call][turn] lazy stacks of ``batch`` samples (written in that order)."""
+    items = buffer[: len(buffer)]
+    assert len(buffer) == n_calls * batch * turns
+    out = []
+    for c in range(n_calls):
+        base = c * batch * turns
+        out.append([items[base + t * batch : base + (t + 1) * batch] for t in range(turns)])
+    return out
+
+
+def _match_rows(cap, prompt_ids, completion_ids):
+    """For each captured (shuffled) row, the index of the buffer row with the same
+    prompt + completion; the two must hold the same rows."""
+    keys = [tuple(p) + (-1,) + tuple(c) for p, c in zip(prompt_ids, completion_ids)]
+    got = [tuple(p) + (-1,) + tuple(c) for p, c in zip(cap["prompt_ids"], cap["completion_ids"])]
+    assert sorted(got) == sorted(keys)
+    return [keys.index(k) for k in got]
+
+
+@pytest.fixture
+def fresh_model(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+
+
+def test_grpo_single_turn_trains_on_torchrl_rollouts(fresh_model, policy_and_tokenizer, tmp_path):
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    buffer = ReplayBuffer(storage=LazyStackStorage(64))
+    policy = make_policy_wrapper(fresh_model, tok, max_new_tokens=6)  # shares the trainer's parameters
+    rollout = Recorder(TorchRLRolloutFunc(policy, replay_buffer=buffer), "rollout")
+
+    def reward(completion_ids, answer, **kw):
+        return [float(sum(c) % 7) + (a == "four") for c, a in zip(completion_ids, answer)]
+
+    reward = Recorder(reward, "reward")
+    trainer = _make_trainer(fresh_model, tok, rollout, reward, tmp_path)
+    before = {k: v.clone() for k, v in fresh_model.state_dict().items()}
+    trainer.train()
+    captured = type(trainer).captured
+
+    assert len(rollout.calls) == len(captured) == 2
+    assert any(not torch.equal(before[k], v) for k, v in fresh_model.state_dict().items())  # it trained
+    # TRL hands the rollout func each prompt num_generations (2) times in a row, 4 in all
+    for (prompts, _), _, _ in rollout.calls:
+        assert len(prompts) == 4
+        assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
+    turns = _buffer_turns(buffer, 2, 4, 1)
+    for call, (step,), cap, (_, rkw, _) in zip(range(2), turns, captured, reward.calls):
+        prompt_ids = layouts.read_tokens(step, "prompt").tolist()
+        response_ids = layouts.read_tokens(step, "response").tolist()
+        generated = layouts.read_tokens(step, "response", key=("log_probs", "response")).split()
+        assert rkw["completion_ids"] == response_ids  # what the reward functions scored, in order
+        # TRL shuffles the generated batch before the loss: match rows by their sequence
+        order = _match_rows(cap, prompt_ids, response_ids)
+        for j, i in enumerate(order):
+            got, ref = cap["sampling_logps"][j], cap["reference"][j]
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)  # on-policy == independent reference
+            # TorchRL's generated log-probs (position 0 excepted: TorchRL 0.14.1 writes 0 there)
+            torch.testing.assert_close(got[1:], generated[i][1:], atol=1e-4, rtol=1e-4)
+        assert [int(v) for v in layouts.read_column(step, "policy_version")] == [call] * 4
+        assert [int(v) for v in layouts.read_column(step, "group_id")] == [2 * call, 2 * call, 2 * call + 1, 2 * call + 1]
+        assert "env_mask" not in cap  # single turn: every completion token is the model's
+    assert rollout.func.policy_version == 1 and rollout.func.samples == 8
+
+
+def test_generate_logprobs_mark_first_token_unknown(policy_and_tokenizer):
+    """logprobs="generate": TorchRL's generated values, the first one (0.0 upstream) NaN."""
+    model, tok = policy_and_tokenizer
+    from torchrl_trl.testing import make_policy_wrapper
+
+    torch.manual_seed(1)
+    func = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=5), logprobs="generate")
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    out = func(prompts)
+    ref = _reference_logps(model, out["prompt_ids"], out["completion_ids"])
+    for lp, r in zip(out["logprobs"], ref):
+        lp = torch.tensor(lp)
+        assert torch.isnan(lp[0]) and not torch.isnan(lp[1:]).any()
+        torch.testing.assert_close(lp[1:], r[1:], atol=1e-4, rtol=1e-4)
+
+
+class LengthReward:
+    """A TorchRL transform that scores each turn: ``("next", "reward")`` [B, 1, 1] = number
+    of generated tokens / 10 (stands in for a reward parser)."""
+
+    def __new__(cls):
+        from torchrl.envs import Transform
+
+        class _LengthReward(Transform):
+            def _step(self, tensordict, next_tensordict):
+                from torchrl_trl.online.rollout_func import _per_sample
+
+                lengths = layouts.read_tokens(_per_sample(tensordict), "response").lengths
+                next_tensordict.set("reward", (lengths.float() / 10).reshape(-1, 1, 1))
+                return next_tensordict
+
+            def _reset(self, tensordict, tensordict_reset):
+                return tensordict_reset
+
+        return _LengthReward()
+
+
+def _no_whitespace(model, tok):
+    model.generation_config.suppress_tokens = list(model.generation_config.suppress_tokens) + [
+        tok.convert_tokens_to_ids(c) for c in " \t\n\r\x0b\x0c"
+    ]
+    return model
+
+
+def _two_turn_env(tok, batch=4, reward=True):
+    from torchrl.envs import StepCounter
+    from torchrl.envs.llm import ChatEnv
+
+    env = ChatEnv(batch_size=(batch,), input_mode="history", tokenizer=tok).append_transform(StepCounter(max_steps=2))
+    return env.append_transform(LengthReward()) if reward else env
+
+
+def test_retokenisation_drift_raises():
+    """A reply whose re-rendered chat re-tokenises to other ids (here: outer whitespace,
+    which TorchRL's History strips) is an error naming the sample and turn, never trained on."""
+    from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
+
+    tok = make_tokenizer(vocab_size=104)
+    policy = make_policy_wrapper(make_policy(tok, seed=3), tok, max_new_tokens=4)
+    func = TorchRLRolloutFunc(policy, env=_two_turn_env(tok, reward=False), max_turns=2)
+    prompts = [[{"role": "user", "content": q}] for q in ("hello", "hello", "what is two", "what is two")]
+    errors = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        try:
+            func(prompts)
+        except ValueError as err:
+            errors.append(str(err))
+    assert errors and all("turn 1" in e and "re-tokenised" in e for e in errors)
+
+
+def test_grpo_two_turn_chat_env(tmp_path):
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl_trl import preference_pairs
+    from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
+
+    # ChatEnv re-renders the chat every turn (History strips the reply's outer whitespace);
+    # a character-level tokenizer (no merges) and a policy that emits no whitespace give the
+    # same ids back, so the next turn's prompt extends the previous turn's tokens
+    tok = make_tokenizer(vocab_size=104)
+    fresh_model = _no_whitespace(make_policy(tok, seed=3), tok)
+    torch.manual_seed(0)
+    env = _two_turn_env(tok)
+    buffer = ReplayBuffer(storage=LazyStackStorage(64))
+    policy = make_policy_wrapper(fresh_model, tok, max_new_tokens=4)
+
+    def context(prompts):
+        return {"answer": [ANSWERS[p[-1]["content"]] for p in prompts]}
+
+    func = TorchRLRolloutFunc(policy, env=env, max_turns=2, context_fn=context, replay_buffer=buffer)
+    reward = Recorder(lambda torchrl_reward, answer, **kw: list(torchrl_reward), "reward")
+    trainer = _make_trainer(fresh_model, tok, func, reward, tmp_path)
+    trainer.train()
+    captured = type(trainer).captured
+    assert len(captured) == 2
+
+    for (t0, t1), cap, (_, rkw, _) in zip(_buffer_turns(buffer, 2, 4, 2), captured, reward.calls):
+        p0 = layouts.read_tokens(t0, "prompt").tolist()
+        r0 = layouts.read_tokens(t0, "response").tolist()
+        p1 = layouts.read_tokens(t1, "prompt").tolist()
+        r1 = layouts.read_tokens(t1, "response").tolist()
+        completions, masks = [], []
+        for i in range(4):
+            glue = p1[i][len(p0[i]) + len(r0[i]) :]
+            assert p1[i][: len(p0[i]) + len(r0[i])] == p0[i] + r0[i]
+            assert glue  # the chat template's end-of-turn/next-turn tokens: not generated
+            completions.append(r0[i] + glue + r1[i])
+            masks.append([1] * len(r0[i]) + [0] * len(glue) + [1] * len(r1[i]))
+        assert rkw["completion_ids"] == completions
+        order = _match_rows(cap, p0, completions)
+        assert cap["env_mask"] == [masks[i] for i in order]
+        for got, ref in zip(cap["sampling_logps"], cap["reference"]):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        # TorchRL fields reach TRL's reward functions: the env's reward summed over turns, the answer
+        env_rewards = [
+            float(a) + float(b)
+            for a, b in zip(layouts.read_column(t0, ("next", "reward")), layouts.read_column(t1, ("next", "reward")))
+        ]
+        assert rkw["torchrl_reward"] == pytest.approx(env_rewards)
+        assert rkw["answer"] == [ANSWERS[layouts.to_messages(p)[-1]["content"]] for p in rkw["prompts"]]
+    # the stored rollouts feed the offline pipeline: one pair per group with distinct rewards
+    last_turns = buffer[: len(buffer)][torch.tensor([4, 5, 6, 7, 12, 13, 14, 15])]
+    pairs = preference_pairs(last_turns, group_key="group_id")
+    assert len(pairs) >= 1
