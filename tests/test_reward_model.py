@@ -8,6 +8,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict, lazy_stack
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from torchrl_trl.layouts import Ragged
 from torchrl_trl.rewards import HFRewardModelWrapper
 
 CONVS = [
@@ -317,3 +318,150 @@ def test_cuda_model_cpu_tensordict(checkpoints, tok, rm):
     assert out.device.type == "cpu"
     ref = torch.stack([_alone(rm, i) for i in ids])
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+# -- bad input: a clear error naming the argument / key / shape ------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"max_batch_size": 0, "min_fill": None}, ValueError, "max_batch_size must be >= 1, got 0"),
+        ({"max_batch_size": -2, "min_fill": None}, ValueError, "max_batch_size must be >= 1, got -2"),
+        ({"max_tokens_per_batch": 0}, ValueError, "max_tokens_per_batch"),
+        ({"max_tokens_per_batch": 1.5}, TypeError, "max_tokens_per_batch"),
+        ({"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of"),
+        ({"min_fill": 0.0}, ValueError, "min_fill"),
+        ({"min_fill": 1.5}, ValueError, "min_fill"),
+        ({"max_length": 0}, ValueError, "max_length"),
+        ({"pad_token_id": -1}, ValueError, "pad_token_id"),
+        ({"head_index": 0.5}, TypeError, "head_index"),
+        ({"scale": float("nan")}, ValueError, "scale"),
+        ({"shift": "1"}, TypeError, "shift"),
+        ({"clip": (1.0, -1.0)}, ValueError, "clip"),
+        ({"nonfinite_value": float("inf")}, ValueError, "nonfinite_value"),
+        ({"reward_dtype": torch.int64}, TypeError, "reward_dtype"),
+    ],
+)
+def test_numeric_arguments_checked_at_construction(rm, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        HFRewardModelWrapper(rm, **kwargs)
+
+
+def test_micro_batch_planner_refuses_zero_rows():
+    from torchrl_trl.rewards.batching import plan_micro_batches
+
+    # max_batch_size=0 used to loop forever (no row ever taken)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        plan_micro_batches(torch.tensor([3, 2]), max_tokens_per_batch=None, max_batch_size=0, min_fill=None)
+
+
+def test_float_token_ids_raise(rm):
+    td = TensorDict(
+        {"tokens": {"full": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, "masks": {"all_attention_mask": torch.ones(2, 2)}},
+        [2],
+    )
+    with pytest.raises(TypeError, match=r"tokens at \('tokens', 'full'\).*integers.*float32"):
+        HFRewardModelWrapper(rm)(td)
+
+
+def test_negative_token_id_is_named(rm):
+    td = _ragged_td([[5, 6, 7], [8, -3, 9]])
+    with pytest.raises(ValueError, match=r"tokens at \('tokens', 'full'\).*negative token id -3 in sample 1"):
+        HFRewardModelWrapper(rm)(td)
+
+
+def test_zero_length_sequence_raises(rm):
+    td = _ragged_td([[5, 6, 7], []])
+    with pytest.raises(ValueError, match=r"tokens at \('tokens', 'full'\).*sample\(s\) \[1\].*no tokens"):
+        HFRewardModelWrapper(rm)(td)
+    with pytest.raises(ValueError, match=r"sample\(s\) \[0\].*no tokens"):
+        HFRewardModelWrapper(rm).score_ids(Ragged.from_list([[], [1, 2]]))
+
+
+def test_all_zero_mask_row_raises(rm, tok):
+    td = _left_padded_td(_ids(tok)[:3], tok.pad_token_id)
+    td["masks", "all_attention_mask"][2] = False  # tokens stored, none of them real
+    with pytest.raises(ValueError, match=r"attention mask \('masks', 'all_attention_mask'\).*sample\(s\) \[2\]"):
+        HFRewardModelWrapper(rm)(td)
+
+
+@pytest.mark.parametrize("content", [None, 5, 2.5])
+def test_non_string_chat_content_raises(checkpoints, content):
+    scorer = HFRewardModelWrapper(checkpoints.reward_model)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
+    with pytest.raises(TypeError, match=r"conversation 1: .*message 1 .*content " + type(content).__name__):
+        scorer.score_messages([CONVS[0], chat])
+
+
+def test_accumulate_onto_another_shape_raises(rm, tok):
+    td = _ragged_td(_ids(tok))
+    td.set("reward", torch.zeros(4, 1))
+    with pytest.raises(ValueError, match=r"accumulate=True.*'reward'.*\(4, 1\).*\(4,\)"):
+        HFRewardModelWrapper(rm, accumulate=True)(td)
+    # same shape: added
+    first = HFRewardModelWrapper(rm, inference_mode=True)(_ragged_td(_ids(tok)))["reward"]
+    td = _ragged_td(_ids(tok))
+    td.set("reward", torch.ones(4))
+    out = HFRewardModelWrapper(rm, accumulate=True, inference_mode=True)(td)["reward"]
+    torch.testing.assert_close(out, first + 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"device": "cpu"}, {"dtype": torch.bfloat16}, {"trust_remote_code": True}, {"model_kwargs": {}}]
+)
+def test_loading_arguments_with_a_model_object_raise(rm, kwargs):
+    (name,) = kwargs
+    with pytest.raises(TypeError, match=rf"\['{name}'\] only apply when the model is loaded by path"):
+        HFRewardModelWrapper(rm, **kwargs)
+
+
+# -- part and declared keys -------------------------------------------------------------
+
+
+def test_part_response_scores_the_response_tokens(checkpoints, policy_and_tokenizer, rm):
+    """TorchRL's own padded output; the reward of the response alone (trailing pads
+    stripped, EOS appended as RewardTrainer does)."""
+    from torchrl.data.llm import History
+    from torchrl.modules.llm.policies import ChatHistory
+
+    from torchrl_trl.testing import make_policy_wrapper
+
+    model, ptok = policy_and_tokenizer
+    torch.manual_seed(0)
+    prompts = History.from_chats([c[:-1] for c in CONVS[:2]])
+    out = make_policy_wrapper(model, ptok, pad_output=True, max_new_tokens=6)(
+        TensorDict({"history": ChatHistory(prompt=prompts, batch_size=[2])}, [2])
+    )
+    scorer = HFRewardModelWrapper(checkpoints.reward_model, policy_tokenizer=ptok, part="response", inference_mode=True)
+    assert scorer.in_keys == [("tokens", "response"), ("masks", "all_attention_mask")]
+    got = scorer(out)["reward"]
+    refs = []
+    for row in out["tokens", "response"].tolist():
+        while row and row[-1] == ptok.pad_token_id:
+            row.pop()
+        refs.append(_alone(rm, row if row[-1] == ptok.eos_token_id else row + [ptok.eos_token_id]))
+    torch.testing.assert_close(got, torch.stack(refs), atol=1e-5, rtol=0)
+    full = HFRewardModelWrapper(checkpoints.reward_model, policy_tokenizer=ptok, inference_mode=True)(out)["reward"]
+    assert (full - got).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="part='response' with token_key=\\('tokens', 'full'\\)"):
+        HFRewardModelWrapper(rm, part="response", token_key=("tokens", "full"))
+
+
+def test_in_keys_are_the_keys_read(checkpoints, tok):
+    other = checkpoints.reward_model_other_tokenizer
+    history = HFRewardModelWrapper(other, policy_tokenizer=tok, inference_mode=True)
+    assert history.in_keys == [("history", "full")]
+    text = HFRewardModelWrapper(other, policy_tokenizer=tok, input_mode="text")
+    assert text.in_keys == [("text", "full")]
+    same = HFRewardModelWrapper(checkpoints.reward_model, policy_tokenizer=tok)
+    assert same.in_keys == [("tokens", "full"), ("masks", "all_attention_mask")]
+    # a tensordict holding only the declared keys is enough (select relies on it)
+    td = _history_td(CONVS)
+    td.update(_left_padded_td(_ids(tok), tok.pad_token_id))
+    torch.testing.assert_close(
+        history(td.select(*history.in_keys))["reward"], history(td.clone())["reward"], atol=0, rtol=0
+    )
+    torch.testing.assert_close(
+        same(td.select(*same.in_keys))["reward"], same(td.clone())["reward"], atol=0, rtol=0
+    )

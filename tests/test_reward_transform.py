@@ -106,3 +106,33 @@ def test_composes_with_retrieve_kl(checkpoints, policy_and_tokenizer):
     for i in range(4):
         torch.testing.assert_close(token_rewards[i].reshape(-1), rm_reward[i] - penalties[i].reshape(-1))
     assert any(p.abs().sum() > 0 for p in penalties)  # the reference really differs
+
+
+def test_called_as_a_module_writes_the_reward_and_declares_what_it_reads(checkpoints, policy_and_tokenizer):
+    """``transform(td)`` (and inside a TensorDictSequential after the policy) writes
+    ``("next", "reward")``; ``in_keys`` are what is read: the chat for a reward model with
+    its own template, tokens + mask for one sharing the policy's tokenizer."""
+    from tensordict import TensorDict
+    from tensordict.nn import TensorDictSequential
+    from torchrl.data.llm import History
+    from torchrl.modules.llm.policies import ChatHistory
+
+    model, tok = policy_and_tokenizer
+    path = checkpoints.reward_model_other_tokenizer
+    tf = HFRewardTransform(path, policy_tokenizer=tok)
+    assert tf.in_keys == [("history", "full")] and tf.out_keys == [("next", "reward")]
+    same = HFRewardTransform(checkpoints.reward_model, policy_tokenizer=tok)
+    assert same.in_keys == [("tokens", "full"), ("masks", "all_attention_mask")]
+
+    torch.manual_seed(0)
+    policy = make_policy_wrapper(model, tok, max_new_tokens=6)
+    prompts = History.from_chats([[{"role": "user", "content": r["query"]}] for r in ROWS])
+    td = TensorDict({"history": ChatHistory(prompt=prompts, batch_size=[2])}, [2])
+    out = TensorDictSequential(policy, tf)(td)
+    rewards = out["next", "reward"]
+    assert rewards.shape == (2, 1, 1)
+    ref = _history_reference(path, layouts.read_history(out, "full"))
+    torch.testing.assert_close(rewards.reshape(-1), ref, atol=1e-5, rtol=0)
+    # standalone on the declared keys only
+    again = tf(out.select(*tf.in_keys))
+    torch.testing.assert_close(again["next", "reward"], rewards, atol=0, rtol=0)

@@ -215,10 +215,15 @@ class RewardRenderer:
                 f"TensorDict (tokens at {self.token_key!r}). Pass attention_mask_key=None if "
                 f"every stored token is real. Available keys: {layouts.available_keys(td)}"
             )
-        ids = layouts.read_tokens(td, self.part, key=self.token_key, mask_key=mask_key)
         where = f"tokens at {self.token_key!r}" + (
             f" (attention mask {mask_key!r})" if mask_key is not None else ""
         )
+        try:
+            ids = layouts.read_tokens(td, self.part, key=self.token_key, mask_key=mask_key)
+        except RuntimeError:
+            # layouts cannot reshape a zero-length member of a lazy stack: name it
+            check_ids(Ragged.from_list(layouts.read_column(td, self.token_key)), where)
+            raise
         check_ids(ids, where)
         return ids
 
@@ -247,7 +252,7 @@ class RewardRenderer:
             )
         return [
             self.tokenizer.apply_chat_template(
-                _checked_messages(layouts.to_messages(c), i),
+                _checked_messages(c, i),
                 tokenize=False,
                 add_generation_prompt=False,
                 **self.chat_template_kwargs,
@@ -348,13 +353,8 @@ def check_ids(ids: Ragged, where: str) -> None:
         raise ValueError(f"{where}: negative token id {bad} in sample {sample}; token ids must be >= 0")
 
 
-def _checked_messages(messages: list[dict], conversation: int) -> list[dict]:
-    for j, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not isinstance(content, (str, list)):
-            raise TypeError(
-                f"conversation {conversation}, message {j}: expected a str 'role' and a str "
-                f"'content' (or a list of content parts), got role={role!r} "
-                f"({type(role).__name__}), content={content!r} ({type(content).__name__})"
-            )
-    return messages
+def _checked_messages(conversation: Any, index: int) -> list[dict]:
+    try:
+        return layouts.to_messages(conversation)
+    except TypeError as e:  # a non-string role or content: say which conversation
+        raise TypeError(f"conversation {index}: {e}") from e
