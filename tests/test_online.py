@@ -221,10 +221,10 @@ def test_buffer_save_load_ragged_rollouts(policy_and_tokenizer, tmp_path):
     model, tok = policy_and_tokenizer
     env = testing.make_chat_env(ROWS, batch_size=2, group_size=2)
     rb = testing.collect_rollouts(testing.make_policy_wrapper(model, tok, max_new_tokens=4), env, total_turns=8)
-    save_buffer(rb, tmp_path / "b")  # LazyStackStorage: dumps() refuses, items fallback
+    save_buffer(rb, tmp_path / "b")  # LazyStackStorage: ragged items, text and History, no pickle
     rb2 = ReplayBuffer(storage=LazyStackStorage(16))
     meta = load_buffer(rb2, tmp_path / "b")
-    assert meta["method"] == "items" and len(rb2) == len(rb) == 8
+    assert meta["storage"] == "list" and len(rb2) == len(rb) == 8
     assert layouts.read_tokens(rb2[:], "full").tolist() == layouts.read_tokens(rb[:], "full").tolist()
     assert layouts.read_history(rb2[:], "full") == layouts.read_history(rb[:], "full")
     rb2.extend(rb[:2])  # the writer's cursor came back too

@@ -27,7 +27,7 @@ def wait_for_items(
     replay_buffer,
     min_items: int,
     *,
-    timeout: float,
+    timeout: float | None,
     check: Callable[[], None] | None = None,
     poll: float = 0.05,
 ) -> int:
@@ -35,7 +35,7 @@ def wait_for_items(
 
     ``check()`` runs at every poll and should raise if the producer is dead (so a dead
     collector fails fast instead of running out the clock). Raises ``TimeoutError`` after
-    ``timeout`` seconds, naming how many items arrived.
+    ``timeout`` seconds (``None``: wait as long as it takes), naming how many items arrived.
     """
     start = time.monotonic()
     n = len(replay_buffer)
@@ -43,7 +43,7 @@ def wait_for_items(
         if check is not None:
             check()
         waited = time.monotonic() - start
-        if waited >= timeout:
+        if timeout is not None and waited >= timeout:
             raise TimeoutError(
                 f"the replay buffer holds {n} items after waiting {waited:.1f}s "
                 f"(timeout={timeout}s) for at least {min_items}; the collector is not producing "
@@ -73,7 +73,11 @@ class CollectorCallback(TrainerCallback):
             re-raised in the trainer as :class:`CollectorError` at the next step.
         min_buffer_size: ``on_train_begin`` collects (sync) or waits (background / remote,
             up to ``wait_timeout`` s) until the buffer holds this many items.
-        wait_timeout: seconds to wait for data before a ``TimeoutError``.
+        wait_timeout: seconds to wait for data before a ``TimeoutError`` (background /
+            remote), and the longest one collector batch may take in a synchronous
+            :meth:`collect` before it raises :class:`CollectorError` (the batch runs in a
+            helper thread, so a collector that blocks forever cannot hang the trainer).
+            ``None``: no limit (sync batches then run in the calling thread).
         update_weights_every: push the trainer's weights to the collector's policy every
             this many optimizer steps (``0``: never). Through
             ``collector.update_policy_weights_`` (TorchRL's weight-update path: the local
@@ -114,7 +118,7 @@ class CollectorCallback(TrainerCallback):
         collect_every: int = 1,
         background: bool = False,
         min_buffer_size: int = 1,
-        wait_timeout: float = 60.0,
+        wait_timeout: float | None = 60.0,
         update_weights_every: int = 1,
         weights_fn: Callable[[torch.nn.Module], Any] | None = None,
         staleness: StalenessFilter | None = None,
@@ -140,7 +144,11 @@ class CollectorCallback(TrainerCallback):
         self.collect_every = collect_every
         self.background = bool(background)
         self.min_buffer_size = int(min_buffer_size)
-        self.wait_timeout = float(wait_timeout)
+        if wait_timeout is not None and (
+            isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)) or not wait_timeout > 0
+        ):
+            raise ValueError(f"wait_timeout must be a positive number of seconds or None, got {wait_timeout!r}")
+        self.wait_timeout = None if wait_timeout is None else float(wait_timeout)
         self.update_weights_every = update_weights_every
         self.weights_fn = weights_fn
         self.staleness = staleness
@@ -159,6 +167,7 @@ class CollectorCallback(TrainerCallback):
         self._started_remote = False
         self._last_log = (time.monotonic(), self._write_count())
         self._shared_warned = False
+        self._hung: threading.Thread | None = None  # a sync batch that outlived wait_timeout
 
     # ------------------------------------------------------------------
     # collecting
@@ -184,10 +193,45 @@ class CollectorCallback(TrainerCallback):
             return False
         return True
 
+    def _next_batch_bounded(self) -> bool:
+        """:meth:`_next_batch` in a helper thread, waited for at most ``wait_timeout`` s."""
+        if self.wait_timeout is None:
+            return self._next_batch()
+        if self._hung is not None:
+            if self._hung.is_alive():
+                raise TimeoutError(
+                    f"a previous collector batch has been running for more than wait_timeout={self.wait_timeout}s "
+                    "and is still running; the collector is stuck"
+                )
+            self._hung = None
+        result: dict[str, Any] = {}
+        grad = torch.is_grad_enabled()  # grad mode is per thread
+
+        def run():
+            try:
+                with torch.set_grad_enabled(grad):
+                    result["ok"] = self._next_batch()
+            except BaseException as err:  # re-raised in the caller's thread
+                result["error"] = err
+
+        worker = threading.Thread(target=run, name="torchrl-trl-collect", daemon=True)
+        worker.start()
+        worker.join(self.wait_timeout)
+        if worker.is_alive():
+            self._hung = worker  # cannot be killed; later calls refuse at once
+            raise TimeoutError(
+                f"one collector batch did not finish within wait_timeout={self.wait_timeout}s "
+                "(the collector blocks: a stuck environment, generation server or iterator?)"
+            )
+        if "error" in result:
+            raise result["error"]
+        return result["ok"]
+
     def collect(self, frames: int | None = None, *, model: torch.nn.Module | None = None) -> int:
         """Collect at least ``frames`` items (default ``frames_per_step``) now, in this
         thread; returns how many were written. Wraps collector errors in
-        :class:`CollectorError`. With a shared model, generation runs in eval mode."""
+        :class:`CollectorError` (also when one collector batch takes longer than
+        ``wait_timeout`` s). With a shared model, generation runs in eval mode."""
         frames = self.frames_per_step if frames is None else int(frames)
         start_wc, t0 = self._write_count(), time.monotonic()
         was_training = model is not None and self._shares_model(model) and model.training
@@ -198,7 +242,7 @@ class CollectorCallback(TrainerCallback):
                 empty_batches = 0
                 while self._write_count() - start_wc < frames and not self._exhausted:
                     before = self._write_count()
-                    self._next_batch()
+                    self._next_batch_bounded()
                     # a write transform such as MCAdvantage may hold a few batches back
                     # until their groups are complete, but not forever
                     empty_batches = empty_batches + 1 if self._write_count() == before else 0

@@ -1,93 +1,421 @@
 """Save and restore a replay buffer (and the collector's policy version) with the
-trainer's checkpoints.
+trainer's checkpoints, without pickle.
 
-Layout inside ``<output_dir>/checkpoint-<step>/``::
+Layout of a saved buffer (``<output_dir>/checkpoint-<step>/torchrl_buffer/``)::
 
-    torchrl_buffer/
-        meta.json        {"method", "len", "write_count", "policy_version", ...}
-        buffer/          TorchRL ``ReplayBuffer.dumps`` (tensor and memmap storages), or
-        items.pt         for storages that ``dumps`` rejects (``ListStorage``,
-                         ``LazyStackStorage``): the stored TensorDicts, pickled, with
-                         the sampler's and writer's state
+    tensors.safetensors   every tensor leaf: the stored items, the sampler's and the
+                          writer's state (read with safetensors: data only, no code)
+    structure.json        everything else as JSON: the TensorDict / lazy-stack /
+                          tensorclass tree, batch sizes, non-tensor data (text, chat turns)
+    manifest.json         written last: format, ``len``, ``write_count``, ``extra`` and the
+                          size and SHA-256 of the two files above
 
-The dataset's position needs no file of its own: an epoch-mode
-``TorchRLBufferDataset`` reads a pass in the order fixed by ``(seed, epoch, len(buffer))``,
-the trainer restores the epoch and skips the batches it already trained on, so the same
-buffer contents give the same next samples.
+Loading reads no pickle: tensors come from safetensors, the rest from JSON, and the only
+classes rebuilt are TensorDict's own and an allow-list of TorchRL LLM tensorclasses
+(``History``, ``Tokens``, ``Masks``, ``Text``, ``ChatHistory``, ``LogProbs``; add yours
+with ``classes=``). Saving writes a temporary sibling directory and renames it into place
+only once complete, so an interrupted save leaves the previous checkpoint as it was; a
+directory whose files do not match its manifest (a mixed or partial state), or one written
+in the old pickle format (``items.pt`` / TorchRL ``dumps``), is refused with a
+:class:`BufferCheckpointError`.
+
+The dataset's position needs no file of its own: an epoch-mode ``TorchRLBufferDataset``
+reads a pass in the order fixed by ``(seed, epoch, len(buffer))``, the trainer restores the
+epoch and skips the batches it already trained on, so the same buffer contents give the
+same next samples.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-__all__ = ["BUFFER_DIR", "BufferCheckpointCallback", "load_buffer", "save_buffer"]
+__all__ = ["BUFFER_DIR", "BufferCheckpointCallback", "BufferCheckpointError", "load_buffer", "save_buffer"]
 
 BUFFER_DIR = "torchrl_buffer"
+FORMAT = "torchrl_trl.buffer"
+VERSION = 2
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+STRUCTURE = "structure.json"
+_DATA_FILES = (TENSORS, STRUCTURE)
+_PICKLE_FILES = ("items.pt", "meta.json", "buffer")  # what the old, pickling format wrote
 
 
-def save_buffer(replay_buffer, path: str | os.PathLike, *, extra: dict[str, Any] | None = None) -> Path:
-    """Write ``replay_buffer`` (storage, sampler and writer state) under ``path``
-    (created). ``extra`` (JSON-able) is stored in ``meta.json``. Returns ``path``."""
+class BufferCheckpointError(ValueError):
+    """A saved buffer that cannot be read safely or consistently (old pickle format,
+    files that do not match the manifest, an unknown class)."""
+
+
+# ---------------------------------------------------------------------------
+# encoding: a tree of JSON nodes + a flat dict of tensors
+# ---------------------------------------------------------------------------
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _allowed_classes(extra: Iterable[type] = ()) -> dict[str, type]:
+    from tensordict import MetaData, NonTensorData
+    from torchrl.data.llm import History
+    from torchrl.modules.llm.policies import ChatHistory, LogProbs, Masks, Text, Tokens
+
+    return {_qualname(c): c for c in (NonTensorData, MetaData, History, Tokens, Masks, Text, ChatHistory, LogProbs, *extra)}
+
+
+def _key_str(path: tuple) -> str:
+    return "/".join(map(str, path)) or "<root>"
+
+
+class _Encoder:
+    def __init__(self, allowed: dict[str, type]):
+        self.allowed = allowed
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def _class(self, obj: Any, path: tuple) -> str:
+        name = _qualname(type(obj))
+        if name not in self.allowed:
+            raise TypeError(
+                f"save_buffer: the item at {_key_str(path)!r} is a {name}, which is not one of the "
+                f"classes a checkpoint may hold ({sorted(self.allowed)}); pass classes=[{type(obj).__name__}] "
+                "to save_buffer and load_buffer"
+            )
+        return name
+
+    def __call__(self, x: Any, path: tuple = ()) -> dict:
+        from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase, is_tensorclass
+
+        if isinstance(x, torch.Tensor):
+            name = f"t{len(self.tensors)}"
+            self.tensors[name] = x.detach().to("cpu").as_subclass(torch.Tensor).contiguous().clone()
+            return {"T": "tensor", "id": name}
+        if isinstance(x, NonTensorData):
+            return {"T": "nontensor", "cls": self._class(x, path), "batch": list(x.batch_size),
+                    "device": _device(x.device), "v": self.python(x.data, path)}
+        if isinstance(x, NonTensorStack):
+            return {"T": "nontensor_stack", "dim": x.stack_dim,
+                    "v": [self(t, path + (i,)) for i, t in enumerate(x.tensordicts)]}
+        if is_tensorclass(x):
+            return {"T": "tensorclass", "cls": self._class(x, path), "td": self(x._tensordict, path),
+                    "non_td": self.python(dict(getattr(x, "_non_tensordict", {}) or {}), path)}
+        if isinstance(x, LazyStackedTensorDict):
+            return {"T": "lazy_stack", "dim": x.stack_dim,
+                    "v": [self(t, path + (i,)) for i, t in enumerate(x.tensordicts)]}
+        if isinstance(x, TensorDictBase):
+            if not isinstance(x, _dense_types()):
+                x = x.to_tensordict()
+            return {"T": "tensordict", "batch": list(x.batch_size), "device": _device(x.device),
+                    "v": {k: self(v, path + (k,)) for k, v in x.items()}}
+        return self.python(x, path)
+
+    def python(self, x: Any, path: tuple) -> dict:
+        if x is None or isinstance(x, (bool, int, str)):
+            return {"T": "py", "v": x}
+        if isinstance(x, float):
+            return {"T": "float", "v": repr(x)}  # keeps nan/inf exact and JSON standard
+        if isinstance(x, (list, tuple)):
+            return {"T": type(x).__name__, "v": [self(v, path + (i,)) for i, v in enumerate(x)]}
+        if isinstance(x, dict):
+            bad = [k for k in x if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"save_buffer: the dict at {_key_str(path)!r} has non-string keys {bad[:3]}")
+            return {"T": "dict", "v": {k: self(v, path + (k,)) for k, v in x.items()}}
+        if isinstance(x, torch.Tensor) or _is_collection(x):
+            return self(x, path)
+        raise TypeError(
+            f"save_buffer: the value at {_key_str(path)!r} is a {type(x).__name__}; a checkpoint holds "
+            "tensors, TensorDicts, allowed tensorclasses and JSON data (str, int, float, bool, None, "
+            "lists and dicts of them)"
+        )
+
+
+def _dense_types():
+    from tensordict import TensorDict
+
+    return (TensorDict,)
+
+
+def _is_collection(x: Any) -> bool:
+    from tensordict import is_tensor_collection
+
+    return is_tensor_collection(x)
+
+
+def _device(device) -> str | None:
+    return None if device is None else str(device)
+
+
+class _Decoder:
+    def __init__(self, tensors: dict[str, torch.Tensor], allowed: dict[str, type], where: str):
+        self.tensors, self.allowed, self.where = tensors, allowed, where
+
+    def _class(self, name: str, path: tuple) -> type:
+        cls = self.allowed.get(name)
+        if cls is None:
+            raise BufferCheckpointError(
+                f"load_buffer: {self.where} holds a {name!r} at {_key_str(path)!r}, which is not an "
+                f"allowed class ({sorted(self.allowed)}); pass classes=[...] to load_buffer if you trust it"
+            )
+        return cls
+
+    def __call__(self, node: dict, path: tuple = ()) -> Any:
+        from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict
+
+        try:
+            kind, value = node["T"], node.get("v")
+        except (TypeError, KeyError):
+            raise BufferCheckpointError(f"load_buffer: malformed node at {_key_str(path)!r} in {self.where}") from None
+        if kind == "tensor":
+            if node.get("id") not in self.tensors:
+                raise BufferCheckpointError(
+                    f"load_buffer: {self.where} names tensor {node.get('id')!r} at {_key_str(path)!r}, "
+                    f"which is not in {TENSORS}"
+                )
+            return self.tensors[node["id"]]
+        if kind == "py":
+            return value
+        if kind == "float":
+            return float(value)
+        if kind in ("list", "tuple"):
+            out = [self(v, path + (i,)) for i, v in enumerate(value)]
+            return out if kind == "list" else tuple(out)
+        if kind == "dict":
+            return {k: self(v, path + (k,)) for k, v in value.items()}
+        if kind == "nontensor":
+            cls = self._class(node["cls"], path)
+            return cls(data=self(value, path), batch_size=node["batch"], device=node["device"])
+        if kind == "nontensor_stack":
+            return NonTensorStack(*[self(v, path + (i,)) for i, v in enumerate(value)], stack_dim=node["dim"])
+        if kind == "lazy_stack":
+            return LazyStackedTensorDict(*[self(v, path + (i,)) for i, v in enumerate(value)], stack_dim=node["dim"])
+        if kind == "tensordict":
+            return TensorDict({k: self(v, path + (k,)) for k, v in value.items()}, batch_size=node["batch"],
+                              device=node["device"])
+        if kind == "tensorclass":
+            cls = self._class(node["cls"], path)
+            return cls._from_tensordict(self(node["td"], path), non_tensordict=self(node["non_td"], path))
+        raise BufferCheckpointError(f"load_buffer: unknown node type {kind!r} at {_key_str(path)!r} in {self.where}")
+
+
+# ---------------------------------------------------------------------------
+# save / load
+# ---------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _local_parts(replay_buffer, what: str):
+    storage = getattr(replay_buffer, "_storage", None)
+    sampler, writer = getattr(replay_buffer, "_sampler", None), getattr(replay_buffer, "_writer", None)
+    if storage is None or sampler is None or writer is None:
+        raise TypeError(
+            f"{what}: {type(replay_buffer).__name__} keeps its storage elsewhere (e.g. a Ray actor); "
+            "save or load a local torchrl.data.ReplayBuffer"
+        )
+    return storage, sampler, writer
+
+
+def _stored_items(storage, n: int):
+    """What the storage holds, in storage order: one TensorDict ``[n]`` (tensor storages)
+    or a list of ``n`` items (list storages)."""
+    from torchrl.data.replay_buffers.storages import ListStorage, TensorStorage
+
+    if isinstance(storage, TensorStorage):
+        return {"kind": "tensor", "data": storage.get(torch.arange(n)) if n else None}
+    if isinstance(storage, ListStorage):
+        return {"kind": "list", "data": [storage.get(i) for i in range(n)]}
+    raise TypeError(f"save_buffer: storage {type(storage).__name__} is not supported (tensor or list storages)")
+
+
+def save_buffer(
+    replay_buffer,
+    path: str | os.PathLike,
+    *,
+    extra: dict[str, Any] | None = None,
+    classes: Iterable[type] = (),
+) -> Path:
+    """Write ``replay_buffer`` (its items, sampler and writer state) to the directory
+    ``path``, atomically: a complete new checkpoint replaces an old one, or the old one is
+    left untouched. ``extra`` (JSON data) is stored in the manifest; ``classes`` are more
+    tensorclasses the items may hold. Returns ``path``.
+
+    Raises ``TypeError`` naming the key of a value that cannot be stored without pickle.
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    meta = {"len": len(replay_buffer), "write_count": int(replay_buffer.write_count), **(extra or {})}
-    try:
-        replay_buffer.dumps(path / "buffer")
-        meta["method"] = "dumps"
-    except NotImplementedError:
-        # ListStorage / LazyStackStorage: their state_dict() fails on non-tensor leaves
-        # (text, chat history), so pickle the stored TensorDicts as they are
-        items = [replay_buffer.storage.get(i) for i in range(len(replay_buffer))]
-        state = {
-            "items": items,
-            "sampler": replay_buffer._sampler.state_dict(),
-            "writer": replay_buffer._writer.state_dict(),
+    storage, sampler, writer = _local_parts(replay_buffer, "save_buffer")
+    encode = _Encoder(_allowed_classes(classes))
+    with replay_buffer._replay_lock:  # writers wait: items, sampler and writer of one moment
+        n = len(replay_buffer)
+        items = _stored_items(storage, n)
+        structure = {
+            "storage": items["kind"],
+            "items": encode(items["data"], ("items",)),
+            "sampler": encode.python(sampler.state_dict(), ("sampler",)),
+            "writer": encode.python(writer.state_dict(), ("writer",)),
         }
-        torch.save(state, path / "items.pt")
-        meta["method"] = "items"
-    (path / "meta.json").write_text(json.dumps(meta))
+        write_count = int(replay_buffer.write_count)
+    extra = dict(extra or {})
+    json.dumps(extra)  # refuse what JSON cannot hold before anything is written
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_files(tmp, encode.tensors, structure)
+        manifest = {
+            "format": FORMAT, "version": VERSION, "len": n, "write_count": write_count,
+            "storage": items["kind"], "extra": extra,
+            "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in _DATA_FILES},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
+        _fsync_dir(tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 
+def _write_files(directory: Path, tensors: dict[str, torch.Tensor], structure: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(directory / TENSORS))
+    (directory / STRUCTURE).write_text(json.dumps(structure, allow_nan=False))
+
+
+def _fsync_dir(directory: Path) -> None:
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _replace_dir(new: Path, path: Path) -> None:
+    """Move the complete directory ``new`` to ``path``; an old ``path`` is moved aside
+    first and deleted only after the new one is in place."""
+    if not path.exists():
+        os.replace(new, path)
+        return
+    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(path, old)
+    try:
+        os.replace(new, path)
+    except BaseException:
+        os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    meta = Path(path) / "meta.json"
-    if not meta.is_file():
-        raise FileNotFoundError(f"no saved replay buffer at {str(path)!r} (missing meta.json)")
-    return json.loads(meta.read_text())
-
-
-def load_buffer(replay_buffer, path: str | os.PathLike) -> dict[str, Any]:
-    """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (built with the same
-    storage/sampler/writer types and capacity). Returns the saved ``meta``."""
+    """The manifest of the buffer saved at ``path`` (``len``, ``write_count``, and the
+    ``extra`` entries at the top level), without checking the data files."""
     path = Path(path)
-    meta = read_meta(path)
-    if meta["method"] == "dumps":
-        replay_buffer.loads(path / "buffer")
-    else:
-        from tensordict import lazy_stack
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        old = [f for f in _PICKLE_FILES if (path / f).exists()]
+        if old:
+            raise BufferCheckpointError(
+                f"load_buffer: {str(path)!r} was written in the old torchrl_trl buffer format "
+                f"({', '.join(old)}), which is pickle and cannot be read safely; it is refused. Re-create "
+                "the checkpoint with this version's save_buffer (from a process that trusts the old files)."
+            )
+        leftovers = sorted(p.name for p in path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+        hint = f"; an interrupted save left the previous checkpoint in {leftovers}" if leftovers else ""
+        raise FileNotFoundError(f"no saved replay buffer at {str(path)!r} (missing {MANIFEST}){hint}")
+    try:
+        meta = json.loads(manifest.read_text())
+    except ValueError as err:
+        raise BufferCheckpointError(f"load_buffer: {str(manifest)!r} is not valid JSON: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise BufferCheckpointError(
+            f"load_buffer: {str(manifest)!r} is not a {FORMAT} version {VERSION} manifest "
+            f"(format={meta.get('format') if isinstance(meta, dict) else None!r})"
+        )
+    return {**meta.get("extra", {}), **meta}
 
-        state = torch.load(path / "items.pt", weights_only=False)
-        replay_buffer.empty()
-        if state["items"]:
-            # the items were stored after the buffer's write transforms ran (reward
-            # scoring, MCAdvantage): put them back as they are, without running them again
-            transform, replay_buffer._transform = replay_buffer._transform, None
-            try:
-                replay_buffer.extend(lazy_stack(state["items"]))
-            finally:
-                replay_buffer._transform = transform
-        replay_buffer._writer.load_state_dict(state["writer"])
-        replay_buffer._sampler.load_state_dict(state["sampler"])
-    if len(replay_buffer) != meta["len"]:
+
+def _verify(path: Path, meta: dict) -> None:
+    files = meta.get("files", {})
+    for name in _DATA_FILES:
+        f = path / name
+        expected = files.get(name)
+        if expected is None or not f.is_file():
+            raise BufferCheckpointError(f"load_buffer: {str(f)!r} is missing or not in {MANIFEST}; refusing a partial checkpoint")
+        if f.stat().st_size != expected["size"] or _sha256(f) != expected["sha256"]:
+            raise BufferCheckpointError(
+                f"load_buffer: {str(f)!r} does not match {MANIFEST} (size or SHA-256 differ): the directory "
+                "mixes files of different saves; refusing it"
+            )
+
+
+def load_buffer(replay_buffer, path: str | os.PathLike, *, classes: Iterable[type] = ()) -> dict[str, Any]:
+    """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (built with the same
+    storage/sampler/writer types and capacity), without unpickling anything. The stored
+    items are put back as they were, without running the buffer's write transforms again.
+    ``classes``: more tensorclasses to rebuild (beyond TorchRL's LLM ones).
+
+    Returns the manifest (``len``, ``write_count``, ``extra`` entries). Raises
+    :class:`BufferCheckpointError` for a checkpoint that cannot be read safely (old pickle
+    format, files that do not match the manifest, a class not allowed), naming the file.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from tensordict import TensorDictBase, lazy_stack
+
+    path = Path(path)
+    storage, sampler, writer = _local_parts(replay_buffer, "load_buffer")
+    meta = read_meta(path)
+    _verify(path, meta)
+    try:
+        tensors = load_file(str(path / TENSORS))
+    except SafetensorError as err:
+        raise BufferCheckpointError(f"load_buffer: {str(path / TENSORS)!r} is not a safetensors file: {err}") from err
+    structure = json.loads((path / STRUCTURE).read_text())
+    decode = _Decoder(tensors, _allowed_classes(classes), repr(str(path / STRUCTURE)))
+    if structure.get("storage") != _stored_items(storage, 0)["kind"]:
+        raise BufferCheckpointError(
+            f"load_buffer: {str(path)!r} holds a {structure.get('storage')} storage's items but the buffer has a "
+            f"{type(storage).__name__}; build it with the storage type it was saved from"
+        )
+    items = decode(structure["items"], ("items",))
+    sampler_state = decode(structure["sampler"], ("sampler",))
+    writer_state = decode(structure["writer"], ("writer",))
+    n = meta["len"]
+    count = 0 if items is None else (len(items) if isinstance(items, list) else items.shape[0])
+    if count != n:
+        raise BufferCheckpointError(f"load_buffer: {str(path)!r} holds {count} items, its manifest says {n}")
+    replay_buffer.empty()
+    if n:
+        if isinstance(items, list) and all(isinstance(i, TensorDictBase) for i in items):
+            items = lazy_stack(items)
+        # the items were stored after the buffer's write transforms ran (reward scoring,
+        # MCAdvantage): put them back as they are, without running them again
+        transform, replay_buffer._transform = replay_buffer._transform, None
+        try:
+            replay_buffer.extend(items)
+        finally:
+            replay_buffer._transform = transform
+    writer.load_state_dict(writer_state)
+    sampler.load_state_dict(sampler_state)
+    if len(replay_buffer) != n:
         raise RuntimeError(
-            f"load_buffer: restored {len(replay_buffer)} items from {str(path)!r}, "
-            f"the checkpoint holds {meta['len']}"
+            f"load_buffer: restored {len(replay_buffer)} items from {str(path)!r}, the checkpoint holds {n}; "
+            "is the buffer's capacity smaller than the saved one's?"
         )
     return meta
 
@@ -97,11 +425,11 @@ class BufferCheckpointCallback(TrainerCallback):
     restores it when training resumes.
 
     Args:
-        replay_buffer: the buffer the training dataset reads (local or ``RayReplayBuffer``;
-            a Ray buffer's actor writes the files, so the path must be on its node).
+        replay_buffer: the local ``ReplayBuffer`` the training dataset reads.
 
     Keyword Args:
         collector: optional; its ``policy_version`` is saved and restored too.
+        classes: more tensorclasses the stored items hold (see :func:`save_buffer`).
 
     ``on_save`` writes ``<checkpoint>/torchrl_buffer`` (process zero only: one shared
     buffer). ``on_train_begin`` of a resumed run (``global_step > 0``) loads
@@ -110,9 +438,10 @@ class BufferCheckpointCallback(TrainerCallback):
     building the dataset, which needs a non-empty buffer.
     """
 
-    def __init__(self, replay_buffer, *, collector=None) -> None:
+    def __init__(self, replay_buffer, *, collector=None, classes: Iterable[type] = ()) -> None:
         self.replay_buffer = replay_buffer
         self.collector = collector
+        self.classes = tuple(classes)
         self.restored_from: str | None = None
 
     @staticmethod
@@ -125,7 +454,7 @@ class BufferCheckpointCallback(TrainerCallback):
             version = getattr(self.collector, "policy_version", None)
             if isinstance(version, int):
                 extra["policy_version"] = version
-            save_buffer(self.replay_buffer, self.checkpoint_dir(args, state), extra=extra)
+            save_buffer(self.replay_buffer, self.checkpoint_dir(args, state), extra=extra, classes=self.classes)
         return control
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -139,9 +468,10 @@ class BufferCheckpointCallback(TrainerCallback):
             )
         meta = read_meta(path)
         if int(self.replay_buffer.write_count) != meta["write_count"] or len(self.replay_buffer) != meta["len"]:
-            load_buffer(self.replay_buffer, path)
+            load_buffer(self.replay_buffer, path, classes=self.classes)
         tracker = getattr(self.collector, "policy_version_tracker", None)
         if tracker is not None and "policy_version" in meta:
             tracker.version = int(meta["policy_version"])
         self.restored_from = str(path)
         return control
+

@@ -29,10 +29,12 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
     (``[B]``, detached, moved to CPU). Works with local and Ray buffers whose sampler has
     priorities (``PrioritizedSampler``, :class:`TensorPrioritizedSampler`).
 
-    Raises ``ValueError`` on mismatched lengths, ``TypeError`` when the buffer's sampler
-    keeps no priorities (TorchRL's default ``RandomSampler`` ignores them silently).
+    Raises ``ValueError`` on mismatched lengths or non-finite values, ``TypeError`` for
+    indices that are not integers (a float index would be truncated) or when the buffer's
+    sampler keeps no priorities (TorchRL's default ``RandomSampler`` ignores them
+    silently), ``IndexError`` for an index outside ``[0, len(replay_buffer))``.
     """
-    idx = torch.as_tensor(indices).detach().to("cpu", torch.long).reshape(-1)
+    idx = _as_indices(indices, len(replay_buffer))
     val = torch.as_tensor(values).detach().to("cpu", torch.float64).reshape(-1)
     if idx.numel() != val.numel():
         raise ValueError(f"update_priorities: {idx.numel()} indices but {val.numel()} values")
@@ -45,6 +47,23 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
             "use torchrl.data.PrioritizedSampler or torchrl_trl.online.TensorPrioritizedSampler."
         )
     replay_buffer.update_priority(idx, val.abs() + eps)
+
+
+def _as_indices(indices, stored: int) -> torch.Tensor:
+    idx = torch.as_tensor(indices).detach().to("cpu")
+    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+        raise TypeError(
+            f"update_priorities: indices must be integer storage indices, got dtype {idx.dtype} "
+            f"({idx.reshape(-1)[:4].tolist()}...); pass the dataset's index column as given"
+        )
+    idx = idx.long().reshape(-1)
+    bad = (idx < 0) | (idx >= stored)
+    if bad.any():
+        raise IndexError(
+            f"update_priorities: indices {idx[bad][:8].tolist()} are outside the {stored} stored "
+            f"items (valid: 0..{stored - 1})"
+        )
+    return idx
 
 
 def _has_priorities(sampler) -> bool:
@@ -113,11 +132,30 @@ class TensorPrioritizedSampler(Sampler):
         self._max_priority = 1.0
 
     def dumps(self, path):
+        """Write the priorities to ``path/priority.safetensors`` (no pickle)."""
+        from safetensors.torch import save_file
+
         Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), Path(path) / "priority.pt")
+        save_file({"priority": self._priority.contiguous(), "max_priority": torch.tensor(self._max_priority)},
+                  str(Path(path) / "priority.safetensors"))
 
     def loads(self, path):
-        self.load_state_dict(torch.load(Path(path) / "priority.pt"))
+        """Read what :meth:`dumps` wrote; refuses other files with a ``ValueError``."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        file = Path(path) / "priority.safetensors"
+        try:
+            state = load_file(str(file))
+        except (SafetensorError, FileNotFoundError) as err:
+            raise ValueError(f"TensorPrioritizedSampler.loads: cannot read {str(file)!r} as safetensors: {err}") from err
+        if set(state) != {"priority", "max_priority"} or state["priority"].shape != self._priority.shape:
+            raise ValueError(
+                f"TensorPrioritizedSampler.loads: {str(file)!r} holds {sorted(state)} with priority shape "
+                f"{tuple(state['priority'].shape) if 'priority' in state else None}, expected "
+                f"{tuple(self._priority.shape)} (max_capacity={self._max_capacity})"
+            )
+        self.load_state_dict({"priority": state["priority"], "max_priority": float(state["max_priority"])})
 
     def __repr__(self):
         return f"TensorPrioritizedSampler(max_capacity={self._max_capacity}, alpha={self._alpha}, beta={self._beta})"

@@ -13,11 +13,11 @@ GRPO pipeline reads it (``("next", "reward")``, shaped ``[*B, 1, 1]``).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import inspect
 import math
 import numbers
+import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +30,7 @@ from torchrl.envs import Transform
 
 from torchrl_trl import layouts
 
-__all__ = ["RewardFunctionWrapper", "callable_name", "is_async_callable"]
+__all__ = ["RewardFunctionError", "RewardFunctionWrapper", "callable_name", "is_async_callable"]
 
 InputMode = Literal["auto", "history", "text"]
 
@@ -52,6 +52,61 @@ def is_async_callable(func: Callable) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
         getattr(type(func), "__call__", None)
     )
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised an exception that cannot be re-raised as its own type
+    with the function's name (the original is the ``__cause__``)."""
+
+
+def named_error(err: BaseException, name: str) -> BaseException:
+    """``err`` re-created with the reward function's ``name`` in its message, keeping its
+    type where the type takes a message (so ``except KeyError`` still works); raise the
+    result ``from err``."""
+    message = f"reward function {name!r} raised {type(err).__name__}: {err}"
+    try:
+        new = type(err)(message)
+    except Exception:
+        return RewardFunctionError(message)
+    return new if name in str(new) else RewardFunctionError(message)
+
+
+class FunctionTimeout(TimeoutError):
+    """A reward function (or scorer) did not return within its ``timeout``."""
+
+
+def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
+    """``fn()``; with ``timeout`` (s) it runs in a daemon thread and a ``TimeoutError``
+    naming ``what`` is raised if it has not returned by then (Python cannot stop the
+    thread; it is abandoned). Exceptions of ``fn`` are re-raised as they are."""
+    if timeout is None:
+        return fn()
+    out: dict[str, Any] = {}
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # per thread
+
+    def run():
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                out["value"] = fn()
+        except BaseException as err:
+            out["error"] = err
+
+    worker = threading.Thread(target=run, name="torchrl-trl-reward", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise FunctionTimeout(f"{what} did not return within timeout={timeout}s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
 
 
 def _unique_names(funcs: Sequence[Callable], names: Sequence[str] | None) -> list[str]:
@@ -103,19 +158,40 @@ def to_rewards(output: Any, *, name: str, expected: int) -> list[float]:
     return rewards
 
 
-def _run_coroutines(coros: list) -> list:
-    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop."""
+def _run_coroutines(coros: list, names: list[str], timeout: float | None = None) -> list:
+    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop.
+    With ``timeout`` (s), each must finish in time, else ``TimeoutError`` naming it; an
+    exception raised by one is re-raised with its function's name."""
+
+    async def one(coro, name):
+        try:
+            if timeout is None:
+                return await coro
+            return await asyncio.wait_for(coro, timeout)
+        except asyncio.TimeoutError:
+            raise FunctionTimeout(f"reward function {name!r} did not return within timeout={timeout}s") from None
+        except FunctionTimeout:
+            raise
+        except Exception as err:
+            raise named_error(err, name) from err
 
     async def gather():
-        return await asyncio.gather(*coros)
+        return await asyncio.gather(*(one(c, n) for c, n in zip(coros, names)))
 
     try:
         asyncio.get_running_loop()
+        inside_loop = True
     except RuntimeError:
+        inside_loop = False
+    if not inside_loop and timeout is None:
         return asyncio.run(gather())
-    # already inside an event loop (notebooks, async servers): use a fresh one in a thread
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, gather()).result()
+    # already inside an event loop (notebooks, async servers), or bounded: a fresh loop in
+    # a thread; the margin covers a coroutine that blocks the loop itself (no await)
+    return run_with_timeout(
+        lambda: asyncio.run(gather()),
+        None if timeout is None else timeout + 1.0,
+        f"the async reward functions {names} (one blocks the event loop without awaiting)",
+    )
 
 
 def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
@@ -192,9 +268,13 @@ class RewardFunctionWrapper(Transform):
 
     Sync functions run one after the other, async ones concurrently (``asyncio.gather``).
     The reward is ``nansum(weights * rewards_per_func)``: a ``None`` (or NaN) is excluded,
-    not counted as zero. A row for which every function returned ``None`` gets
-    ``unscorable_reward`` (NaN by default, like TRL) and a warning. Both are counted in
-    :attr:`none_counts` and :attr:`unscorable_count`.
+    not counted as zero. An infinite reward is excluded the same way (TRL would let it turn
+    the group's advantages into NaN), counted in :attr:`nonfinite_counts` and warned about
+    once. A row for which every function returned ``None`` gets ``unscorable_reward`` (NaN
+    by default, like TRL) and a warning. Both are counted in :attr:`none_counts` and
+    :attr:`unscorable_count`. An exception raised by a function is re-raised (same type
+    where possible, else :class:`RewardFunctionError`) with the function's name, the
+    original chained as ``__cause__``.
 
     Args:
         funcs: one reward function or a list of them.
@@ -220,6 +300,15 @@ class RewardFunctionWrapper(Transform):
         unscorable_reward: the reward of a row every function returned ``None`` for.
         names: names of the functions (default: their ``__name__``, deduplicated).
         trainer_state: passed as ``trainer_state`` (TRL passes its ``TrainerState``).
+        timeout: seconds each function may take (``None``: no limit, as TRL). An async
+            function is cancelled at the timeout, a sync one runs in a helper thread that
+            is abandoned; either way a ``TimeoutError`` names the function.
+
+    ``in_keys`` lists every key it may read: the prompt/response keys of ``input_mode``
+    (both the history and the text ones for ``"auto"``), ``("tokens", "response")`` and
+    ``("masks", "all_attention_mask")`` (the completion ids), and the named ``columns``.
+    A function that declares a ``completion_ids`` parameter on rollouts without response
+    tokens raises ``KeyError`` instead of receiving ``None``.
 
     Usage:
         - as a module: ``wrapper(td)`` scores the rollouts in ``td`` (any batch shape,
@@ -259,6 +348,7 @@ class RewardFunctionWrapper(Transform):
         unscorable_reward: float = math.nan,
         names: Sequence[str] | None = None,
         trainer_state: Any = None,
+        timeout: float | None = None,
     ):
         funcs = [funcs] if callable(funcs) else list(funcs)
         if not funcs:
@@ -296,7 +386,8 @@ class RewardFunctionWrapper(Transform):
             self.columns = {_as_tuple(k)[-1]: _as_tuple(k) for k in columns}
         else:
             self.columns = None
-        in_keys = _mode_in_keys(input_mode) + list((self.columns or {}).values())
+        in_keys = _mode_in_keys(input_mode) + [layouts.token_key("response"), layouts.ATTENTION_MASK_KEY]
+        in_keys += [k for k in (self.columns or {}).values() if k not in in_keys]
         super().__init__(in_keys=in_keys, out_keys=[self.reward_key, *self.per_function_keys])
         self.funcs = funcs
         self.weights = torch.tensor([float(w) for w in weights], dtype=torch.float32)
@@ -305,9 +396,12 @@ class RewardFunctionWrapper(Transform):
         self.reward_shape = tuple(reward_shape)
         self.unscorable_reward = float(unscorable_reward)
         self.trainer_state = trainer_state
+        self.timeout = check_timeout(timeout)
         self.logs = _Logs()
         #: how many ``None``/NaN rewards each function returned, by name
         self.none_counts: dict[str, int] = {n: 0 for n in self.names}
+        #: how many infinite rewards each function returned (excluded like ``None``), by name
+        self.nonfinite_counts: dict[str, int] = {n: 0 for n in self.names}
         #: how many rows every function returned ``None`` for
         self.unscorable_count = 0
         self._warned: set[str] = set()
@@ -326,6 +420,14 @@ class RewardFunctionWrapper(Transform):
             if layouts.has_key(td, layouts.token_key("response"))
             else None
         )
+        if ids is None:
+            needs = [name for f, name in zip(self.funcs, self.names) if _declares(f, "completion_ids")]
+            if needs:
+                raise KeyError(
+                    f"reward functions {needs} take completion_ids, but the rollouts hold no "
+                    f"{layouts.token_key('response')!r} to read them from. Available keys: "
+                    f"{layouts.available_keys(td)}"
+                )
         decoded = None
         if self.tokenizer is not None:
             if ids is None:
@@ -414,19 +516,42 @@ class RewardFunctionWrapper(Transform):
             if is_async_callable(func):
                 pending.append((i, name, func(**call_kwargs)))
             else:
-                per_func[:, i] = torch.tensor(
-                    to_rewards(func(**call_kwargs), name=name, expected=n), dtype=torch.float32
-                )
+                try:
+                    out = run_with_timeout(
+                        functools.partial(func, **call_kwargs), self.timeout, f"reward function {name!r}"
+                    )
+                except FunctionTimeout:
+                    raise
+                except Exception as err:
+                    raise named_error(err, name) from err
+                per_func[:, i] = torch.tensor(to_rewards(out, name=name, expected=n), dtype=torch.float32)
         if pending:
-            outputs = _run_coroutines([coro for _, _, coro in pending])
+            outputs = _run_coroutines([c for _, _, c in pending], [nm for _, nm, _ in pending], self.timeout)
             for (i, name, _), out in zip(pending, outputs):
                 per_func[:, i] = torch.tensor(
                     to_rewards(out, name=name, expected=n), dtype=torch.float32
                 )
         self._count_missing(per_func, prompts, completions)
+        self._exclude_infinite(per_func)
         rewards = (per_func * self.weights).nansum(dim=1)
-        rewards[per_func.isnan().all(dim=1)] = self.unscorable_reward
+        unscorable = per_func.isnan().all(dim=1)
+        self._count_unscorable(unscorable, prompts, completions)
+        rewards[unscorable] = self.unscorable_reward
         return rewards, per_func
+
+    def _exclude_infinite(self, per_func) -> None:
+        infinite = per_func.isinf()
+        for name, count in zip(self.names, infinite.sum(0).tolist()):
+            self.nonfinite_counts[name] += count
+            if count and f"inf:{name}" not in self._warned:
+                self._warned.add(f"inf:{name}")
+                warnings.warn(
+                    f"reward function {name!r} returned an infinite reward for {count} of "
+                    f"{per_func.shape[0]} completions; they are excluded like None (counted in "
+                    "RewardFunctionWrapper.nonfinite_counts). Warning once.",
+                    stacklevel=4,
+                )
+        per_func[infinite] = math.nan
 
     def _count_missing(self, per_func, prompts, completions) -> None:
         missing = per_func.isnan()
@@ -440,7 +565,8 @@ class RewardFunctionWrapper(Transform):
                     "RewardFunctionWrapper.none_counts). Warning once.",
                     stacklevel=4,
                 )
-        unscorable = missing.all(dim=1)
+
+    def _count_unscorable(self, unscorable, prompts, completions) -> None:
         if unscorable.any():
             self.unscorable_count += int(unscorable.sum())
             row = int(unscorable.nonzero()[0])
@@ -448,7 +574,7 @@ class RewardFunctionWrapper(Transform):
                 self._warned.add("__unscorable__")
                 warnings.warn(
                     f"All reward functions returned None for {int(unscorable.sum())} "
-                    f"completion(s), e.g. prompt={prompts[row]!r}, completion="
+                    f"completion(s) (or an infinite value), e.g. prompt={prompts[row]!r}, completion="
                     f"{completions[row]!r}; their reward is {self.unscorable_reward} "
                     "(counted in RewardFunctionWrapper.unscorable_count). Warning once.",
                     stacklevel=4,
@@ -517,8 +643,14 @@ def _as_tuple(key: NestedKey) -> tuple:
 
 
 def _mode_in_keys(mode: str) -> list[NestedKey]:
-    if mode == "history":
-        return [layouts.history_key("prompt"), layouts.history_key("response")]
-    if mode == "text":
-        return [layouts.text_key("prompt"), layouts.text_key("response")]
-    return []
+    history = [layouts.history_key("prompt"), layouts.history_key("response")]
+    text = [layouts.text_key("prompt"), layouts.text_key("response")]
+    return {"history": history, "text": text}.get(mode, history + text)
+
+
+def _declares(func: Callable, arg: str) -> bool:
+    """Whether ``func``'s signature names ``arg`` (not just ``**kwargs``)."""
+    try:
+        return arg in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False

@@ -13,6 +13,8 @@ every ``nn.Module`` reward func as a sequence-classification model.
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +23,13 @@ from tensordict import NonTensorData, TensorDict, TensorDictBase, lazy_stack
 from tensordict.utils import NestedKey
 
 from torchrl_trl import layouts
-from torchrl_trl.rewards.functions import TRL_EXTRA_KWARGS
+from torchrl_trl.rewards.functions import (
+    TRL_EXTRA_KWARGS,
+    FunctionTimeout,
+    check_timeout,
+    named_error,
+    run_with_timeout,
+)
 
 __all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "rollouts_from_trl"]
 
@@ -142,8 +150,10 @@ def _has_custom_step(reward: Any) -> bool:
 class TRLRewardFunc:
     """A TorchRL reward as a TRL reward function; build it with :func:`as_trl_reward_func`.
 
-    ``__call__(prompts, completions, completion_ids=None, **kwargs) -> list[float]``, one
-    reward per completion, in order. Counters: :attr:`calls`, :attr:`scored`.
+    ``__call__(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]``,
+    one reward per completion, in order; a non-finite reward (inf, NaN) is returned as
+    ``None`` (TRL excludes it from the weighted sum), counted in :attr:`nonfinite` and
+    warned about once. Counters: :attr:`calls`, :attr:`scored`, :attr:`nonfinite`.
     """
 
     def __init__(
@@ -154,6 +164,7 @@ class TRLRewardFunc:
         name: str | None = None,
         reward_key: NestedKey | None = None,
         columns: Sequence[str] | None = None,
+        timeout: float | None = None,
     ):
         if isinstance(reward, TRLRewardFunc):
             raise TypeError("reward is already a TRL reward function")
@@ -164,8 +175,10 @@ class TRLRewardFunc:
         self.__name__ = name or _default_name(reward)
         self.reward_key = reward_key
         self.columns = list(columns) if columns is not None else None
+        self.timeout = check_timeout(timeout)
         self.calls = 0
         self.scored = 0
+        self.nonfinite = 0
         self._parsers: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -187,7 +200,11 @@ class TRLRewardFunc:
                 )
             columns = {c: columns[c] for c in self.columns}
         with torch.inference_mode():  # as TRL scores its reward models
-            rewards = self._score(prompts, completions, completion_ids, columns)
+            rewards = run_with_timeout(
+                lambda: self._score(prompts, completions, completion_ids, columns),
+                self.timeout,
+                f"reward function {self.__name__!r}",
+            )
         rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
         if rewards.shape[1] != 1:
             raise ValueError(
@@ -195,7 +212,29 @@ class TRLRewardFunc:
                 f"{tuple(rewards.shape)} for {len(prompts)} completions"
             )
         self.scored += len(prompts)
-        return rewards[:, 0].tolist()
+        out = rewards[:, 0].tolist()
+        bad = [i for i, r in enumerate(out) if not math.isfinite(r)]
+        if bad:
+            if not self.nonfinite:
+                warnings.warn(
+                    f"reward function {self.__name__!r} scored {len(bad)} of {len(out)} completions "
+                    f"{[out[i] for i in bad[:3]]}; returned as None, which TRL excludes from the "
+                    "weighted sum (counted in .nonfinite). Warning once.",
+                    stacklevel=2,
+                )
+            self.nonfinite += len(bad)
+            for i in bad:
+                out[i] = None
+        return out
+
+    def _call_reward(self, fn, *args):
+        """Call into the wrapped TorchRL reward; its exceptions carry this function's name."""
+        try:
+            return fn(*args)
+        except FunctionTimeout:
+            raise
+        except Exception as err:
+            raise named_error(err, self.__name__) from err
 
     def _score(self, prompts, completions, completion_ids, columns) -> torch.Tensor:
         reward = self.reward
@@ -204,9 +243,9 @@ class TRLRewardFunc:
             return self._score_like_trl(prompts, completions, chat)
         # other scorers exposing text/chat entry points
         if chat and hasattr(reward, "score_messages"):
-            return torch.as_tensor(reward.score_messages(_conversations(prompts, completions)))
+            return torch.as_tensor(self._call_reward(reward.score_messages, _conversations(prompts, completions)))
         if not chat and hasattr(reward, "score_texts"):
-            return torch.as_tensor(reward.score_texts([p + c for p, c in zip(prompts, completions)]))
+            return torch.as_tensor(self._call_reward(reward.score_texts, [p + c for p, c in zip(prompts, completions)]))
         td = rollouts_from_trl(
             prompts, completions, completion_ids, columns=columns, tokenizer=self.tokenizer
         )
@@ -215,9 +254,9 @@ class TRLRewardFunc:
             # columns of "next", writes the reward into "next"
             parser = self._parser_for(reward, chat)
             next_td = td.select(*columns) if columns else td.empty()
-            out = parser._step(td, next_td)
+            out = self._call_reward(parser._step, td, next_td)
             return self._read_reward(out if out is not None else next_td, relative=True)
-        out = reward(td)
+        out = self._call_reward(reward, td)
         return self._read_reward(out if isinstance(out, TensorDictBase) else td, relative=False)
 
     def _score_like_trl(self, prompts, completions, chat: bool) -> torch.Tensor:
@@ -238,7 +277,7 @@ class TRLRewardFunc:
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
         ids = tok(texts, add_special_tokens=False)["input_ids"]
-        return reward.score_ids(layouts.Ragged.from_list(ids))
+        return self._call_reward(reward.score_ids, layouts.Ragged.from_list(ids))
 
     def _parser_for(self, parser, chat: bool):
         """The parser set up for this data (chat -> history, else text), without
@@ -296,6 +335,7 @@ def as_trl_reward_func(
     name: str | None = None,
     reward_key: NestedKey | None = None,
     columns: Sequence[str] | None = None,
+    timeout: float | None = None,
 ) -> TRLRewardFunc:
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
@@ -323,6 +363,12 @@ def as_trl_reward_func(
         reward_key: where the module writes the reward.
         columns: dataset columns to pass (default: all the trainer passes); naming one the
             trainer does not pass raises a ``KeyError``.
+        timeout: seconds one call may take (``None``: no limit); scoring then runs in a
+            helper thread and a ``TimeoutError`` names the function if it has not returned.
+
+    An exception raised by ``reward`` is re-raised with the function's name (same type
+    where possible, the original as ``__cause__``). Non-finite rewards come back as
+    ``None`` (counted, warned once).
 
     Returns:
         a :class:`TRLRewardFunc`: ``f(prompts, completions, completion_ids, **kwargs)
@@ -344,5 +390,5 @@ def as_trl_reward_func(
         (2, True)
     """
     return TRLRewardFunc(
-        reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns
+        reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns, timeout=timeout
     )
