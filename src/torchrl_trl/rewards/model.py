@@ -139,6 +139,11 @@ class HFRewardModelWrapper(TensorDictModuleBase):
     0 next to their mask.
 
     Attributes:
+        in_keys: the keys read when every input is present: ``[token_key,
+            attention_mask_key]`` when tokens are used as they are, else
+            ``[("history", part)]`` (reward model with a chat template) or
+            ``[("text", part)]``; ``input_mode="auto"`` falls back to another input when
+            those are absent.
         truncated_count: sequences truncated so far.
         nonfinite_count: non-finite rewards seen so far (``on_nonfinite="warn"``).
         real_tokens, processed_tokens: token counters over all calls (padding
