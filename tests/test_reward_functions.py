@@ -167,3 +167,108 @@ def test_bad_inputs(rollouts):
     # TRL passes everything by keyword: positional-only names are caught before the call
     with pytest.raises(KeyError, match=r"requires the argument 'p'"):
         RewardFunctionWrapper(lambda p, c, i, **k: [1.0] * len(p))(td)
+
+
+def test_completion_ids_of_a_dense_output_with_ragged_tokens(policy_and_tokenizer):
+    """TransformersWrapper(input_mode="text", pad_output=False) returns a dense TensorDict
+    whose Tokens are lazily stacked: the functions get each sample's real response ids."""
+    from tensordict import TensorDict
+
+    model, tok = policy_and_tokenizer
+    policy = make_policy_wrapper(model, tok, input_mode="text", pad_output=False, max_new_tokens=6)
+    prompts = TensorDict({"text": {"prompt": ["hello there", "what is 2 plus 2 ok", "a", "b c"]}}, [4])
+    for seed in range(20):  # sample until a reply stops early (EOS), so responses are ragged too
+        torch.manual_seed(seed)
+        out = policy(prompts.clone())
+        reference = [out[i]["tokens", "response"].tolist() for i in range(4)]  # each sample alone
+        if len({len(r) for r in reference}) > 1:
+            break
+    assert len({len(r) for r in reference}) > 1
+    assert type(out).__name__ == "TensorDict"  # dense at the top, lazily stacked Tokens inside
+    f = Recorder(lambda p, c, ids, **kw: [len(i) + i[0] / 1000 for i in ids], "f")
+    RewardFunctionWrapper(f, reward_key="score", reward_shape=())(out)
+    assert f.calls[-1]["completion_ids"] == reference
+    assert all(len(i) for i in reference)
+    assert _stack(out, "score").tolist() == pytest.approx([len(r) + r[0] / 1000 for r in reference])
+
+
+def _text_rollouts():
+    from tensordict import TensorDict
+
+    return TensorDict({"text": {"prompt": ["q1", "q2"], "response": ["hi there", "no"]}}, batch_size=[2])
+
+
+@pytest.mark.timeout(60)
+def test_timeouts_name_the_function():
+    import threading
+    import time
+
+    async def stuck(prompts, completions, **kw):
+        await asyncio.Event().wait()
+
+    async def blocks_the_loop(prompts, completions, **kw):
+        time.sleep(4)  # no await: cancelling cannot stop it
+        return [1.0] * len(prompts)
+
+    release = threading.Event()
+
+    def sync_stuck(prompts, completions, **kw):
+        release.wait()
+        return [1.0] * len(prompts)
+
+    for func, pattern in ((stuck, "'stuck' did not return within timeout=0.5s"),
+                          (blocks_the_loop, r"blocks_the_loop.*did not return within timeout=1.5s"),
+                          (sync_stuck, "'sync_stuck' did not return within timeout=0.5s")):
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=pattern):
+            RewardFunctionWrapper(func, timeout=0.5)(_text_rollouts())
+        assert time.monotonic() - t0 < 3
+    release.set()
+    with pytest.raises(ValueError, match="timeout"):
+        RewardFunctionWrapper(stuck, timeout=0)
+
+
+def test_infinite_reward_excluded_counted_and_warned():
+    def infinite(prompts, completions, **kw):
+        return [math.inf, 1.0]
+
+    def two(prompts, completions, **kw):
+        return [2.0, -math.inf]
+
+    wrapper = RewardFunctionWrapper([infinite, two], per_function_keys=True)
+    td = _text_rollouts()
+    with pytest.warns(UserWarning, match="'infinite' returned an infinite reward for 1 of 2"):
+        wrapper(td)
+    assert _stack(td, ("next", "reward")).tolist() == [2.0, 1.0]  # excluded, like None
+    assert math.isnan(_stack(td, ("next", "reward_infinite"))[0])
+    assert wrapper.nonfinite_counts == {"infinite": 1, "two": 1}
+    assert wrapper.none_counts == {"infinite": 0, "two": 0}
+
+
+def test_a_raising_function_keeps_its_name_and_cause():
+    def broken(prompts, completions, **kw):
+        raise ValueError("bad row 3")
+
+    async def broken_async(prompts, completions, **kw):
+        raise KeyError("solution")
+
+    with pytest.raises(ValueError, match="reward function 'broken' raised ValueError: bad row 3") as info:
+        RewardFunctionWrapper(broken)(_text_rollouts())
+    assert isinstance(info.value.__cause__, ValueError) and str(info.value.__cause__) == "bad row 3"
+    with pytest.raises(KeyError, match="'broken_async' raised KeyError") as info:
+        RewardFunctionWrapper(broken_async)(_text_rollouts())
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_in_keys_are_the_keys_read_and_completion_ids_never_silently_none():
+    def needs_ids(prompts, completions, completion_ids, **kw):
+        return [float(len(i)) for i in completion_ids]
+
+    tokens, mask = ("tokens", "response"), ("masks", "all_attention_mask")
+    text = [("text", "prompt"), ("text", "response")]
+    history = [("history", "prompt"), ("history", "response")]
+    assert RewardFunctionWrapper(needs_ids, input_mode="text", columns=["answer"]).in_keys == text + [tokens, mask, "answer"]
+    assert RewardFunctionWrapper(needs_ids, input_mode="history").in_keys == history + [tokens, mask]
+    assert RewardFunctionWrapper(needs_ids).in_keys == history + text + [tokens, mask]
+    with pytest.raises(KeyError, match=r"\['needs_ids'\] take completion_ids.*'tokens', 'response'"):
+        RewardFunctionWrapper(needs_ids)(_text_rollouts())

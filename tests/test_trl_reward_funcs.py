@@ -179,3 +179,41 @@ def test_any_tensordict_module_and_errors():
         as_trl_reward_func(ReadsIds(), columns=["solution"])(["p"], ["a"], [[1]], answer=["x"])
     with pytest.raises(ValueError, match="2 prompts but 1 completions"):
         ids_func(["p", "q"], ["a"], [[1]])
+
+
+@pytest.mark.timeout(60)
+def test_nonfinite_errors_and_timeout_name_the_function():
+    import threading
+    import time
+
+    rewards = iter([[float("inf"), 3.0], [float("nan"), 1.0]])
+    module = TensorDictModule(lambda texts: torch.tensor(next(rewards)).reshape(-1, 1), in_keys=[("text", "response")],
+                              out_keys=["score"])
+    func = as_trl_reward_func(module, reward_key="score", name="scorer")
+    with pytest.warns(UserWarning, match="'scorer' scored 1 of 2 completions"):
+        assert func(["p", "q"], ["a", "b"], [[1], [2]]) == [None, 3.0]  # TRL excludes None
+    assert func(["p", "q"], ["a", "b"], [[1], [2]]) == [None, 1.0]
+    assert func.nonfinite == 2
+
+    def fails(texts):
+        raise RuntimeError("scorer server down")
+
+    broken = as_trl_reward_func(TensorDictModule(fails, in_keys=[("text", "response")], out_keys=["score"]),
+                                reward_key="score", name="remote_rm")
+    with pytest.raises(RuntimeError, match="'remote_rm' raised RuntimeError: scorer server down") as info:
+        broken(["p"], ["a"], [[1]])
+    assert str(info.value.__cause__) == "scorer server down"
+
+    release = threading.Event()
+
+    def hangs(texts):
+        release.wait()
+        return torch.zeros(len(texts), 1)
+
+    stuck = as_trl_reward_func(TensorDictModule(hangs, in_keys=[("text", "response")], out_keys=["score"]),
+                               reward_key="score", name="stuck_rm", timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="'stuck_rm' did not return within timeout=0.5s"):
+        stuck(["p"], ["a"], [[1]])
+    assert time.monotonic() - t0 < 3
+    release.set()

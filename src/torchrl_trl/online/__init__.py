@@ -7,7 +7,9 @@
 - :class:`BufferCheckpointCallback`, :func:`save_buffer`, :func:`load_buffer`: the buffer
   saved with, and restored from, the trainer's checkpoints.
 - :class:`TorchRLRolloutFunc`: TorchRL (policy, ``ChatEnv``, replay buffer) as the
-  ``rollout_func`` of TRL's ``GRPOTrainer``.
+  ``rollout_func`` of TRL's ``GRPOTrainer``; :class:`AsyncGroupCollector` +
+  :class:`AsyncTorchRLRolloutFunc`: the same with generation in a background thread,
+  bounded staleness.
 - :mod:`torchrl_trl.online.ray`: Ray buffers and collectors (imports ``ray`` on use).
 """
 
@@ -26,10 +28,13 @@ _EXPORTS = {
     "BufferCheckpointCallback": ".checkpoint",
     "save_buffer": ".checkpoint",
     "load_buffer": ".checkpoint",
+    "BufferCheckpointError": ".checkpoint",
     "make_ray_replay_buffer": ".ray",
     "make_ray_collector": ".ray",
     "connect_ray_replay_buffer": ".ray",
     "TorchRLRolloutFunc": ".rollout_func",
+    "AsyncGroupCollector": ".async_rollouts",
+    "AsyncTorchRLRolloutFunc": ".async_rollouts",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -59,8 +59,9 @@ def make_ray_replay_buffer(
             default: the current job's namespace, which other jobs do not see; pass one).
         **kwargs: other ``ReplayBuffer`` arguments (``batch_size``, ``writer`` factory...).
 
-    Close it with ``buffer.close()`` (kills the actor; what it held is lost unless saved
-    with :func:`torchrl_trl.online.save_buffer`).
+    Close it with ``buffer.close()`` (kills the actor; what it held is lost:
+    :func:`torchrl_trl.online.save_buffer` saves local buffers only, so copy
+    ``buffer[:]`` into a local ``ReplayBuffer`` first to keep it).
     """
     _require_ray()
     from torchrl.data import LazyStackStorage, RayReplayBuffer
