@@ -218,14 +218,15 @@ def test_retokenisation_drift_raises():
     policy = make_policy_wrapper(make_policy(tok, seed=3), tok, max_new_tokens=4)
     func = TorchRLRolloutFunc(policy, env=_two_turn_env(tok, reward=False), max_turns=2)
     prompts = [[{"role": "user", "content": q}] for q in ("hello", "hello", "what is two", "what is two")]
-    errors = []
-    for seed in range(8):
+    for seed in range(8):  # a random reply starts or ends with whitespace often
         torch.manual_seed(seed)
         try:
             func(prompts)
         except ValueError as err:
-            errors.append(str(err))
-    assert errors and all("turn 1" in e and "re-tokenised" in e for e in errors)
+            assert "turn 1" in str(err) and "re-tokenised" in str(err)
+            break
+    else:
+        pytest.fail("no reply re-tokenised differently in 8 tries")
 
 
 def test_grpo_two_turn_chat_env(tmp_path):
@@ -281,3 +282,109 @@ def test_grpo_two_turn_chat_env(tmp_path):
     last_turns = buffer[: len(buffer)][torch.tensor([4, 5, 6, 7, 12, 13, 14, 15])]
     pairs = preference_pairs(last_turns, group_key="group_id")
     assert len(pairs) >= 1
+
+
+# -- async: a background TorchRL generator, bounded staleness -------------------------------
+
+CHATS = [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+def _wait(predicate, timeout=60.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def _collector(model, tok, prompts, buffer=None, **kwargs):
+    from torchrl_trl.online import AsyncGroupCollector
+    from torchrl_trl.testing import make_policy_wrapper
+
+    rollout = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=6), replay_buffer=buffer)
+    return AsyncGroupCollector(rollout, prompts, group_size=2, **kwargs)
+
+
+def test_async_collector_drops_stale_groups_keeps_them_whole(fresh_model, policy_and_tokenizer):
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+
+    _, tok = policy_and_tokenizer
+    buffer = ReplayBuffer(storage=LazyStackStorage(256))
+    collector = _collector(fresh_model, tok, CHATS, buffer, max_pending_groups=4)
+    collector.start()
+    try:
+        _wait(lambda: collector.pending == 4)  # runs ahead, then waits (bounded)
+        collector.update_policy_weights_(version=2)  # two optimizer steps later
+        groups = collector.get_groups(3, consumer_version=2, max_staleness=1, timeout=60)
+    finally:
+        collector.stop()
+    assert collector.dropped_stale_groups == 4  # the version-0 groups, 2 steps old
+    assert [g.version for g in groups] == [2, 2, 2]
+    for g in groups:
+        assert len(g.batch["completion_ids"]) == 2  # whole groups
+        ids = {int(v) for v in layouts.read_column(g.batch.steps[0], "group_id")}
+        assert len(ids) == 1
+        assert {int(v) for v in layouts.read_column(g.batch.steps[0], "policy_version")} == {2}
+    # nothing generated is lost: every group, stale or not, is in the TorchRL buffer
+    assert len(buffer) == 2 * collector.produced_groups >= 2 * 7
+
+
+def test_async_collector_death_surfaces_within_bounded_time(fresh_model, policy_and_tokenizer):
+    import time
+
+    from torchrl_trl.online import CollectorError
+
+    _, tok = policy_and_tokenizer
+
+    def prompts():
+        yield CHATS[0]
+        raise RuntimeError("prompt source broke")
+
+    collector = _collector(fresh_model, tok, prompts())
+    collector.start()
+    start = time.monotonic()
+    with pytest.raises(CollectorError, match="died") as info:
+        collector.get_groups(3, consumer_version=0, max_staleness=0, timeout=60)
+    assert time.monotonic() - start < 10
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert collector.produced_groups == 1 and not collector.alive
+
+
+def test_async_grpo_train_bounded_staleness(checkpoints, fresh_model, policy_and_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl_trl.online import AsyncTorchRLRolloutFunc
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    buffer = ReplayBuffer(storage=LazyStackStorage(256))
+    generator_model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)  # the collector's own copy
+    collector = _collector(generator_model, tok, CHATS, buffer, prompts_per_batch=2, max_pending_groups=4)
+    reward = Recorder(lambda completion_ids, torchrl_prompt, **kw: [float(sum(c) % 7) for c in completion_ids], "r")
+    with AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=120) as func:
+        rollout = Recorder(func, "rollout")
+        trainer = _make_trainer(fresh_model, tok, rollout, reward, tmp_path, max_steps=3)
+        trainer.train()
+    # behaviour log-probs are the collector's: equal to the trainer's weights' on fresh
+    # groups, different on groups generated one optimizer step earlier
+    fresh = stale = 0
+    for (_, _, batch), cap in zip(rollout.calls, type(trainer).captured):
+        order = _match_rows(cap, batch["prompt_ids"], batch["completion_ids"])
+        for j, i in enumerate(order):
+            got, ref = cap["sampling_logps"][j], cap["reference"][j]
+            if batch["staleness"][i] == 0:
+                fresh += 1
+                torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+            else:
+                stale += 1
+                assert (got - ref).abs().max() > 1e-3
+    assert fresh > 0 and stale > 0  # the run did go off-policy (collector ahead by one step)
+    assert not collector.alive
+    assert len(func.consumed_staleness) == 3 * 2 and max(func.consumed_staleness) <= 1
+    assert collector.consumed_groups + collector.dropped_stale_groups <= collector.produced_groups
+    assert len(buffer) == 2 * collector.produced_groups
+    # the collector got the trainer's weights at the last step it generated for (version 2)
+    assert collector.policy_version == 2
+    for _, kw, _ in reward.calls:  # reward functions see the prompts that were generated for
+        assert len(kw["torchrl_prompt"]) == 4 and kw["torchrl_prompt"][0] == kw["torchrl_prompt"][1]

@@ -191,18 +191,29 @@ class TorchRLRolloutFunc:
             policy = self._policy_for(trainer)
             group_size = _group_size(trainer, len(prompts))
             version = self._sync(trainer, policy)
-            if self.env is None:
-                steps = [self._generate(policy, prompts)]
-            else:
-                steps = self._run_env(policy, prompts)
-            batch = self._to_trl(policy, steps)
-            self._annotate(steps, group_size, version)
-            if self.replay_buffer is not None:
-                for step in steps:
-                    self.replay_buffer.extend(step)
             self.calls += 1
-            self.samples += len(prompts)
-            return batch
+            return self.rollout(prompts, group_size=group_size, version=version)
+
+    def rollout(self, prompts: list, *, group_size: int, version: int) -> RolloutBatch:
+        """Generate one completion per prompt with :attr:`policy` (and :attr:`env`), tag
+        the rollouts with ``version`` and their group (``group_size`` consecutive prompts),
+        write them into the replay buffer, and return TRL's dict. The weights are used as
+        they are."""
+        if self.policy is None:
+            raise ValueError("no policy yet: pass one, or call the function once with the trainer")
+        if len(prompts) % group_size:
+            raise ValueError(f"got {len(prompts)} prompts, not a multiple of group_size={group_size}")
+        if self.env is None:
+            steps = [self._generate(self.policy, prompts)]
+        else:
+            steps = self._run_env(self.policy, prompts)
+        batch = self._to_trl(self.policy, steps)
+        self._annotate(steps, group_size, version)
+        if self.replay_buffer is not None:
+            for step in steps:
+                self.replay_buffer.extend(step)
+        self.samples += len(prompts)
+        return batch
 
     # -- weights -----------------------------------------------------------------------
 
