@@ -286,3 +286,23 @@ def test_sync_collect_on_a_blocking_collector_times_out():
     collector.release.set()
     with pytest.raises(ValueError, match="wait_timeout"):
         CollectorCallback(collector, wait_timeout=0)
+
+
+def test_malformed_structure_and_wrong_sampler_are_refused(tmp_path):
+    save_buffer(_small_stack_buffer(0), tmp_path / "b")
+    evil = tmp_path / "b"
+    (evil / ckpt.STRUCTURE).write_text(json.dumps({"storage": "list", "items": {"T": "lazy_stack"}}))
+    manifest = json.loads((evil / ckpt.MANIFEST).read_text())
+    manifest["files"][ckpt.STRUCTURE] = {"size": (evil / ckpt.STRUCTURE).stat().st_size,
+                                         "sha256": ckpt._sha256(evil / ckpt.STRUCTURE)}
+    (evil / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BufferCheckpointError, match="structure.json.*malformed"):
+        load_buffer(ReplayBuffer(storage=LazyStackStorage(8)), evil)
+    # priorities saved from a TensorPrioritizedSampler(8) do not fit a 4-slot one
+    rb = ReplayBuffer(storage=LazyTensorStorage(8), sampler=TensorPrioritizedSampler(8))
+    rb.extend(TensorDict({"x": torch.arange(3)}, [3]))
+    save_buffer(rb, tmp_path / "p")
+    other = ReplayBuffer(storage=LazyTensorStorage(8), sampler=TensorPrioritizedSampler(4))
+    with pytest.raises(BufferCheckpointError, match="TensorPrioritizedSampler"):
+        load_buffer(other, tmp_path / "p")
+    assert len(other) == 0

@@ -385,18 +385,28 @@ def load_buffer(replay_buffer, path: str | os.PathLike, *, classes: Iterable[typ
         tensors = load_file(str(path / TENSORS))
     except SafetensorError as err:
         raise BufferCheckpointError(f"load_buffer: {str(path / TENSORS)!r} is not a safetensors file: {err}") from err
-    structure = json.loads((path / STRUCTURE).read_text())
     decode = _Decoder(tensors, _allowed_classes(classes), repr(str(path / STRUCTURE)))
-    if structure.get("storage") != _stored_items(storage, 0)["kind"]:
-        raise BufferCheckpointError(
-            f"load_buffer: {str(path)!r} holds a {structure.get('storage')} storage's items but the buffer has a "
-            f"{type(storage).__name__}; build it with the storage type it was saved from"
-        )
-    items = decode(structure["items"], ("items",))
-    sampler_state = decode(structure["sampler"], ("sampler",))
-    writer_state = decode(structure["writer"], ("writer",))
+    try:
+        structure = json.loads((path / STRUCTURE).read_text())
+        if structure.get("storage") != _stored_items(storage, 0)["kind"]:
+            raise BufferCheckpointError(
+                f"load_buffer: {str(path)!r} holds a {structure.get('storage')} storage's items but the buffer "
+                f"has a {type(storage).__name__}; build it with the storage type it was saved from"
+            )
+        items = decode(structure["items"], ("items",))
+        sampler_state = decode(structure["sampler"], ("sampler",))
+        writer_state = decode(structure["writer"], ("writer",))
+    except BufferCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, RecursionError) as err:
+        raise BufferCheckpointError(f"load_buffer: {str(path / STRUCTURE)!r} is malformed: {err!r}") from err
     n = meta["len"]
-    count = 0 if items is None else (len(items) if isinstance(items, list) else items.shape[0])
+    if items is None or isinstance(items, list):
+        count = len(items or [])
+    elif isinstance(items, (torch.Tensor, TensorDictBase)) and len(items.shape):
+        count = items.shape[0]
+    else:
+        raise BufferCheckpointError(f"load_buffer: {str(path / STRUCTURE)!r} holds no item list or batch ({type(items).__name__})")
     if count != n:
         raise BufferCheckpointError(f"load_buffer: {str(path)!r} holds {count} items, its manifest says {n}")
     replay_buffer.empty()
@@ -410,8 +420,15 @@ def load_buffer(replay_buffer, path: str | os.PathLike, *, classes: Iterable[typ
             replay_buffer.extend(items)
         finally:
             replay_buffer._transform = transform
-    writer.load_state_dict(writer_state)
-    sampler.load_state_dict(sampler_state)
+    try:
+        writer.load_state_dict(writer_state)
+        sampler.load_state_dict(sampler_state)
+    except Exception as err:
+        replay_buffer.empty()
+        raise BufferCheckpointError(
+            f"load_buffer: the writer/sampler state in {str(path)!r} does not fit this buffer's "
+            f"{type(writer).__name__}/{type(sampler).__name__}: {err!r}; build the buffer with the ones it was saved with"
+        ) from err
     if len(replay_buffer) != n:
         raise RuntimeError(
             f"load_buffer: restored {len(replay_buffer)} items from {str(path)!r}, the checkpoint holds {n}; "
