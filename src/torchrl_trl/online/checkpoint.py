@@ -93,7 +93,14 @@ class _Encoder:
         return name
 
     def __call__(self, x: Any, path: tuple = ()) -> dict:
-        from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase, is_tensorclass
+        from tensordict import (
+            LazyStackedTensorDict,
+            NonTensorData,
+            NonTensorStack,
+            TensorDict,
+            TensorDictBase,
+            is_tensorclass,
+        )
 
         if isinstance(x, torch.Tensor):
             name = f"t{len(self.tensors)}"
@@ -112,7 +119,7 @@ class _Encoder:
             return {"T": "lazy_stack", "dim": x.stack_dim,
                     "v": [self(t, path + (i,)) for i, t in enumerate(x.tensordicts)]}
         if isinstance(x, TensorDictBase):
-            if not isinstance(x, _dense_types()):
+            if not isinstance(x, TensorDict):  # sub-tensordicts, persistent ones...
                 x = x.to_tensordict()
             return {"T": "tensordict", "batch": list(x.batch_size), "device": _device(x.device),
                     "v": {k: self(v, path + (k,)) for k, v in x.items()}}
@@ -137,12 +144,6 @@ class _Encoder:
             "tensors, TensorDicts, allowed tensorclasses and JSON data (str, int, float, bool, None, "
             "lists and dicts of them)"
         )
-
-
-def _dense_types():
-    from tensordict import TensorDict
-
-    return (TensorDict,)
 
 
 def _is_collection(x: Any) -> bool:
