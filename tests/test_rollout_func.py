@@ -31,7 +31,7 @@ def _reference_logps(model, prompt_ids, completion_ids):
     return out
 
 
-def _make_trainer(model, tokenizer, rollout_func, reward, tmp_path, *, max_steps=2):
+def _make_trainer(model, tokenizer, rollout_func, reward, tmp_path, *, max_steps=2, chat=True):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -65,7 +65,7 @@ def _make_trainer(model, tokenizer, rollout_func, reward, tmp_path, *, max_steps
         learning_rate=1e-2,
     )
     dataset = Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": q}] for q in QUESTIONS],
+        "prompt": [[{"role": "user", "content": q}] for q in QUESTIONS] if chat else QUESTIONS,
         "answer": [ANSWERS[q] for q in QUESTIONS],
     })
     return CapturingTrainer(
@@ -155,6 +155,51 @@ def test_grpo_single_turn_trains_on_torchrl_rollouts(fresh_model, policy_and_tok
         assert [int(v) for v in layouts.read_column(step, "group_id")] == [2 * call, 2 * call, 2 * call + 1, 2 * call + 1]
         assert "env_mask" not in cap  # single turn: every completion token is the model's
     assert rollout.func.policy_version == 1 and rollout.func.samples == 8
+
+
+def _assert_on_policy(captured):
+    for cap in captured:
+        for got, ref in zip(cap["sampling_logps"], cap["reference"]):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_policy_built_around_the_trainers_model_text_prompts(fresh_model, policy_and_tokenizer, tmp_path):
+    """policy=None: a TransformersWrapper (input_mode="text" for text prompts) around the
+    trainer's own model, with TRL's generation settings."""
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    func = TorchRLRolloutFunc()
+    reward = Recorder(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids], "reward")
+    trainer = _make_trainer(fresh_model, tok, func, reward, tmp_path, max_steps=1, chat=False)
+    trainer.train()
+    assert func.policy.model is trainer.accelerator.unwrap_model(trainer.model)
+    assert func.policy.input_mode == "text" and func.policy.generate_kwargs["max_new_tokens"] == 6
+    (_, kw, _), = reward.calls
+    assert kw["prompts"][0] == kw["prompts"][1] == QUESTIONS[0]
+    trained_prompts = {tuple(p) for p in type(trainer).captured[0]["prompt_ids"]}
+    assert trained_prompts == {tuple(tok(q)["input_ids"]) for q in QUESTIONS}  # the text as is, no template
+    _assert_on_policy(type(trainer).captured)
+
+
+def test_separate_policy_receives_the_trainers_weights(checkpoints, fresh_model, policy_and_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    func = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=6))
+    same = []
+
+    def reward(completion_ids, trainer_state, **kw):
+        same.append(all(torch.equal(a, b) for a, b in zip(generator.parameters(), fresh_model.parameters())))
+        return [float(sum(c) % 7) for c in completion_ids]
+
+    trainer = _make_trainer(fresh_model, tok, func, Recorder(reward, "reward"), tmp_path, max_steps=3)
+    trainer.train()
+    assert same == [True, True, True] and func.policy_version == 2
+    assert not all(torch.equal(a, b) for a, b in zip(generator.parameters(), fresh_model.parameters()))
+    _assert_on_policy(type(trainer).captured)
 
 
 def test_generate_logprobs_mark_first_token_unknown(policy_and_tokenizer):

@@ -134,9 +134,11 @@ class TorchRLRolloutFunc:
             it as one item, with ``"group_id"`` (consecutive ``num_generations`` samples share
             it), ``"policy_version"`` and ``"turn"``.
         logprobs: ``"rescore"`` (default) or ``"generate"``, see the module doc.
-        sync_weights: only when ``policy`` does not share the trainer's parameters:
-            ``"copy"`` loads the trainer model's ``state_dict`` into ``policy.model`` whenever
-            the trainer's ``global_step`` changed; ``None`` never touches the weights.
+        sync_weights: when the trainer's ``global_step`` changed and ``policy`` does not
+            share the trainer's parameters: ``"copy"`` loads the trainer model's ``state_dict``
+            into ``policy.model``; a callable ``fn(trainer_model, version)`` does the transfer
+            itself (e.g. through a TorchRL collector's ``update_policy_weights_``); ``None``
+            never touches the weights.
 
     Attributes:
         policy_version: the trainer's ``global_step`` when the weights last generated.
@@ -153,12 +155,12 @@ class TorchRLRolloutFunc:
         forward_keys: Sequence[NestedKey] | None = None,
         replay_buffer=None,
         logprobs: Literal["rescore", "generate"] = "rescore",
-        sync_weights: Literal["copy"] | None = "copy",
+        sync_weights: Literal["copy"] | Callable | None = "copy",
     ):
         if logprobs not in ("rescore", "generate"):
             raise ValueError(f"logprobs must be 'rescore' or 'generate', got {logprobs!r}")
-        if sync_weights not in ("copy", None):
-            raise ValueError(f"sync_weights must be 'copy' or None, got {sync_weights!r}")
+        if sync_weights not in ("copy", None) and not callable(sync_weights):
+            raise ValueError(f"sync_weights must be 'copy', a callable or None, got {sync_weights!r}")
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
         if env is None and max_turns != 1:
@@ -188,7 +190,7 @@ class TorchRLRolloutFunc:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a non-empty list, got {type(prompts).__name__} {prompts!r:.80}")
         with self._lock:
-            policy = self._policy_for(trainer)
+            policy = self._policy_for(trainer, prompts)
             group_size = _group_size(trainer, len(prompts))
             version = self._sync(trainer, policy)
             self.calls += 1
@@ -217,27 +219,35 @@ class TorchRLRolloutFunc:
 
     # -- weights -----------------------------------------------------------------------
 
-    def _policy_for(self, trainer):
+    def _policy_for(self, trainer, prompts: list):
         if self.policy is not None:
             return self.policy
         if trainer is None:
             raise ValueError("policy=None builds the policy from the trainer, but no trainer was passed")
         from torchrl.modules.llm import TransformersWrapper
 
+        from ..rewards.trl_funcs import is_conversational
+
+        if self.env is not None:
+            input_mode = self.env.input_mode
+        else:
+            input_mode = "history" if is_conversational(prompts) else "text"
         model = trainer.accelerator.unwrap_model(trainer.model)
         generate_kwargs = {
             "max_new_tokens": trainer.max_completion_length,
             "do_sample": True,
             "temperature": trainer.temperature,
         }
-        for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+        # TRL's "disabled" values (top_k=0, top_p=1, ...) are left out: TorchRL rejects top_k=0
+        disabled = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
+        for name, off in disabled.items():
             value = getattr(trainer, name, None)
-            if value is not None:
+            if value is not None and value != off:
                 generate_kwargs[name] = value
         self.policy = TransformersWrapper(
             model,
             tokenizer=trainer.processing_class,
-            input_mode="history" if self.env is None else self.env.input_mode,
+            input_mode=input_mode,
             generate=True,
             return_log_probs=True,
             pad_output=False,
@@ -255,6 +265,8 @@ class TorchRLRolloutFunc:
             model = trainer.accelerator.unwrap_model(trainer.model)
             if policy.model is not model and self.sync_weights == "copy":
                 policy.model.load_state_dict(model.state_dict())
+            elif policy.model is not model and callable(self.sync_weights):
+                self.sync_weights(model, step)
             self.policy_version = step
         temperature = getattr(trainer, "temperature", 1.0)
         if temperature != 1.0 and not self._warned_temperature:
