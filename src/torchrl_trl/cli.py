@@ -1,58 +1,425 @@
-"""Command line: ``torchrl-trl demo`` (also ``python -m torchrl_trl demo``)."""
+"""The ``torchrl-trl`` command (also ``python -m torchrl_trl``).
+
+Commands: ``env`` (versions for a bug report), ``inspect`` / ``export`` / ``score`` (a
+replay buffer saved with :func:`torchrl_trl.save_buffer`), ``demo`` (the end-to-end demo).
+Heavy libraries are imported by the command that needs them, so ``--help`` and
+``--version`` answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
+import re
 import sys
 from pathlib import Path
+from typing import Any
+
+from . import __version__
+
+DESCRIPTION = (
+    "Mix TorchRL and Hugging Face TRL: inspect, export and score TorchRL replay buffers saved "
+    "with torchrl_trl.save_buffer, report versions, run the end-to-end demo."
+)
+EPILOG = "Run 'torchrl-trl COMMAND --help' for the options of a command."
+
+#: packages whose versions ``torchrl-trl env`` reports
+ENV_PACKAGES = ("torch", "torchrl", "tensordict", "trl", "transformers", "datasets", "accelerate", "tokenizers", "safetensors", "ray")
+
+#: how a Hugging Face hub id looks (``name`` or ``org/name``)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+#: ``torchrl-trl demo`` wall times measured on 2 CPU cores (seconds), stated in its help
+QUICK_SECONDS = 75
+FULL_SECONDS = 150
+DEMO_DESCRIPTION = (
+    "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
+    "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train further "
+    "with trl.SFTTrainer on best-of-n rollouts read from the TorchRL buffer. Prints a table, "
+    "writes results.json and reward_curve.png, and saves both trained policies (safetensors) "
+    "under --output-dir. Tiny built-in models, no downloads."
+)
+
+
+class CLIError(Exception):
+    """A user error: printed as ``torchrl-trl: error: ...`` with exit status 2, no traceback."""
+
+
+# ---------------------------------------------------------------------------
+# checkpoints given on the command line
+# ---------------------------------------------------------------------------
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def resolve_model_dir(value: str | os.PathLike, what: str) -> Path:
+    """A local checkpoint directory for ``value`` (a directory, or a hub id downloaded when
+    online), checked to hold safetensors weights: pickle-only checkpoints
+    (``pytorch_model.bin``) are refused before anything is loaded.
+
+    Raises :class:`CLIError` naming ``what`` (e.g. ``"--policy"``) and what was expected.
+    """
+    text = os.fspath(value)
+    path = Path(text).expanduser()
+    if not path.exists():
+        looks_like_hub_id = _HUB_ID.match(text) is not None and not text.startswith((".", "~"))
+        if not looks_like_hub_id:
+            raise CLIError(f"{what}: no such directory: {text!r}")
+        if _offline():
+            raise CLIError(
+                f"{what}: {text!r} is not a local directory, and the Hugging Face hub is offline "
+                "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set). Download it where the network is "
+                f"reachable ('hf download {text} --local-dir DIR') and pass DIR, or unset the "
+                "offline variables to download it here."
+            )
+        path = _download(text, what)
+    if not path.is_dir():
+        raise CLIError(f"{what}: {text!r} is a file; expected a checkpoint directory (config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise CLIError(f"{what}: {text!r} holds no config.json; expected a directory written by save_pretrained")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        found = f" (found {', '.join(pickles)}: pickle, which can run code when loaded)" if pickles else ""
+        raise CLIError(
+            f"{what}: {text!r} holds no *.safetensors weights{found}. torchrl-trl loads models by "
+            "path from safetensors only, with trust_remote_code=False. Convert it in a process that "
+            "trusts the file: AutoModel...from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)."
+        )
+    return path
+
+
+def _download(repo_id: str, what: str) -> Path:
+    """Download the safetensors weights, config and tokenizer files of ``repo_id``."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise CLIError(f"{what}: could not download {repo_id!r} from the Hugging Face hub: {err}") from err
+
+
+# ---------------------------------------------------------------------------
+# saved buffers
+# ---------------------------------------------------------------------------
+
+
+def _require_dir(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        what = "a file" if path.exists() else "no such directory"
+        raise CLIError(f"{what}: {str(path)!r} (expected a directory written by torchrl_trl.save_buffer)")
+    return path
+
+
+def load_saved_buffer(path: str | os.PathLike):
+    """``(ReplayBuffer, manifest)`` holding what :func:`torchrl_trl.save_buffer` wrote at ``path``.
+
+    The buffer is built with the storage kind the manifest names (a ``LazyStackStorage``
+    for list storages, a ``LazyTensorStorage`` for tensor ones) and the saved length as
+    capacity, with the default sampler and writer.
+    """
+    path = _require_dir(path)
+    from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
+
+    from .online import load_buffer
+    from .online.checkpoint import read_meta
+
+    try:
+        meta = read_meta(path)
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(str(err)) from err
+    n, kind = int(meta["len"]), meta.get("storage")
+    if kind == "tensor":
+        rb = ReplayBuffer(storage=LazyTensorStorage(max(n, 1)))
+    elif kind == "list":
+        rb = ReplayBuffer(storage=LazyStackStorage(max(n, 1)))
+    else:
+        raise CLIError(f"{str(path)!r}: unknown storage kind {kind!r} in the manifest (expected 'list' or 'tensor')")
+    try:
+        load_buffer(rb, path)
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise CLIError(f"could not load the buffer at {str(path)!r}: {err}") from err
+    return rb, meta
+
+
+def _layout(td) -> str:
+    """``"padded (width W)"`` or ``"ragged (lengths a..b)"`` for the token key, or ``"no tokens"``."""
+    from . import layouts
+
+    key = layouts.token_key("full")
+    if not layouts.has_key(td, key):
+        return "no tokens"
+    lengths = layouts.read_tokens(td, "full").lengths
+    span = f"real lengths {int(lengths.min())}..{int(lengths.max())}"
+    try:
+        value = td.get(key)
+    except RuntimeError:  # a lazy stack of different widths
+        return f"ragged ({span})"
+    if value.is_nested:
+        return f"ragged, nested tensor ({span})"
+    return f"padded (width {value.shape[-1]}, {span})"
+
+
+#: the formats ``inspect`` shows a row of by default, in order of preference
+_SAMPLE_FORMATS = ("sft_conversational", "dpo_conversational", "kto_conversational", "sft", "sft_tokenized")
+
+
+def _formats_that_apply(td) -> list[str]:
+    from .data import available_formats, get_format
+
+    return [name for name in available_formats() if not get_format(name).missing_keys(td)]
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def cmd_inspect(args) -> int:
+    from . import layouts
+    from .data import get_format
+
+    rb, _ = load_saved_buffer(args.path)
+    n = len(rb)
+    print(f"buffer:  {args.path}")
+    print(f"length:  {n}")
+    if n == 0:
+        print("(empty)")
+        return 0
+    td = rb[:]
+    print(f"storage: {type(rb.storage).__name__}")
+    print(f"layout:  {_layout(td)}")
+    print("keys:")
+    for key in layouts.available_keys(td):
+        print(f"  {key}")
+    formats = _formats_that_apply(td)
+    print(f"formats: {', '.join(formats) if formats else '(none: no format finds its keys)'}")
+    preferred = [f for f in _SAMPLE_FORMATS if f in formats] + formats
+    fmt = args.format or (preferred[0] if preferred else None)
+    if fmt is None:
+        return 0
+    try:
+        row = get_format(fmt)(rb[:1])
+    except (KeyError, ValueError) as err:
+        raise CLIError(f"--format {fmt}: {err}") from err
+    print(f"sample row ({fmt}):")
+    for column, values in row.items():
+        print(f"  {column}: {_short(values[0])}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    _require_dir(args.path)
+    from .data import TorchRLBufferDataset, available_formats
+
+    if args.format not in available_formats():
+        raise CLIError(f"--format: unknown format {args.format!r}; available: {', '.join(available_formats())}")
+    rb, _ = load_saved_buffer(args.path)
+    n = len(rb)
+    if n == 0:
+        raise CLIError(f"{args.path}: the buffer is empty; nothing to export")
+    try:
+        dataset = TorchRLBufferDataset(rb, min(args.batch_size, n), format=args.format, mode="epoch")
+        hf = dataset.as_hf_dataset(map_style=True)
+    except KeyError as err:
+        raise CLIError(f"--format {args.format}: {err.args[0] if err.args else err}") from err
+    if len(hf) != n:
+        raise CLIError(f"export read {len(hf)} rows from a buffer of {n} items; nothing was written")
+    out = str(args.out)
+    if out.endswith(".parquet"):
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        hf.to_parquet(out)
+    else:
+        hf.save_to_disk(out)
+    print(f"wrote {len(hf)} rows ({args.format}: columns {', '.join(hf.column_names)}) to {out}")
+    return 0
+
+
+def cmd_score(args) -> int:
+    # arguments are checked before anything heavy is imported
+    rm_dir = resolve_model_dir(args.reward_model, "--reward-model")
+    tok_dir = None if args.policy_tokenizer is None else Path(args.policy_tokenizer)
+    if tok_dir is not None and not tok_dir.is_dir():
+        raise CLIError(f"--policy-tokenizer: no such directory: {str(tok_dir)!r}")
+    _require_dir(args.path)
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from . import layouts
+    from .online import save_buffer
+    from .rewards import HFRewardModelWrapper
+
+    policy_tokenizer = None
+    if tok_dir is not None:
+        from transformers import AutoTokenizer
+
+        policy_tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
+    rb, meta = load_saved_buffer(args.path)
+    n = len(rb)
+    if n == 0:
+        raise CLIError(f"{args.path}: the buffer is empty; nothing to score")
+    key = tuple(args.reward_key.split(".")) if "." in args.reward_key else args.reward_key
+    scorer = HFRewardModelWrapper.for_grpo(
+        str(rm_dir), reward_key=key, policy_tokenizer=policy_tokenizer, device=args.device,
+        max_tokens_per_batch=args.max_tokens_per_batch,
+    )
+    rewards = []
+    for start in tqdm(range(0, n, args.batch_size), desc="scoring", unit="batch", disable=args.no_progress):
+        index = torch.arange(start, min(start + args.batch_size, n))
+        scored = scorer(rb[index])
+        rb[index] = scored
+        rewards.append(torch.stack(layouts.read_column(scored, key)).reshape(-1).float())
+    save_buffer(rb, args.path, extra=meta.get("extra", {}))
+    r = torch.cat(rewards)
+    finite = r[torch.isfinite(r)]
+    print(f"scored {n} rollouts with {rm_dir} -> {'.'.join(key) if isinstance(key, tuple) else key}")
+    if finite.numel():
+        print(
+            f"reward: mean {finite.mean():.4f}  std {finite.std(unbiased=False):.4f}  "
+            f"min {finite.min():.4f}  max {finite.max():.4f}"
+        )
+    if finite.numel() != r.numel():
+        print(f"non-finite rewards: {r.numel() - finite.numel()}")
+    print(f"wrote the rewards back to {args.path} (items and writer position kept; sampler state reset)")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# env, demo
+# ---------------------------------------------------------------------------
+
+
+def environment() -> dict[str, str]:
+    """Versions and devices, as ``torchrl-trl env`` prints them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    info = {"torchrl-trl": __version__}
+    for name in ENV_PACKAGES:
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            info[name] = "not installed"
+    info["python"] = platform.python_version()
+    info["platform"] = platform.platform()
+    import torch
+
+    info["cpu cores"] = str(os.cpu_count())
+    info["torch threads"] = str(torch.get_num_threads())
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda"] = f"{torch.version.cuda} ({len(names)} device(s): {', '.join(names)})"
+    else:
+        info["cuda"] = "not available"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        info["mps"] = "available"
+    return info
+
+
+def cmd_env(args) -> int:
+    info = environment()
+    width = max(map(len, info))
+    for name, value in info.items():
+        print(f"- {name + ':':{width + 1}} {value}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    # checked before anything heavy is imported or trained
+    policy = resolve_model_dir(args.policy, "--policy") if args.policy is not None else None
+    reward_model = resolve_model_dir(args.reward_model, "--reward-model") if args.reward_model is not None else None
+    from .demo import DemoConfig, run_demo
+
+    run_demo(
+        DemoConfig(
+            output_dir=args.output_dir,
+            iterations=args.iterations,
+            seed=args.seed,
+            device=args.device,
+            policy=policy,
+            reward_model=reward_model,
+            quick=args.quick,
+            progress=not args.no_progress,
+        )
+    )
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchrl-trl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo",
-        help="end-to-end demo on tiny built-in models (no downloads)",
-        description=(
-            "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO "
-            "with it (LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), "
-            "then train further with trl.SFTTrainer on best-of-n rollouts read from the "
-            "TorchRL buffer. Prints a table and writes results.json and reward_curve.png."
-        ),
+    parser = argparse.ArgumentParser(prog="torchrl-trl", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"torchrl-trl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    env = sub.add_parser("env", help="versions of torch, torchrl, trl, transformers, ... and devices (for bug reports)")
+    env.set_defaults(func=cmd_env)
+
+    ins = sub.add_parser(
+        "inspect", help="length, keys, layout, formats and a sample row of a saved buffer",
+        description="Describe a replay buffer saved with torchrl_trl.save_buffer: its length, keys, "
+        "token layout (padded or ragged), the dataset formats whose keys it holds, and one row.",
     )
-    demo.add_argument("--quick", action="store_true", help="a short run (well under a minute), as the tests use")
-    demo.add_argument("--iterations", type=int, default=25, help="GRPO iterations (default: 25; --quick caps it at 12)")
+    ins.add_argument("path", type=Path, help="directory written by save_buffer")
+    ins.add_argument("--format", default=None, help="show the sample row in this format (default: the first that applies)")
+    ins.set_defaults(func=cmd_inspect)
+
+    exp = sub.add_parser(
+        "export", help="a saved buffer as a datasets dataset on disk, or a parquet file",
+        description="Read every stored rollout of a saved buffer once, in storage order, in a "
+        "TorchRLBufferDataset format, and write it with datasets' save_to_disk (OUT a directory) "
+        "or to_parquet (OUT ending with .parquet).",
+    )
+    exp.add_argument("path", type=Path, help="directory written by save_buffer")
+    exp.add_argument("--format", required=True, help="a dataset format, e.g. sft_conversational (see 'inspect')")
+    exp.add_argument("--out", required=True, type=Path, help="output directory, or a .parquet file")
+    exp.add_argument("--batch-size", type=int, default=256, help="rows read from the buffer at a time (default: 256)")
+    exp.set_defaults(func=cmd_export)
+
+    sco = sub.add_parser(
+        "score", help="score a saved buffer with a reward model and write the rewards back",
+        description="Score every stored rollout with a one-label sequence-classification model "
+        "loaded by path (safetensors only, trust_remote_code=False) through HFRewardModelWrapper, "
+        "write the rewards into the saved buffer (TorchRL's GRPO convention: next.reward shaped "
+        "[1, 1] per rollout) and print summary statistics.",
+    )
+    sco.add_argument("path", type=Path, help="directory written by save_buffer (rewritten in place)")
+    sco.add_argument("--reward-model", required=True, help="reward model directory (e.g. trl.RewardTrainer's output)")
+    sco.add_argument("--policy-tokenizer", default=None, help="the policy's tokenizer directory, to decode rollouts that hold tokens only")
+    sco.add_argument("--reward-key", default="next.reward", help="where the reward goes, dot-separated (default: next.reward)")
+    sco.add_argument("--batch-size", type=int, default=64, help="rollouts scored per step of the progress bar (default: 64)")
+    sco.add_argument("--max-tokens-per-batch", type=int, default=16384, help="padded tokens per forward pass (default: 16384)")
+    sco.add_argument("--device", default=None, help="torch device of the reward model (default: where it loads)")
+    sco.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sco.set_defaults(func=cmd_score)
+
+    demo = sub.add_parser(
+        "demo", help="end-to-end demo on tiny built-in models (no downloads)", description=DEMO_DESCRIPTION,
+    )
+    demo.add_argument("--quick", action="store_true", help=f"a short run, as the tests use (about {QUICK_SECONDS} s on 2 CPU cores)")
+    demo.add_argument("--iterations", type=int, default=25, help=f"GRPO iterations (default: 25, about {FULL_SECONDS} s in all on 2 CPU cores; --quick caps it at 12)")
     demo.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same numbers")
     demo.add_argument("--device", default="cpu", help="torch device for the policy and reward model (default: cpu)")
-    demo.add_argument("--policy", type=Path, default=None, help="local causal-LM checkpoint dir to use instead of the tiny built-in policy")
-    demo.add_argument("--reward-model", type=Path, default=None, help="local sequence-classification checkpoint dir to start the reward model from")
-    demo.add_argument("--output-dir", type=Path, default=Path("torchrl_trl_demo"), help="where results.json, reward_curve.png and checkpoints go (default: ./torchrl_trl_demo)")
+    demo.add_argument("--policy", default=None, help="causal-LM checkpoint (local directory, or a hub id when online) instead of the tiny built-in policy")
+    demo.add_argument("--reward-model", default=None, help="sequence-classification checkpoint (local directory, or a hub id when online) to start the reward model from")
+    demo.add_argument("--output-dir", type=Path, default=Path("torchrl_trl_demo"), help="where results.json, reward_curve.png and the trained models go (default: ./torchrl_trl_demo)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(var, "1")
+    parser = _parser()
+    args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.command == "demo":
-        from .demo import DemoConfig, run_demo
-
-        run_demo(
-            DemoConfig(
-                output_dir=args.output_dir,
-                iterations=args.iterations,
-                seed=args.seed,
-                device=args.device,
-                policy=args.policy,
-                reward_model=args.reward_model,
-                quick=args.quick,
-                progress=not args.no_progress,
-            )
-        )
-    return 0
+    try:
+        return args.func(args)
+    except CLIError as err:
+        parser.exit(2, f"torchrl-trl {args.command}: error: {err}\n")
 
 
 if __name__ == "__main__":
