@@ -35,6 +35,7 @@ __all__ = [
     "batch_numel",
     "has_key",
     "history_key",
+    "padding_text",
     "read_column",
     "read_history",
     "read_text",
@@ -198,7 +199,7 @@ def _chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
         return [t.reshape(1, -1) for t in value.unbind(0)]
     if value.ndim == td.batch_dims:  # a scalar per sample
         return [value.reshape(-1, 1)]
-    return [value.reshape(-1, value.shape[-1])]
+    return [value.reshape(batch_numel(td), value.shape[-1])]
 
 
 def _get(td: TensorDictBase, key: NestedKey) -> Any:
@@ -373,33 +374,191 @@ def read_column(td: TensorDictBase, key: NestedKey) -> list[Any]:
     return _flatten_nested_list(value, td.batch_dims)
 
 
-def read_text(td: TensorDictBase, part: Part = "full") -> list[str]:
+def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None) -> list[str]:
     """The text of each sample at ``("text", part)``; ``"full"`` falls back to
-    prompt + response when only those are stored."""
+    prompt + response when only those are stored.
+
+    TorchRL's history mode with ``pad_output=True`` decodes the *padded* sequence, so its
+    ``text.full`` holds pad strings and its ``text.response`` starts inside the prompt.
+    There the padding is removed exactly (see :func:`padding_text`) and the response is
+    what follows the prompt in the clean full text, as TorchRL defines it.
+
+    Args:
+        tokenizer: the policy's tokenizer, optional: names the pad string (otherwise it is
+            read off the padded samples themselves).
+
+    Raises:
+        TypeError: a sample's text is not a string.
+    """
     key = text_key(part)
     if part == "full" and not has_key(td, key) and has_key(td, text_key("prompt")):
         prompts, responses = read_text(td, "prompt"), read_text(td, "response")
         return [p + r for p, r in zip(prompts, responses)]
-    return [str(t) for t in read_column(td, key)]
+    texts = _strings(read_column(td, key), key)
+    if part == "prompt" or not _padded_text_possible(td):
+        return texts
+    full = texts if part == "full" else _strings(read_column(td, text_key("full")), key)
+    clean = _strip_padding(td, full, tokenizer)
+    if clean is None:
+        return texts
+    if part == "full":
+        return clean
+    out = []
+    for i, (c, f, p, t) in enumerate(zip(clean, full, read_text(td, "prompt"), texts)):
+        if c is f:  # nothing was stripped
+            out.append(t)
+        elif c.startswith(p):
+            out.append(c[len(p) :])
+        else:
+            raise ValueError(f"sample {i}: the unpadded text.full does not start with text.prompt")
+    return out
+
+
+def _strings(values: list, key: NestedKey) -> list[str]:
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise TypeError(
+                f"key {key!r}: sample {i} holds {type(v).__name__} {v!r:.40}, expected a string"
+            )
+    return values
+
+
+def _padded_text_possible(td: TensorDictBase) -> bool:
+    # only a padded (dense) full sequence with a mask, text and a prompt can carry pads
+    return (
+        has_key(td, ATTENTION_MASK_KEY)
+        and has_key(td, text_key("full"))
+        and has_key(td, text_key("prompt"))
+        and has_key(td, token_key("full"))
+    )
+
+
+def _pad_counts(td: TensorDictBase) -> tuple[list[int], list[int]]:
+    """Per sample, the pad columns before and after the real tokens of the full mask."""
+    lead, trail = [], []
+    for m in _chunks(td, ATTENTION_MASK_KEY):
+        m = m.bool()
+        lead += (m.cumsum(-1) == 0).sum(-1).tolist()
+        trail += (m.flip(-1).cumsum(-1) == 0).sum(-1).tolist()
+    return lead, trail
+
+
+def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
+    """The string one pad token decodes to in ``td``'s stored text, or ``None`` when the
+    text holds no padding.
+
+    With ``tokenizer``, its decoding of the pad id found in the padded ``tokens.full``.
+    Without, read off a sample whose text starts with pad strings before its prompt
+    (``text.full == pad * n_left + prompt + ...`` with ``n_left`` from the mask), else off
+    one whose text ends with two or more pads.
+
+    Raises:
+        ValueError: samples disagree on the pad string, or the text may hold padding that
+            cannot be told apart from real text without the tokenizer.
+    """
+    lead, trail = _pad_counts(td)
+    if not any(lead) and not any(trail):
+        return None
+    full = read_column(td, text_key("full"))
+    prompts = read_column(td, text_key("prompt"))
+    if tokenizer is not None:
+        pad_id = _pad_id(td)
+        pad = tokenizer.decode([pad_id], skip_special_tokens=False)
+        return pad if any(_has_padding(f, pad, l, t) for f, l, t in zip(full, lead, trail)) else None
+    found, clean_rows = set(), 0
+    for f, p, l, t in zip(full, prompts, lead, trail):
+        at = f.find(p) if p else -1
+        if l and at == 0:
+            clean_rows += 1  # the text starts with its prompt: no pads were decoded
+        elif l and at > 0 and at % l == 0 and f[: at // l] * l == f[:at]:
+            found.add(f[: at // l])
+        elif not l and t >= 2:
+            period = _shortest_period(f, t)
+            if period:
+                found.add(period)
+    if len(found) > 1:
+        raise ValueError(f"the stored text holds different pad strings {sorted(found)}; pass tokenizer=")
+    if found:
+        return found.pop()
+    if clean_rows or not has_key(td, history_key("prompt")):
+        return None  # TorchRL decodes padded text only in history mode
+    raise ValueError(
+        "the text at ('text', 'full') was decoded by TorchRL from padded tokens "
+        "(input_mode='history', pad_output=True) and its pad string cannot be read off "
+        "these samples; pass the policy's tokenizer (tokenizer=) so padding is removed exactly"
+    )
+
+
+def _pad_id(td: TensorDictBase) -> int:
+    for t, m in zip(_chunks(td, token_key("full")), _chunks(td, ATTENTION_MASK_KEY)):
+        if t.shape == m.shape and not m.bool().all():
+            return int(t[~m.bool()][0])
+    raise ValueError("no padded position in ('tokens', 'full')")
+
+
+def _has_padding(text: str, pad: str, lead: int, trail: int) -> bool:
+    return (lead and text.startswith(pad * lead)) or (trail and text.endswith(pad * trail))
+
+
+def _shortest_period(text: str, repeats: int) -> str | None:
+    """The shortest ``s`` such that ``text`` ends with ``s * repeats``, if any."""
+    for n in range(1, len(text) // repeats + 1):
+        if text.endswith(text[-n:] * repeats):
+            return text[-n:]
+    return None
+
+
+def _strip_padding(td: TensorDictBase, full: list[str], tokenizer: Any) -> list[str] | None:
+    """``full`` with each sample's decoded padding removed, or ``None`` if it has none.
+    Only what the mask says was padding is removed, and only where it is there."""
+    pad = padding_text(td, tokenizer)
+    if not pad:
+        return None
+    lead, trail = _pad_counts(td)
+    out = []
+    for text, l, t in zip(full, lead, trail):
+        if l and text.startswith(pad * l):
+            text = text[len(pad) * l :]
+        if t and text.endswith(pad * t):
+            text = text[: len(text) - len(pad) * t]
+        out.append(text)
+    return out
 
 
 def to_messages(history: Any) -> list[dict[str, str]]:
     """A TorchRL ``History`` (one conversation) or list of message dicts -> plain
     ``[{"role", "content"}, ...]`` as TRL's conversational format expects (TorchRL's
-    extra ``is_complete``/tool fields and ``"<none>"`` padding messages dropped)."""
+    extra ``is_complete``/tool fields and ``"<none>"`` padding messages dropped).
+
+    Raises:
+        TypeError: a message's role or content is not a string.
+    """
     if hasattr(history, "tolist"):
         history = history.tolist()
     if isinstance(history, dict):
         history = [history]
-    return [
-        {"role": m["role"], "content": m["content"]}
-        for m in history
-        if m.get("role") not in (None, "<none>")
-    ]
+    out = []
+    for i, m in enumerate(history):
+        if m.get("role") in (None, "<none>"):
+            continue
+        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+            raise TypeError(
+                f"chat message {i} has role {type(m['role']).__name__} and content "
+                f"{type(m['content']).__name__} ({m['content']!r:.40}); expected strings"
+            )
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
 
 
-def read_history(td: TensorDictBase, part: Part = "full") -> list[list[dict[str, str]]]:
-    """The chat of each sample at ``("history", part)`` as plain role/content dicts."""
+def read_history(
+    td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None
+) -> list[list[dict[str, str]]]:
+    """The chat of each sample at ``("history", part)`` as plain role/content dicts.
+
+    Where TorchRL parsed the response out of padded text (history mode,
+    ``pad_output=True``), pad strings trailing a message are removed and a message made of
+    padding only is dropped (``tokenizer`` as in :func:`read_text`).
+    """
     key = history_key(part)
     _require(td, key, "read_history")
     out = []
@@ -409,6 +568,22 @@ def read_history(td: TensorDictBase, part: Part = "full") -> list[list[dict[str,
         # a History of batch [n_messages] gives one conversation; [k, n] gives k
         depth = history.batch_dims - 1
         out.extend(to_messages(c) for c in _flatten_nested_list(conversations, depth))
+    if part != "prompt" and _padded_text_possible(td):
+        pad = padding_text(td, tokenizer)
+        if pad:
+            _, trail = _pad_counts(td)
+            out = [_strip_trailing(conv, pad) if t else conv for conv, t in zip(out, trail)]
+    return out
+
+
+def _strip_trailing(conversation: list[dict[str, str]], pad: str) -> list[dict[str, str]]:
+    out = []
+    for m in conversation:
+        content = m["content"]
+        while content.endswith(pad):
+            content = content[: -len(pad)]
+        if content or not m["content"]:
+            out.append({**m, "content": content})
     return out
 
 

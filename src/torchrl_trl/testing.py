@@ -79,6 +79,7 @@ def make_tokenizer(
     vocab_size: int = 160,
     chat_template: str = CHATML_TEMPLATE,
     padding_side: Literal["left", "right"] = "left",
+    eos_token: str = IM_END,
 ):
     """Build a small character-level BPE tokenizer with ``<|pad|>`` and ``<|im_end|>`` (eos).
 
@@ -89,6 +90,8 @@ def make_tokenizer(
             tokenizers with different sizes tokenise text differently.
         chat_template: Jinja chat template (ChatML by default).
         padding_side: the tokenizer's padding side.
+        eos_token: the EOS token; another one than ``<|im_end|>`` (e.g. ``"</s>"``, as
+            Llama-2-style tokenizers with a ChatML template have) is added as a special token.
 
     Returns:
         a ``transformers.PreTrainedTokenizerFast``; ``decode(encode(s)) == s`` for any text.
@@ -99,6 +102,8 @@ def make_tokenizer(
     # Printable ASCII only (plus an unk token): every token decodes to valid text, so
     # what a random tiny policy generates survives decode -> re-encode as the same text.
     special = [PAD_TOKEN, IM_START, IM_END, UNK_TOKEN]
+    if eos_token not in special:
+        special.append(eos_token)
     tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     tok.decoder = decoders.Fuse()
     trainer = trainers.BpeTrainer(
@@ -112,7 +117,7 @@ def make_tokenizer(
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
-        eos_token=IM_END,
+        eos_token=eos_token,
         bos_token=None,
         unk_token=UNK_TOKEN,
         additional_special_tokens=[IM_START],

@@ -1,0 +1,356 @@
+"""The layout matrix: what TorchRL really produces x where it is stored x who reads it.
+
+Producers are TorchRL's own ``TransformersWrapper`` (input modes text / history / tokens,
+``pad_output`` True and False, ``num_samples``) and ``ChatEnv`` + ``LLMCollector`` (one and
+two turns). Storages: the direct output, ``LazyStackStorage``, ``ListStorage`` and, where
+TorchRL accepts the data, ``LazyTensorStorage``; read back with ``rb[:]`` and
+``rb.sample()``. Consumers: the layout readers, the reward-model wrapper (with and without
+tokenizers), ``RewardFunctionWrapper`` and the dataset formats.
+
+Every cell is compared with an independent reference built here, sample by sample: the
+real tokens are a sample's stored tokens where its own attention mask is 1, the clean
+text is the policy tokenizer's decoding of those tokens, and a reward is the reward
+model's score of that one sequence alone, unpadded.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+from torchrl.data import LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
+from torchrl.data.llm import History
+from torchrl.modules.llm import TransformersWrapper
+
+from torchrl_trl import HFRewardModelWrapper, RewardFunctionWrapper, layouts
+from torchrl_trl.data import TorchRLBufferDataset
+from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy, make_tokenizer
+
+PROMPTS = ["hi", "what is two plus two?", "a b c", "hello world! how are you today?"]
+MAX_NEW = 10
+
+
+def _early_eos(model, eos_id: int, bonus: float = 4.0):
+    """A copy of ``model`` whose EOS logit is raised, so some responses stop early and
+    get right padding (a random tiny policy rarely samples EOS by itself)."""
+    model = copy.deepcopy(model)
+    old = model.lm_head
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        head.bias[eos_id] = bonus
+    model.lm_head = head
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------
+# Producers (run once per module)
+# ---------------------------------------------------------------------------
+
+
+def _wrapper(model, tok, mode, pad, num_samples=None):
+    return TransformersWrapper(
+        model,
+        tokenizer=tok,
+        input_mode=mode,
+        generate=True,
+        pad_output=pad,
+        return_log_probs=True,
+        num_samples=num_samples,
+        generate_kwargs={"max_new_tokens": MAX_NEW, "do_sample": True},
+    )
+
+
+def _inputs(tok, mode):
+    if mode == "text":
+        return TensorDict({"text": {"prompt": PROMPTS}}, batch_size=[len(PROMPTS)])
+    chats = History.from_chats([[{"role": "user", "content": p}] for p in PROMPTS])
+    if mode == "history":
+        return TensorDict({"history": {"prompt": chats}}, batch_size=[len(PROMPTS)])
+    # tokens mode: TorchRL's ragged prompt ids (the chat template applied)
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats.tolist()]
+    ids = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    return lazy_stack([TensorDict({"tokens": {"prompt": i}}) for i in ids])
+
+
+@pytest.fixture(scope="module")
+def policy(policy_and_tokenizer):
+    model, tok = policy_and_tokenizer
+    return _early_eos(model, tok.eos_token_id), tok
+
+
+@pytest.fixture(scope="module")
+def eos_policy(tmp_path_factory):
+    """A policy whose EOS (``</s>``) is not ChatML's end of turn: TorchRL's history parser
+    then keeps what follows it (``"</s><pad>..."`` in padded mode) in the assistant turn."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = make_tokenizer(eos_token="</s>")
+    path = tmp_path_factory.mktemp("eos_policy")
+    make_policy(tok, seed=3).save_pretrained(path)
+    tok.save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    return _early_eos(AutoModelForCausalLM.from_pretrained(path), tok.eos_token_id), tok
+
+
+PRODUCERS = [
+    *[(f"wrapper-{m}-pad{int(p)}", m, p, None) for m in ("text", "history", "tokens") for p in (False, True)],
+    ("wrapper-history-pad0-n2", "history", False, 2),
+    ("wrapper-history-pad1-n2", "history", True, 2),
+    ("wrapper-text-pad1-n2", "text", True, 2),
+    ("eos-history-pad1", "history", True, None),
+    ("eos-history-pad0", "history", False, None),
+    ("collector-1turn-pad0", "collector", False, 1),
+    ("collector-1turn-pad1", "collector", True, 1),
+    ("collector-2turn-pad0", "collector", False, 2),
+    ("collector-2turn-pad1", "collector", True, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def produced(policy, eos_policy):
+    """``{producer name: (rollouts TensorDict, policy tokenizer)}``, seeded."""
+    out = {}
+    warnings.simplefilter("ignore")
+    for seed, (name, mode, pad, extra) in enumerate(PRODUCERS):
+        torch.manual_seed(seed)
+        model, tok = eos_policy if name.startswith("eos") else policy
+        if mode == "collector":
+            env = make_chat_env([{"query": p} for p in PROMPTS], batch_size=2, group_size=2, max_turns=extra)
+            wrapper = _wrapper(model, tok, "history", pad)
+            rb = collect_rollouts(wrapper, env, total_turns=8 * extra, seed=seed)
+            out[name] = (rb[:], tok)
+        else:
+            out[name] = (_wrapper(model, tok, mode, pad, extra)(_inputs(tok, mode)), tok)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Storages
+# ---------------------------------------------------------------------------
+
+STORAGES = ["direct", "lazystack[:]", "lazystack.sample", "list[:]", "list.sample", "lazytensor[:]"]
+
+
+def _samples(td: TensorDictBase) -> list[TensorDictBase]:
+    """Every sample of ``td`` (batch flattened row-major), one TensorDict each."""
+    if td.batch_dims == 0:
+        return [td]
+    return [s for row in td.unbind(0) for s in _samples(row)]
+
+
+def _store(td: TensorDictBase, storage: str) -> TensorDictBase:
+    if storage == "direct":
+        return td
+    kind, read = storage.split(".") if "." in storage else (storage[:-3], "[:]")
+    items = _samples(td)
+    make = {"lazystack": LazyStackStorage, "list": ListStorage, "lazytensor": LazyTensorStorage}[kind]
+    rb = ReplayBuffer(storage=make(len(items) + 4), batch_size=len(items))
+    try:
+        if kind == "list":
+            rb.extend(lazy_stack(items))
+        else:
+            rb.extend(td.reshape(-1) if not td.is_locked and td.batch_dims > 1 else td)
+    except Exception as err:  # TorchRL itself refuses this data in this storage
+        pytest.skip(f"TorchRL's {make.__name__} does not accept {storage}: {type(err).__name__}")
+    if read == "[:]":
+        return rb[:]
+    torch.manual_seed(0)
+    return rb.sample()
+
+
+# ---------------------------------------------------------------------------
+# The independent reference, one sample at a time
+# ---------------------------------------------------------------------------
+
+
+def _mask(sample):
+    return sample.get(layouts.ATTENTION_MASK_KEY).bool()
+
+
+def ref_tokens(sample, part: str) -> list[int]:
+    """A sample's real token ids: the stored ids where its own mask is 1 (TorchRL pads
+    the prompt on the left and the response on the right of the full sequence)."""
+    mask = _mask(sample)
+    full = sample.get(("tokens", "full"))
+    assert full.shape == mask.shape
+    if part == "full":
+        return full[mask].tolist()
+    response = sample.get(("tokens", "response"))
+    n_resp = int(mask[-response.shape[-1] :].sum()) if response.shape[-1] <= mask.shape[-1] else None
+    real_response = full[mask].tolist()[len(full[mask]) - n_resp :] if n_resp else []
+    if part == "response":
+        return real_response
+    return full[mask].tolist()[: int(mask.sum()) - len(real_response)]
+
+
+def ref_texts(samples, tok, part):
+    return [tok.decode(ref_tokens(s, part), skip_special_tokens=False) for s in samples]
+
+
+def _score_alone(model, ids):
+    with torch.no_grad():
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+
+CELLS = [(p[0], s) for p in PRODUCERS for s in STORAGES]
+
+
+@pytest.fixture(scope="module")
+def reward_models(checkpoints):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    same = AutoModelForSequenceClassification.from_pretrained(checkpoints.reward_model).eval()
+    other = AutoModelForSequenceClassification.from_pretrained(checkpoints.reward_model_other_tokenizer).eval()
+    other_tok = AutoTokenizer.from_pretrained(checkpoints.reward_model_other_tokenizer)
+    return same, other, other_tok
+
+
+@functools.lru_cache(maxsize=None)
+def _cell_cache():
+    return {}
+
+
+def _cell(produced, producer, storage):
+    td, tok = produced[producer]
+    key = (producer, storage)
+    cache = _cell_cache()
+    if key not in cache:
+        cache[key] = _store(td, storage)
+    return cache[key], tok
+
+
+# ---------------------------------------------------------------------------
+# The matrix
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("producer,storage", CELLS)
+def test_tokens_and_text(produced, producer, storage):
+    td, tok = _cell(produced, producer, storage)
+    samples = _samples(td)
+    n = len(samples)
+    for part in ("full", "response", "prompt"):
+        got = layouts.read_tokens(td, part).tolist()
+        assert got == [ref_tokens(s, part) for s in samples], part
+    pad = tok.pad_token
+    if layouts.has_key(td, ("text", "response")):
+        for part in ("full", "response"):
+            if part == "full" and not layouts.has_key(td, ("text", "prompt")):
+                continue  # tokens input mode: TorchRL stores no prompt text
+            texts = layouts.read_text(td, part)
+            assert len(texts) == n
+            assert texts == ref_texts(samples, tok, part), part
+            assert not any(pad in t for t in texts), part
+    if layouts.has_key(td, ("history", "full")):
+        chats = layouts.read_history(td, "full")
+        responses = layouts.read_history(td, "response")
+        prompts = layouts.read_history(td, "prompt")
+        assert len(chats) == len(responses) == len(prompts) == n
+        for chat, prompt, response in zip(chats, prompts, responses):
+            assert chat == prompt + response
+            assert all(pad not in m["content"] for m in chat)
+            assert all(set(m) == {"role", "content"} for m in chat)
+
+
+@pytest.mark.parametrize("producer,storage", CELLS)
+def test_reward_model_tokens(produced, reward_models, producer, storage):
+    """Reward model sharing the policy's vocabulary, no tokenizer: the real tokens are
+    scored as they are; each reward equals the sequence scored alone."""
+    td, _ = _cell(produced, producer, storage)
+    if producer.startswith("eos"):
+        pytest.skip("the eos policy has its own vocabulary")
+    rm = reward_models[0]
+    out = HFRewardModelWrapper(rm, inference_mode=True)(td.copy())
+    got = out.get("reward").reshape(-1).tolist()
+    want = [_score_alone(rm, ref_tokens(s, "full")) for s in _samples(td)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("producer,storage", [c for c in CELLS if "history" in c[0] or "collector" in c[0]])
+def test_reward_model_own_tokenizer(produced, reward_models, producer, storage):
+    """Reward model with its own tokenizer and template: the chat is re-rendered; the
+    reference renders the prompt chat plus the assistant turns TorchRL parses out of the
+    clean (real-token) text, with the reward model's template, scored alone."""
+    td, tok = _cell(produced, producer, storage)
+    _, rm, rm_tok = reward_models
+    out = HFRewardModelWrapper(rm, tokenizer=rm_tok, inference_mode=True)(td.copy())
+    got = out.get("reward").reshape(-1)
+    want = []
+    for s in _samples(td):
+        text = tok.decode(ref_tokens(s, "full"), skip_special_tokens=False)
+        chat = History.from_text(text, chat_template_name="chatml_format").tolist()
+        messages = [{"role": m["role"], "content": m["content"]} for m in chat]
+        rendered = rm_tok.apply_chat_template(messages, tokenize=False)
+        want.append(_score_alone(rm, rm_tok(rendered, add_special_tokens=False)["input_ids"]))
+    torch.testing.assert_close(got, torch.tensor(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("producer,storage", CELLS)
+def test_reward_function_sees_real_completion_ids(produced, producer, storage):
+    td, tok = _cell(produced, producer, storage)
+    seen = {}
+
+    def record(prompts, completions, completion_ids, **kwargs):
+        seen["ids"], seen["completions"] = completion_ids, completions
+        return [float(len(c)) for c in completion_ids]
+
+    if not layouts.has_key(td, ("text", "response")):
+        # tokens input mode: TorchRL 0.14.1 stores no text, so there are no completions
+        with pytest.raises(KeyError, match="text', 'response'"):
+            RewardFunctionWrapper([record])(td.copy())
+        return
+    out = RewardFunctionWrapper([record])(td.copy())
+    samples = _samples(td)
+    assert seen["ids"] == [ref_tokens(s, "response") for s in samples]
+    rewards = out.get(layouts.REWARD_KEY).reshape(-1).tolist()
+    assert rewards == [float(len(ref_tokens(s, "response"))) for s in samples]
+    flat = [c if isinstance(c, str) else " ".join(m["content"] for m in c) for c in seen["completions"]]
+    assert not any(tok.pad_token in c for c in flat)
+
+
+@pytest.mark.parametrize("producer,storage", [c for c in CELLS if c[1] != "direct" and c[1].endswith("[:]")])
+@pytest.mark.parametrize("fmt", ["sft", "sft_tokenized", "sft_conversational", "sft_messages"])
+def test_dataset_formats(produced, producer, storage, fmt):
+    """Epoch mode over a buffer yields each stored sample once, as its real content."""
+    td, tok = _cell(produced, producer, storage)
+    samples = _samples(td)
+    rb = ReplayBuffer(storage=ListStorage(len(samples)))
+    rb.extend(lazy_stack(samples))
+    needs_history = fmt in ("sft_conversational", "sft_messages")
+    if needs_history and not layouts.has_key(td, ("history", "full")):
+        pytest.skip("no chat in this layout")
+    if fmt == "sft" and not layouts.has_key(td, ("text", "prompt")):
+        pytest.skip("no prompt text in this layout")
+    ds = TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch")
+    rows = list(ds)
+    assert len(rows) == len(samples) == len(ds)
+    if fmt == "sft_tokenized":
+        assert [r["input_ids"] for r in rows] == [ref_tokens(s, "full") for s in samples]
+        assert [sum(r["completion_mask"]) for r in rows] == [len(ref_tokens(s, "response")) for s in samples]
+    elif fmt == "sft":
+        assert [r["prompt"] + r["completion"] for r in rows] == ref_texts(samples, tok, "full")
+    else:
+        for r in rows:
+            for m in r.get("messages", []) + r.get("completion", []):
+                assert tok.pad_token not in m["content"]
+
+
+@pytest.mark.parametrize("producer", ["wrapper-history-pad1", "eos-history-pad1", "collector-2turn-pad1"])
+def test_matrix_sees_torchrl_padding_artifacts(produced, producer):
+    """The padded history producers really carry what the readers must clean: pad strings
+    in TorchRL's stored text, right-padded (early-EOS) responses, and, for an EOS that
+    is not the chat's end of turn, pads inside the parsed assistant turn."""
+    td, tok = produced[producer]
+    raw = [str(t) for t in layouts.read_column(td, ("text", "full"))]
+    assert any(tok.pad_token in t for t in raw)
+    trailing = [not bool(_mask(s)[-1]) for s in _samples(td)]
+    assert any(trailing)
+    if producer.startswith("eos"):
+        turns = [m["content"] for c in td.get(("history", "response")).tolist() for m in c]
+        assert any(tok.pad_token in c for c in turns)
