@@ -236,6 +236,26 @@ def test_save_refuses_what_needs_pickle(tmp_path):
         save_buffer(rb, tmp_path / "b")
     assert not (tmp_path / "b").exists() and not list(tmp_path.iterdir())
 
+    class RemoteBuffer:  # what a RayReplayBuffer looks like from here: no local storage
+        write_count = 0
+
+        def __len__(self):
+            return 0
+
+    with pytest.raises(TypeError, match="RemoteBuffer keeps its storage elsewhere"):
+        save_buffer(RemoteBuffer(), tmp_path / "r")
+
+
+def test_prioritized_sampler_files_round_trip(tmp_path):
+    sampler = TensorPrioritizedSampler(5)
+    sampler.update_priority([1, 3], [4.0, 9.0])
+    sampler.dumps(tmp_path / "s")
+    other = TensorPrioritizedSampler(5)
+    other.loads(tmp_path / "s")
+    assert other.priorities().tolist() == sampler.priorities().tolist() and other._max_priority == 9.0
+    with pytest.raises(ValueError, match=r"max_capacity=3"):
+        TensorPrioritizedSampler(3).loads(tmp_path / "s")
+
 
 def test_update_priorities_rejects_bad_indices():
     sampler = TensorPrioritizedSampler(8)
