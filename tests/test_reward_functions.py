@@ -259,6 +259,24 @@ def test_a_raising_function_keeps_its_name_and_cause():
         RewardFunctionWrapper(broken_async)(_text_rollouts())
     assert isinstance(info.value.__cause__, KeyError)
 
+    async def upstream_timeout(prompts, completions, **kw):
+        raise TimeoutError("judge API timed out")
+
+    for timeout in (None, 5.0):  # its own TimeoutError, not the wrapper's timeout
+        with pytest.raises(TimeoutError, match="'upstream_timeout' raised TimeoutError: judge API timed out"):
+            RewardFunctionWrapper(upstream_timeout, timeout=timeout)(_text_rollouts())
+
+
+def test_async_functions_inside_a_running_event_loop():
+    async def length(prompts, completions, **kw):
+        await asyncio.sleep(0)
+        return [float(len(c)) for c in completions]
+
+    async def main():  # a notebook or an async server calling the wrapper
+        return RewardFunctionWrapper(length, reward_key="r", reward_shape=())(_text_rollouts())
+
+    assert asyncio.run(main())["r"].tolist() == [8.0, 2.0]
+
 
 def test_in_keys_are_the_keys_read_and_completion_ids_never_silently_none():
     def needs_ids(prompts, completions, completion_ids, **kw):

@@ -75,11 +75,11 @@ class FunctionTimeout(TimeoutError):
     """A reward function (or scorer) did not return within its ``timeout``."""
 
 
-def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
-    """``fn()``; with ``timeout`` (s) it runs in a daemon thread and a ``TimeoutError``
-    naming ``what`` is raised if it has not returned by then (Python cannot stop the
-    thread; it is abandoned). Exceptions of ``fn`` are re-raised as they are."""
-    if timeout is None:
+def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str, *, thread: bool = False) -> Any:
+    """``fn()``; with ``timeout`` (s) (or ``thread=True``) it runs in a daemon thread and a
+    ``TimeoutError`` naming ``what`` is raised if it has not returned by then (Python
+    cannot stop the thread; it is abandoned). Exceptions of ``fn`` are re-raised as they are."""
+    if timeout is None and not thread:
         return fn()
     out: dict[str, Any] = {}
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # per thread
@@ -164,15 +164,14 @@ def _run_coroutines(coros: list, names: list[str], timeout: float | None = None)
     exception raised by one is re-raised with its function's name."""
 
     async def one(coro, name):
+        task = asyncio.ensure_future(coro)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            task.cancel()
+            raise FunctionTimeout(f"reward function {name!r} did not return within timeout={timeout}s")
         try:
-            if timeout is None:
-                return await coro
-            return await asyncio.wait_for(coro, timeout)
-        except asyncio.TimeoutError:
-            raise FunctionTimeout(f"reward function {name!r} did not return within timeout={timeout}s") from None
-        except FunctionTimeout:
-            raise
-        except Exception as err:
+            return task.result()
+        except Exception as err:  # the function's own exception, TimeoutError included
             raise named_error(err, name) from err
 
     async def gather():
@@ -191,6 +190,7 @@ def _run_coroutines(coros: list, names: list[str], timeout: float | None = None)
         lambda: asyncio.run(gather()),
         None if timeout is None else timeout + 1.0,
         f"the async reward functions {names} (one blocks the event loop without awaiting)",
+        thread=True,
     )
 
 
