@@ -1,0 +1,136 @@
+"""The same GRPO run with TRL's own generation, with ``TorchRLRolloutFunc``, and async.
+
+One process, one tiny policy (CPU by default), fixed prompts and seeds; each mode trains
+``--steps`` optimizer steps of ``--batch`` completions (``--group`` per prompt):
+
+1. ``trl``: ``GRPOTrainer`` generating itself (``model.generate``);
+2. ``torchrl``: ``rollout_func=TorchRLRolloutFunc(TransformersWrapper(model))`` (shared weights);
+3. ``async``: ``AsyncTorchRLRolloutFunc`` draining an ``AsyncGroupCollector`` thread that
+   generates with its own copy of the weights (``max_staleness=1``).
+
+Prints samples/s, the fraction of the training wall time the trainer waited for rollouts
+(time inside ``GRPOTrainer._generate`` for the synchronous modes; time blocked on the
+collector for async) and the ratios against ``trl``. Goal (issue 11): async >= 1.3x trl,
+trainer idle < 20%. On a few CPU cores the generator thread and the trainer share the cores
+and the GIL: read the numbers with that in mind.
+
+    python benchmarks/bench_grpo_rollouts.py            # 6 steps x 16 completions
+    python benchmarks/bench_grpo_rollouts.py --steps 3  # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+QUESTIONS = [f"what is {a} plus {b}?" for a in range(4) for b in range(4)]
+
+
+def make_trainer(mode, ckpt, tok, args, out_dir):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc, TorchRLRolloutFunc
+    from torchrl_trl.testing import make_policy_wrapper
+
+    class TimedTrainer(GRPOTrainer):
+        generate_s = 0.0
+
+        def _generate(self, prompts):  # the synchronous rollout, TRL's or ours
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                self.generate_s += time.perf_counter() - start
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    func = None
+    if mode == "torchrl":
+        func = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=args.max_new_tokens))
+    elif mode == "async":
+        generator = AutoModelForCausalLM.from_pretrained(ckpt)
+        rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens))
+        collector = AsyncGroupCollector(
+            rollout, chats, group_size=args.group, prompts_per_batch=args.batch // args.group,
+            max_pending_groups=2 * args.batch // args.group,
+        )
+        func = AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=600)
+    config = GRPOConfig(
+        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
+        num_generations=args.group, max_completion_length=args.max_new_tokens, use_cpu=args.device == "cpu",
+        bf16=False, report_to=[], save_strategy="no", logging_steps=10_000, shuffle_dataset=False,
+        beta=0.0, gradient_checkpointing=False, seed=0, disable_tqdm=True,
+    )
+    # the same reward in every mode
+    trainer = TimedTrainer(
+        model=model, args=config, processing_class=tok, rollout_func=func,
+        reward_funcs=[lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]],
+        train_dataset=Dataset.from_dict({"prompt": chats}),
+    )
+    return trainer, func
+
+
+def run(mode, ckpt, tok, args):
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as out_dir:
+        trainer, func = make_trainer(mode, ckpt, tok, args, out_dir)
+        start = time.perf_counter()
+        try:
+            trainer.train()
+        finally:
+            if mode == "async":
+                func.close()
+        wall = time.perf_counter() - start
+    waited = func.collector.wait_s if mode == "async" else trainer.generate_s
+    extra = ""
+    if mode == "async":
+        c = func.collector
+        extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {c.dropped_stale_groups} "
+                 f"of {c.produced_groups} groups")
+    samples = args.steps * args.batch
+    print(f"{mode:8s} {wall:7.2f} s  {samples / wall:7.1f} samples/s  waited {100 * waited / wall:5.1f}%{extra}",
+          flush=True)
+    return samples / wall, waited / wall
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=16, help="completions per step")
+    p.add_argument("--group", type=int, default=4, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    from tensordict import set_list_to_stack
+    from transformers import AutoTokenizer
+
+    from torchrl_trl.testing import tiny_checkpoints
+
+    set_list_to_stack(True).set()
+    root = tempfile.mkdtemp(prefix="bench_grpo_")
+    ckpt = tiny_checkpoints(root).policy
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    print(f"{args.steps} GRPO steps x {args.batch} completions ({args.group}/prompt), "
+          f"{args.max_new_tokens} new tokens, {args.threads} thread(s), {args.device}")
+    results = {mode: run(mode, ckpt, tok, args) for mode in ("trl", "torchrl", "async")}
+    base = results["trl"][0]
+    print("ratios vs trl (samples/s): " + ", ".join(f"{m} {r[0] / base:.2f}x" for m, r in results.items()))
+
+
+if __name__ == "__main__":
+    main()
