@@ -433,3 +433,35 @@ def test_async_grpo_train_bounded_staleness(checkpoints, fresh_model, policy_and
     assert collector.policy_version == 2
     for _, kw, _ in reward.calls:  # reward functions see the prompts that were generated for
         assert len(kw["torchrl_prompt"]) == 4 and kw["torchrl_prompt"][0] == kw["torchrl_prompt"][1]
+
+
+def test_bad_input_is_a_clear_error(policy_and_tokenizer):
+    from types import SimpleNamespace
+
+    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc
+    from torchrl_trl.testing import make_policy_wrapper
+
+    model, tok = policy_and_tokenizer
+    with pytest.raises(ValueError, match="generate=True"):
+        TorchRLRolloutFunc(make_policy_wrapper(model, tok, generate=False))
+    with pytest.raises(ValueError, match="num_samples"):
+        TorchRLRolloutFunc(make_policy_wrapper(model, tok, num_samples=2))
+    with pytest.raises(ValueError, match="logprobs must be"):
+        TorchRLRolloutFunc(make_policy_wrapper(model, tok), logprobs="vllm")
+    with pytest.raises(ValueError, match="needs an env"):
+        TorchRLRolloutFunc(make_policy_wrapper(model, tok), max_turns=2)
+    func = TorchRLRolloutFunc(make_policy_wrapper(model, tok))  # history mode
+    with pytest.raises(ValueError, match="plain text"):
+        func(QUESTIONS)
+    with pytest.raises(ValueError, match="not a multiple of group_size=2"):
+        func.rollout(CHATS[:1] * 3, group_size=2, version=0)
+    collector = AsyncGroupCollector(func, CHATS, group_size=2)
+    trainer = SimpleNamespace(
+        num_generations=2, num_generations_eval=2, model=model, state=SimpleNamespace(global_step=0),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )
+    with pytest.raises(ValueError, match="own copy"):  # shared weights + a background thread
+        AsyncTorchRLRolloutFunc(collector)(CHATS * 2, trainer)
+    assert not collector.alive
+    with pytest.raises(ValueError, match="max_staleness"):
+        AsyncTorchRLRolloutFunc(collector, max_staleness=-1)

@@ -302,8 +302,14 @@ class AsyncTorchRLRolloutFunc:
         if len(prompts) % g:
             raise ValueError(f"got {len(prompts)} prompts, not a multiple of group_size={g}")
         version = int(trainer.state.global_step)
+        trainer_model = trainer.accelerator.unwrap_model(trainer.model)
+        if collector.rollout.policy.model is trainer_model:
+            raise ValueError(
+                "the collector's policy wraps the trainer's model object: the background thread would "
+                "generate with weights the optimizer is writing; give the collector its own copy"
+            )
         if version != collector.policy_version or not collector.alive:
-            model = trainer.accelerator.unwrap_model(trainer.model) if self.push_weights else None
+            model = trainer_model if self.push_weights else None
             collector.update_policy_weights_(model, version=version)
         collector.start()
         groups = collector.get_groups(
