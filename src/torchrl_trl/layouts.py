@@ -21,6 +21,8 @@ in one buffer) or nested tensors. Padding is removed with the attention mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +35,7 @@ __all__ = [
     "Ragged",
     "available_keys",
     "batch_numel",
+    "decoded_padding",
     "has_key",
     "history_key",
     "padding_text",
@@ -482,11 +485,37 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
         return found.pop()
     if clean_rows or not has_key(td, history_key("prompt")):
         return None  # TorchRL decodes padded text only in history mode
+    if _PAD_TEXT.get() is not None:
+        return _PAD_TEXT.get()
     raise ValueError(
         "the text at ('text', 'full') was decoded by TorchRL from padded tokens "
         "(input_mode='history', pad_output=True) and its pad string cannot be read off "
-        "these samples; pass the policy's tokenizer (tokenizer=) so padding is removed exactly"
+        "these samples; pass the policy's tokenizer (tokenizer=, policy_tokenizer= on the "
+        "reward-model wrapper) or read within torchrl_trl.layouts.decoded_padding(tokenizer)"
     )
+
+
+_PAD_TEXT: ContextVar[str | None] = ContextVar("torchrl_trl_pad_text", default=None)
+
+
+@contextmanager
+def decoded_padding(tokenizer: Any = None, *, pad_text: str | None = None):
+    """Within this context, readers take ``pad_text`` (or ``tokenizer``'s pad token as it
+    decodes) as the pad string of TorchRL's padded history-mode text wherever the samples
+    at hand do not show it (e.g. a batch of equal-length prompts whose responses end
+    with a single pad). Readers still strip it only where the mask says padding is.
+
+    Examples:
+        >>> with decoded_padding(pad_text="<pad>"):
+        ...     pass
+    """
+    if pad_text is None and tokenizer is not None:
+        pad_text = tokenizer.decode([tokenizer.pad_token_id], skip_special_tokens=False)
+    token = _PAD_TEXT.set(pad_text)
+    try:
+        yield
+    finally:
+        _PAD_TEXT.reset(token)
 
 
 def _pad_id(td: TensorDictBase) -> int:

@@ -234,9 +234,9 @@ class RewardRenderer:
         if mode == "tokens":
             return self.append_eos(self.read_token_ids(td))
         if mode == "history":
-            return self.encode_messages(layouts.read_history(td, self.part))
+            return self.encode_messages(layouts.read_history(td, self.part, tokenizer=self.policy_tokenizer))
         if mode == "text":
-            return self.encode_texts(layouts.read_text(td, self.part))
+            return self.encode_texts(layouts.read_text(td, self.part, tokenizer=self.policy_tokenizer))
         ids = self.read_token_ids(td)
         texts = self.policy_tokenizer.batch_decode(ids.tolist(), skip_special_tokens=False)
         return self.encode_texts(texts)
