@@ -48,7 +48,7 @@ def _ragged_td(ids):
         [
             TensorDict(
                 {
-                    "tokens": {"full": torch.tensor(i)},
+                    "tokens": {"full": torch.tensor(i, dtype=torch.long)},
                     "masks": {"all_attention_mask": torch.ones(len(i), dtype=torch.bool)},
                 },
                 [],
