@@ -326,3 +326,6 @@ def test_malformed_structure_and_wrong_sampler_are_refused(tmp_path):
     with pytest.raises(BufferCheckpointError, match="TensorPrioritizedSampler"):
         load_buffer(other, tmp_path / "p")
     assert len(other) == 0
+    plain = ReplayBuffer(storage=LazyTensorStorage(8))  # items only, e.g. to inspect them
+    load_buffer(plain, tmp_path / "p", restore_state=False)
+    assert plain[:]["x"].tolist() == [0, 1, 2]

@@ -364,11 +364,19 @@ def _verify(path: Path, meta: dict) -> None:
             )
 
 
-def load_buffer(replay_buffer, path: str | os.PathLike, *, classes: Iterable[type] = ()) -> dict[str, Any]:
+def load_buffer(
+    replay_buffer,
+    path: str | os.PathLike,
+    *,
+    classes: Iterable[type] = (),
+    restore_state: bool = True,
+) -> dict[str, Any]:
     """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (built with the same
     storage/sampler/writer types and capacity), without unpickling anything. The stored
     items are put back as they were, without running the buffer's write transforms again.
     ``classes``: more tensorclasses to rebuild (beyond TorchRL's LLM ones).
+    ``restore_state=False`` restores the items only, not the sampler's and writer's state
+    (to inspect a buffer saved with a sampler you do not have at hand).
 
     Returns the manifest (``len``, ``write_count``, ``extra`` entries). Raises
     :class:`BufferCheckpointError` for a checkpoint that cannot be read safely (old pickle
@@ -422,8 +430,9 @@ def load_buffer(replay_buffer, path: str | os.PathLike, *, classes: Iterable[typ
         finally:
             replay_buffer._transform = transform
     try:
-        writer.load_state_dict(writer_state)
-        sampler.load_state_dict(sampler_state)
+        if restore_state:
+            writer.load_state_dict(writer_state)
+            sampler.load_state_dict(sampler_state)
     except Exception as err:
         replay_buffer.empty()
         raise BufferCheckpointError(
