@@ -20,7 +20,7 @@ if __name__ == "__main__":
     src, out = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
     rb = ReplayBuffer(storage=LazyMemmapStorage(64))
-    load_buffer(rb, src)  # an uninitialised memmap storage maps the saved files
+    load_buffer(rb, src)  # copies the saved items into its own memmap storage
     result = train_one_pass(rb, out)
     result.update({"memmap": bool(rb.storage._storage.is_memmap())})
     with open(f"{out}.rank{rank}.json", "w") as f:

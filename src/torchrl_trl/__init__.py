@@ -46,6 +46,7 @@ _EXPORTS = {
     "BufferCheckpointCallback": "torchrl_trl.online",
     "save_buffer": "torchrl_trl.online",
     "load_buffer": "torchrl_trl.online",
+    "BufferCheckpointError": "torchrl_trl.online",
     "wait_for_items": "torchrl_trl.online",
     "connect_ray_replay_buffer": "torchrl_trl.online",
 }
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
     from .data.preference import best_of_n, kto_rows, preference_pairs
     from .online import (
         BufferCheckpointCallback,
+        BufferCheckpointError,
         CollectorCallback,
         CollectorError,
         StalenessFilter,
