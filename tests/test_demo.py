@@ -3,8 +3,10 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 # Measured over seeds 0-3 with --quick: with learning (lr=3e-3) the true score rose by
 # 0.27-0.30; with lr=0 (pure sampling noise) it moved by at most 0.02. (After the chat
@@ -39,6 +41,25 @@ def test_demo_quick_learns_the_hidden_rule(tmp_path):
     assert sft["rows"] > 0
     assert 0.0 <= sft["true_score_after"] <= 1.0
 
+    # numbers are JSON numbers, not strings
+    assert isinstance(results["config"]["iterations"], int) and results["config"]["quick"] is True
+    assert isinstance(results["config"]["lr"], float) and results["config"]["policy"] is None
+    assert all(isinstance(v, float) for v in results["timings_s"].values())
+    assert isinstance(sft["rows"], int) and isinstance(grpo["true_score"][0], float)
+
+    # both trained policies saved (safetensors only) and loadable; SFT changed the weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policies = [Path(grpo["policy_path"]), Path(sft["policy_path"])]
+    assert policies == [out / "policy_grpo", out / "policy_sft"]
+    models = []
+    for path in policies:
+        assert list(path.glob("*.safetensors")) and not list(path.glob("*.bin"))
+        AutoTokenizer.from_pretrained(path)
+        models.append(AutoModelForCausalLM.from_pretrained(path, use_safetensors=True))
+    assert any(not torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()))
+    print("demo --quick wall time:", results["timings_s"])
+
 
 def test_demo_help_lists_the_flags():
     proc = subprocess.run(
@@ -55,3 +76,18 @@ def test_true_score_is_the_vowel_fraction():
     assert true_score("") == 0.0
     assert true_score("aaaa") == 1.0
     assert true_score("abcd") == 0.25
+
+
+def test_run_demo_refuses_pickle_only_checkpoints_unloaded(tmp_path):
+    """The API path too: a reward model directory with only ``pytorch_model.bin`` is
+    refused before anything is loaded (its unpickling would create ``marker``)."""
+    from torchrl_trl.cli import CLIError
+    from torchrl_trl.demo import DemoConfig, run_demo
+
+    from test_cli import pickle_only_checkpoint
+
+    marker = tmp_path / "unpickled"
+    bad = pickle_only_checkpoint(tmp_path, marker)
+    with pytest.raises(CLIError, match=r"reward_model.*pytorch_model\.bin.*safetensors"):
+        run_demo(DemoConfig(output_dir=tmp_path / "out", reward_model=bad, quick=True))
+    assert not marker.exists() and not (tmp_path / "out").exists()
