@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase, is_leaf_nontensor
 from tensordict.utils import NestedKey
 
 __all__ = [
@@ -241,14 +241,8 @@ def available_keys(td: TensorDictBase) -> list[str]:
     sample = td
     while isinstance(sample, LazyStackedTensorDict) and sample.tensordicts:
         sample = sample.tensordicts[0]
-    keys = sample.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf)
+    keys = sample.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
     return sorted(k if isinstance(k, str) else ".".join(k) for k in keys)
-
-
-def _is_leaf(cls: type) -> bool:
-    from tensordict.base import _default_is_leaf
-
-    return _default_is_leaf(cls) or issubclass(cls, (NonTensorData, NonTensorStack))
 
 
 def _require(td: TensorDictBase, key: NestedKey, what: str) -> None:
