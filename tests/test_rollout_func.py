@@ -465,3 +465,60 @@ def test_bad_input_is_a_clear_error(policy_and_tokenizer):
     assert not collector.alive
     with pytest.raises(ValueError, match="max_staleness"):
         AsyncTorchRLRolloutFunc(collector, max_staleness=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_and_tokenizer, tmp_path):
+    """GRPO raises a verifiable reward (share of the letter "a" in the completion) from
+    ~0.01 (the random policy; batch means within 0.03) to 0.81-0.95 after 20 synchronous
+    steps (seeds 0-1, deterministic). Async, with groups up to 2 steps old, the schedule
+    (hence the staleness) depends on the machine's load: after 20 steps 0.09-0.96 in 9
+    runs, after 40 steps 0.996-1.0 in 4 seeds (mean staleness 1.3-1.9); 40 steps here."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    target = tok.convert_tokens_to_ids("a")
+    steps = 20 if mode == "sync" else 40
+    means = []
+
+    def share_of_a(completion_ids, **kw):
+        rewards = [sum(t == target for t in c) / max(len(c), 1) for c in completion_ids]
+        means.append(sum(rewards) / len(rewards))
+        return rewards
+
+    chats = [[{"role": "user", "content": q}] for q in ("hello", "what is two plus two?", "hi there", "0 1 2")]
+    if mode == "sync":
+        func = TorchRLRolloutFunc(make_policy_wrapper(fresh_model, tok, max_new_tokens=8))
+    else:
+        generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+        rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=8))
+        collector = AsyncGroupCollector(rollout, chats, group_size=4, prompts_per_batch=2, max_pending_groups=4)
+        func = AsyncTorchRLRolloutFunc(collector, max_staleness=2, timeout=120)
+    args = GRPOConfig(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=8, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1000, beta=0.0, gradient_checkpointing=False, learning_rate=3e-2, seed=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=fresh_model, reward_funcs=[share_of_a], args=args, processing_class=tok, rollout_func=func,
+        train_dataset=Dataset.from_dict({"prompt": chats}),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second intra-op thread only adds contention
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+        if mode == "async":
+            func.close()
+    first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
+    assert first < 0.05 and last > 0.5, (first, last)
+    if mode == "async":
+        assert max(func.consumed_staleness) <= 2 and len(func.consumed_staleness) == steps * 2
