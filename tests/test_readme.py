@@ -21,6 +21,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "source").glob("*.md"))]
 FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 SKIP = re.compile(r"#\s*docs-test:\s*skip\s*\((.*)\)")
 SKIP_REASONS = ("gpu", "network", "cluster")
+TEXT_FENCE = re.compile(r"^```text\n(.*?)^```[ \t]*$", re.S | re.M)
+# pages whose ```text block shows what their python blocks print: it must be what they print
+OUTPUT_SHOWN = {"formats.md"}
 
 # pages not owned by the README/docs work: fragments that need objects the page never builds
 XFAIL = {
@@ -54,7 +57,7 @@ def test_blocks_are_found():
 
 
 @pytest.mark.parametrize("page", [_param(p) for p in PAGES if python_blocks(p)])
-def test_page_runs(page: Path, tmp_path, monkeypatch):
+def test_page_runs(page: Path, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # and tempfile.mkdtemp() too
     namespace: dict = {"__name__": "__docs_test__"}
@@ -67,6 +70,9 @@ def test_page_runs(page: Path, tmp_path, monkeypatch):
             continue
         # padded so that a traceback names the page and its real line number
         exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+    if page.name in OUTPUT_SHOWN:
+        (shown,) = TEXT_FENCE.findall(page.read_text())
+        assert capsys.readouterr().out == shown, f"{page.name}: the output shown is not what the blocks print"
 
 
 def test_api_reference_lists_every_export():
