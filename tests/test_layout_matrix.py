@@ -354,3 +354,73 @@ def test_matrix_sees_torchrl_padding_artifacts(produced, producer):
     if producer.startswith("eos"):
         turns = [m["content"] for c in td.get(("history", "response")).tolist() for m in c]
         assert any(tok.pad_token in c for c in turns)
+
+
+@pytest.mark.parametrize("storage", ["lazystack", "list"])
+@pytest.mark.parametrize("producer", ["collector-1turn-pad0", "collector-1turn-pad1"])
+def test_preference_builders(produced, reward_models, producer, storage):
+    """Collector rollouts scored by a reward model, grouped into preference pairs, KTO rows
+    and best-of-n: every row is a real rollout's clean content, the chosen side the better."""
+    from torchrl_trl import best_of_n, kto_rows, preference_pairs
+
+    td, tok = produced[producer]
+    samples = _samples(td)
+    make = {"lazystack": LazyStackStorage, "list": ListStorage}[storage]
+    rb = ReplayBuffer(storage=make(len(samples)))
+    rb.extend(lazy_stack(samples))
+    scored = HFRewardModelWrapper.for_grpo(reward_models[0], inference_mode=True)(rb[:])
+    rewards = scored.get(layouts.REWARD_KEY).reshape(-1).tolist()
+    reward_of = {}  # text -> rewards (two token sequences can decode to one text)
+    for text, reward in zip(ref_texts(samples, tok, "full"), rewards):
+        reward_of.setdefault(text, []).append(reward)
+    scored_rb = ReplayBuffer(storage=make(len(samples)))
+    scored_rb.extend(scored)
+
+    pairs = list(TorchRLBufferDataset(preference_pairs(scored_rb), batch_size=2, format="dpo", mode="epoch"))
+    assert pairs
+    for row in pairs:
+        chosen, rejected = row["prompt"] + row["chosen"], row["prompt"] + row["rejected"]
+        assert chosen in reward_of and rejected in reward_of  # real rollouts, no pad strings
+        assert max(reward_of[chosen]) > min(reward_of[rejected])
+    for fmt, builder in (("kto", kto_rows), ("sft", best_of_n)):
+        rows = list(TorchRLBufferDataset(builder(scored_rb), batch_size=2, format=fmt, mode="epoch"))
+        assert rows and all(r["prompt"] + r["completion"] in reward_of for r in rows)
+
+
+@pytest.mark.parametrize("producer", ["wrapper-history-pad1", "collector-1turn-pad1", "collector-2turn-pad1"])
+def test_padded_text_one_sample_at_a_time(produced, producer):
+    """A sample alone, with its pads only on the right: its text is clean with the policy's
+    tokenizer (or within ``decoded_padding``); without either, it is clean when the pad
+    string can be read off it (two or more pads) and an error otherwise, never pads."""
+    td, tok = produced[producer]
+    checked = 0
+    for s in _samples(td):
+        mask = _mask(s)
+        if not (mask[0] and not mask[-1]):
+            continue
+        one, want = lazy_stack([s]), ref_texts([s], tok, "full")
+        assert layouts.read_text(one, "full", tokenizer=tok) == want
+        assert layouts.read_history(one, "full", tokenizer=tok)[0][-1]["content"].find(tok.pad_token) < 0
+        with layouts.decoded_padding(tok):
+            assert layouts.read_text(one, "full") == want
+        try:
+            assert layouts.read_text(one, "full") == want
+        except ValueError as err:
+            assert "tokenizer" in str(err) and int((~mask).sum()) == 1
+        checked += 1
+    assert checked
+
+
+def test_clean_text_ending_in_a_repeat_is_left_alone():
+    """Text mode decodes the unpadded response, so a reply ending in a repeated string
+    ("!!") next to two pad columns is real text, not padding: nothing is stripped."""
+    td = TensorDict(
+        {
+            "tokens": {"full": torch.tensor([[7, 8, 9, 9, 0, 0]]), "response": torch.tensor([[9, 9, 0, 0]])},
+            "masks": {"all_attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])},
+            "text": {"prompt": ["ab"], "response": ["!!"], "full": ["ab!!"]},
+        },
+        batch_size=[1],
+    )
+    assert layouts.read_text(td, "full") == ["ab!!"]
+    assert layouts.read_text(td, "response") == ["!!"]

@@ -462,6 +462,8 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
         pad_id = _pad_id(td)
         pad = tokenizer.decode([pad_id], skip_special_tokens=False)
         return pad if any(_has_padding(f, pad, l, t) for f, l, t in zip(full, lead, trail)) else None
+    if not has_key(td, history_key("prompt")):
+        return None  # TorchRL decodes padded text only in history mode
     found, clean_rows = set(), 0
     for f, p, l, t in zip(full, prompts, lead, trail):
         at = f.find(p) if p else -1
@@ -477,8 +479,8 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
         raise ValueError(f"the stored text holds different pad strings {sorted(found)}; pass tokenizer=")
     if found:
         return found.pop()
-    if clean_rows or not has_key(td, history_key("prompt")):
-        return None  # TorchRL decodes padded text only in history mode
+    if clean_rows:
+        return None
     if _PAD_TEXT.get() is not None:
         return _PAD_TEXT.get()
     raise ValueError(
@@ -584,19 +586,27 @@ def read_history(
     """
     key = history_key(part)
     _require(td, key, "read_history")
-    out = []
+    raw = []
     for sub in _leaf_tds(td):
         history = sub.get(key)
-        conversations = history.tolist()
         # a History of batch [n_messages] gives one conversation; [k, n] gives k
-        depth = history.batch_dims - 1
-        out.extend(to_messages(c) for c in _flatten_nested_list(conversations, depth))
+        raw.extend(_flatten_nested_list(history.tolist(), history.batch_dims - 1))
+    out = [to_messages(c) for c in raw]
     if part != "prompt" and _padded_text_possible(td):
-        pad = padding_text(td, tokenizer)
-        if pad:
-            _, trail = _pad_counts(td)
-            out = [_strip_trailing(conv, pad) if t else conv for conv, t in zip(out, trail)]
+        # a turn TorchRL closed at its end-of-turn marker holds nothing after it; one left
+        # open by an early EOS that is not that marker holds the pads that followed
+        _, trail = _pad_counts(td)
+        open_rows = [i for i, (c, t) in enumerate(zip(raw, trail)) if t and not _ends_complete(c)]
+        pad = padding_text(td, tokenizer) if open_rows else None
+        for i in open_rows if pad else ():
+            out[i] = _strip_trailing(out[i], pad)
     return out
+
+
+def _ends_complete(conversation: Any) -> bool:
+    messages = [conversation] if isinstance(conversation, dict) else conversation
+    messages = [m for m in messages if m.get("role") not in (None, "<none>")]
+    return bool(messages) and bool(messages[-1].get("is_complete", False))
 
 
 def _strip_trailing(conversation: list[dict[str, str]], pad: str) -> list[dict[str, str]]:
