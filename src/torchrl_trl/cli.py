@@ -151,7 +151,9 @@ def load_saved_buffer(path: str | os.PathLike):
 
 
 def _layout(td) -> str:
-    """``"padded (width W)"`` or ``"ragged (lengths a..b)"`` for the token key, or ``"no tokens"``."""
+    """``"padded (...)"``, ``"ragged (...)"`` or ``"mixed (...)"`` for the token key, or
+    ``"no tokens"``. TorchRL's ``Tokens.padded`` flag says which when present (ragged
+    samples of equal length would otherwise look padded); else the stored widths do."""
     from . import layouts
 
     key = layouts.token_key("full")
@@ -160,12 +162,20 @@ def _layout(td) -> str:
     lengths = layouts.read_tokens(td, "full").lengths
     span = f"real lengths {int(lengths.min())}..{int(lengths.max())}"
     try:
+        flags = td.get(("tokens", "padded"), None)
+        flags = None if flags is None else set(flags.tolist() if hasattr(flags, "tolist") else [flags])
+    except (RuntimeError, KeyError):
+        flags = None
+    try:
         value = td.get(key)
     except RuntimeError:  # a lazy stack of different widths
+        value = None
+    if flags == {True, False}:
+        return f"mixed padded and ragged samples ({span})"
+    if flags == {False} or (flags is None and (value is None or value.is_nested)):
         return f"ragged ({span})"
-    if value.is_nested:
-        return f"ragged, nested tensor ({span})"
-    return f"padded (width {value.shape[-1]}, {span})"
+    width = f"width {value.shape[-1]}, " if value is not None and not value.is_nested else ""
+    return f"padded ({width}{span})"
 
 
 #: the formats ``inspect`` shows a row of by default, in order of preference
@@ -337,6 +347,9 @@ def cmd_demo(args) -> int:
     # checked before anything heavy is imported or trained
     policy = resolve_model_dir(args.policy, "--policy") if args.policy is not None else None
     reward_model = resolve_model_dir(args.reward_model, "--reward-model") if args.reward_model is not None else None
+    # every checkpoint is local now: the demo itself never needs the hub
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(var, "1")
     from .demo import DemoConfig, run_demo
 
     run_demo(
