@@ -9,7 +9,8 @@
 - :class:`TorchRLRolloutFunc`: TorchRL (policy, ``ChatEnv``, replay buffer) as the
   ``rollout_func`` of TRL's ``GRPOTrainer``; :class:`AsyncGroupCollector` +
   :class:`AsyncTorchRLRolloutFunc`: the same with generation in a background thread,
-  bounded staleness.
+  bounded staleness; :class:`BehaviourLogProbsMixin`: TRL's GRPO loss corrected with the
+  behaviour log-probs.
 - :mod:`torchrl_trl.online.ray`: Ray buffers and collectors (imports ``ray`` on use).
 """
 
@@ -35,6 +36,7 @@ _EXPORTS = {
     "TorchRLRolloutFunc": ".rollout_func",
     "AsyncGroupCollector": ".async_rollouts",
     "AsyncTorchRLRolloutFunc": ".async_rollouts",
+    "BehaviourLogProbsMixin": ".async_rollouts",
 }
 
 __all__ = sorted(_EXPORTS)
