@@ -158,12 +158,14 @@ def _reference_rewards(rm_dir, rb) -> torch.Tensor:
     return torch.stack(out)
 
 
-def test_score_writes_rewards_back(saved, checkpoints, tmp_path):
-    from torchrl.data import LazyStackStorage, ReplayBuffer
+@pytest.mark.parametrize("name", ["ragged", "padded"])
+def test_score_writes_rewards_back(saved, checkpoints, tmp_path, name):
+    """A new key in a tensor storage too (the padded buffer had no reward)."""
+    from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 
     from torchrl_trl import load_buffer
 
-    src, rb = saved["ragged"]
+    src, rb = saved[name]
     path = tmp_path / "buffer"
     shutil.copytree(src, path)
     rm_dir = checkpoints.reward_model_other_tokenizer  # another tokenizer and chat template
@@ -171,7 +173,8 @@ def test_score_writes_rewards_back(saved, checkpoints, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "scoring" in proc.stderr  # the progress bar
 
-    restored = ReplayBuffer(storage=LazyStackStorage(len(rb)))
+    storage = LazyStackStorage if name == "ragged" else LazyTensorStorage
+    restored = ReplayBuffer(storage=storage(len(rb)))
     load_buffer(restored, path)
     assert len(restored) == len(rb)
     got = torch.stack([restored.storage.get(i)["next", "reward"] for i in range(len(rb))])
