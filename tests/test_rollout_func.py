@@ -471,17 +471,18 @@ def test_bad_input_is_a_clear_error(policy_and_tokenizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async-corrected"])
 def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_and_tokenizer, tmp_path):
     """GRPO raises a verifiable reward (share of the letter "a" in the completion) from
     ~0.01 (the random policy; batch means within 0.03) to 0.81-0.95 after 20 synchronous
     steps (seeds 0-1, deterministic). Async, with groups up to 2 steps old, the schedule
     (hence the staleness) depends on the machine's load: after 20 steps 0.09-0.96 in 9
-    runs, after 40 steps 0.996-1.0 in 4 seeds (mean staleness 1.3-1.9); 40 steps here."""
+    runs, after 40 steps 0.996-1.0 in 4 seeds (mean staleness 1.3-1.9); 40 steps here, with
+    and without the behaviour log-prob correction."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
-    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc
+    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
     from torchrl_trl.testing import make_policy_wrapper
 
     _, tok = policy_and_tokenizer
@@ -509,7 +510,8 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
         logging_steps=1000, beta=0.0, gradient_checkpointing=False, learning_rate=3e-2, seed=0,
         disable_tqdm=True,
     )
-    trainer = GRPOTrainer(
+    cls = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {}) if mode == "async-corrected" else GRPOTrainer
+    trainer = cls(
         model=fresh_model, reward_funcs=[share_of_a], args=args, processing_class=tok, rollout_func=func,
         train_dataset=Dataset.from_dict({"prompt": chats}),
     )
@@ -519,11 +521,11 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
         trainer.train()
     finally:
         torch.set_num_threads(threads)
-        if mode == "async":
+        if mode != "sync":
             func.close()
     first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
     assert first < 0.05 and last > 0.5, (first, last)
-    if mode == "async":
+    if mode != "sync":
         assert max(func.consumed_staleness) <= 2 and len(func.consumed_staleness) == steps * 2
 
 
