@@ -465,3 +465,22 @@ def test_in_keys_are_the_keys_read(checkpoints, tok):
     torch.testing.assert_close(
         same(td.select(*same.in_keys))["reward"], same(td.clone())["reward"], atol=0, rtol=0
     )
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_padding_mask_only_where_attention_can_see_it(tok, is_causal):
+    """Right-padded micro-batches: a causal decoder is called without the mask (its real
+    tokens never see later padding); a bidirectional one (``config.is_causal=False``)
+    gets it. Both equal each sequence alone."""
+    from torchrl_trl.testing import make_reward_model
+
+    rm = make_reward_model(tok, kind="llama", seed=3)
+    rm.config.is_causal = is_causal
+    calls = []
+    rm.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs.get("attention_mask")), with_kwargs=True)
+    ids = _ids(tok)
+    ref = torch.stack([_alone(rm, i) for i in ids])
+    calls.clear()
+    got = HFRewardModelWrapper(rm, inference_mode=True, min_fill=None)(_ragged_td(ids))["reward"]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert len(calls) == 1 and (calls[0] is None) == is_causal

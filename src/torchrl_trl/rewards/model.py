@@ -25,6 +25,7 @@ from torch import nn
 from .. import layouts
 from ..layouts import Ragged
 from .batching import check_count, check_fraction, iter_micro_batches, truncate
+from .packing import causal_classifier, iter_packs, packing_unsupported, score_pack
 from .postprocess import RewardPostprocess, select_head
 from .render import RewardRenderer, check_ids
 
@@ -85,8 +86,9 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         attention_mask_key: mask of real tokens; it must be present when tokens are read
             (``KeyError`` otherwise, as upstream). ``None``: every stored token is real and
             the model is called with ``input_ids`` only, as upstream, unless a micro-batch
-            holds sequences of different lengths: then it also gets the padding mask, or,
-            when its ``forward`` takes no ``attention_mask``, only equal lengths are
+            holds sequences of different lengths: then it also gets the padding mask (not
+            a causal transformers decoder, whose real tokens never see the right padding),
+            or, when its ``forward`` takes no ``attention_mask``, only equal lengths are
             batched together.
         reward_key: where the reward is written. Defaults to ``"reward"``.
         inference_mode: ``True`` scores under ``torch.no_grad()``; ``False`` (default)
@@ -109,6 +111,13 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         pad_to_multiple_of: round each micro-batch width up to this multiple.
         min_fill: a micro-batch only holds sequences of at least ``min_fill`` x its
             longest, so its padding efficiency is >= ``min_fill`` (``None``: budget only).
+        packing: score whole sequences back to back in one row per forward (at most
+            ``max_tokens_per_batch`` tokens, ``max_batch_size`` sequences), positions
+            restarting per sequence, no padding; the score is pooled from the base model's
+            hidden states (see :mod:`torchrl_trl.rewards.packing`). Causal transformers
+            ``*ForSequenceClassification`` models only (``ValueError`` otherwise). On CPU
+            the attention of a pack costs ``T^2``: keep the budget near the longest
+            sequence; with flash attention (GPU) it is the varlen kernel.
         max_length: longest sequence fed to the model; defaults to the model's
             ``max_position_embeddings`` when known. Longer ones follow ``truncation``.
         truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, i.e.
@@ -187,6 +196,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         max_batch_size: int | None = None,
         pad_to_multiple_of: int | None = None,
         min_fill: float | None = 0.9,
+        packing: bool = False,
         max_length: int | None = None,
         truncation: Literal["keep_end", "keep_start", "error"] = "keep_end",
         reward_shape: RewardShape = "flat",
@@ -253,6 +263,11 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         self.out_keys = [reward_key]
         self.max_tokens_per_batch, self.max_batch_size = max_tokens_per_batch, max_batch_size
         self.pad_to_multiple_of, self.min_fill = pad_to_multiple_of, min_fill
+        if not isinstance(packing, bool):
+            raise TypeError(f"packing must be a bool, got {packing!r}")
+        if packing and (reason := packing_unsupported(model)) is not None:
+            raise ValueError(f"packing=True: {reason}; use packing=False (padded micro-batches)")
+        self.packing = packing
         self.truncation, self.reward_shape, self.accumulate = truncation, reward_shape, accumulate
         self.reward_dtype, self.head_index = reward_dtype, head_index
         config = getattr(model, "config", None)
@@ -286,6 +301,8 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         # a stand-in module (no config, no pad id): stored ids + mask go in as given
         self._as_given = self._text_config is None and self.pad_token_id is None
         self._model_takes_mask = _takes_argument(model, "attention_mask")
+        # right padding comes after every real token: a causal decoder needs no mask for it
+        self._causal = causal_classifier(model)
         self.postprocess = RewardPostprocess(
             scale=scale,
             shift=shift,
@@ -403,26 +420,36 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         ctx = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
         scores, order = [], []
         with ctx:
-            for mb in iter_micro_batches(
-                ids,
-                pad_token_id=0 if pad is None else pad,
-                max_tokens_per_batch=self.max_tokens_per_batch,
-                max_batch_size=self.max_batch_size,
-                # a model that takes no mask cannot tell padding: equal lengths only
-                pad_to_multiple_of=None if no_mask else self.pad_to_multiple_of,
-                min_fill=1.0 if no_mask else self.min_fill,
-            ):
-                needs_pad = mb.processed_tokens != mb.real_tokens or mb.index.numel() > 1
-                if pad is None and needs_pad and self._text_config is not None:
-                    raise ValueError(
-                        "the reward model has no pad token (model.config.pad_token_id is None) "
-                        "so a padded batch cannot be pooled; pass pad_token_id= (RewardTrainer "
-                        "uses tokenizer.pad_token, else eos) or max_batch_size=1"
-                    )
-                self.real_tokens += mb.real_tokens
-                self.processed_tokens += mb.processed_tokens
-                scores.append(self._forward(mb.input_ids, mb.attention_mask))
-                order.append(mb.index)
+            if self.packing:
+                for pack in iter_packs(
+                    ids, pad_token_id=pad, max_tokens_per_batch=self.max_tokens_per_batch,
+                    max_batch_size=self.max_batch_size,
+                ):
+                    self.real_tokens += pack.real_tokens
+                    self.processed_tokens += pack.processed_tokens
+                    scores.append(select_head(score_pack(self.model, pack), self.head_index, len(pack.index)).float())
+                    order.append(pack.index)
+            else:
+                for mb in iter_micro_batches(
+                    ids,
+                    pad_token_id=0 if pad is None else pad,
+                    max_tokens_per_batch=self.max_tokens_per_batch,
+                    max_batch_size=self.max_batch_size,
+                    # a model that takes no mask cannot tell padding: equal lengths only
+                    pad_to_multiple_of=None if no_mask else self.pad_to_multiple_of,
+                    min_fill=1.0 if no_mask else self.min_fill,
+                ):
+                    needs_pad = mb.processed_tokens != mb.real_tokens or mb.index.numel() > 1
+                    if pad is None and needs_pad and self._text_config is not None:
+                        raise ValueError(
+                            "the reward model has no pad token (model.config.pad_token_id is None) "
+                            "so a padded batch cannot be pooled; pass pad_token_id= (RewardTrainer "
+                            "uses tokenizer.pad_token, else eos) or max_batch_size=1"
+                        )
+                    self.real_tokens += mb.real_tokens
+                    self.processed_tokens += mb.processed_tokens
+                    scores.append(self._forward(mb.input_ids, None if self._causal else mb.attention_mask))
+                    order.append(mb.index)
         flat = torch.cat(scores)
         inverse = torch.empty_like(torch.cat(order))
         inverse[torch.cat(order)] = torch.arange(n)

@@ -1,0 +1,172 @@
+"""Packed scoring: several sequences in one flat row, no padding at all.
+
+A pack is the concatenation of whole sequences, ``input_ids [1, T]``, with
+``position_ids`` restarting at 0 at each sequence start and no ``attention_mask``. For
+transformers' decoder ``*ForSequenceClassification`` models (the ``GenericForSequence
+Classification`` family: Llama, Qwen2/3, Mistral, Gemma, ...) this is all the attention
+needs (transformers 5.x):
+
+- ``eager`` / ``sdpa`` / ``flex_attention``: ``masking_utils.create_causal_mask`` sees
+  ``attention_mask=None``, no cache and ``position_ids`` that restart
+  (``find_packed_sequence_indices``) and builds a block-diagonal causal mask
+  (``packed_sequence_mask_function``). It is a dense ``T x T`` mask: the attention of a
+  pack costs ``T^2`` however short its sequences, so on CPU keep packs short.
+- ``flash_attention_2/3``: the varlen kernel, given ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` here (``_flash_attention_forward``); attention costs ``sum(L_i^2)``.
+
+The model's own pooling needs padded rows, so the score is pooled here: the base model's
+last hidden state at each sequence's last token that is not ``config.pad_token_id``
+(index 0 of the sequence when all are; the last token when the model has no pad id) --
+the token ``GenericForSequenceClassification.forward`` pools -- goes through the
+model's ``score`` head. Layers that are not attention (Mamba, linear attention) would
+carry state across sequences, so such models are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..layouts import Ragged
+from .batching import check_count
+
+__all__ = ["Pack", "causal_classifier", "iter_packs", "packing_unsupported", "plan_packs", "score_pack"]
+
+#: attention implementations that keep packed sequences apart (see the module doc)
+PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+
+
+def _generic_classifier_type():
+    try:
+        from transformers.modeling_layers import GenericForSequenceClassification
+    except ImportError:  # transformers < 4.54
+        return None
+    return GenericForSequenceClassification
+
+
+def causal_classifier(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers decoder ``*ForSequenceClassification`` with
+    causal attention: a real token never attends to a later position, so right padding
+    needs no attention mask and packed sequences only need restarting positions."""
+    generic = _generic_classifier_type()
+    if generic is None or not isinstance(model, generic):
+        return False
+    config = model.config.get_text_config()
+    return getattr(config, "is_causal", True) is not False and not getattr(
+        config, "use_bidirectional_attention", False
+    )
+
+
+def packing_unsupported(model: nn.Module) -> str | None:
+    """``None`` when ``model`` can be scored packed, else why not (one sentence)."""
+    name = type(model).__name__
+    if not causal_classifier(model):
+        return (
+            f"{name} is not a causal transformers decoder *ForSequenceClassification "
+            "(GenericForSequenceClassification with causal attention), whose pooling this "
+            "module reproduces"
+        )
+    config = model.config.get_text_config()
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in PACKED_ATTENTION:
+        return f"{name} uses attention {impl!r}; packing needs one of {PACKED_ATTENTION}"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds <= set(_ATTENTION_LAYERS):
+        return f"{name} has {sorted(kinds - set(_ATTENTION_LAYERS))} layers, which carry state across packed sequences"
+    if not isinstance(getattr(model, "score", None), nn.Module):
+        return f"{name} has no `score` head"
+    return None
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Whole sequences concatenated into one row.
+
+    Attributes:
+        index: int64 ``[n]`` positions of these sequences in the original batch.
+        input_ids: int64 ``[1, T]`` the sequences back to back.
+        position_ids: int64 ``[1, T]``, restarting at 0 at each sequence.
+        pool: int64 ``[n]`` where in the row each sequence's score is read.
+        lengths: int64 ``[n]`` sequence lengths.
+    """
+
+    index: torch.Tensor
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    pool: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def real_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    processed_tokens = real_tokens
+
+
+def plan_packs(
+    lengths: torch.Tensor, *, max_tokens_per_batch: int | None, max_batch_size: int | None = None
+) -> list[torch.Tensor]:
+    """Indices of the sequences of each pack: longest first, each pack filled up to
+    ``max_tokens_per_batch`` tokens (a longer sequence gets a pack of its own) and at
+    most ``max_batch_size`` sequences. Together a permutation of ``range(N)``."""
+    check_count("max_tokens_per_batch", max_tokens_per_batch)
+    check_count("max_batch_size", max_batch_size)
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    budget = max_tokens_per_batch or int(lengths.sum())
+    packs, current, used = [], [], 0
+    for i, n in zip(order.tolist(), lengths[order].tolist()):
+        full = max_batch_size is not None and len(current) >= max_batch_size
+        if current and (used + n > budget or full):
+            packs.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        packs.append(current)
+    return [torch.tensor(p, dtype=torch.long) for p in packs]
+
+
+def iter_packs(
+    ids: Ragged,
+    *,
+    pad_token_id: int | None,
+    max_tokens_per_batch: int | None,
+    max_batch_size: int | None = None,
+):
+    """Yield :class:`Pack` s covering every row of ``ids`` once. ``pad_token_id`` is the
+    id the model's pooling skips (``None``: pool at each sequence's last token)."""
+    for index in plan_packs(ids.lengths, max_tokens_per_batch=max_tokens_per_batch, max_batch_size=max_batch_size):
+        sub = ids.select(index)
+        lengths = sub.lengths
+        starts = sub.offsets[:-1]
+        seq = torch.arange(lengths.numel()).repeat_interleave(lengths)
+        within = torch.arange(sub.values.numel()) - starts[seq]
+        if pad_token_id is None:
+            last = lengths - 1
+        else:
+            # HF: argmax(position * (id != pad)), i.e. the last non-pad token, else 0
+            keep = within * (sub.values != pad_token_id)
+            last = torch.zeros_like(lengths).scatter_reduce(0, seq, keep, "amax")
+        yield Pack(index, sub.values[None], within[None], starts + last, lengths)
+
+
+def score_pack(model: nn.Module, pack: Pack) -> torch.Tensor:
+    """The ``score`` head's output ``[n, num_labels]`` for each sequence of ``pack``
+    (``model`` passed :func:`packing_unsupported`)."""
+    device = model.score.weight.device
+    base = getattr(model, model.base_model_prefix)
+    kwargs = {}
+    if model.config.get_text_config()._attn_implementation.startswith("flash"):
+        cu = torch.cat([pack.lengths.new_zeros(1), pack.lengths.cumsum(0)]).to(device, torch.int32)
+        longest = int(pack.lengths.max())
+        kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    out = base(
+        input_ids=pack.input_ids.to(device),
+        position_ids=pack.position_ids.to(device),
+        use_cache=False,
+        **kwargs,
+    )
+    return model.score(out.last_hidden_state[0, pack.pool.to(device)])
