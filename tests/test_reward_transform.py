@@ -136,3 +136,15 @@ def test_called_as_a_module_writes_the_reward_and_declares_what_it_reads(checkpo
     # standalone on the declared keys only
     again = tf(out.select(*tf.in_keys))
     torch.testing.assert_close(again["next", "reward"], rewards, atol=0, rtol=0)
+
+
+def test_service_arguments_need_use_ray_service(checkpoints):
+    """Service settings without the service, or an unknown backend, are refused (no Ray
+    needed to tell)."""
+    path = str(checkpoints.reward_model)
+    with pytest.raises(TypeError, match=r"\['actor_name', 'timeout'\] only apply with use_ray_service=True"):
+        HFRewardTransform(path, actor_name="rm", timeout=3)
+    with pytest.raises(ValueError, match="service_backend must be"):
+        HFRewardTransform(path, service_backend="grpc")
+    with pytest.raises(ValueError, match="conflicts"):
+        HFRewardTransform(path, use_ray_service=True, service_backend="direct")

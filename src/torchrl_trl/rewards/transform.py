@@ -19,6 +19,11 @@ Two places to put it:
 :attr:`HFRewardModelWrapper.in_keys`); ``out_keys`` is ``[("next", reward_key)]``.
 
 Scoring runs under ``torch.no_grad()`` unless ``inference_mode=False``.
+
+**Shared service** (``use_ray_service=True, actor_name="rm"``): the reward model runs
+once, in a named Ray actor shared by every transform (collector, env worker) built with
+that name; each transform renders its samples locally and sends token ids (see
+:mod:`torchrl_trl.rewards.service`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 
 from .model import HFRewardModelWrapper
+from .service import SERVICE_ARGS, RewardServiceClient
 
 __all__ = ["HFRewardTransform"]
 
@@ -57,12 +63,24 @@ class HFRewardTransform(Transform):
         accumulate: add to a reward already there (e.g. another parser's) instead of
             overwriting it. Defaults to ``False``.
         inference_mode: score without gradients. Defaults to ``True``.
+        use_ray_service: score with a reward model served by a Ray actor, shared by
+            every transform given the same ``actor_name`` (TorchRL's ``ModuleTransform`` /
+            ``RayRetrieveKL`` idiom). ``model`` must then be a local path. Defaults to
+            ``False`` (the model lives in this transform).
+        service_backend: ``"ray"`` is the same as ``use_ray_service=True`` (TorchRL
+            0.14's newer spelling); ``"direct"``/``None``: in-process.
+        actor_name, num_cpus, num_gpus, timeout, max_restarts, max_wait_ms, namespace,
+            lifetime: the service's settings, see
+            :class:`~torchrl_trl.rewards.service.RewardServiceClient` (only with the
+            service).
         **kwargs: any other :class:`HFRewardModelWrapper` argument (``tokenizer``,
             ``policy_tokenizer``, ``max_tokens_per_batch``, ``max_length``,
             ``truncation``, ``head_index``, ``scale``, ...).
 
     The wrapped scorer is :attr:`scorer` (its counters: ``truncated_count``,
-    ``nonfinite_count``, ``padding_efficiency``).
+    ``nonfinite_count``, ``padding_efficiency``); with the service it is a
+    :class:`~torchrl_trl.rewards.service.RewardServiceClient` (counters:
+    ``scorer.stats()``).
     """
 
     def __init__(
@@ -73,8 +91,24 @@ class HFRewardTransform(Transform):
         reward_shape: str | None = None,
         accumulate: bool | None = None,
         inference_mode: bool | None = None,
+        use_ray_service: bool = False,
+        service_backend: str | None = None,
         **kwargs,
     ) -> None:
+        if service_backend not in (None, "direct", "ray"):
+            raise ValueError(f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}")
+        if use_ray_service and service_backend == "direct":
+            raise ValueError("use_ray_service=True conflicts with service_backend='direct'")
+        use_ray_service = bool(use_ray_service) or service_backend == "ray"
+        service_given = sorted(k for k in kwargs if k in SERVICE_ARGS)
+        if service_given and not use_ray_service:
+            raise TypeError(f"{service_given} only apply with use_ray_service=True")
+        if use_ray_service and isinstance(model, HFRewardModelWrapper):
+            raise TypeError(
+                "use_ray_service=True loads the reward model from a local path inside the "
+                "service; pass the path and the wrapper arguments, not a configured "
+                "HFRewardModelWrapper"
+            )
         if isinstance(model, HFRewardModelWrapper):
             # a configured scorer is used exactly as configured: any setting given here
             # too would be ambiguous
@@ -92,7 +126,8 @@ class HFRewardTransform(Transform):
                 reward_key = reward_key[1:]
         else:
             reward_key = "reward" if reward_key is None else reward_key
-            scorer = HFRewardModelWrapper(
+            # the service client renders here and scores in the shared actor
+            scorer = (RewardServiceClient if use_ray_service else HFRewardModelWrapper)(
                 model,
                 reward_key=reward_key,
                 reward_shape="step" if reward_shape is None else reward_shape,

@@ -1,0 +1,485 @@
+"""One reward model served by a named Ray actor, shared by many collectors and env workers.
+
+``HFRewardTransform(path, use_ray_service=True, actor_name="rm")`` (or
+:class:`RewardServiceClient` directly) follows TorchRL's ``ModuleTransform(use_ray_service=
+True, actor_name=...)`` / ``RayRetrieveKL`` idiom: the first caller creates the named actor
+(``get_if_exists``, so two callers racing get the same one), later callers attach by name,
+and the weights are loaded once, in the actor, from a local path (safetensors,
+``trust_remote_code=False`` unless asked).
+
+Unlike TorchRL's Ray transforms, no TensorDict crosses the wire: each caller renders its
+samples into the reward model's token ids locally (its own policy tokenizer, keys and chat
+layout) and sends flat int64 ids + lengths; the actor answers one float32 score per
+sequence. Requests that arrive within ``max_wait_ms`` of each other (from any caller) are
+scored together, so the token-budget planner of :class:`HFRewardModelWrapper` fills its
+micro-batches across callers; each caller gets its own scores back, in its order.
+
+Faults: every request has a finite ``timeout`` (:class:`RewardServiceError` when it
+passes, or at once when the actor is gone); ``max_restarts=n`` lets Ray restart a dead
+actor (weights reloaded from the path) and retry the calls in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+
+from .. import layouts
+from ..layouts import Ragged
+from .model import HFRewardModelWrapper
+from .render import RewardRenderer, check_ids
+
+__all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError", "SERVICE_ARGS"]
+
+#: :class:`HFRewardModelWrapper` arguments applied inside the service (the model side)
+MODEL_SIDE_ARGS = frozenset({
+    "max_tokens_per_batch", "max_batch_size", "pad_to_multiple_of", "min_fill", "max_length",
+    "truncation", "head_index", "scale", "shift", "clip", "normalize", "on_nonfinite",
+    "nonfinite_value", "pad_token_id", "device", "dtype", "trust_remote_code", "model_kwargs",
+})  # fmt: skip
+#: arguments applied by each caller (rendering and writing)
+CALLER_SIDE_ARGS = frozenset({
+    "tokenizer", "policy_tokenizer", "input_mode", "part", "add_eos", "chat_template_kwargs",
+    "token_key", "attention_mask_key",
+})  # fmt: skip
+#: arguments about the service itself (only valid with ``use_ray_service=True``)
+SERVICE_ARGS = frozenset({
+    "actor_name", "namespace", "num_cpus", "num_gpus", "timeout", "max_restarts",
+    "max_wait_ms", "lifetime", "start_timeout",
+})  # fmt: skip
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_START_TIMEOUT = 600.0
+
+
+class RewardServiceError(RuntimeError):
+    """The reward-model service did not answer: it died, or ``timeout`` passed."""
+
+
+def _require_ray():
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is an optional dependency
+        raise ImportError("use_ray_service=True needs Ray: pip install 'ray>=2.50'") from e
+    return ray
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class _Request:
+    ids: Ragged
+    where: str
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class RewardModelService:
+    """The actor body: one :class:`HFRewardModelWrapper` and a request coalescer.
+
+    Args:
+        model_path: local directory of the reward model (``from_pretrained`` layout).
+        settings: model-side :class:`HFRewardModelWrapper` keyword arguments (see
+            :data:`MODEL_SIDE_ARGS`); scoring is always without gradients.
+        max_wait_ms: how long the first request of a batch waits for others to join it
+            (requests arriving while a batch is being scored join the next one anyway).
+
+    :class:`RewardServiceClient` creates it as a Ray actor (an async actor: requests are
+    awaited concurrently, scored one batch at a time in a worker thread).
+    """
+
+    def __init__(self, model_path: str, settings: dict | None = None, *, max_wait_ms: float = 5.0) -> None:
+        settings = dict(settings or {})
+        unknown = sorted(set(settings) - MODEL_SIDE_ARGS)
+        if unknown:
+            raise TypeError(f"settings {unknown} do not apply inside the service; expected some of "
+                            f"{sorted(MODEL_SIDE_ARGS)}")  # fmt: skip
+        self.model_path = os.fspath(model_path)
+        self.settings = settings
+        self.max_wait = float(max_wait_ms) / 1000.0
+        self.wrapper = HFRewardModelWrapper(self.model_path, inference_mode=True, **settings)
+        self.wrapper.model.register_forward_hook(self._count_forward, with_kwargs=True)
+        get_emb = getattr(self.wrapper.model, "get_input_embeddings", None)
+        self.num_embeddings = getattr(get_emb() if callable(get_emb) else None, "num_embeddings", None)
+        self._pending: list[_Request] = []
+        self._pending_tokens = 0
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        # one scoring thread: the event loop keeps accepting requests during a forward
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-service")
+        self._stats = dict(requests=0, sequences=0, flushes=0, forwards=0, max_forward_tokens=0,
+                           max_requests_per_flush=0)  # fmt: skip
+
+    def _count_forward(self, module, args, kwargs, output) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._stats["forwards"] += 1
+        if isinstance(ids, torch.Tensor):
+            self._stats["max_forward_tokens"] = max(self._stats["max_forward_tokens"], ids.numel())
+
+    # -- remote API ------------------------------------------------------------------
+
+    def info(self) -> dict:
+        """What callers need to render for this model and to check they attach to the
+        model they asked for."""
+        w = self.wrapper
+        return dict(
+            model_path=self.model_path,
+            settings=self.settings,
+            eos_token_id=w.renderer.eos_token_id,
+            max_length=w.max_length,
+            pid=os.getpid(),
+        )
+
+    def stats(self) -> dict:
+        """Counters since the actor started: requests, sequences, flushes (coalesced
+        batches), forwards, real/processed tokens, padding efficiency, truncations,
+        non-finite rewards, the largest forward (rows x width) and peak RSS (MiB)."""
+        w = self.wrapper
+        out = dict(self._stats)
+        out.update(
+            real_tokens=w.real_tokens,
+            processed_tokens=w.processed_tokens,
+            padding_efficiency=w.padding_efficiency,
+            truncated_count=w.truncated_count,
+            nonfinite_count=w.nonfinite_count,
+            peak_rss_mib=_peak_rss_mib(),
+            pid=os.getpid(),
+        )
+        if torch.cuda.is_available():
+            out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        return out
+
+    async def score(self, values: Any, lengths: Any, where: str = "reward-model input") -> np.ndarray:
+        """Scores ``float32 [len(lengths)]`` for the sequences ``values`` (flat int ids)
+        cut at ``lengths``; waits up to ``max_wait_ms`` for other requests to share the
+        forwards with."""
+        ids = _as_ragged(values, lengths, where)
+        if len(ids) == 0:
+            return np.zeros(0, dtype=np.float32)
+        loop = asyncio.get_running_loop()
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        request = _Request(ids, where, loop.create_future())
+        self._pending.append(request)
+        self._pending_tokens += int(ids.lengths.sum())
+        self._wakeup.set()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._run())
+        return await request.future
+
+    # -- coalescing ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        budget = self.wrapper.max_tokens_per_batch
+        while self._pending:
+            # bounded wait from the oldest request; a full budget's worth goes at once
+            while budget is None or self._pending_tokens < budget:
+                left = self._pending[0].arrived + self.max_wait - time.monotonic()
+                if left <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            batch, self._pending, self._pending_tokens = self._pending, [], 0
+            results = await loop.run_in_executor(self._executor, self._score_batch, batch)
+            for request, result in zip(batch, results):
+                if request.future.done():  # the caller went away (cancelled)
+                    continue
+                if isinstance(result, BaseException):
+                    request.future.set_exception(result)
+                else:
+                    request.future.set_result(result)
+
+    def _score_batch(self, batch: list[_Request]) -> list:
+        """One flush: every pending request's sequences through the planner together,
+        split back per request. A request with ids outside the embedding is answered with
+        its error up front; if the joint scoring still fails, each request is scored
+        alone, so an error reaches only the caller whose input caused it."""
+        st = self._stats
+        st["flushes"] += 1
+        st["requests"] += len(batch)
+        st["max_requests_per_flush"] = max(st["max_requests_per_flush"], len(batch))
+        st["sequences"] += sum(len(r.ids) for r in batch)
+        results: list = [self._check_range(r) for r in batch]
+        todo = [i for i, r in enumerate(results) if r is None]
+        if len(todo) > 1:
+            try:
+                parts = [batch[i].ids for i in todo]
+                ids = Ragged(torch.cat([p.values for p in parts]), torch.cat([p.lengths for p in parts]))
+                scores = self.wrapper.score_ids(ids, where=f"{len(todo)} coalesced requests")
+                split = np.split(scores.float().cpu().numpy(), np.cumsum([len(p) for p in parts])[:-1])
+                for i, part in zip(todo, split):
+                    results[i] = part
+                return results
+            except Exception:
+                pass
+        for i in todo:
+            try:
+                results[i] = self.wrapper.score_ids(batch[i].ids, where=batch[i].where).float().cpu().numpy()
+            except Exception as e:  # routed to its caller
+                results[i] = e
+        return results
+
+    def _check_range(self, request: _Request) -> Exception | None:
+        top = int(request.ids.values.max())
+        if self.num_embeddings is not None and top >= self.num_embeddings:
+            return ValueError(
+                f"{request.where}: token id {top} is outside the reward model's embedding "
+                f"(num_embeddings={self.num_embeddings}): the tokens come from another tokenizer; "
+                "pass policy_tokenizer= (and the reward model's tokenizer) to re-tokenise"
+            )
+        return None
+
+
+def _as_ragged(values: Any, lengths: Any, where: str) -> Ragged:
+    values = torch.as_tensor(np.asarray(values)).reshape(-1)
+    lengths = torch.as_tensor(np.asarray(lengths)).reshape(-1)
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise TypeError(f"{where}: lengths must be integers, got dtype {lengths.dtype}")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"{where}: negative length {int(lengths.min())} in lengths")
+    if int(lengths.sum()) != values.numel():
+        raise ValueError(
+            f"{where}: lengths sum to {int(lengths.sum())} but {values.numel()} token ids were sent"
+        )
+    ids = Ragged(values if values.dtype.is_floating_point else values.long(), lengths.long())
+    check_ids(ids, where)
+    return ids
+
+
+class RewardServiceClient:
+    """A caller of a shared :class:`RewardModelService`: renders locally, scores remotely.
+
+    It has the scorer interface :class:`~torchrl_trl.rewards.HFRewardTransform` uses
+    (``in_keys``, ``score(td)``, ``write(td, rewards, key)``, ``reward_shape``, ...), so
+    ``HFRewardTransform(path, use_ray_service=True, ...)`` is this client in a transform.
+
+    Args:
+        model: local path of the reward model. The actor loads it (once); the caller
+            loads only its tokenizer (unless ``tokenizer=`` is given) to render inputs.
+
+    Keyword Args:
+        actor_name: name of the shared actor: created by the first caller, attached to by
+            later ones (which must ask for the same path and model-side settings, else
+            ``ValueError``). ``None``: a private, unnamed service.
+        namespace: Ray namespace of the named actor (default: the job's).
+        num_cpus, num_gpus: the actor's Ray resources (Ray's defaults when ``None``).
+        timeout: seconds a request may take before :class:`RewardServiceError`. Finite;
+            defaults to 300.
+        start_timeout: seconds to wait for the actor to start (load the model) or to
+            answer an attaching caller. Defaults to 600.
+        max_restarts: Ray restarts a dead actor this many times (reloading the weights)
+            and retries the requests in flight. Defaults to 0 (a dead actor is an error).
+        max_wait_ms: how long the service holds a first request for others to join it.
+            Defaults to 5.
+        lifetime: ``"detached"`` (default for a named actor, as ``RayRetrieveKL``: it
+            outlives the caller that created it; stop it with :meth:`shutdown`) or
+            ``None`` (it dies with its creator).
+        reward_key, reward_shape, accumulate, reward_dtype: how rewards are written, as
+            :class:`HFRewardModelWrapper` (default ``"reward"``, ``"flat"``).
+        inference_mode: must be ``True`` (default): no gradients cross the wire.
+        **kwargs: :class:`HFRewardModelWrapper` arguments: the rendering ones
+            (``tokenizer``, ``policy_tokenizer``, ``input_mode``, ``part``, ``add_eos``,
+            ``chat_template_kwargs``, ``token_key``, ``attention_mask_key``) apply here; the
+            model ones (``max_tokens_per_batch``, ``max_length``, ``truncation``, ``scale``,
+            ``device``, ``dtype``, ...) in the actor.
+    """
+
+    # the wrapper's writing convention, shared as is
+    shape_rewards = HFRewardModelWrapper.shape_rewards
+    write = HFRewardModelWrapper.write
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        actor_name: str | None = None,
+        namespace: str | None = None,
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
+        max_restarts: int = 0,
+        max_wait_ms: float = 5.0,
+        lifetime: str | None = "detached",
+        reward_key: NestedKey = "reward",
+        reward_shape: str = "flat",
+        accumulate: bool = False,
+        reward_dtype: torch.dtype | None = None,
+        inference_mode: bool = True,
+        **kwargs,
+    ) -> None:
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(
+                f"a reward-model service loads its model from a local path (safetensors), got a "
+                f"{type(model).__name__}: save it with save_pretrained and pass the directory"
+            )
+        unknown = sorted(set(kwargs) - MODEL_SIDE_ARGS - CALLER_SIDE_ARGS)
+        if unknown:
+            raise TypeError(
+                f"unexpected argument(s) {unknown}; the service accepts {sorted(SERVICE_ARGS)} and "
+                f"the HFRewardModelWrapper arguments {sorted(MODEL_SIDE_ARGS | CALLER_SIDE_ARGS)}"
+            )
+        if not inference_mode:
+            raise ValueError(
+                "inference_mode=False: a reward-model service returns scores without gradients; "
+                "use the in-process HFRewardTransform (use_ray_service=False) to keep the graph"
+            )
+        if reward_shape not in ("flat", "trailing", "step"):
+            raise ValueError(f"reward_shape must be 'flat', 'trailing' or 'step', got {reward_shape!r}")
+        for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+            raise ValueError(f"max_restarts must be an int >= 0 (or -1: unlimited), got {max_restarts!r}")
+        if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)) or max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
+        if lifetime not in ("detached", None):
+            raise ValueError(f"lifetime must be 'detached' or None, got {lifetime!r}")
+        self.model_path = os.path.abspath(os.fspath(model))
+        self.actor_name, self.namespace, self.timeout = actor_name, namespace, float(timeout)
+        self.reward_key, self.reward_shape = reward_key, reward_shape
+        self.accumulate, self.reward_dtype, self.inference_mode = accumulate, reward_dtype, True
+        settings = {k: v for k, v in kwargs.items() if k in MODEL_SIDE_ARGS}
+        caller = {k: v for k, v in kwargs.items() if k in CALLER_SIDE_ARGS}
+        self.attention_mask_key = caller.get("attention_mask_key", layouts.ATTENTION_MASK_KEY)
+        self._actor = self._create_or_attach(
+            settings,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_restarts=max_restarts,
+            max_wait_ms=float(max_wait_ms),
+            lifetime=lifetime if actor_name is not None else None,
+        )
+        info = self._call("info", timeout=float(start_timeout))
+        if info["model_path"] != self.model_path or info["settings"] != settings:
+            raise ValueError(
+                f"the reward service {actor_name!r} already serves {info['model_path']!r} with "
+                f"settings {info['settings']}, but this caller asks for {self.model_path!r} with "
+                f"{settings}: use another actor_name, or the same model and settings"
+            )
+        tokenizer = caller.pop("tokenizer", None)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                self.model_path, trust_remote_code=bool(settings.get("trust_remote_code", False))
+            )
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.renderer = RewardRenderer(
+            tokenizer, eos_token_id=info["eos_token_id"] if eos is None else eos, **caller
+        )
+        self.tokenizer = tokenizer
+        self.token_key = self.renderer.token_key
+        self.in_keys = self.renderer.in_keys()
+        self.out_keys = [reward_key]
+
+    # -- the actor -------------------------------------------------------------------
+
+    def _create_or_attach(self, settings, *, num_cpus, num_gpus, max_restarts, max_wait_ms, lifetime):
+        ray = _require_ray()
+        if not ray.is_initialized():
+            ray.init()
+        options: dict[str, Any] = dict(max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0,
+                                       max_concurrency=1000)  # fmt: skip
+        if num_cpus is not None:
+            options["num_cpus"] = num_cpus
+        if num_gpus is not None:
+            options["num_gpus"] = num_gpus
+        if self.actor_name is not None:
+            options.update(name=self.actor_name, get_if_exists=True)
+            if self.namespace is not None:
+                options["namespace"] = self.namespace
+            if lifetime is not None:
+                options["lifetime"] = lifetime
+        remote = ray.remote(RewardModelService).options(**options)
+        return remote.remote(self.model_path, settings, max_wait_ms=max_wait_ms)
+
+    @property
+    def actor(self):
+        """The Ray actor handle."""
+        return self._actor
+
+    def _describe(self) -> str:
+        return f"reward service {self.actor_name!r}" if self.actor_name else "the private reward service"
+
+    def _call(self, method: str, *args, timeout: float | None = None):
+        """``actor.method(*args)``, waited for at most ``timeout`` (default: ``self.timeout``)."""
+        ray = _require_ray()
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            ref = getattr(self._actor, method).remote(*args)
+        except RayActorError as e:  # pragma: no cover - submitting to a dead handle
+            raise RewardServiceError(f"{self._describe()} is gone: {e}") from e
+        try:
+            return ray.get(ref, timeout=timeout)
+        except GetTimeoutError as e:
+            ray.cancel(ref)
+            raise RewardServiceError(
+                f"{self._describe()} did not answer {method}() within timeout={timeout}s (busy, hung "
+                "or still loading the model); pass a larger timeout= or check the actor"
+            ) from e
+        except RayActorError as e:
+            raise RewardServiceError(
+                f"{self._describe()} died or cannot be reached ({type(e).__name__}); pass "
+                "max_restarts=n to have Ray restart it, or create it again. Cause: "
+                f"{str(e).splitlines()[0] if str(e) else e!r}"
+            ) from e
+
+    def stats(self) -> dict:
+        """The service's counters (see :meth:`RewardModelService.stats`)."""
+        return self._call("stats")
+
+    def info(self) -> dict:
+        return self._call("info")
+
+    def shutdown(self) -> None:
+        """Kill the actor (every caller attached to it loses it)."""
+        _require_ray().kill(self._actor, no_restart=True)
+
+    # -- scoring ---------------------------------------------------------------------
+
+    def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
+        """Rewards ``float32 [N]`` (CPU) for reward-model token ids, one per row."""
+        check_ids(ids, where)
+        if len(ids) == 0:
+            return torch.zeros(0)
+        values = ids.values.long().numpy()
+        lengths = ids.lengths.long().numpy()
+        return torch.from_numpy(np.asarray(self._call("score", values, lengths, where), dtype=np.float32).copy())
+
+    def score_texts(self, texts: list[str]) -> torch.Tensor:
+        """Rewards ``float32 [N]`` for plain texts (EOS rule applied)."""
+        return self.score_ids(self.renderer.encode_texts(list(texts)))
+
+    def score_messages(self, conversations: list) -> torch.Tensor:
+        """Rewards ``float32 [N]`` for chats, rendered with the reward model's template."""
+        return self.score_ids(self.renderer.encode_messages(list(conversations)))
+
+    def score(self, tensordict: TensorDictBase) -> torch.Tensor:
+        """Rewards ``float32 [N]`` (CPU) for every sample of ``tensordict`` (batch
+        flattened), rendered here exactly as :meth:`HFRewardModelWrapper.score` does."""
+        mode = self.renderer.resolve_mode(tensordict)
+        key = self.token_key if mode == "tokens" else self.renderer.in_keys(mode)[0]
+        return self.score_ids(self.renderer.render(tensordict, mode), where=f"{mode} at {key!r}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.model_path!r}, actor_name={self.actor_name!r})"
+

@@ -1,0 +1,188 @@
+"""One reward-model service on Ray shared by several collectors: rewards equal an
+independent per-sequence reference; concurrent requests are coalesced into fewer forwards
+and routed back in order; a killed or hung actor gives a clear error within a bound, a
+restartable one recovers."""
+
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import torch  # noqa: E402
+from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
+
+from torchrl_trl import layouts  # noqa: E402
+from torchrl_trl.layouts import Ragged  # noqa: E402
+from torchrl_trl.rewards import HFRewardModelWrapper, HFRewardTransform  # noqa: E402
+from torchrl_trl.rewards.service import RewardServiceClient, RewardServiceError  # noqa: E402
+from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper  # noqa: E402
+
+ROWS = [
+    {"query": "what is two plus two?", "answer": "4"},
+    {"query": "hello world", "answer": "hi"},
+]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def _reference(path, sequences):
+    """The checkpoint loaded with plain transformers, each sequence alone, unpadded."""
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        return torch.stack([model(input_ids=torch.tensor([s])).logits[0, 0] for s in sequences])
+
+
+def _history_ids(path, conversations):
+    tok = AutoTokenizer.from_pretrained(path)
+    return [tok(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]
+            for c in conversations]  # fmt: skip
+
+
+def _rewards(rb):
+    return torch.stack(rb[:].get(("next", "reward"), as_list=True))
+
+
+@pytest.mark.timeout(120)
+def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_tokenizer):
+    model, tok = policy_and_tokenizer
+    path = str(checkpoints.reward_model_other_tokenizer)
+    transforms = [
+        HFRewardTransform(path, use_ray_service=True, actor_name="rm-shared", policy_tokenizer=tok,
+                          num_cpus=0, timeout=60)  # fmt: skip
+        for _ in range(2)
+    ]
+    # one actor, created by the first transform, attached to by the second
+    assert [n for n in ray.util.list_named_actors() if n == "rm-shared"] == ["rm-shared"]
+    assert transforms[0].scorer.info()["pid"] == transforms[1].scorer.info()["pid"]
+    assert transforms[0].in_keys == [("history", "full")]
+
+    buffers = [None, None]
+    errors = []
+
+    def run(i):
+        try:
+            env = make_chat_env(ROWS, batch_size=2, group_size=1).append_transform(transforms[i])
+            buffers[i] = collect_rollouts(make_policy_wrapper(model, tok, max_new_tokens=6), env,
+                                          total_turns=4, seed=i)  # fmt: skip
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=100)
+    assert not errors, errors
+    in_process = HFRewardModelWrapper(path, policy_tokenizer=tok, inference_mode=True)
+    for rb in buffers:
+        data = rb[:]
+        rewards = _rewards(rb)
+        assert rewards.shape == (4, 1, 1) and rewards.dtype == torch.float32
+        convs = layouts.read_history(data, "full")
+        ref = _reference(path, _history_ids(path, convs))
+        torch.testing.assert_close(rewards.reshape(-1), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(rewards.reshape(-1), in_process.score(data), atol=1e-5, rtol=0)
+    stats = transforms[0].scorer.stats()
+    # every env step (2 samples) of both collectors was one request to the one service
+    assert stats["sequences"] == 2 * stats["requests"] >= 8
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoints):
+    path = str(checkpoints.reward_model_other_tokenizer)
+    # 1 s of bounded wait: four threads' requests surely meet in one flush on a busy machine
+    client = RewardServiceClient(path, actor_name="rm-batching", max_tokens_per_batch=64, max_wait_ms=1000,
+                                 num_cpus=0, timeout=60)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+
+    def seqs(lengths):
+        return [torch.randint(4, 140, (n,), generator=gen).tolist() for n in lengths]
+
+    # each caller alone: 2 forwards (12 < 0.9 x 30); the last request (180 tokens) exceeds
+    # the 64-token budget by itself and must be split
+    requests = [seqs([12, 30]) for _ in range(3)] + [seqs([30] * 6)]
+    bad = seqs([8])
+    bad[0][-1] = 500  # outside the 140-row embedding
+    results, errors = [None] * 5, [None] * 5
+    barrier = threading.Barrier(5)
+
+    def call(i, sequences):
+        barrier.wait()
+        try:
+            results[i] = client.score_ids(Ragged.from_list(sequences))
+        except Exception as e:
+            errors[i] = e
+
+    threads = [threading.Thread(target=call, args=(i, s)) for i, s in enumerate(requests + [bad])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    # only the caller who sent the bad ids gets the error, naming what was wrong
+    assert errors[:4] == [None] * 4, errors
+    assert isinstance(errors[4], ValueError) and "outside the reward model's embedding" in str(errors[4])
+    for sequences, got in zip(requests, results):
+        torch.testing.assert_close(got, _reference(path, sequences), atol=1e-5, rtol=0)
+    stats = client.stats()
+    alone = HFRewardModelWrapper(path, max_tokens_per_batch=64, inference_mode=True)
+    calls = []
+    alone.model.register_forward_hook(lambda *a: calls.append(1))
+    for sequences in requests:
+        alone.score_ids(Ragged.from_list(sequences))
+    assert stats["sequences"] == 3 * 2 + 6 + 1 and stats["max_requests_per_flush"] >= 4
+    assert stats["max_forward_tokens"] <= 64  # the big request was split by the budget
+    assert stats["forwards"] < len(calls), (stats, len(calls))  # coalescing saved forwards
+    client.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_killed_or_hung_service_errors_within_bound_and_restart_recovers(ray_session, checkpoints):
+    path = str(checkpoints.reward_model)
+    texts = ["hello world", "bye"]
+    ref = HFRewardModelWrapper(path, inference_mode=True).score_texts(texts)
+
+    client = RewardServiceClient(path, actor_name="rm-kill", num_cpus=0, timeout=20)
+    torch.testing.assert_close(client.score_texts(texts), ref, atol=1e-5, rtol=0)
+    ray.kill(client.actor, no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(RewardServiceError, match="'rm-kill' died"):
+        client.score_texts(texts)
+    assert time.monotonic() - t0 < 20
+
+    # max_restarts: Ray restarts the actor (weights reloaded) and retries the request
+    restarting = RewardServiceClient(path, actor_name="rm-restart", num_cpus=0, timeout=60, max_restarts=1)
+    pid = restarting.info()["pid"]
+    ray.kill(restarting.actor, no_restart=False)
+    torch.testing.assert_close(restarting.score_texts(texts), ref, atol=1e-5, rtol=0)
+    assert restarting.info()["pid"] != pid
+    restarting.shutdown()
+
+    # a service that does not answer (here: holding requests 3 s) -> the timeout, not a hang
+    slow = RewardServiceClient(path, actor_name="rm-slow", num_cpus=0, timeout=0.5, max_wait_ms=3000)
+    t0 = time.monotonic()
+    with pytest.raises(RewardServiceError, match=r"within timeout=0\.5s"):
+        slow.score_texts(texts)
+    assert time.monotonic() - t0 < 3
+    slow.shutdown()
+
+
+def test_service_arguments_are_checked(ray_session, checkpoints, policy_and_tokenizer):
+    model, tok = policy_and_tokenizer
+    path = str(checkpoints.reward_model)
+    with pytest.raises(TypeError, match="local path"):
+        RewardServiceClient(model)
+    with pytest.raises(ValueError, match="timeout must be a finite"):
+        RewardServiceClient(path, timeout=float("inf"))
+    with pytest.raises(ValueError, match="inference_mode=False"):
+        HFRewardTransform(path, use_ray_service=True, inference_mode=False)
+    with pytest.raises(TypeError, match="unexpected argument"):
+        RewardServiceClient(path, max_tokens=3)
+    with pytest.raises(TypeError, match="configured HFRewardModelWrapper"):
+        HFRewardTransform(HFRewardModelWrapper(path), service_backend="ray")
