@@ -31,7 +31,7 @@ def run(*args: str, script: bool = False, timeout: int = 300) -> subprocess.Comp
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, policy_and_tokenizer):
     """``{"ragged": (path, buffer), "padded": (path, buffer)}`` saved with ``save_buffer``."""
-    from torchrl.data import LazyTensorStorage, ReplayBuffer
+    from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
 
     from torchrl_trl import save_buffer, testing
 
@@ -43,8 +43,10 @@ def saved(tmp_path_factory, policy_and_tokenizer):
     one_batch = testing.collect_rollouts(
         testing.make_policy_wrapper(model, tok, pad_output=True, max_new_tokens=6), env, total_turns=4
     )
-    padded = ReplayBuffer(storage=LazyTensorStorage(8))
+    # another sampler than the CLI's default, with a state: items still read
+    padded = ReplayBuffer(storage=LazyTensorStorage(8), sampler=SamplerWithoutReplacement(), batch_size=2)
     padded.extend(one_batch[:].contiguous())  # one padded collector batch: a dense TensorDict
+    padded.sample()
     out = {}
     for name, rb in (("ragged", ragged), ("padded", padded)):
         out[name] = (save_buffer(rb, root / name), rb)
@@ -167,9 +169,14 @@ def test_score_writes_rewards_back(saved, checkpoints, tmp_path, name):
 
     src, rb = saved[name]
     path = tmp_path / "buffer"
-    shutil.copytree(src, path)
     rm_dir = checkpoints.reward_model_other_tokenizer  # another tokenizer and chat template
-    proc = run("score", "--reward-model", str(rm_dir), str(path), script=True)
+    if name == "ragged":  # in place
+        shutil.copytree(src, path)
+        proc = run("score", "--reward-model", str(rm_dir), str(path), script=True)
+    else:  # to a copy: the saved buffer stays as it was
+        before = {p.name: p.read_bytes() for p in src.iterdir()}
+        proc = run("score", "--reward-model", str(rm_dir), str(src), "--out", str(path))
+        assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "scoring" in proc.stderr  # the progress bar
 

@@ -119,12 +119,14 @@ def _require_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def load_saved_buffer(path: str | os.PathLike):
+def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
     """``(ReplayBuffer, manifest)`` holding what :func:`torchrl_trl.save_buffer` wrote at ``path``.
 
     The buffer is built with the storage kind the manifest names (a ``LazyStackStorage``
     for list storages, a ``LazyTensorStorage`` for tensor ones) and the saved length as
-    capacity, with the default sampler and writer.
+    capacity, with the default sampler and writer. ``restore_state=False`` (default) loads
+    the items only, so a buffer saved with any sampler/writer reads; ``True`` also restores
+    the writer's state, and raises when the saved state does not fit the default ones.
     """
     path = _require_dir(path)
     from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
@@ -144,9 +146,10 @@ def load_saved_buffer(path: str | os.PathLike):
     else:
         raise CLIError(f"{str(path)!r}: unknown storage kind {kind!r} in the manifest (expected 'list' or 'tensor')")
     try:
-        load_buffer(rb, path)
+        load_buffer(rb, path, restore_state=restore_state)
     except (ValueError, TypeError, RuntimeError) as err:
-        raise CLIError(f"could not load the buffer at {str(path)!r}: {err}") from err
+        hint = " (pass --out DIR to write a scored copy of the items instead)" if restore_state else ""
+        raise CLIError(f"could not load the buffer at {str(path)!r}: {err}{hint}") from err
     return rb, meta
 
 
@@ -273,7 +276,8 @@ def cmd_score(args) -> int:
         from transformers import AutoTokenizer
 
         policy_tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
-    rb, meta = load_saved_buffer(args.path)
+    # in place: keep the writer's position; to a copy: the items are all that is needed
+    rb, meta = load_saved_buffer(args.path, restore_state=args.out is None)
     n = len(rb)
     if n == 0:
         raise CLIError(f"{args.path}: the buffer is empty; nothing to score")
@@ -288,7 +292,8 @@ def cmd_score(args) -> int:
         scored = scorer(rb[index])
         rb[index] = scored
         rewards.append(torch.stack(layouts.read_column(scored, key)).reshape(-1).float())
-    save_buffer(rb, args.path, extra=meta.get("extra", {}))
+    out = args.path if args.out is None else args.out
+    save_buffer(rb, out, extra=meta.get("extra", {}))
     r = torch.cat(rewards)
     finite = r[torch.isfinite(r)]
     print(f"scored {n} rollouts with {rm_dir} -> {'.'.join(key) if isinstance(key, tuple) else key}")
@@ -299,7 +304,10 @@ def cmd_score(args) -> int:
         )
     if finite.numel() != r.numel():
         print(f"non-finite rewards: {r.numel() - finite.numel()}")
-    print(f"wrote the rewards back to {args.path} (items and writer position kept; sampler state reset)")
+    if args.out is None:
+        print(f"wrote the rewards back to {args.path} (items and writer position kept; sampler state reset)")
+    else:
+        print(f"wrote the scored items to {out} ({args.path} unchanged)")
     return 0
 
 
@@ -403,7 +411,8 @@ def _parser() -> argparse.ArgumentParser:
         "write the rewards into the saved buffer (TorchRL's GRPO convention: next.reward shaped "
         "[1, 1] per rollout) and print summary statistics.",
     )
-    sco.add_argument("path", type=Path, help="directory written by save_buffer (rewritten in place)")
+    sco.add_argument("path", type=Path, help="directory written by save_buffer (rewritten in place unless --out)")
+    sco.add_argument("--out", type=Path, default=None, help="write the scored items to this new directory instead")
     sco.add_argument("--reward-model", required=True, help="reward model directory (e.g. trl.RewardTrainer's output)")
     sco.add_argument("--policy-tokenizer", default=None, help="the policy's tokenizer directory, to decode rollouts that hold tokens only")
     sco.add_argument("--reward-key", default="next.reward", help="where the reward goes, dot-separated (default: next.reward)")
