@@ -91,3 +91,20 @@ def test_run_demo_refuses_pickle_only_checkpoints_unloaded(tmp_path):
     with pytest.raises(CLIError, match=r"reward_model.*pytorch_model\.bin.*safetensors"):
         run_demo(DemoConfig(output_dir=tmp_path / "out", reward_model=bad, quick=True))
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_quiet_libraries_keeps_our_warnings():
+    """The demo silences the libraries' warnings, not torchrl_trl's (whose module name
+    starts with "torch")."""
+    import warnings
+
+    from torchrl_trl.data.groups import SkippedRolloutsWarning
+    from torchrl_trl.demo import _quiet_libraries
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _quiet_libraries()
+        warnings.warn_explicit("ours", SkippedRolloutsWarning, "groups.py", 1, module="torchrl_trl.data.groups")
+        warnings.warn_explicit("theirs", UserWarning, "functional.py", 1, module="torch.nn.functional")
+        warnings.warn_explicit("theirs", FutureWarning, "base.py", 1, module="torchrl.collectors.llm.base")
+    assert [str(w.message) for w in caught] == ["ours"]

@@ -435,8 +435,10 @@ def _say(message: str) -> None:
 def _quiet_libraries() -> None:
     # the libraries' own deprecation chatter; our SkippedRolloutsWarning etc. stay visible
     for module in ("torch", "torchrl", "tensordict", "transformers", "trl", "datasets", "accelerate"):
-        warnings.filterwarnings("ignore", category=UserWarning, module=module)
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        # anchored: a bare "torch" also matches, and hid, torchrl_trl's own warnings
+        pattern = rf"{module}(\.|$)"
+        warnings.filterwarnings("ignore", category=UserWarning, module=pattern)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=pattern)
     logging.getLogger("torchrl").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
