@@ -22,6 +22,7 @@ actor (weights reloaded from the path) and retry the calls in flight.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import resource
 import time
@@ -41,17 +42,19 @@ from .render import RewardRenderer, check_ids
 
 __all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError", "SERVICE_ARGS"]
 
-#: :class:`HFRewardModelWrapper` arguments applied inside the service (the model side)
-MODEL_SIDE_ARGS = frozenset({
-    "max_tokens_per_batch", "max_batch_size", "pad_to_multiple_of", "min_fill", "max_length",
-    "truncation", "head_index", "scale", "shift", "clip", "normalize", "on_nonfinite",
-    "nonfinite_value", "pad_token_id", "device", "dtype", "trust_remote_code", "model_kwargs",
-})  # fmt: skip
-#: arguments applied by each caller (rendering and writing)
+#: :class:`HFRewardModelWrapper` arguments applied by each caller (rendering)
 CALLER_SIDE_ARGS = frozenset({
     "tokenizer", "policy_tokenizer", "input_mode", "part", "add_eos", "chat_template_kwargs",
     "token_key", "attention_mask_key",
 })  # fmt: skip
+#: ... and by each caller when writing the reward
+WRITE_ARGS = frozenset({"reward_key", "reward_shape", "accumulate", "reward_dtype", "inference_mode"})
+#: every other :class:`HFRewardModelWrapper` argument applies inside the service (the
+#: model side: budget, truncation, post-processing, device, ...)
+MODEL_SIDE_ARGS = frozenset(
+    set(inspect.signature(HFRewardModelWrapper.__init__).parameters) - {"self", "model"}
+    - CALLER_SIDE_ARGS - WRITE_ARGS
+)
 #: arguments about the service itself (only valid with ``use_ray_service=True``)
 SERVICE_ARGS = frozenset({
     "actor_name", "namespace", "num_cpus", "num_gpus", "timeout", "max_restarts",
@@ -110,9 +113,13 @@ class RewardModelService:
         self.settings = settings
         self.max_wait = float(max_wait_ms) / 1000.0
         self.wrapper = HFRewardModelWrapper(self.model_path, inference_mode=True, **settings)
-        self.wrapper.model.register_forward_hook(self._count_forward, with_kwargs=True)
         get_emb = getattr(self.wrapper.model, "get_input_embeddings", None)
-        self.num_embeddings = getattr(get_emb() if callable(get_emb) else None, "num_embeddings", None)
+        embedding = get_emb() if callable(get_emb) else None
+        self.num_embeddings = getattr(embedding, "num_embeddings", None)
+        # the embedding runs once per forward, padded or packed
+        (embedding if embedding is not None else self.wrapper.model).register_forward_hook(
+            self._count_forward, with_kwargs=True
+        )
         self._pending: list[_Request] = []
         self._pending_tokens = 0
         self._wakeup: asyncio.Event | None = None
