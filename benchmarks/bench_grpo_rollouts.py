@@ -64,7 +64,7 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
         rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens))
         collector = AsyncGroupCollector(
             rollout, chats, group_size=args.group, prompts_per_batch=args.batch // args.group,
-            max_pending_groups=2 * args.batch // args.group,
+            max_pending_groups=args.batch // args.group,  # one step ahead at most
         )
         func = AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=600)
     config = GRPOConfig(

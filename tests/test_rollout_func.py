@@ -173,11 +173,14 @@ def test_policy_built_around_the_trainers_model_text_prompts(fresh_model, policy
     torch.manual_seed(0)
     func = TorchRLRolloutFunc()
     reward = Recorder(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids], "reward")
-    trainer = _make_trainer(fresh_model, tok, func, reward, tmp_path, max_steps=1, chat=False)
+    # two steps: the second generation runs after the first rescoring (which, built naively,
+    # turns the text-mode policy's padding off and breaks prompts of different lengths)
+    trainer = _make_trainer(fresh_model, tok, func, reward, tmp_path, max_steps=2, chat=False)
     trainer.train()
     assert func.policy.model is trainer.accelerator.unwrap_model(trainer.model)
     assert func.policy.input_mode == "text" and func.policy.generate_kwargs["max_new_tokens"] == 6
-    (_, kw, _), = reward.calls
+    assert func.policy.tokenizer_kwargs["padding"] is True and func.calls == 2
+    (_, kw, _), _ = reward.calls
     assert kw["prompts"][0] == kw["prompts"][1] == QUESTIONS[0]
     trained_prompts = {tuple(p) for p in type(trainer).captured[0]["prompt_ids"]}
     assert trained_prompts == {tuple(tok(q)["input_ids"]) for q in QUESTIONS}  # the text as is, no template

@@ -47,6 +47,10 @@ What TorchRL 0.14.1 does that matters here:
   TRL neutralises.
 - The log-probs are those of the raw logits (temperature 1, no top-k/top-p): equal to TRL's
   recomputation when ``temperature == 1`` (a warning is given otherwise).
+- ``TransformersWrapper.get_new_version(pad_output=...)`` writes ``padding`` into the
+  original wrapper's ``tokenizer_kwargs`` dict (shared, not copied): after it, the original's
+  text mode fails on a batch of prompts of different lengths. The scorer here is built with
+  its own copy.
 - ``ChatEnv`` in history mode re-renders the chat each turn; the tokens of turn ``k + 1``'s
   prompt must start with turn ``k``'s prompt + response, otherwise the sequence TRL trains
   on would not be what the policy generated: that raises (tokenizer/template that does not
@@ -388,8 +392,12 @@ class TorchRLRolloutFunc:
         """Per-token log-probs of ``completion_ids`` given ``prompt_ids``, by TorchRL's
         scoring path (``generate=False``) on the exact sequences."""
         if self._scorer is None or self._scorer.model is not policy.model:
+            # an explicit copy of tokenizer_kwargs: TorchRL 0.14.1's get_new_version(pad_output=...)
+            # otherwise writes padding=False into the *original* policy's dict, and its text mode
+            # then fails on prompts of different lengths
             self._scorer = policy.get_new_version(
-                generate=False, input_mode="tokens", input_key=("tokens", "full"), pad_output=False
+                generate=False, input_mode="tokens", input_key=("tokens", "full"), pad_output=False,
+                tokenizer_kwargs=dict(policy.tokenizer_kwargs),
             )
         rows = [
             TensorDict({"tokens": {"full": torch.tensor(p + c, dtype=torch.long)}})
