@@ -8,8 +8,29 @@ each group into advantages, and ``GRPOLoss`` takes one optimizer step.
 """
 
 # %%
+# Quiet libraries
+# ---------------
+# Progress bars and the libraries' own deprecation warnings would fill the output;
+# ``torchrl_trl``'s warnings stay visible (anchored patterns: ``torch`` does not also
+# match ``torchrl_trl``).
+import logging
+import warnings
+
+import datasets
+import transformers
+
+transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
+datasets.disable_progress_bars()
+logging.getLogger("accelerate").setLevel(logging.ERROR)
+for lib in ("torch", "torchrl", "tensordict", "transformers", "trl", "accelerate", "datasets"):
+    warnings.filterwarnings("ignore", module=rf"{lib}(\.|$)")
+
+# %%
 # Train a reward model with TRL
 # -----------------------------
+# ``tiny_checkpoints`` saves a tiny policy and reward model offline with
+# ``save_pretrained``; with real models these are hub ids or local directories.
 import tempfile
 
 import torch
@@ -17,10 +38,15 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
 
-from torchrl_trl import HFRewardTransform, layouts, testing
+from tensordict import set_list_to_stack
+
+from torchrl_trl import HFRewardTransform, layouts
+from torchrl_trl.testing import tiny_checkpoints
+
+set_list_to_stack(True).set()
 
 workdir = tempfile.mkdtemp()
-paths = testing.tiny_checkpoints(workdir)
+paths = tiny_checkpoints(workdir)
 rm_tokenizer = AutoTokenizer.from_pretrained(paths.reward_model)
 pairs = Dataset.from_list(
     [
@@ -38,6 +64,7 @@ reward_trainer = RewardTrainer(
     train_dataset=pairs,
     processing_class=rm_tokenizer,
 )
+reward_trainer.remove_callback(transformers.PrinterCallback)  # no per-log metric dicts
 reward_trainer.train()
 reward_trainer.save_model(f"{workdir}/rm")
 
@@ -47,30 +74,67 @@ reward_trainer.save_model(f"{workdir}/rm")
 # ``HFRewardTransform`` loads the saved directory by path (model and tokenizer). Each
 # ``env.step`` scores the conversation so far and writes ``("next", "reward")`` shaped
 # ``[B, 1, 1]``, the convention ``MCAdvantage`` and ``GRPOLoss`` read.
+from torch.utils.data import DataLoader
+from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer
+from torchrl.envs import StepCounter
+from torchrl.envs.llm import ChatEnv
+from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 tokenizer = AutoTokenizer.from_pretrained(paths.policy)
 policy = AutoModelForCausalLM.from_pretrained(paths.policy)
-rows = [{"query": "what is two plus two?"}, {"query": "say hello"}]
-env = testing.make_chat_env(rows, batch_size=2, group_size=2)
+group_size = 4  # completions per prompt
+loader = DataLoader(["what is two plus two?", "say hello"], batch_size=2, collate_fn=lambda qs: {"query": qs})
+env = ChatEnv.from_dataloader(dataloader=loader, batch_size=2, repeats=group_size, input_mode="history")
+env = env.append_transform(StepCounter(max_steps=1))
 env = env.append_transform(HFRewardTransform(f"{workdir}/rm", policy_tokenizer=tokenizer))
 
-buffer = ReplayBuffer(storage=LazyStackStorage(16), batch_size=4)
-buffer.append_transform(MCAdvantage(grpo_size=2))  # groups completions of the same prompt
-sampler = testing.make_policy_wrapper(policy, tokenizer, max_new_tokens=8)
-testing.collect_rollouts(sampler, env, total_turns=4, replay_buffer=buffer)
+buffer = ReplayBuffer(storage=LazyStackStorage(16), batch_size=2 * group_size)
+buffer.append_transform(MCAdvantage(grpo_size=group_size))  # groups completions of the same prompt
+sampler = TransformersWrapper(
+    policy, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
+    generate_kwargs={"max_new_tokens": 8, "do_sample": True},
+)
+collector = LLMCollector(env=env, policy=sampler, dialog_turns_per_batch=2 * group_size,
+                         replay_buffer=buffer, total_dialog_turns=2 * group_size)
+for _ in collector:
+    pass
+collector.shutdown()
 
 batch = buffer[:]
-print("rewards:   ", torch.stack(layouts.read_column(batch, ("next", "reward"))).flatten())
-print("advantages:", torch.stack(layouts.read_column(batch, "advantage")).flatten())
+rewards = torch.stack(layouts.read_column(batch, ("next", "reward"))).flatten()
+advantages = torch.stack(layouts.read_column(batch, "advantage")).flatten()
+prompts = [history[0]["content"] for history in layouts.read_history(batch, "prompt")]
+print("rewards:   ", rewards)
+print("advantages:", advantages)
+
+# %%
+# Rewards and advantages per group
+# --------------------------------
+# ``MCAdvantage`` normalises each reward within its group (same prompt): the advantages of
+# a group have mean 0, whatever the reward model's scale.
+import matplotlib.pyplot as plt
+
+order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+fig, axes = plt.subplots(1, 2, figsize=(8, 3), sharey=False)
+colors = ["tab:blue" if prompts[i] == prompts[order[0]] else "tab:orange" for i in order]
+axes[0].bar(range(len(order)), rewards[order], color=colors)
+axes[0].set_title("reward-model reward")
+axes[1].bar(range(len(order)), advantages[order], color=colors)
+axes[1].set_title("MCAdvantage advantage")
+for ax in axes:
+    ax.set_xlabel("rollout (colour: prompt)")
+    ax.axhline(0, color="grey", linewidth=0.8)
+fig.tight_layout()
 
 # %%
 # One GRPO step
 # -------------
 # ``GRPOLoss`` needs the sampling policy's log-probabilities of the full sequence: a
 # ``generate=False`` pass of TorchRL's wrapper writes ``("log_probs", "full")``.
-learner = testing.make_policy_wrapper(policy, tokenizer, generate=False)
+learner = TransformersWrapper(policy, tokenizer=tokenizer, input_mode="history", generate=False,
+                              return_log_probs=True, pad_output=False)
 loss_fn = GRPOLoss(learner, entropy_coeff=0.0)
 optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
 with torch.no_grad():
@@ -79,4 +143,4 @@ with torch.no_grad():
 loss = loss_fn(batch).loss_objective
 loss.backward()
 optimizer.step()
-print("GRPO loss:", float(loss))
+print("GRPO loss:", loss.item())

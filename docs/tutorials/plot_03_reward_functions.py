@@ -11,6 +11,25 @@ Reward code written for one library runs in the other:
 """
 
 # %%
+# Quiet libraries
+# ---------------
+# Progress bars and the libraries' own deprecation warnings would fill the output;
+# ``torchrl_trl``'s warnings stay visible (anchored patterns: ``torch`` does not also
+# match ``torchrl_trl``).
+import logging
+import warnings
+
+import datasets
+import transformers
+
+transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
+datasets.disable_progress_bars()
+logging.getLogger("accelerate").setLevel(logging.ERROR)
+for lib in ("torch", "torchrl", "tensordict", "transformers", "trl", "accelerate", "datasets"):
+    warnings.filterwarnings("ignore", module=rf"{lib}(\.|$)")
+
+# %%
 # A TRL reward function in a TorchRL environment
 # ----------------------------------------------
 # TRL reward functions take ``prompts``, ``completions``, ``completion_ids`` and every
@@ -19,7 +38,12 @@ import tempfile
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from torchrl_trl import HFRewardModelWrapper, RewardFunctionWrapper, as_trl_reward_func, layouts, testing
+from tensordict import set_list_to_stack
+
+from torchrl_trl import HFRewardModelWrapper, RewardFunctionWrapper, as_trl_reward_func, layouts
+from torchrl_trl.testing import tiny_checkpoints
+
+set_list_to_stack(True).set()
 
 
 def vowel_fraction(prompts, completions, **kwargs):
@@ -32,21 +56,61 @@ def says_the_answer(prompts, completions, answer, **kwargs):
 
 
 workdir = tempfile.mkdtemp()
-paths = testing.tiny_checkpoints(workdir)
+paths = tiny_checkpoints(workdir)  # tiny offline models; yours are hub ids or directories
 tokenizer = AutoTokenizer.from_pretrained(paths.policy)
 policy = AutoModelForCausalLM.from_pretrained(paths.policy)
 
+# ChatEnv carries every dataset field ("answer") into the rollouts, and the wrapper passes
+# it to the functions by keyword, as TRL's GRPOTrainer passes dataset columns.
+from torch.utils.data import DataLoader
+from torchrl.collectors.llm import LLMCollector
+from torchrl.data import LazyStackStorage, ReplayBuffer
+from torchrl.envs import StepCounter
+from torchrl.envs.llm import ChatEnv
+from torchrl.modules.llm import TransformersWrapper
+
 rows = [{"query": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
-env = testing.make_chat_env(rows, batch_size=2, group_size=2)
+loader = DataLoader(rows, batch_size=2, collate_fn=lambda batch: {k: [r[k] for r in batch] for k in batch[0]})
+env = ChatEnv.from_dataloader(dataloader=loader, batch_size=2, repeats=2, input_mode="history")
+env = env.append_transform(StepCounter(max_steps=1))
 env = env.append_transform(
     RewardFunctionWrapper([vowel_fraction, says_the_answer], weights=[1.0, 0.5], per_function_keys=True)
 )
-buffer = testing.collect_rollouts(testing.make_policy_wrapper(policy, tokenizer), env, total_turns=4)
+wrapper = TransformersWrapper(
+    policy, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
+    generate_kwargs={"max_new_tokens": 8, "do_sample": True},
+)
+buffer = ReplayBuffer(storage=LazyStackStorage(16))
+collector = LLMCollector(env=env, policy=wrapper, dialog_turns_per_batch=4, replay_buffer=buffer,
+                         total_dialog_turns=8)
+for _ in collector:
+    pass
+collector.shutdown()
 rollouts = buffer[:]
 for text, reward in zip(
     layouts.read_text(rollouts, "response"), layouts.read_column(rollouts, ("next", "reward"))
 ):
     print(f"{float(reward):.3f}  {text!r}")
+
+# %%
+# Each function's share of the reward
+# -----------------------------------
+# ``per_function_keys=True`` also writes each function's raw reward next to the weighted
+# sum (``("next", "reward_vowel_fraction")``, ...), as TRL logs ``rewards/<name>``.
+import matplotlib.pyplot as plt
+import torch
+
+vowels = torch.stack(layouts.read_column(rollouts, ("next", "reward_vowel_fraction"))).flatten()
+answer = torch.stack(layouts.read_column(rollouts, ("next", "reward_says_the_answer"))).flatten()
+total = torch.stack(layouts.read_column(rollouts, ("next", "reward"))).flatten()
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.bar(range(len(total)), 1.0 * vowels, label="1.0 x vowel_fraction")
+ax.bar(range(len(total)), 0.5 * answer, bottom=1.0 * vowels, label="0.5 x says_the_answer")
+ax.plot(range(len(total)), total, "k_", markersize=18, label="reward written")
+ax.set_xlabel("rollout")
+ax.set_ylabel("reward")
+ax.legend(fontsize=8)
+fig.tight_layout()
 
 # %%
 # A TorchRL reward model as a TRL reward function
@@ -70,5 +134,6 @@ trainer = GRPOTrainer(
     ),
     train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": r["query"]}]} for r in rows]),
 )
+trainer.remove_callback(transformers.PrinterCallback)  # no per-log metric dicts
 trainer.train()
 print({k: v for k, v in trainer.state.log_history[-2].items() if k.startswith("rewards/")})
