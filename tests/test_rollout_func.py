@@ -569,3 +569,74 @@ def test_behaviour_logprob_correction(corrected, checkpoints, fresh_model, polic
     assert (stale - 1).abs().max() > 1e-2
     assert 0.8 < stale.mean().item() < 1.25, stale.mean().item()  # measured 0.93-0.95 (3 runs)
     assert max(clipped) > 0  # TRL's clipping now acts on stale tokens (measured 0.04-0.13)
+
+
+# -- AsyncGRPOTrainer's protocols (the trainer itself needs CUDA FlashAttention-3) -----------
+
+
+def test_trl_async_grpo_worker_and_weight_transfer(checkpoints, fresh_model, policy_and_tokenizer):
+    """Drive TorchRLRolloutWorker / TorchRLWeightTransfer as AsyncGRPOTrainer does: a weight
+    sync (pause, stream named parameters, resume, update_model_version), start, drain
+    RolloutSamples. The samples carry the synced weights' log-probs (independent forward)."""
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutWorkerProtocol, WeightTransferProtocol
+    from torchrl_trl.online import TorchRLRolloutWorker, TorchRLWeightTransfer
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    collector = _collector(generator, tok, CHATS, max_pending_groups=2)
+    worker = TorchRLRolloutWorker(collector, [lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]])
+    transfer = TorchRLWeightTransfer(collector)
+    for proto, obj in ((RolloutWorkerProtocol, worker), (WeightTransferProtocol, transfer)):
+        assert all(hasattr(obj, name) for name in dir(proto) if not name.startswith("_"))
+    with torch.no_grad():  # the trainer's weights moved on
+        for p in fresh_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    transfer.init_weight_transfer()
+    transfer.pause()
+    transfer.send_weights((n, p.detach()) for n, p in fresh_model.named_parameters())
+    transfer.resume()
+    worker.update_model_version(1)
+    worker.start()
+    try:
+        samples = [worker.rollout_buffer.get(timeout=60) for _ in range(4)]
+        worker.check_health(60.0)
+    finally:
+        worker.stop()
+    assert all(torch.equal(a, b) for a, b in zip(generator.parameters(), fresh_model.parameters()))
+    assert [s.group_id for s in samples] == [0, 0, 1, 1] and {s.model_version for s in samples} == {1}
+    for a, b in (samples[:2], samples[2:]):
+        assert a.advantage == pytest.approx(-b.advantage) or a.advantage == b.advantage == 0
+    for s in samples:
+        ids, mask = torch.as_tensor(s.input_ids), torch.as_tensor(s.completion_mask).bool()
+        n_prompt = int((~mask).cumprod(0).sum())
+        assert mask[n_prompt:].all() and n_prompt > 0
+        with torch.no_grad():
+            logits = fresh_model(input_ids=ids[None]).logits[0].float()
+        ref = logits[:-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+        torch.testing.assert_close(torch.as_tensor(s.old_log_probs)[1:][mask[1:]], ref[mask[1:]], atol=1e-4, rtol=1e-4)
+        assert not torch.as_tensor(s.old_log_probs)[~mask].any()
+
+
+def test_trl_async_grpo_worker_failure_surfaces(fresh_model, policy_and_tokenizer):
+    import time
+
+    from torchrl_trl.online import TorchRLRolloutWorker
+
+    _, tok = policy_and_tokenizer
+
+    def broken(completion_ids, **kw):
+        raise ZeroDivisionError("reward service down")
+
+    worker = TorchRLRolloutWorker(_collector(fresh_model, tok, CHATS), [broken])
+    worker.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="rollout worker failed") as info:
+            while time.monotonic() - start < 30:
+                worker.check_health(60.0)
+                time.sleep(0.05)
+    finally:
+        worker.stop()
+    assert isinstance(info.value.__cause__, ZeroDivisionError) and time.monotonic() - start < 30

@@ -10,7 +10,8 @@
   ``rollout_func`` of TRL's ``GRPOTrainer``; :class:`AsyncGroupCollector` +
   :class:`AsyncTorchRLRolloutFunc`: the same with generation in a background thread,
   bounded staleness; :class:`BehaviourLogProbsMixin`: TRL's GRPO loss corrected with the
-  behaviour log-probs.
+  behaviour log-probs; :class:`TorchRLRolloutWorker`, :class:`TorchRLWeightTransfer`:
+  the same collector behind ``trl.experimental.async_grpo.AsyncGRPOTrainer``'s protocols.
 - :mod:`torchrl_trl.online.ray`: Ray buffers and collectors (imports ``ray`` on use).
 """
 
@@ -37,6 +38,8 @@ _EXPORTS = {
     "AsyncGroupCollector": ".async_rollouts",
     "AsyncTorchRLRolloutFunc": ".async_rollouts",
     "BehaviourLogProbsMixin": ".async_rollouts",
+    "TorchRLRolloutWorker": ".trl_async_grpo",
+    "TorchRLWeightTransfer": ".trl_async_grpo",
 }
 
 __all__ = sorted(_EXPORTS)

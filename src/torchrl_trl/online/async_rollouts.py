@@ -179,6 +179,36 @@ class AsyncGroupCollector:
                 self.rollout.policy.model.load_state_dict(state)
             self.policy_version = int(version)
 
+    def pause(self) -> None:
+        """Block generation (after the batch in flight) until :meth:`resume`."""
+        self._weights_lock.acquire()
+
+    def resume(self, *, version: int | None = None) -> None:
+        """Let generation go on, with ``version`` as the policy version if given."""
+        if version is not None:
+            self.policy_version = int(version)
+        self._weights_lock.release()
+
+    def load_named_weights(self, named_tensors) -> int:
+        """Copy ``(name, tensor)`` pairs into the policy's parameters of those names (call
+        between :meth:`pause` and :meth:`resume`). Returns how many were loaded."""
+        params = dict(self.rollout.policy.model.named_parameters())
+        n = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(
+                        f"weight {name!r} is not a parameter of the collector's policy model "
+                        f"(it has {len(params)}, e.g. {sorted(params)[:3]})"
+                    )
+                if params[name].shape != tensor.shape:
+                    raise ValueError(
+                        f"weight {name!r}: shape {tuple(tensor.shape)}, the policy's is {tuple(params[name].shape)}"
+                    )
+                params[name].copy_(tensor)
+                n += 1
+        return n
+
     # -- producer ----------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -1,0 +1,211 @@
+"""TorchRL as the rollout worker and weight sink of ``trl.experimental.async_grpo.AsyncGRPOTrainer``.
+
+- :class:`TorchRLRolloutWorker` implements TRL's ``RolloutWorkerProtocol``: an
+  :class:`~torchrl_trl.online.AsyncGroupCollector` generates whole groups with TorchRL; a pump
+  thread scores each group with TRL-style reward functions, computes the group advantages as
+  TRL's own worker does (``(r - mean) / (std + 1e-8)``; a completion no function could score
+  gets advantage 0) and puts one ``RolloutSample`` per completion on :attr:`rollout_buffer`
+  (``input_ids`` = prompt + completion, ``completion_mask`` and ``old_log_probs`` aligned with
+  them: 1 / the behaviour log-prob on generated tokens, 0 on the prompt and on env tokens).
+- :class:`TorchRLWeightTransfer` implements ``WeightTransferProtocol``: ``pause`` stops the
+  collector between two batches, ``send_weights`` copies the trainer's ``(name, tensor)``
+  stream into the collector's policy by parameter name, ``resume`` bumps the collector's
+  policy version by one (the trainer bumps ``model_version`` by one per sync) and lets it go on.
+
+On this machine ``AsyncGRPOTrainer`` itself cannot train (CUDA-only FlashAttention-3 tree
+attention, see :mod:`torchrl_trl.online.async_rollouts`); these classes are tested against
+the protocols, and the same collector drives ``GRPOTrainer`` through
+:class:`~torchrl_trl.online.AsyncTorchRLRolloutFunc`.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .async_rollouts import AsyncGroupCollector, RolloutGroup
+
+__all__ = ["TorchRLRolloutWorker", "TorchRLWeightTransfer"]
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+class TorchRLRolloutWorker:
+    """``AsyncGRPOTrainer(rollout_worker=...)`` backed by a TorchRL collector.
+
+    Args:
+        collector: the :class:`~torchrl_trl.online.AsyncGroupCollector` (its policy holds its
+            own weights; give the same collector to :class:`TorchRLWeightTransfer`).
+        reward_funcs: TRL-style ``f(prompts, completions, completion_ids, **fields) -> list``
+            (``None`` entries allowed), summed with weight 1; ``fields`` are the rollout
+            func's forwarded fields (e.g. ``torchrl_reward``, ``answer``).
+
+    Keyword Args:
+        queue_maxsize: bound of :attr:`rollout_buffer` (the pump waits when it is full).
+        timeout: seconds the pump waits for a group before it counts as a failure.
+    """
+
+    def __init__(
+        self,
+        collector: AsyncGroupCollector,
+        reward_funcs: Sequence[Callable],
+        *,
+        queue_maxsize: int = 1024,
+        timeout: float = 600.0,
+    ):
+        if not reward_funcs:
+            raise ValueError("reward_funcs is empty: the worker scores every group it sends")
+        self.collector = collector
+        self.reward_funcs = list(reward_funcs)
+        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=queue_maxsize)
+        self.metrics_queue: queue.Queue = queue.Queue()
+        self.timeout = timeout
+        self.model_version = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._heartbeat = time.time()
+        self._group_ids = 0
+
+    # -- RolloutWorkerProtocol ---------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.collector.start()
+        self._heartbeat = time.time()
+        self._thread = threading.Thread(target=self._pump, name="torchrl-rollout-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.collector.stop()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def update_model_version(self, model_version: int) -> None:
+        self.model_version = int(model_version)
+        if self.collector.policy_version != self.model_version:
+            self.collector.update_policy_weights_(version=self.model_version)
+
+    def check_health(self, stale_after_s: float) -> None:
+        """Raise ``RuntimeError`` if the pump or the collector died, or nothing moved for
+        ``stale_after_s`` seconds."""
+        if self._error is not None:
+            raise RuntimeError(f"the TorchRL rollout worker failed: {self._error!r}") from self._error
+        if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+            raise RuntimeError("the TorchRL rollout worker thread exited")
+        age = time.time() - self._heartbeat
+        if age > stale_after_s:
+            raise RuntimeError(f"the TorchRL rollout worker made no progress for {age:.0f} s > {stale_after_s:.0f} s")
+
+    # -- the pump ----------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        try:
+            while not self._stop.is_set():
+                (group,) = self.collector.get_groups(
+                    1, consumer_version=self.model_version, max_staleness=None, timeout=self.timeout
+                )
+                for sample in self.to_samples(group):
+                    while not self._stop.is_set():
+                        try:
+                            self.rollout_buffer.put(sample, timeout=0.1)
+                            break
+                        except queue.Full:
+                            self._heartbeat = time.time()  # waiting on the trainer is not a hang
+                self._heartbeat = time.time()
+        except BaseException as err:
+            if not self._stop.is_set():
+                self._error = err
+
+    def to_samples(self, group: RolloutGroup) -> list:
+        """Score one group and turn it into TRL ``RolloutSample`` rows."""
+        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+        batch = group.batch
+        tokenizer = self.collector.rollout.policy.tokenizer
+        n = len(batch["completion_ids"])
+        prompts = [group.prompt] * n
+        texts = tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+        chat = isinstance(group.prompt, list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        fields = {k: v for k, v in batch.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        columns = []
+        for func in self.reward_funcs:
+            values = func(prompts=prompts, completions=completions, completion_ids=batch["completion_ids"], **fields)
+            if len(values) != n:
+                raise ValueError(f"reward function {_name(func)!r} returned {len(values)} rewards for {n} completions")
+            columns.append([math.nan if v is None else float(v) for v in values])
+        per_func = np.array(columns, dtype=float)
+        unscorable = np.all(np.isnan(per_func), axis=0)
+        rewards = np.nansum(per_func, axis=0)
+        rewards[unscorable] = np.nan
+        advantages = np.zeros(n)
+        scored = rewards[~unscorable]
+        if scored.size:
+            advantages[~unscorable] = (scored - scored.mean()) / (scored.std() + 1e-8)
+        group_id = self._group_ids
+        self._group_ids += 1
+        samples = []
+        for i in range(n):
+            prompt_ids, completion_ids = batch["prompt_ids"][i], batch["completion_ids"][i]
+            env_mask = batch["env_mask"][i] if "env_mask" in batch else [1] * len(completion_ids)
+            logprobs = np.nan_to_num(np.asarray(batch["logprobs"][i], dtype=np.float32), nan=0.0)
+            metrics = {"reward": float(rewards[i])}
+            metrics.update({f"rewards/{_name(f)}": float(per_func[j, i]) for j, f in enumerate(self.reward_funcs)})
+            samples.append(
+                RolloutSample(
+                    prompt=group.prompt,
+                    completion=completions[i],
+                    input_ids=np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int64),
+                    completion_mask=np.asarray([0] * len(prompt_ids) + list(env_mask), dtype=np.int64),
+                    old_log_probs=np.concatenate([np.zeros(len(prompt_ids), dtype=np.float32), logprobs]),
+                    advantage=float(advantages[i]),
+                    model_version=group.version,
+                    group_id=group_id,
+                    metrics=metrics,
+                )
+            )
+        return samples
+
+
+class TorchRLWeightTransfer:
+    """``AsyncGRPOTrainer(weight_transfer=...)`` loading the trainer's weights into the
+    collector's policy (same process)."""
+
+    def __init__(self, collector: AsyncGroupCollector):
+        self.collector = collector
+        self.transfers = 0
+        self.loaded = 0
+        self._paused = False
+
+    def init_weight_transfer(self) -> None:
+        return None
+
+    def pause(self) -> None:
+        if not self._paused:
+            self.collector.pause()
+            self._paused = True
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if not self._paused:
+            raise RuntimeError("send_weights() outside pause()/resume(): generation could read half-copied weights")
+        self.loaded = self.collector.load_named_weights(iterator)
+        self.transfers += 1
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self.collector.resume(version=self.collector.policy_version + 1)
+
+    def destroy(self) -> None:
+        self.resume()
