@@ -81,6 +81,11 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 @dataclass
 class _Request:
     ids: Ragged
@@ -152,7 +157,8 @@ class RewardModelService:
     def stats(self) -> dict:
         """Counters since the actor started: requests, sequences, flushes (coalesced
         batches), forwards, real/processed tokens, padding efficiency, truncations,
-        non-finite rewards, the largest forward (rows x width) and peak RSS (MiB)."""
+        non-finite rewards, the largest forward (rows x width), peak RSS (MiB), the
+        process's CPU seconds and torch threads."""
         w = self.wrapper
         out = dict(self._stats)
         out.update(
@@ -162,7 +168,9 @@ class RewardModelService:
             truncated_count=w.truncated_count,
             nonfinite_count=w.nonfinite_count,
             peak_rss_mib=_peak_rss_mib(),
+            cpu_seconds=_cpu_seconds(),
             pid=os.getpid(),
+            torch_threads=torch.get_num_threads(),
         )
         if torch.cuda.is_available():
             out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
