@@ -1,4 +1,4 @@
-"""Score one long-tailed batch with a reward model three ways, in one process:
+"""Score one long-tailed batch with a reward model, in one process:
 
 1. upstream ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper`` on the left-padded
    batch (the only input it accepts);
@@ -6,18 +6,30 @@
    ``tokenizer(texts, padding=True, padding_side="right", add_special_tokens=False)``, one
    forward under ``torch.inference_mode()``, ``logits[:, 0]``), reproduced here;
 3. ours: ``torchrl_trl.HFRewardModelWrapper`` on the ragged tokens (length-sorted
-   token-budget micro-batches).
+   token-budget micro-batches), and ``packing=True`` (sequences back to back, one row per
+   forward, ``--pack-tokens`` per pack);
+4. the zero-padding limit: the same model on the same token ids with no padding at all,
+   two ways -- one forward per sequence (``limit_single``), and sequences of identical
+   length batched together up to the token budget (``limit_grouped``: every length bucket
+   exactly full). The faster one is the limit; ``ours / limit`` is its time over ours.
 
-Prints tokens/s, padding efficiency (real / processed tokens) and peak memory (CUDA: max
-allocated; CPU: peak RSS growth sampled every millisecond) and the ratios.
+Prints tokens/s, padding efficiency (real / processed tokens), peak memory (CUDA: max
+allocated; CPU: peak RSS growth sampled every millisecond), wall and CPU time and the
+ratios. Ours, packed and the limits are timed in ``--repeat`` interleaved rounds after a
+warm-up round (best round kept: the machine may be shared); the two baselines once,
+during the memory pass, which runs last.
+CPU time (``time.process_time``) is steadier than wall time on a loaded machine,
+especially with ``--threads 1``.
 
     python benchmarks/bench_reward_model.py            # 256 seqs, 32..1024 tokens
     python benchmarks/bench_reward_model.py --small    # quick run
+    python benchmarks/bench_reward_model.py --small --threads 1 --repeat 5
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import threading
@@ -30,6 +42,13 @@ from tensordict import TensorDict, lazy_stack
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _malloc_trim():
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
 
 
 class PeakMemory:
@@ -45,6 +64,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
             return self
+        _malloc_trim()  # hand freed heap back to the OS, or a later method reuses it unseen
         self.base, self._top, self._stop = _rss(), _rss(), False
 
         def sample():
@@ -84,17 +104,45 @@ def make_batch(tok, n, lo, hi, seed=0):
     return seqs
 
 
+def limit_single(model, seqs, device):
+    """Zero padding: one forward per sequence."""
+    with torch.inference_mode():
+        return torch.stack([model(input_ids=s[None].to(device)).logits[0, 0] for s in seqs]).float().cpu()
+
+
+def limit_grouped(model, seqs, device, budget):
+    """Zero padding: sequences of identical length stacked, up to ``budget`` tokens a forward."""
+    groups = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(len(s), []).append(i)
+    out = torch.empty(len(seqs))
+    with torch.inference_mode():
+        for length, index in groups.items():
+            rows = max(1, budget // length)
+            for k in range(0, len(index), rows):
+                sub = index[k : k + rows]
+                ids = torch.stack([seqs[i] for i in sub]).to(device)
+                out[sub] = model(input_ids=ids).logits[:, 0].float().cpu()
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--small", action="store_true", help="64 sequences, 32..256 tokens")
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--max-tokens-per-batch", type=int, default=8192)
+    p.add_argument("--pack-tokens", default=None,
+                   help="packing=True token budgets, comma-separated (default: half and twice the longest)")
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds of ours / packed / limits (>= 1)")
+    p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     n, hi = (64, 256) if args.small else (256, 1024)
     n = args.n or n
+    pack_budgets = [int(x) for x in (args.pack_tokens or f"{hi // 2},{2 * hi}").split(",") if x]
     device = torch.device(args.device)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
 
     from transformers import LlamaConfig, LlamaForSequenceClassification
     from torchrl.modules.llm.trl_interop import HFRewardModelWrapper as Upstream
@@ -133,38 +181,78 @@ def main():
             r = model(**inputs).logits[:, 0]
         return r.float().cpu(), inputs["input_ids"].numel()
 
-    ours_scorer = HFRewardModelWrapper(
-        model, attention_mask_key=None, inference_mode=True, max_tokens_per_batch=args.max_tokens_per_batch
-    )
+    def scorer_fn(**kwargs):
+        scorer = HFRewardModelWrapper(model, attention_mask_key=None, inference_mode=True, **kwargs)
 
-    def ours():
-        before = ours_scorer.processed_tokens
-        r = ours_scorer(td_ragged.clone())["reward"]
-        return r, ours_scorer.processed_tokens - before
+        def run():
+            before = scorer.processed_tokens
+            r = scorer(td_ragged.clone())["reward"]
+            return r, scorer.processed_tokens - before
+
+        return run
+
+    timed = {
+        "ours": scorer_fn(max_tokens_per_batch=args.max_tokens_per_batch),
+        **{
+            f"packed{b}": scorer_fn(max_tokens_per_batch=b, packing=True)
+            for b in pack_budgets
+        },
+        "limit_single": lambda: (limit_single(model, seqs, device), real),
+        "limit_grouped": lambda: (limit_grouped(model, seqs, device, args.max_tokens_per_batch), real),
+    }
+    baselines = {"trl_grpo": trl_path, "upstream": upstream}
 
     # warm-up (kernels, thread pools), not timed
     with torch.inference_mode():
         for w in (64, 256):
             model(input_ids=padded[:4, -w:], attention_mask=mask[:4, -w:].long())
 
+    def clock(fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        rewards, processed = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return rewards, processed, time.perf_counter() - t0, time.process_time() - c0
+
+    rounds = {name: dict(wall=[], cpu=[]) for name in timed}
+    for r in range(args.repeat + 1):  # round 0 warms every path up and is not kept
+        for name, fn in timed.items():
+            _, _, wall, cpu = clock(fn)
+            if r:
+                rounds[name]["wall"].append(wall)
+                rounds[name]["cpu"].append(cpu)
     results = {}
-    for name, fn in (("ours", ours), ("trl_grpo", trl_path), ("upstream", upstream)):
+    for name, fn in {**timed, **baselines}.items():  # memory pass (the baselines' only timing)
         with PeakMemory(device) as mem:
-            t0 = time.perf_counter()
-            rewards, processed = fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-        results[name] = dict(rewards=rewards.detach().float().cpu(), time=dt, processed=processed, mem=mem.peak)
+            rewards, processed, wall, cpu = clock(fn)
+        results[name] = dict(rewards=rewards.detach().float().cpu(), processed=processed, mem=mem.peak,
+                             **(rounds.get(name) or dict(wall=[wall], cpu=[cpu])))
+    for r in results.values():
+        r["time"], r["cpu_time"] = min(r["wall"]), min(r["cpu"])
 
     print(f"batch: {n} sequences, {real} real tokens, longest {width}, device {device}, "
-          f"threads {torch.get_num_threads()}, token budget {args.max_tokens_per_batch}")
-    print(f"{'method':<10} {'tokens/s':>10} {'pad eff':>8} {'peak MiB':>9} {'time s':>8}")
+          f"threads {torch.get_num_threads()}, token budget {args.max_tokens_per_batch}, "
+          f"timed rounds {args.repeat} (best kept), load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"{'method':<14} {'tokens/s':>10} {'pad eff':>8} {'peak MiB':>9} {'wall s':>8} {'cpu s':>8}  rounds (wall s)")
     for name, r in results.items():
-        print(f"{name:<10} {real / r['time']:>10.0f} {real / r['processed']:>8.3f} "
-              f"{r['mem'] / 2**20:>9.1f} {r['time']:>8.2f}")
+        rounds = " ".join(f"{t:.2f}" for t in r["wall"])
+        print(f"{name:<14} {real / r['time']:>10.0f} {real / r['processed']:>8.3f} "
+              f"{r['mem'] / 2**20:>9.1f} {r['time']:>8.2f} {r['cpu_time']:>8.2f}  {rounds}")
     o = results["ours"]
-    for base in ("upstream", "trl_grpo"):
+    limit_name = min(("limit_single", "limit_grouped"), key=lambda k: results[k]["time"])
+    lim = results[limit_name]
+    ref = results["limit_single"]["rewards"]
+    print(f"ours / limit ({limit_name}): wall x{lim['time'] / o['time']:.3f}, "
+          f"cpu x{lim['cpu_time'] / o['cpu_time']:.3f} (best limit by cpu: "
+          f"x{min(results[k]['cpu_time'] for k in ('limit_single', 'limit_grouped')) / o['cpu_time']:.3f}), "
+          f"max |reward diff| {float((o['rewards'] - ref).abs().max()):.2e}")
+    for name in (k for k in timed if k.startswith("packed")):
+        pk = results[name]
+        print(f"{name} / ours (padded micro-batches): wall x{o['time'] / pk['time']:.3f}, "
+              f"cpu x{o['cpu_time'] / pk['cpu_time']:.3f}; {name} / limit: cpu "
+              f"x{lim['cpu_time'] / pk['cpu_time']:.3f}; max |reward diff| vs limit_single "
+              f"{float((pk['rewards'] - ref).abs().max()):.2e}")
+    for base in baselines:
         b = results[base]
         print(f"ours vs {base}: throughput x{b['time'] / o['time']:.2f}, "
               f"peak memory /{b['mem'] / max(o['mem'], 1):.1f}, "

@@ -82,7 +82,7 @@ def plan_micro_batches(
     max_tokens_per_batch: int | None,
     max_batch_size: int | None = None,
     pad_to_multiple_of: int | None = None,
-    min_fill: float | None = 0.9,
+    min_fill: float | None = 0.95,
 ) -> list[torch.Tensor]:
     """Split sample indices into micro-batches by a token budget.
 
@@ -139,7 +139,7 @@ def iter_micro_batches(
     max_tokens_per_batch: int | None,
     max_batch_size: int | None = None,
     pad_to_multiple_of: int | None = None,
-    min_fill: float | None = 0.9,
+    min_fill: float | None = 0.95,
 ):
     """Yield right-padded :class:`MicroBatch` es covering every row of ``ids`` once."""
     for index in plan_micro_batches(
