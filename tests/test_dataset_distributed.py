@@ -1,4 +1,5 @@
-"""Exactly-once epoch reads across 2 processes (gloo) through a real SFTTrainer dataloader."""
+"""Exactly-once epoch reads across processes: 2 ranks (gloo) through a real SFTTrainer
+dataloader, and spawned DataLoader workers beside a live writer."""
 
 import json
 import os
@@ -6,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from torch.utils.data import DataLoader
+
+from torchrl_trl.data import TorchRLBufferDataset
+from test_dataset_inputs import _Writer, _assert_one_pass, _ids_buffer, _slow, _xs
 
 
 def test_two_processes_read_each_item_once(tmp_path):
@@ -27,3 +33,15 @@ def test_two_processes_read_each_item_once(tmp_path):
     # one shard -> accelerate's IterableDatasetShard slices each global batch (24 = 3 x 8)
     seen = sorted(tuple(r) for rank in ranks for r in rank["iterable_shard"])
     assert seen == stored[:24] and len(set(seen)) == 24
+
+
+@pytest.mark.timeout(120)
+def test_epoch_pass_beside_writer_with_spawned_workers():
+    """TorchRL makes ``spawn`` the default start method: workers get the buffer pickled
+    while no write is in progress (torch moves its storage to shared memory then)."""
+    rb = _ids_buffer(40, capacity=1_000_000)  # never full: no item is overwritten
+    ds = TorchRLBufferDataset(rb, 2, mode="epoch", shuffle=True, keys=["x"], columns={"slow": _slow})
+    with _Writer(rb, pause=0.001):
+        loader = DataLoader(ds.as_hf_dataset(), batch_size=None, num_workers=2, multiprocessing_context="spawn")
+        before = len(rb)
+        _assert_one_pass(_xs(loader), before, len(rb))

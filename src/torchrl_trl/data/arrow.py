@@ -92,7 +92,10 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
     (``shuffle_data_sources``), as for a generator's list ``gen_kwargs``.
 
     ``num_passes`` (default 1; ``None``: endless): one iteration goes over its shards that
-    many times, calling ``generate_batches([s], pass_index=k)`` in pass ``k > 0``.
+    many times, calling ``generate_batches([s], pass_index=k)`` in pass ``k > 0``. When
+    ``generate_batches`` has ``start_pass(k, first) -> dict``, it is called once when pass
+    ``k`` begins (``first``: the first pass of this iteration) and the dict is passed to
+    every ``generate_batches`` call of that pass (e.g. the buffer length all shards read).
     """
 
     def __init__(self, generate_batches: Callable[[list[int]], Iterator[tuple[Any, ColumnBatch]]],
@@ -134,12 +137,18 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
         first one (resuming from a state dict)."""
         state = self._state_dict
         k = state.get("pass_idx", 0) if state else 0
+        start_pass = getattr(self.generate_batches, "start_pass", None)
+        first = True
         while self.num_passes is None or k < self.num_passes:
+            kwargs = {"pass_index": k} if k else {}
+            if start_pass is not None:  # once per pass, shared by all its shards
+                kwargs.update(start_pass(k, first))
+                first = False
             first_shard = state["shard_idx"] if state else 0
             for s in self.shard_ids[first_shard:]:
                 skip = state["shard_example_idx"] if state else 0
                 seen = 0
-                for key, cols in self.generate_batches([s], **({"pass_index": k} if k else {})):
+                for key, cols in self.generate_batches([s], **kwargs):
                     n = len(next(iter(cols.values()))) if cols else 0
                     if seen + n > skip:
                         yield max(skip - seen, 0), key, cols, n

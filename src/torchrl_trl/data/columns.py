@@ -18,7 +18,10 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 
-__all__ = ["ColumnSpec", "column_name", "missing_key_error", "read_key", "read_key_columnar", "to_nested_key", "to_pylist"]
+__all__ = [
+    "ColumnSpec", "column_name", "missing_key_error", "read_key", "read_key_columnar", "read_token_ids",
+    "to_nested_key", "to_pylist",
+]
 
 ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
 _PARTS = ("prompt", "response", "full")
@@ -96,7 +99,7 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
     if len(tkey) == 2 and tkey[1] in _PARTS and tkey[0] in ("tokens", "history"):
         if tkey[0] == "history":
             return layouts.read_history(td, tkey[1]), None
-        ragged = layouts.read_tokens(td, tkey[1])
+        ragged = read_token_ids(td, tkey[1])
         return ragged, ragged.values.dtype
     value = _get_dense(td, key)
     if value is None:  # ragged lazy stack: one tensor per row
@@ -117,6 +120,23 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
     return layouts.read_column(td, key), None
 
 
+def read_token_ids(td: TensorDictBase, part: layouts.Part) -> layouts.Ragged:
+    """:func:`layouts.read_tokens` of ``("tokens", part)``, refusing ids that are not
+    integers (a float id would be yielded as a float, or silently truncated by a cast).
+
+    Raises:
+        TypeError: naming the key and the dtype found.
+    """
+    ragged = layouts.read_tokens(td, part)
+    dtype = ragged.values.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(
+            f"token ids at key {column_name(layouts.token_key(part))!r} must be integers, got dtype {dtype}; "
+            "store the ids as int64 as TorchRL's wrappers do"
+        )
+    return ragged
+
+
 class _RaggedRows(list):
     """Per-row values (tensors of different shapes, or anything else) read row by row;
     ``tolist`` converts each tensor row to Python."""
@@ -126,10 +146,13 @@ class _RaggedRows(list):
 
 
 def _get_dense(td: TensorDictBase, key: NestedKey) -> Any:
+    """``td.get(key)``, or ``None`` where the rows cannot be stacked (a lazy stack, also
+    one nested in a dense tensordict, e.g. ``ListStorage`` samples of ragged rollouts):
+    then the caller reads row by row through :func:`layouts.read_column`."""
     try:
         return td.get(key)
     except (RuntimeError, ValueError, TypeError):
-        if isinstance(td, LazyStackedTensorDict):
+        if isinstance(td, LazyStackedTensorDict) or td.batch_dims > 0:
             return None
         raise
 

@@ -53,8 +53,12 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         extra_columns: keys yielded alongside the format's columns under their flat name
             (e.g. ``["answer"]`` for a GRPO reward function), or a ``{name: key}`` dict.
         mode: ``"online"`` samples with the buffer's own sampler; ``"epoch"`` reads each
-            item stored when a pass starts exactly once (``__len__``, ``set_epoch``).
+            item stored when a pass starts exactly once (``__len__``, ``set_epoch``), also
+            while a collector keeps writing: one length per pass, shared by every shard
+            and DataLoader worker (see ``docs/source/distributed_dataset.md``).
         shuffle: epoch mode: visit items in a random order drawn from ``(seed, epoch)``.
+            Online mode samples with the buffer's own sampler (e.g. TorchRL's
+            ``RandomSampler``), so ``shuffle=True`` there raises ``ValueError``.
         seed: epoch mode: the shuffle seed (default 0; must be equal on every rank).
             Online mode: base seed of the per-rank/per-worker sampling streams (default:
             ``torch.initial_seed()``; the rank is always mixed in).
@@ -63,9 +67,11 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         rank, world_size: ``__iter__`` only: also split an epoch pass over processes (for
             a plain ``DataLoader`` under ``torch.distributed``). Leave unset when a trainer
             (accelerate) shards, as it does for :meth:`as_hf_dataset`.
-        sample_filter: ``fn(batch) -> bool tensor [B]``: rows where it is ``False`` are
-            not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`, which counts
-            what it drops). An epoch pass then yields fewer than ``len(self)`` rows.
+        sample_filter: ``fn(batch) -> bool tensor [B]`` (one value per row, ``B`` the
+            product of the batch's dims): rows where it is ``False`` are not yielded (e.g.
+            :class:`torchrl_trl.online.StalenessFilter`, which counts what it drops). An
+            epoch pass then yields fewer than ``len(self)`` rows. Another dtype or number
+            of values raises.
         index_column: yield each row's storage index (an int) under this column name, so
             the trainer can hand it back (e.g. to
             :func:`torchrl_trl.online.update_priorities`); needs
@@ -118,6 +124,14 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"num_batches must be a positive integer or None, got {num_batches!r}.")
         if mode not in ("online", "epoch"):
             raise ValueError(f"mode must be 'online' or 'epoch', got {mode!r}.")
+        if shuffle and mode == "online":
+            raise ValueError(
+                "shuffle=True is for mode='epoch' (a permuted pass over the stored items); "
+                "mode='online' draws rows with the replay buffer's own sampler (give the buffer "
+                "a RandomSampler to sample at random)."
+            )
+        if sample_filter is not None and not callable(sample_filter):
+            raise TypeError(f"sample_filter must be callable, got {type(sample_filter).__name__}.")
         if num_shards is not None and (not isinstance(num_shards, int) or num_shards <= 0):
             raise ValueError(f"num_shards must be a positive integer or None, got {num_shards!r}.")
         if num_passes is not None and (
@@ -152,6 +166,9 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         self._num_passes = num_passes
         # shared memory, so DataLoader workers and the HF iterable see set_epoch()
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._lengths = sharding.PassLengths()  # the items each epoch pass reads
+        sharding.guard_fork(replay_buffer)  # DataLoader workers forked beside a writer thread
+        self._item_rows: int | None = None
         self._passes = 0
         self._features = None
         self._python_rows: bool | None = None
@@ -188,7 +205,11 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         rb = self._replay_buffer
         if not self._holds_python_rows():
             return rb[index]
-        batch = _rows_to_td(rb.storage.get(index.tolist()))
+        index = index.tolist()
+        rows = rb.storage.get(index)
+        # every row is checked against the buffer's first row, whichever chunk it is in
+        first = rows[0] if index[0] == 0 else rb.storage.get(0)
+        batch = _rows_to_td(rows, index, reference=first)
         transform = rb.transform
         if transform is not None and len(transform):
             batch = transform(batch)
@@ -206,8 +227,9 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         index = torch.as_tensor(index).reshape(-1)
         return self._fetch(index), index
 
-    def _require_nonempty(self) -> int:
-        n = len(self._replay_buffer)
+    def _require_nonempty(self, n: int | None = None) -> int:
+        if n is None:
+            n = self._readable()[0]
         if n == 0:
             raise ValueError(
                 "TorchRLBufferDataset: the replay buffer is empty; fill it (e.g. run the "
@@ -273,8 +295,10 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         self, batch: TensorDictBase, python: bool | str, index: torch.Tensor | None = None
     ) -> dict[str, Any] | None:
         """The converted columns of ``batch`` after ``sample_filter`` (``None``: all dropped)."""
+        if index is not None:
+            index = _index_per_row(index, batch)
         if self._sample_filter is not None:
-            keep = torch.as_tensor(self._sample_filter(batch), dtype=torch.bool).reshape(-1)
+            keep = self._keep(batch)
             if not keep.all():
                 kept = keep.nonzero().squeeze(-1)
                 if not kept.numel():
@@ -290,6 +314,23 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
                 cols[name] = [v.to(self._device) if isinstance(v, torch.Tensor) else v for v in values]
         return cols
 
+    def _keep(self, batch: TensorDictBase) -> torch.Tensor:
+        """``sample_filter(batch)`` as bool ``[B]``; anything else raises."""
+        out = self._sample_filter(batch)
+        keep = torch.as_tensor(out) if not isinstance(out, torch.Tensor) else out
+        rows = batch.batch_size.numel()
+        if keep.dtype != torch.bool:
+            raise TypeError(
+                f"sample_filter must return bools (a bool tensor of shape [{rows}], one per row), "
+                f"got dtype {keep.dtype}"
+            )
+        if keep.numel() != rows:
+            raise ValueError(
+                f"sample_filter returned {keep.numel()} values (shape {list(keep.shape)}) for a batch of "
+                f"{rows} rows; expected shape [{rows}] (or the batch shape {list(batch.batch_size)})"
+            )
+        return keep.reshape(-1)
+
     def _rows(self, batch: TensorDictBase, python: bool, index: torch.Tensor | None = None) -> Iterator[dict[str, Any]]:
         cols = self._columns_of(batch, python, index)
         if cols is None:
@@ -304,25 +345,62 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch mode: the pass number mixed into the shuffle seed (the trainer calls
-        this on the Hugging Face iterable from :meth:`as_hf_dataset`, which shares it)."""
+        this on the Hugging Face iterable from :meth:`as_hf_dataset`, which shares it).
+
+        Under ``torch.distributed`` with several ranks (call it on every rank), it also
+        fixes the items of the next pass of ``epoch`` to those rank 0 holds now, so every
+        rank reads the same items beside a live writer."""
         self._epoch.fill_(int(epoch))
+        self._pin_for_ranks()
+
+    def _pin_for_ranks(self) -> None:
+        if self._mode == "epoch" and sharding.world_size() > 1:
+            self._lengths.pin(self.epoch, sharding.broadcast_length(len(self._replay_buffer)))
 
     @property
     def epoch(self) -> int:
         return int(self._epoch)
 
     def __len__(self) -> int:
-        """Epoch mode: items one iterator yields (``num_passes * len(replay_buffer)`` now)."""
+        """Epoch mode: rows one iterator yields if nothing is written meanwhile
+        (``num_passes * len(replay_buffer)`` times the rows of one stored item, e.g. ``G``
+        for items of batch shape ``[G]``), before ``sample_filter``."""
         if self._mode != "epoch":
             raise TypeError("TorchRLBufferDataset has no length in online mode; use mode='epoch'.")
         if self._num_passes is None:
             raise TypeError("TorchRLBufferDataset has no length with num_passes=None (endless passes).")
-        return self._num_passes * len(self._replay_buffer)
+        n = len(self._replay_buffer)
+        return self._num_passes * n * (self._rows_per_item() if n else 1)
 
-    def _order(self, epoch: int | None = None) -> torch.Tensor:
-        n = self._require_nonempty()
+    def _rows_per_item(self) -> int:
+        """Rows one stored item yields: the numel of its batch shape (TorchRL stacks a
+        buffer's items, so they share it)."""
+        if self._item_rows is None:
+            self._item_rows = self._fetch(torch.arange(1)).batch_size.numel()
+        return self._item_rows
+
+    def _readable(self) -> tuple[int, bool]:
+        """``(n, live)`` of :func:`sharding.readable_length`, refusing a buffer this process
+        inherited in the middle of a write."""
+        rb = self._replay_buffer
+        if sharding.forked_mid_write(rb):
+            raise RuntimeError(
+                "TorchRLBufferDataset: this DataLoader worker was forked while another thread was "
+                "writing the replay buffer (its lock stayed held for 30 s), so its copy may be torn. "
+                "Read with num_workers=0, use multiprocessing_context='spawn', or pause the writer."
+            )
+        return sharding.readable_length(rb)
+
+    def _pass_length(self, epoch: int, *, first: bool = True, pass_index: int = 0) -> int:
+        """The number of items epoch pass ``pass_index`` of this iteration reads: taken once
+        when the pass begins and shared with every shard and DataLoader worker reading it,
+        so a writer adding items meanwhile changes nothing in the pass."""
+        n, live = self._readable()
+        n = self._lengths.length(epoch, first=first, pass_index=pass_index, take=lambda: n, live=live)
+        return self._require_nonempty(n)
+
+    def _order(self, epoch: int, n: int) -> torch.Tensor:
         seed = 0 if self._seed is None else self._seed
-        epoch = self.epoch if epoch is None else epoch
         return sharding.epoch_order(n, shuffle=self._shuffle, seed=seed, epoch=epoch)
 
     def _pass_epochs(self) -> Iterator[int]:
@@ -333,14 +411,17 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             k += 1
 
     def _epoch_batches(
-        self, shard_ids: Sequence[int], num_shards: int, epoch: int | None = None
+        self, shard_ids: Sequence[int], num_shards: int, epoch: int, n: int
     ) -> Iterator[tuple[TensorDictBase, torch.Tensor]]:
-        """``(batch, storage index)`` chunks of shards ``shard_ids`` of the pass ``epoch``."""
-        order = self._order(epoch)
+        """``(batch, storage index)`` chunks of shards ``shard_ids`` of the pass ``epoch``
+        over the first ``n`` items (a shard may be empty when ``n < num_shards``)."""
+        order = self._order(epoch, n)
         bounds = sharding.shard_bounds(order.numel(), num_shards)
         for s in shard_ids:
-            for chunk in order[bounds[s] : bounds[s + 1]].split(self._batch_size):
-                yield self._fetch(chunk), chunk
+            shard = order[bounds[s] : bounds[s + 1]]
+            if shard.numel():
+                for chunk in shard.split(self._batch_size):
+                    yield self._fetch(chunk), chunk
 
     # ------------------------------------------------------------------
     # Online mode
@@ -377,8 +458,9 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             for batch, index in self._online(me.index, self._num_batches):
                 yield from self._rows(batch, python=False, index=index)
             return
-        for epoch in self._pass_epochs():
-            chunks = self._order(epoch).split(self._batch_size)
+        for k, epoch in enumerate(self._pass_epochs()):
+            n = self._pass_length(epoch, first=k == 0, pass_index=k)
+            chunks = self._order(epoch, n).split(self._batch_size)
             for i in range(me.index, len(chunks), me.count):
                 yield from self._rows(self._fetch(chunks[i]), python=False, index=chunks[i])
 
@@ -447,6 +529,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         passes = self._num_passes if self._mode == "epoch" else 1
         ds = make_iterable_dataset(_HFBatches(self, k), list(range(k)), features, tensors=tensors, num_passes=passes)
         ds._epoch = self._epoch  # one shared counter: the trainer's set_epoch reaches us
+        self._pin_for_ranks()
         return ds
 
     def to_hf_dataset(self, *, cache_dir: str | None = None, keep_in_memory: bool = False,
@@ -460,6 +543,27 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             gen, features, {"shard_ids": [0]}, streaming=False, cache_dir=cache_dir,
             keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size,
         )
+
+    def __reduce_ex__(self, protocol):
+        from multiprocessing.context import get_spawning_popen
+
+        lock = getattr(self._replay_buffer, "_replay_lock", None)
+        if get_spawning_popen() is None or lock is None:
+            return super().__reduce_ex__(protocol)
+        # pickled for a spawned DataLoader worker: copy the buffer while no thread writes it
+        # (torch moves its tensors to shared memory meanwhile, which races a write)
+        import io
+        from multiprocessing.reduction import ForkingPickler
+
+        out = io.BytesIO()
+        pickler = ForkingPickler(out, protocol)
+        with lock:
+            pickler.dump(self._replay_buffer)
+        # objects made while pickling (e.g. shared-memory storages whose file descriptors
+        # the child inherits) must live until the worker has started
+        self._spawn_keepalive = pickler.memo.copy()
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_replay_buffer", "_spawn_keepalive")}
+        return _restore, (type(self), state, out.getvalue())
 
     def __repr__(self) -> str:
         keys_repr = self._keys if self._keys is not None else "<all>"
@@ -483,12 +587,23 @@ class _HFBatches:
         self.epoch_mode = force_epoch or dataset.mode == "epoch"
         self.python = python
 
-    def batches(self, shard_ids: list[int], pass_index: int = 0) -> Iterator[tuple[str, TensorDictBase, torch.Tensor | None]]:
-        """Epoch mode: pass ``pass_index`` of an iterator (shuffled with ``epoch + pass_index``)."""
+    def start_pass(self, pass_index: int, first: bool) -> dict[str, Any]:
+        """Called once per pass of one iteration, before its shards are read: epoch mode
+        takes the pass's length here (``{"length": n}``), so every shard reads the same items."""
+        if not self.epoch_mode:
+            return {}
+        ds = self.dataset
+        return {"length": ds._pass_length(ds.epoch + pass_index, first=first, pass_index=pass_index)}
+
+    def batches(self, shard_ids: list[int], pass_index: int = 0,
+                length: int | None = None) -> Iterator[tuple[str, TensorDictBase, torch.Tensor | None]]:
+        """Epoch mode: pass ``pass_index`` of an iterator (shuffled with ``epoch + pass_index``)
+        over the first ``length`` items (default: taken now)."""
         ds = self.dataset
         if self.epoch_mode:
             epoch = ds.epoch + pass_index
-            for i, (batch, index) in enumerate(ds._epoch_batches(shard_ids, self.num_shards, epoch)):
+            n = ds._pass_length(epoch) if length is None else length
+            for i, (batch, index) in enumerate(ds._epoch_batches(shard_ids, self.num_shards, epoch, n)):
                 yield f"epoch{pass_index}_{i}", batch, index
             return
         budgets = None
@@ -499,8 +614,9 @@ class _HFBatches:
             for i, (batch, index) in enumerate(ds._online(s, None if budgets is None else budgets[s])):
                 yield f"{s}_{i}", batch, index
 
-    def __call__(self, shard_ids: list[int], pass_index: int = 0) -> Iterator[tuple[str, dict[str, Any]]]:
-        for key, batch, index in self.batches(shard_ids, pass_index):
+    def __call__(self, shard_ids: list[int], pass_index: int = 0,
+                 length: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+        for key, batch, index in self.batches(shard_ids, pass_index, length):
             cols = self.dataset._columns_of(batch, self.python, index)
             if cols is not None:
                 yield key, cols
@@ -527,21 +643,62 @@ def _from_generator(gen, features, gen_kwargs, *, streaming: bool, **kwargs):
     ).read()
 
 
-def _rows_to_td(rows: list) -> TensorDictBase:
-    """Plain Python rows (dicts) -> a TensorDict with one row per entry."""
+def _restore(cls, state: dict, buffer: bytes):
+    """Rebuild a dataset pickled by ``__reduce_ex__`` for a spawned worker (``buffer``: our
+    own bytes, from the parent process)."""
+    import pickle
+
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    obj._replay_buffer = pickle.loads(buffer)
+    return obj
+
+
+def _index_per_row(index: torch.Tensor, batch: TensorDictBase) -> torch.Tensor:
+    """Storage indices, one per row: an item of batch shape ``[G]`` gives ``G`` rows."""
+    index = torch.as_tensor(index).reshape(-1)
+    rows = batch.batch_size.numel()
+    if index.numel() and rows != index.numel() and rows % index.numel() == 0:
+        index = index.repeat_interleave(rows // index.numel())
+    return index
+
+
+def _rows_to_td(rows: list, index: Sequence[int] | None = None, path: tuple = (),
+                reference: Any = None) -> TensorDictBase:
+    """Plain Python rows (dicts) -> a TensorDict with one row per entry. Every row must
+    hold the keys of ``reference`` (storage row 0; default ``rows[0]``), no more, no fewer
+    (``index``: the rows' storage indices, named in errors)."""
     if rows and is_tensor_collection(rows[0]):
         from tensordict import lazy_stack
 
         return lazy_stack(list(rows))
     n = len(rows)
+    index = list(range(n)) if index is None else list(index)
     if not all(isinstance(r, Mapping) for r in rows):
-        bad = next(type(r).__name__ for r in rows if not isinstance(r, Mapping))
-        raise TypeError(f"TorchRLBufferDataset: ListStorage rows must be dicts or TensorDicts, got {bad}")
+        i, bad = next((i, type(r).__name__) for i, r in zip(index, rows) if not isinstance(r, Mapping))
+        where = f" at {'.'.join(path)!r}" if path else ""
+        raise TypeError(
+            f"TorchRLBufferDataset: ListStorage rows must be dicts or TensorDicts, got {bad}{where} in row {i}"
+        )
+    ref, ref_row = (rows[0], index[0]) if reference is None else (reference, 0)
+    keys = list(ref) if isinstance(ref, Mapping) else list(rows[0])
+    for i, r in zip(index, rows):
+        if len(r) != len(keys) or any(k not in r for k in keys):
+            missing = [k for k in keys if k not in r]
+            extra = [k for k in r if k not in keys]
+            name = ".".join((*path, str((missing or extra)[0])))
+            which = "lacks" if missing else "has"
+            raise (KeyError if missing else ValueError)(
+                f"TorchRLBufferDataset: ListStorage row {i} {which} key {name!r} that row {ref_row} "
+                f"{'has' if missing else 'lacks'} (row {ref_row} keys: {sorted(map(str, keys))}); "
+                "every row must hold the same keys"
+            )
     out = TensorDict(batch_size=[n])
-    for key in rows[0]:
+    for key in keys:
         values = [r[key] for r in rows]
         if isinstance(values[0], Mapping):
-            out.set(key, _rows_to_td(values))
+            sub_ref = ref.get(key) if reference is not None and isinstance(ref.get(key), Mapping) else None
+            out.set(key, _rows_to_td(values, index, (*path, str(key)), sub_ref))
         elif all(isinstance(v, torch.Tensor) for v in values) and len({v.shape for v in values}) == 1:
             out.set(key, torch.stack(values))
         elif all(isinstance(v, (int, float, bool)) for v in values):

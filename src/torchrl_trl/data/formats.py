@@ -34,6 +34,7 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from . import features as F
+from .columns import read_token_ids
 
 __all__ = [
     "BufferFormat",
@@ -115,7 +116,7 @@ def _sft_messages(td: TensorDictBase) -> dict[str, list]:
 
 
 def _sft_tokenized(td: TensorDictBase) -> dict[str, list]:
-    prompt, response = layouts.read_tokens(td, "prompt"), layouts.read_tokens(td, "response")
+    prompt, response = read_token_ids(td, "prompt"), read_token_ids(td, "response")
     lengths = prompt.lengths + response.lengths
     # interleave prompt and response tokens row by row with index arithmetic
     starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])

@@ -33,6 +33,7 @@ from tensordict import TensorDictBase
 
 from .. import layouts
 from . import features as F
+from .columns import read_token_ids
 from .formats import BufferFormat, get_format, register_format
 
 __all__ = ["CHOSEN_KEY", "LABEL_KEY", "MARGIN_KEY", "REJECTED_KEY"]
@@ -92,7 +93,7 @@ def _margin(td: TensorDictBase) -> list[float]:
 
 
 def _prompt_response_ids(td: TensorDictBase) -> list[list[int]]:
-    prompt, response = layouts.read_tokens(td, "prompt").split(), layouts.read_tokens(td, "response").split()
+    prompt, response = read_token_ids(td, "prompt").split(), read_token_ids(td, "response").split()
     return [p.tolist() + r.tolist() for p, r in zip(prompt, response)]
 
 
