@@ -21,6 +21,7 @@ import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any, Literal
 
 import torch
@@ -29,6 +30,7 @@ from tensordict.utils import NestedKey
 from torchrl.envs import Transform
 
 from torchrl_trl import layouts
+from torchrl_trl.rewards.executors import FailureCounter, failure_value, make_item_executor, merge_logs
 
 __all__ = ["RewardFunctionError", "RewardFunctionWrapper", "callable_name", "is_async_callable"]
 
@@ -194,6 +196,22 @@ def _run_coroutines(coros: list, names: list[str], timeout: float | None = None)
     )
 
 
+def split_item_kwargs(call_kwargs: dict, n: int) -> tuple[dict, dict]:
+    """``(shared, per_item)``: the arguments holding one value per completion (lists or
+    tuples of length ``n``: prompts, completions, columns...) and the rest
+    (``trainer_state``...). ``log_extra``/``log_metric`` are left out (the executors
+    record them per item)."""
+    shared, per_item = {}, {}
+    for key, value in call_kwargs.items():
+        if key in ("log_extra", "log_metric"):
+            continue
+        if key != "trainer_state" and isinstance(value, (list, tuple)) and len(value) == n:
+            per_item[key] = value
+        else:
+            shared[key] = value
+    return shared, per_item
+
+
 def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
     """Raise a clear error if ``func`` requires an argument that will not be passed."""
     try:
@@ -300,9 +318,32 @@ class RewardFunctionWrapper(Transform):
         unscorable_reward: the reward of a row every function returned ``None`` for.
         names: names of the functions (default: their ``__name__``, deduplicated).
         trainer_state: passed as ``trainer_state`` (TRL passes its ``TrainerState``).
-        timeout: seconds each function may take (``None``: no limit, as TRL). An async
-            function is cancelled at the timeout, a sync one runs in a helper thread that
-            is abandoned; either way a ``TimeoutError`` names the function.
+        timeout: seconds (``None``: no limit, as TRL). Without ``executor``: the limit of
+            one call of each function on the whole batch; an async function is cancelled
+            at the timeout, a sync one runs in a helper thread that is abandoned; either
+            way a ``TimeoutError`` names the function. With ``executor``: the limit of one
+            completion (counted from when a worker takes it); a late item gets
+            ``failure_reward`` and the run goes on.
+        executor: ``None`` (default: functions run in the caller, on the whole batch), or
+            run them **one completion at a time**, isolated: ``"process"`` (a pool of
+            worker processes; a worker that runs past ``timeout``, segfaults or exits is
+            killed/replaced), ``"thread"`` (daemon threads; a late thread is abandoned),
+            ``"ray"`` (Ray tasks, force-cancelled at the timeout) or a
+            ``concurrent.futures.Executor`` (timeout from submission). Each function is
+            then called with one-element lists (``prompts=[p]``, ``completions=[c]``,
+            ``completion_ids=[ids]``, each column ``[v]``) and must return one reward.
+            For ``"process"`` functions must be picklable (importable top-level
+            functions) and so must the arguments; ``log_extra``/``log_metric`` calls are
+            recorded in the worker and replayed here in completion order (a failed item
+            logs ``None`` in each column). See :mod:`torchrl_trl.rewards.executors`.
+        max_workers: how many completions run at once (default: the CPU count for
+            process/Ray, ``min(32, cpus + 4)`` threads, an executor's own size).
+        failure_reward: the reward of an item that raised, timed out or crashed its
+            worker (executor modes only). ``None`` (default): excluded like TRL's
+            ``None``. Failures are counted in :attr:`failure_counts` (by function and
+            ``"error" | "timeout" | "crash"``) and warned about once per function and kind.
+        mp_context: ``"forkserver"`` (default where available), ``"spawn"`` or ``"fork"``
+            for ``executor="process"``.
 
     ``in_keys`` lists every key it may read: the prompt/response keys of ``input_mode``
     (both the history and the text ones for ``"auto"``), ``("tokens", "response")`` and
@@ -349,6 +390,10 @@ class RewardFunctionWrapper(Transform):
         names: Sequence[str] | None = None,
         trainer_state: Any = None,
         timeout: float | None = None,
+        executor: str | Executor | None = None,
+        max_workers: int | None = None,
+        failure_reward: float | None = None,
+        mp_context: str | None = None,
     ):
         funcs = [funcs] if callable(funcs) else list(funcs)
         if not funcs:
@@ -397,6 +442,13 @@ class RewardFunctionWrapper(Transform):
         self.unscorable_reward = float(unscorable_reward)
         self.trainer_state = trainer_state
         self.timeout = check_timeout(timeout)
+        if executor is None and failure_reward is not None:
+            raise ValueError("failure_reward applies with an executor (executor='process' | 'thread' | 'ray' | an Executor)")
+        self.failure_reward = failure_reward
+        self.executor = make_item_executor(
+            executor, funcs, self.names, timeout=self.timeout, max_workers=max_workers, mp_context=mp_context
+        )
+        self._failures = FailureCounter(self.names, type(self).__name__)
         self.logs = _Logs()
         #: how many ``None``/NaN rewards each function returned, by name
         self.none_counts: dict[str, int] = {n: 0 for n in self.names}
@@ -405,6 +457,17 @@ class RewardFunctionWrapper(Transform):
         #: how many rows every function returned ``None`` for
         self.unscorable_count = 0
         self._warned: set[str] = set()
+
+    @property
+    def failure_counts(self) -> dict[str, dict[str, int]]:
+        """Failed items (executor modes) by function name and kind: ``{"f": {"error": 0,
+        "timeout": 1, "crash": 0}}``."""
+        return self._failures.counts
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (a later call starts new ones)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # -- TRL arguments -------------------------------------------------------------
 
@@ -510,9 +573,15 @@ class RewardFunctionWrapper(Transform):
         call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids)
         call_kwargs.update(kwargs)
         per_func = torch.full((n, len(self.funcs)), math.nan, dtype=torch.float32)
+        for func, name in zip(self.funcs, self.names):
+            check_signature(func, name, list(call_kwargs))
+        failed = None
+        if self.executor is not None:
+            failed = self._score_items(per_func, call_kwargs)
         pending = []
         for i, (func, name) in enumerate(zip(self.funcs, self.names)):
-            check_signature(func, name, list(call_kwargs))
+            if self.executor is not None:
+                continue
             if is_async_callable(func):
                 pending.append((i, name, func(**call_kwargs)))
             else:
@@ -531,13 +600,47 @@ class RewardFunctionWrapper(Transform):
                 per_func[:, i] = torch.tensor(
                     to_rewards(out, name=name, expected=n), dtype=torch.float32
                 )
-        self._count_missing(per_func, prompts, completions)
+        self._count_missing(per_func, prompts, completions, failed)
         self._exclude_infinite(per_func)
         rewards = (per_func * self.weights).nansum(dim=1)
         unscorable = per_func.isnan().all(dim=1)
         self._count_unscorable(unscorable, prompts, completions)
         rewards[unscorable] = self.unscorable_reward
         return rewards, per_func
+
+    def _score_items(self, per_func: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
+        """Executor modes: each function on each completion alone; fills ``per_func`` and
+        returns the ``[N, n_funcs]`` mask of failed items."""
+        n = per_func.shape[0]
+        shared, per_item = split_item_kwargs(call_kwargs, n)
+        loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}  # set per item
+        items = [
+            (i, {**{k: [v[row]] for k, v in per_item.items()}, **loggers})
+            for i in range(len(self.funcs))
+            for row in range(n)
+        ]
+        results = self.executor.run(items, shared)
+        failed = torch.zeros(per_func.shape, dtype=torch.bool)
+        note = (
+            "it is excluded like None"
+            if self.failure_reward is None
+            else f"its reward is failure_reward={self.failure_reward}"
+        )
+        for i, name in enumerate(self.names):
+            mine = results[i * n : (i + 1) * n]
+            for row, result in enumerate(mine):
+                if result.status == "ok":
+                    per_func[row, i] = to_rewards(result.value, name=name, expected=1)[0]
+                else:
+                    failed[row, i] = True
+                    per_func[row, i] = failure_value(self.failure_reward)
+                    self._failures.add(name, result, note)
+            columns, metrics = merge_logs(mine)
+            for column, values in columns.items():
+                self.logs.log_extra(column, values)
+            for metric, value in metrics:
+                self.logs.log_metric(metric, value)
+        return failed
 
     def _exclude_infinite(self, per_func) -> None:
         infinite = per_func.isinf()
@@ -553,8 +656,10 @@ class RewardFunctionWrapper(Transform):
                 )
         per_func[infinite] = math.nan
 
-    def _count_missing(self, per_func, prompts, completions) -> None:
+    def _count_missing(self, per_func, prompts, completions, failed=None) -> None:
         missing = per_func.isnan()
+        if failed is not None:  # counted as failures, not as None
+            missing &= ~failed
         for name, count in zip(self.names, missing.sum(0).tolist()):
             self.none_counts[name] += count
             if count and name not in self._warned:

@@ -8,14 +8,20 @@ the plain callable ``GRPOTrainer``/``RLOOTrainer`` accept in ``reward_funcs``::
 
 It is a callable object with a ``__name__``, deliberately not an ``nn.Module``: TRL treats
 every ``nn.Module`` reward func as a sequence-classification model.
+
+It also wraps a plain TRL reward function, to run it isolated per completion
+(``executor="process"``, ``timeout=``), so a verifier that hangs or crashes on one
+completion does not stop ``GRPOTrainer``.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -23,15 +29,21 @@ from tensordict import NonTensorData, TensorDict, TensorDictBase, lazy_stack
 from tensordict.utils import NestedKey
 
 from torchrl_trl import layouts
+from torchrl_trl.rewards.executors import FailureCounter, make_item_executor, merge_logs
 from torchrl_trl.rewards.functions import (
     TRL_EXTRA_KWARGS,
     FunctionTimeout,
+    _run_coroutines,
+    callable_name,
     check_timeout,
+    is_async_callable,
     named_error,
     run_with_timeout,
+    split_item_kwargs,
+    to_rewards,
 )
 
-__all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "rollouts_from_trl"]
+__all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "is_trl_function", "rollouts_from_trl"]
 
 
 def is_conversational(prompts: Sequence[Any]) -> bool:
@@ -141,6 +153,26 @@ def _default_name(reward: Any) -> str:
     return type(reward).__name__
 
 
+def is_trl_function(reward: Any) -> bool:
+    """Whether ``reward`` is a plain TRL reward function (called with ``prompts=``,
+    ``completions=``...) rather than a TorchRL module called with a TensorDict: not a
+    module or scorer, and its signature names ``completions`` or takes only ``**kwargs``."""
+    from tensordict.nn import TensorDictModuleBase
+
+    if isinstance(reward, (torch.nn.Module, TensorDictModuleBase)):
+        return False
+    if any(hasattr(reward, a) for a in ("score_ids", "score_texts", "score_messages")):
+        return False
+    try:
+        params = inspect.signature(reward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.name == "completions" for p in params):
+        return True
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return not required and any(p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _has_custom_step(reward: Any) -> bool:
     from torchrl.envs import Transform
 
@@ -148,12 +180,14 @@ def _has_custom_step(reward: Any) -> bool:
 
 
 class TRLRewardFunc:
-    """A TorchRL reward as a TRL reward function; build it with :func:`as_trl_reward_func`.
+    """A TorchRL reward (or a plain TRL function, run isolated) as a TRL reward function;
+    build it with :func:`as_trl_reward_func`.
 
     ``__call__(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]``,
     one reward per completion, in order; a non-finite reward (inf, NaN) is returned as
     ``None`` (TRL excludes it from the weighted sum), counted in :attr:`nonfinite` and
-    warned about once. Counters: :attr:`calls`, :attr:`scored`, :attr:`nonfinite`.
+    warned about once. Counters: :attr:`calls`, :attr:`scored`, :attr:`nonfinite`, and
+    with an executor :attr:`failure_counts` (``{"error", "timeout", "crash"}``).
     """
 
     def __init__(
@@ -165,14 +199,22 @@ class TRLRewardFunc:
         reward_key: NestedKey | None = None,
         columns: Sequence[str] | None = None,
         timeout: float | None = None,
+        executor: str | Executor | None = None,
+        max_workers: int | None = None,
+        failure_reward: float | None = None,
+        mp_context: str | None = None,
     ):
         if isinstance(reward, TRLRewardFunc):
             raise TypeError("reward is already a TRL reward function")
         if not callable(reward):
-            raise TypeError(f"reward must be a TorchRL module or transform, got {type(reward).__name__}")
+            raise TypeError(
+                f"reward must be a TorchRL module or transform, or a TRL reward function, got "
+                f"{type(reward).__name__}"
+            )
         self.reward = reward
         self.tokenizer = tokenizer
-        self.__name__ = name or _default_name(reward)
+        self.is_trl_function = is_trl_function(reward)
+        self.__name__ = name or (callable_name(reward) if self.is_trl_function else _default_name(reward))
         self.reward_key = reward_key
         self.columns = list(columns) if columns is not None else None
         self.timeout = check_timeout(timeout)
@@ -180,40 +222,44 @@ class TRLRewardFunc:
         self.scored = 0
         self.nonfinite = 0
         self._parsers: dict[str, Any] = {}
+        if executor is None and failure_reward is not None:
+            raise ValueError("failure_reward applies with an executor (executor='process' | 'thread' | 'ray' | an Executor)")
+        self.failure_reward = failure_reward
+        self.executor = None
+        self._failures = FailureCounter([self.__name__], type(self).__name__)
+        # the workers run the function itself, or this object without an executor
+        inner = copy.copy(self)
+        inner.timeout = None  # the executor bounds each completion
+        work = reward if self.is_trl_function else inner.raw_rewards
+        self.executor = make_item_executor(
+            executor, [work], [self.__name__], timeout=self.timeout, max_workers=max_workers, mp_context=mp_context
+        )
+
+    @property
+    def failure_counts(self) -> dict[str, int]:
+        """Failed completions by kind (executor modes): ``{"error", "timeout", "crash"}``."""
+        return self._failures.counts[self.__name__]
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (a later call starts new ones)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def __repr__(self) -> str:
         return f"TRLRewardFunc({self.__name__!r}, reward={type(self.reward).__name__})"
 
-    def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float]:
+    def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
         self.calls += 1
         if len(completions) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions")
         if not prompts:
             return []
-        columns = {k: v for k, v in kwargs.items() if k not in TRL_EXTRA_KWARGS}
-        if self.columns is not None:
-            missing = [c for c in self.columns if c not in columns]
-            if missing:
-                raise KeyError(
-                    f"{self.__name__}: columns {missing} were not passed by the trainer; "
-                    f"dataset columns available: {sorted(columns)}"
-                )
-            columns = {c: columns[c] for c in self.columns}
-        with torch.inference_mode():  # as TRL scores its reward models
-            rewards = run_with_timeout(
-                lambda: self._score(prompts, completions, completion_ids, columns),
-                self.timeout,
-                f"reward function {self.__name__!r}",
-            )
-        rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
-        if rewards.shape[1] != 1:
-            raise ValueError(
-                f"{self.__name__}: expected one reward per completion, got shape "
-                f"{tuple(rewards.shape)} for {len(prompts)} completions"
-            )
+        if self.executor is not None:
+            out = self._call_items(prompts, completions, completion_ids, kwargs)
+        else:
+            out = self.raw_rewards(prompts, completions, completion_ids, **kwargs)
         self.scored += len(prompts)
-        out = rewards[:, 0].tolist()
-        bad = [i for i, r in enumerate(out) if not math.isfinite(r)]
+        bad = [i for i, r in enumerate(out) if r is not None and not math.isfinite(r)]
         if bad:
             if not self.nonfinite:
                 warnings.warn(
@@ -226,6 +272,90 @@ class TRLRewardFunc:
             for i in bad:
                 out[i] = None
         return out
+
+    def _call_items(self, prompts, completions, completion_ids, kwargs) -> list[float | None]:
+        """Executor modes: one call per completion, with one-element lists."""
+        n = len(prompts)
+        if not self.is_trl_function:
+            self._select_columns(kwargs)  # a missing column fails here, not once per completion
+        call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        if self.is_trl_function and "environments" in call_kwargs and self.executor.kind in ("process", "ray"):
+            call_kwargs.pop("environments")  # live objects of the trainer: cannot cross a process
+        shared, per_item = split_item_kwargs(call_kwargs, n)
+        loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}
+        items = [(0, {**{k: [v[row]] for k, v in per_item.items()}, **loggers}) for row in range(n)]
+        results = self.executor.run(items, shared)
+        note = (
+            "it is returned as None (excluded by TRL)"
+            if self.failure_reward is None
+            else f"its reward is failure_reward={self.failure_reward}"
+        )
+        out: list[float | None] = []
+        for result in results:
+            if result.status == "ok":
+                value = to_rewards(result.value, name=self.__name__, expected=1)[0]
+                returned_none = isinstance(result.value, (list, tuple)) and result.value[0] is None
+                out.append(None if returned_none else value)  # NaN/inf: counted by __call__
+            else:
+                self._failures.add(self.__name__, result, note)
+                out.append(self.failure_reward)
+        columns, metrics = merge_logs(results)
+        if columns and callable(kwargs.get("log_extra")):
+            for column, values in columns.items():
+                kwargs["log_extra"](column, values)
+        if metrics and callable(kwargs.get("log_metric")):
+            for metric, value in metrics:
+                kwargs["log_metric"](metric, value)
+        return out
+
+    def raw_rewards(self, prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
+        """The rewards in the caller, without an executor: ``None`` where a TRL function
+        returned ``None``; non-finite values as they are."""
+        if self.is_trl_function:
+            return self._call_function(prompts, completions, completion_ids, kwargs)
+        columns = self._select_columns(kwargs)
+        with torch.inference_mode():  # as TRL scores its reward models
+            rewards = run_with_timeout(
+                lambda: self._score(prompts, completions, completion_ids, columns),
+                self.timeout,
+                f"reward function {self.__name__!r}",
+            )
+        rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
+        if rewards.shape[1] != 1:
+            raise ValueError(
+                f"{self.__name__}: expected one reward per completion, got shape "
+                f"{tuple(rewards.shape)} for {len(prompts)} completions"
+            )
+        return rewards[:, 0].tolist()
+
+    def _select_columns(self, kwargs: dict) -> dict:
+        columns = {k: v for k, v in kwargs.items() if k not in TRL_EXTRA_KWARGS}
+        if self.columns is not None:
+            missing = [c for c in self.columns if c not in columns]
+            if missing:
+                raise KeyError(
+                    f"{self.__name__}: columns {missing} were not passed by the trainer; "
+                    f"dataset columns available: {sorted(columns)}"
+                )
+            columns = {c: columns[c] for c in self.columns}
+        return columns
+
+    def _call_function(self, prompts, completions, completion_ids, kwargs) -> list[float | None]:
+        """A plain TRL reward function, called as TRL calls it (``None`` kept)."""
+        func, name = self.reward, self.__name__
+        call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        if is_async_callable(func):
+            out = _run_coroutines([func(**call_kwargs)], [name], self.timeout)[0]
+        else:
+            try:
+                out = run_with_timeout(lambda: func(**call_kwargs), self.timeout, f"reward function {name!r}")
+            except FunctionTimeout:
+                raise
+            except Exception as err:
+                raise named_error(err, name) from err
+        values = to_rewards(out, name=name, expected=len(prompts))
+        returned_none = [r is None for r in (out.tolist() if hasattr(out, "tolist") else out)]
+        return [None if none else v for v, none in zip(values, returned_none)]
 
     def _call_reward(self, fn, *args):
         """Call into the wrapped TorchRL reward; its exceptions carry this function's name."""
@@ -336,6 +466,10 @@ def as_trl_reward_func(
     reward_key: NestedKey | None = None,
     columns: Sequence[str] | None = None,
     timeout: float | None = None,
+    executor: str | Executor | None = None,
+    max_workers: int | None = None,
+    failure_reward: float | None = None,
+    mp_context: str | None = None,
 ) -> TRLRewardFunc:
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
@@ -353,7 +487,9 @@ def as_trl_reward_func(
               the ``"answer"`` column (the first of ``columns`` if given);
             - any TensorDict module writing a reward: called on those rollouts; the reward
               is read at ``reward_key`` (default: ``("next", "reward")``, ``"reward"``, or
-              an out_key named like ``*reward*``), one value per completion.
+              an out_key named like ``*reward*``), one value per completion;
+            - a plain TRL reward function (its signature names ``completions``, or takes
+              only ``**kwargs``): called as TRL calls it; useful with ``executor=``.
 
     Keyword Args:
         tokenizer: the policy tokenizer, used to build ``("text", "prompt" | "full")`` and
@@ -363,8 +499,23 @@ def as_trl_reward_func(
         reward_key: where the module writes the reward.
         columns: dataset columns to pass (default: all the trainer passes); naming one the
             trainer does not pass raises a ``KeyError``.
-        timeout: seconds one call may take (``None``: no limit); scoring then runs in a
-            helper thread and a ``TimeoutError`` names the function if it has not returned.
+        timeout: seconds (``None``: no limit). Without ``executor``: the limit of one
+            call (the whole batch); scoring then runs in a helper thread and a
+            ``TimeoutError`` names the function if it has not returned. With
+            ``executor``: the limit of one completion; a late one gets ``failure_reward``.
+        executor: ``None`` (default: score the batch in the caller), or score **one
+            completion per call**, isolated: ``"process"`` (a pool of worker processes
+            killed and replaced when they run past ``timeout``, segfault or exit),
+            ``"thread"``, ``"ray"`` or a ``concurrent.futures.Executor``; as
+            :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` (``executor=``).
+            The function (or the TorchRL reward) gets one-element lists; for
+            ``"process"`` it must be picklable (an importable top-level function), and
+            TRL's ``environments`` are not passed (live objects).
+        max_workers: completions scored at once (default: the CPU count for process/Ray).
+        failure_reward: the reward of a completion that raised, timed out or crashed
+            (executor modes); ``None`` (default): returned as ``None``, which TRL
+            excludes. Counted in :attr:`TRLRewardFunc.failure_counts`, warned once per kind.
+        mp_context: ``"forkserver"`` (default where available), ``"spawn"`` or ``"fork"``.
 
     An exception raised by ``reward`` is re-raised with the function's name (same type
     where possible, the original as ``__cause__``). Non-finite rewards come back as
@@ -390,5 +541,6 @@ def as_trl_reward_func(
         (2, True)
     """
     return TRLRewardFunc(
-        reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns, timeout=timeout
+        reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns, timeout=timeout,
+        executor=executor, max_workers=max_workers, failure_reward=failure_reward, mp_context=mp_context,
     )

@@ -1,0 +1,316 @@
+"""Reward functions that cannot hang training: executor="process" | "thread" | "ray" | an
+Executor, a per-completion timeout, failed items counted and excluded, the pool surviving
+workers that loop forever, raise, segfault or exit; inside TorchRL (ChatEnv, replay
+buffer) and as TRL reward_funcs in GRPOTrainer.train(); the math verifier example."""
+
+import concurrent.futures
+import copy
+import math
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from torchrl_trl import layouts
+from torchrl_trl.rewards.functions import RewardFunctionWrapper
+from torchrl_trl.rewards.trl_funcs import as_trl_reward_func
+
+TIMEOUT = 2.0
+# one completion per behaviour; the others score len(text)
+BAD = ("loop", "raise", "segv", "exit")
+
+
+def _text(completion) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def _misbehave(how: str) -> None:
+    if how == "loop":
+        while True:
+            pass
+    if how == "sleep":  # a bounded stall, for executors that cannot stop a thread
+        time.sleep(3 * TIMEOUT)
+    if how == "raise":
+        raise ValueError("cannot parse this completion")
+    if how == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if how == "exit":
+        os._exit(3)
+
+
+def by_text(prompts, completions, **kwargs):
+    """Misbehaves when the completion text names a behaviour; else its length."""
+    text = _text(completions[0])
+    _misbehave(text)
+    return [float(len(text))]
+
+
+def by_column(prompts, completions, behaviour, log_extra=None, **kwargs):
+    """Batch-capable TRL function: misbehaves per the ``behaviour`` column; logs a column."""
+    for how in behaviour:
+        _misbehave(how)
+    if log_extra is not None:
+        log_extra("length", [len(_text(c)) for c in completions])
+    return [float(len(_text(c))) for c in completions]
+
+
+def _expected(texts):
+    """The independent reference: len(text), NaN for a failing item."""
+    return [math.nan if t in BAD + ("sleep",) else float(len(t)) for t in texts]
+
+
+def _text_rollouts(texts):
+    return TensorDict({"text": {"prompt": ["q"] * len(texts), "response": list(texts)}}, batch_size=[len(texts)])
+
+
+def _rewards(td):
+    return td["next", "reward"].reshape(-1).tolist()
+
+
+def _same(a, b):
+    assert len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b)), (a, b)
+
+
+@pytest.mark.timeout(120)
+def test_process_pool_survives_loop_raise_segfault_exit():
+    texts = ["ab", "loop", "raise", "segv", "abc", "exit", "x", "four"]
+    wrapper = RewardFunctionWrapper(by_text, executor="process", timeout=TIMEOUT, max_workers=2, mp_context="fork")
+    try:
+        _same(_rewards(wrapper(_text_rollouts(["ab", "c"]))), [2.0, 1.0])  # warm pool
+        pids = set(wrapper.executor.worker_pids)
+        start = time.monotonic()
+        with pytest.warns(UserWarning) as record:
+            td = wrapper(_text_rollouts(texts))
+        wall = time.monotonic() - start
+        _same(_rewards(td), _expected(texts))
+        assert wrapper.failure_counts == {"by_text": {"error": 1, "timeout": 1, "crash": 2}}
+        assert wrapper.none_counts == {"by_text": 0} and wrapper.unscorable_count == 4
+        messages = " ".join(str(w.message) for w in record)
+        for part in ("ran past its timeout", "worker killed", "ValueError: cannot parse", "killed by SIGSEGV"):
+            assert part in messages
+        assert len(record) == 4  # once per kind (the exit is a second crash) + the unscorable rows
+        # the loop holds one of 2 workers for TIMEOUT; the rest run on the other meanwhile
+        assert wall < TIMEOUT + 10, wall
+        assert wrapper.executor.replaced == 3 and len(set(wrapper.executor.worker_pids) - pids) >= 1
+        # the pool still works, the counts only grow, each kind is warned about once
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            _same(_rewards(wrapper(_text_rollouts(["loop", "okay"]))), [math.nan, 4.0])
+        assert [str(w.message) for w in record] == []
+        assert wrapper.failure_counts["by_text"]["timeout"] == 2
+    finally:
+        wrapper.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_default_context_and_failure_reward_and_copy():
+    """The default start method (forkserver): workers import this module; a failed item
+    gets failure_reward; a deep copy of the wrapper gets its own pool."""
+    wrapper = RewardFunctionWrapper(by_text, executor="process", timeout=TIMEOUT, max_workers=2, failure_reward=-1.0)
+    clone = None
+    try:
+        assert wrapper.executor.mp_context in ("forkserver", "spawn")
+        with pytest.warns(UserWarning, match="failure_reward=-1.0"):
+            _same(_rewards(wrapper(_text_rollouts(["ab", "segv", "raise", "abc"]))), [2.0, -1.0, -1.0, 3.0])
+        assert wrapper.failure_counts["by_text"] == {"error": 1, "timeout": 0, "crash": 1}
+        assert wrapper.unscorable_count == 0  # a failure_reward is a reward
+        clone = copy.deepcopy(wrapper)
+        assert clone.executor.worker_pids == [] and clone.executor is not wrapper.executor
+        _same(_rewards(clone(_text_rollouts(["xyz"]))), [3.0])
+        assert not set(clone.executor.worker_pids) & set(wrapper.executor.worker_pids)
+    finally:
+        wrapper.shutdown()
+        if clone is not None:
+            clone.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_thread_and_user_executor():
+    texts = ["ab", "sleep", "raise", "abc"]
+    wrapper = RewardFunctionWrapper(by_text, executor="thread", timeout=TIMEOUT / 4, max_workers=2)
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="thread abandoned"):
+        _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))
+    assert time.monotonic() - start < TIMEOUT / 4 + 5
+    assert wrapper.failure_counts["by_text"] == {"error": 1, "timeout": 1, "crash": 0}
+    assert wrapper.executor.abandoned == 1
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        wrapper = RewardFunctionWrapper(by_text, executor=pool, timeout=TIMEOUT / 4)
+        with pytest.warns(UserWarning):
+            _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))
+        assert wrapper.failure_counts["by_text"] == {"error": 1, "timeout": 1, "crash": 0}
+
+
+def test_bad_arguments_raise_naming_them():
+    with pytest.raises(TypeError, match=r"'<lambda>'.*top-level function"):
+        RewardFunctionWrapper(lambda prompts, completions, **kw: [1.0], executor="process")
+    with pytest.raises(ValueError, match="executor must be None, 'process', 'thread', 'ray'"):
+        RewardFunctionWrapper(by_text, executor="processes")
+    with pytest.raises(ValueError, match="max_workers"):
+        RewardFunctionWrapper(by_text, max_workers=2)
+    with pytest.raises(ValueError, match="max_workers must be a positive int"):
+        RewardFunctionWrapper(by_text, executor="thread", max_workers=0)
+    with pytest.raises(ValueError, match="failure_reward applies with an executor"):
+        as_trl_reward_func(by_text, failure_reward=0.0)
+    with pytest.raises(ValueError, match="mp_context applies to executor='process'"):
+        RewardFunctionWrapper(by_text, executor="thread", mp_context="fork")
+    # an argument that cannot cross a process: a clear error, and the pool is reusable
+    wrapper = RewardFunctionWrapper(by_text, executor="process", mp_context="fork", max_workers=1,
+                                    trainer_state=lambda: None)
+    try:
+        with pytest.raises(TypeError, match=r"could not send the shared arguments \['trainer_state'\]"):
+            wrapper(_text_rollouts(["a"]))
+        wrapper.trainer_state = None
+        _same(_rewards(wrapper(_text_rollouts(["a"]))), [1.0])
+    finally:
+        wrapper.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_trl_function_per_completion_with_logs():
+    """as_trl_reward_func(plain TRL function, executor="process"): TRL's call, one
+    completion per worker call, log_extra replayed aligned (None for a failed one)."""
+    func = as_trl_reward_func(by_column, executor="process", timeout=TIMEOUT, max_workers=2, mp_context="fork")
+    assert func.is_trl_function and func.__name__ == "by_column"
+    prompts = [[{"role": "user", "content": f"q{i}"}] for i in range(4)]
+    completions = [[{"role": "assistant", "content": c}] for c in ("a", "bb", "ccc", "dddd")]
+    logged, metrics = {}, []
+    try:
+        with pytest.warns(UserWarning, match="returned as None"):
+            out = func(prompts, completions, completion_ids=[[1]] * 4, behaviour=["ok", "loop", "ok", "segv"],
+                       trainer_state=None, log_extra=lambda c, v: logged.setdefault(c, []).extend(v),
+                       log_metric=lambda n, v: metrics.append((n, v)))
+        assert out == [1.0, None, 3.0, None]
+        assert func.failure_counts == {"error": 0, "timeout": 1, "crash": 1} and func.scored == 4
+        assert logged == {"length": [1, None, 3, None]}
+        # without an executor the same function scores the batch in one call
+        inline = as_trl_reward_func(by_column)
+        assert inline(prompts, completions, behaviour=["ok"] * 4) == by_column(prompts, completions, ["ok"] * 4)
+    finally:
+        func.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_grpo_trainer_train_continues_past_hangs_and_crashes(checkpoints, tmp_path):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    behaviours = ["ok", "loop", "raise", "segv"]
+    func = as_trl_reward_func(by_column, executor="process", timeout=TIMEOUT, max_workers=2)
+    calls = []
+
+    def recorded(prompts, completions, **kwargs):  # what TRL receives back
+        out = func(prompts, completions, **kwargs)
+        calls.append((list(kwargs["behaviour"]), [_text(c) for c in completions], out))
+        return out
+
+    recorded.__name__ = "by_column"
+    args = GRPOConfig(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=8, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1, shuffle_dataset=False,
+    )
+    trainer = GRPOTrainer(
+        model=str(checkpoints.policy), reward_funcs=[recorded], args=args,
+        train_dataset=Dataset.from_dict({"prompt": [f"question {i}" for i in range(4)], "behaviour": behaviours}),
+    )
+    try:
+        with pytest.warns(UserWarning, match="by_column"):
+            trainer.train()
+    finally:
+        func.shutdown()
+    assert trainer.state.global_step == 2 and len(calls) == 2
+    seen = [b for call in calls for b in call[0]]
+    assert sorted(seen) == sorted(behaviours * 2)  # every prompt, num_generations times
+    for behaviour, texts, out in calls:
+        assert out == [float(len(t)) if b == "ok" else None for b, t in zip(behaviour, texts)]
+    assert func.failure_counts == {"error": 2, "timeout": 2, "crash": 2}
+    assert all(math.isfinite(log["loss"]) for log in trainer.state.log_history if "loss" in log)
+
+
+ROWS = [{"query": "what is two plus two?", "answer": "ok"}, {"query": "hello world", "answer": "loop"}]
+
+
+def by_answer(prompts, completions, answer, **kwargs):
+    """TorchRL side: hangs on the rows whose ``answer`` column says so."""
+    _misbehave(answer[0])
+    return [float(len(_text(completions[0])))]
+
+
+@pytest.mark.timeout(180)
+def test_inside_torchrl_chat_env_and_replay_buffer(policy_and_tokenizer):
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+
+    from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
+
+    model, tok = policy_and_tokenizer
+    wrapper = RewardFunctionWrapper(by_answer, executor="process", timeout=TIMEOUT, max_workers=2, mp_context="fork")
+    try:
+        env = make_chat_env(ROWS).append_transform(wrapper)
+        with pytest.warns(UserWarning, match="ran past its timeout"):
+            data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)[:]
+        answers = layouts.read_column(data, "answer")
+        expected = [math.nan if a == "loop" else float(len(c[-1]["content"]))
+                    for a, c in zip(answers, layouts.read_history(data, "response"))]
+        _same(data.get(("next", "reward"), as_padded_tensor=True).reshape(-1).tolist(), expected)
+        assert wrapper.failure_counts["by_answer"]["timeout"] >= answers.count("loop") > 0
+        # the same wrapper scoring rollouts as they are written to a buffer: exact counts
+        rb = ReplayBuffer(storage=LazyStackStorage(16))
+        scorer = RewardFunctionWrapper(by_answer, executor="process", timeout=TIMEOUT, max_workers=2,
+                                       mp_context="fork", failure_reward=0.0)
+        rb.append_transform(scorer)
+        rollouts = data.exclude(("next", "reward"))
+        with pytest.warns(UserWarning):
+            rb.extend(rollouts)
+        _same(rb[:].get(("next", "reward"), as_padded_tensor=True).reshape(-1).tolist(),
+              [0.0 if math.isnan(e) else e for e in expected])
+        assert scorer.failure_counts["by_answer"] == {"error": 0, "timeout": answers.count("loop"), "crash": 0}
+        scorer.shutdown()
+    finally:
+        wrapper.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_ray_tasks_survive_loop_raise_crash():
+    ray = pytest.importorskip("ray")
+    started = time.monotonic()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    if time.monotonic() - started > 30:
+        ray.shutdown()
+        pytest.skip("a local Ray cluster took more than 30 s to start")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    try:
+        texts = ["ab", "loop", "raise", "segv", "abc", "exit"]
+        wrapper = RewardFunctionWrapper(by_text, executor="ray", timeout=TIMEOUT, max_workers=2)
+        wrapper(_text_rollouts(["warm"]))
+        start = time.monotonic()
+        with pytest.warns(UserWarning):
+            _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))
+        assert time.monotonic() - start < TIMEOUT + 20
+        assert wrapper.failure_counts["by_text"] == {"error": 1, "timeout": 1, "crash": 2}
+        _same(_rewards(wrapper(_text_rollouts(["ok"]))), [2.0])
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        ray.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_math_verifier_example(monkeypatch):
+    pytest.importorskip("math_verify")
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples"))  # workers import it too
+    import math_verifier
+
+    result = math_verifier.run(timeout=3.0, max_workers=2)
+    # right, right (2/6 = 1/3), wrong, hangs in sympy (killed), unparseable solution
+    assert result["rewards"] == [1.0, 1.0, 0.0, None, None]
+    assert result["failure_counts"] == {"error": 0, "timeout": 1, "crash": 0}
+    assert result["wall_s"] < 3.0 + 15, result
+    # the function itself, in this process, on the answers that return
+    assert math_verifier.math_accuracy([r"\boxed{4}", r"\boxed{5}"], ["$4$", "$4$"]) == [1.0, 0.0]
