@@ -3,6 +3,8 @@ independent per-sequence reference; concurrent requests are coalesced into fewer
 and routed back in order; a killed or hung actor gives a clear error within a bound, a
 restartable one recovers."""
 
+import os
+import sys
 import threading
 import time
 
@@ -28,6 +30,8 @@ ROWS = [
 @pytest.fixture(scope="module")
 def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    # the worker function lives in this test module, which Ray workers cannot import
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.shutdown()
 
@@ -49,49 +53,57 @@ def _rewards(rb):
     return torch.stack(rb[:].get(("next", "reward"), as_list=True))
 
 
+def _collect_in_worker(path, policy_path, actor_name):
+    """A collector in another process (a Ray task), as an env worker would run: its own
+    transform, attached to the service by name."""
+    import os
+
+    from tensordict import set_list_to_stack
+    from transformers import AutoModelForCausalLM
+
+    set_list_to_stack(True).set()
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(policy_path)
+    model = AutoModelForCausalLM.from_pretrained(policy_path).eval()
+    tf = HFRewardTransform(path, use_ray_service=True, actor_name=actor_name, policy_tokenizer=tok, timeout=60)
+    env = make_chat_env(ROWS, batch_size=2, group_size=1).append_transform(tf)
+    rb = collect_rollouts(make_policy_wrapper(model, tok, max_new_tokens=6), env, total_turns=4, seed=1)
+    return _rewards(rb), layouts.read_history(rb[:], "full"), tf.scorer.info()["pid"], os.getpid()
+
+
 @pytest.mark.timeout(120)
 def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_tokenizer):
     model, tok = policy_and_tokenizer
     path = str(checkpoints.reward_model_other_tokenizer)
-    transforms = [
-        HFRewardTransform(path, use_ray_service=True, actor_name="rm-shared", policy_tokenizer=tok,
-                          num_cpus=0, timeout=60)  # fmt: skip
-        for _ in range(2)
-    ]
-    # one actor, created by the first transform, attached to by the second
+    tf = HFRewardTransform(path, use_ray_service=True, actor_name="rm-shared", policy_tokenizer=tok,
+                           num_cpus=0, timeout=60)  # fmt: skip
+    assert tf.in_keys == [("history", "full")] and tf.out_keys == [("next", "reward")]
+    # the second collector runs in another process, concurrently with the first
+    remote = ray.remote(num_cpus=1)(_collect_in_worker).remote(path, str(checkpoints.policy), "rm-shared")
+    env = make_chat_env(ROWS, batch_size=2, group_size=1).append_transform(tf)
+    rb = collect_rollouts(make_policy_wrapper(model, tok, max_new_tokens=6), env, total_turns=4, seed=0)
+    remote_rewards, remote_convs, remote_service_pid, worker_pid = ray.get(remote, timeout=100)
+
+    # one actor: created by the first transform, attached to by name from the worker
     assert [n for n in ray.util.list_named_actors() if n == "rm-shared"] == ["rm-shared"]
-    assert transforms[0].scorer.info()["pid"] == transforms[1].scorer.info()["pid"]
-    assert transforms[0].in_keys == [("history", "full")]
-
-    buffers = [None, None]
-    errors = []
-
-    def run(i):
-        try:
-            env = make_chat_env(ROWS, batch_size=2, group_size=1).append_transform(transforms[i])
-            buffers[i] = collect_rollouts(make_policy_wrapper(model, tok, max_new_tokens=6), env,
-                                          total_turns=4, seed=i)  # fmt: skip
-        except Exception as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=100)
-    assert not errors, errors
+    assert remote_service_pid == tf.scorer.info()["pid"] and worker_pid != os.getpid()
     in_process = HFRewardModelWrapper(path, policy_tokenizer=tok, inference_mode=True)
-    for rb in buffers:
-        data = rb[:]
-        rewards = _rewards(rb)
+    for rewards, convs in [(_rewards(rb), layouts.read_history(rb[:], "full")), (remote_rewards, remote_convs)]:
         assert rewards.shape == (4, 1, 1) and rewards.dtype == torch.float32
-        convs = layouts.read_history(data, "full")
+        # an independent reference: plain transformers, each conversation alone, unpadded
         ref = _reference(path, _history_ids(path, convs))
         torch.testing.assert_close(rewards.reshape(-1), ref, atol=1e-5, rtol=0)
-        torch.testing.assert_close(rewards.reshape(-1), in_process.score(data), atol=1e-5, rtol=0)
-    stats = transforms[0].scorer.stats()
+        torch.testing.assert_close(rewards.reshape(-1), in_process.score_messages(convs), atol=1e-5, rtol=0)
+    assert len({float(r) for r in _rewards(rb).reshape(-1)}) > 1
+    stats = tf.scorer.stats()
     # every env step (2 samples) of both collectors was one request to the one service
     assert stats["sequences"] == 2 * stats["requests"] >= 8
+
+    # called as a module (a buffer's write path): scores and writes ("next", "reward")
+    standalone = HFRewardTransform(path, use_ray_service=True, actor_name="rm-shared", policy_tokenizer=tok)
+    again = standalone(rb[:].exclude(("next", "reward")))
+    torch.testing.assert_close(torch.stack(again.get(("next", "reward"), as_list=True)), _rewards(rb),
+                               atol=1e-5, rtol=0)  # fmt: skip
 
 
 @pytest.mark.timeout(60)

@@ -126,8 +126,6 @@ class RewardModelService:
             self._count_forward, with_kwargs=True
         )
         self._pending: list[_Request] = []
-        self._pending_tokens = 0
-        self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         # one scoring thread: the event loop keeps accepting requests during a forward
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-service")
@@ -184,12 +182,8 @@ class RewardModelService:
         if len(ids) == 0:
             return np.zeros(0, dtype=np.float32)
         loop = asyncio.get_running_loop()
-        if self._wakeup is None:
-            self._wakeup = asyncio.Event()
         request = _Request(ids, where, loop.create_future())
         self._pending.append(request)
-        self._pending_tokens += int(ids.lengths.sum())
-        self._wakeup.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._run())
         return await request.future
@@ -198,20 +192,18 @@ class RewardModelService:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        budget = self.wrapper.max_tokens_per_batch
         while self._pending:
-            # bounded wait from the oldest request; a full budget's worth goes at once
-            while budget is None or self._pending_tokens < budget:
-                left = self._pending[0].arrived + self.max_wait - time.monotonic()
-                if left <= 0:
-                    break
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-            batch, self._pending, self._pending_tokens = self._pending, [], 0
-            results = await loop.run_in_executor(self._executor, self._score_batch, batch)
+            # bounded wait from the oldest request; under load it has already waited for the
+            # previous batch, so only an idle service waits (more requests -> fuller,
+            # better length-matched micro-batches)
+            left = self._pending[0].arrived + self.max_wait - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+            batch, self._pending = self._pending, []
+            try:
+                results = await loop.run_in_executor(self._executor, self._score_batch, batch)
+            except Exception as e:  # never leave a caller waiting on a future nobody sets
+                results = [e] * len(batch)
             for request, result in zip(batch, results):
                 if request.future.done():  # the caller went away (cancelled)
                     continue
