@@ -204,7 +204,7 @@ class _Writer(threading.Thread):
         self.rb, self.pause, self.stop = rb, pause, threading.Event()
 
     def run(self):
-        i = len(self.rb)
+        i = int(self.rb[len(self.rb) - 1]["x"]) + 1
         while not self.stop.is_set():
             self.rb.extend(TensorDict({"x": torch.tensor([i])}, [1]))
             i += 1
@@ -258,6 +258,19 @@ def test_epoch_pass_beside_writer_with_forked_workers(hf):
             before = len(rb)
             xs = _xs(loader)
             _assert_one_pass(xs, before, len(rb))
+
+
+@pytest.mark.timeout(60)
+def test_online_sampling_beside_writer_with_forked_workers():
+    """A forked worker's copy of an in-memory tensor storage stops at the fork: its
+    sampler must not draw rows written later (it would read uninitialised memory)."""
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000))
+    rb.extend(TensorDict({"x": torch.arange(1, 41)}, [40]))  # 0 would be an unwritten row
+    ds = TorchRLBufferDataset(rb, 8, num_batches=30, keys=["x"])
+    with _Writer(rb, pause=0):
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        xs = _xs(loader)
+    assert len(xs) == 2 * 30 * 8 and min(xs) > 0
 
 
 @pytest.mark.timeout(60)

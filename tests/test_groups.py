@@ -92,6 +92,22 @@ def test_tensor_group_ids_and_nonfinite_rewards():
     assert groups.stats.skipped == {"nonfinite_reward": 1, "singleton_group": 1}
 
 
+@pytest.mark.parametrize("strategy", ["best_vs_worst", "all"])
+def test_preference_pairs_never_choose_on_a_nan_reward(strategy):
+    """A NaN reward would win or lose every comparison by accident (argmax/argmin, ``>``):
+    its rollout is left out, counted and warned about."""
+    nan = float("nan")
+    rb = _buffer(["a", "a", "a", "b", "b"], [1.0, nan, 0.0, nan, 2.0])
+    with pytest.warns(SkippedRolloutsWarning, match=r"nonfinite_reward=2"):
+        pairs = preference_pairs(rb, strategy=strategy)
+    assert pairs.build_stats.skipped["nonfinite_reward"] == 2
+    assert pairs.build_stats.skipped["singleton_group"] == 1  # b is left with one rollout
+    assert _idx(pairs, "chosen") == [0] and _idx(pairs, "rejected") == [2]
+    assert torch.isfinite(pairs[:].get("margin")).all()
+    with pytest.raises(ValueError, match=r"nothing left to train on.*nonfinite_reward=2"):
+        preference_pairs(_buffer(["a", "a"], [nan, nan]), strategy=strategy)
+
+
 def test_preference_pairs_best_vs_worst_and_margin():
     with pytest.warns(SkippedRolloutsWarning, match="singleton_group=1"):
         pairs = preference_pairs(_buffer(QUERIES, REWARDS))

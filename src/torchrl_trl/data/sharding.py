@@ -293,9 +293,24 @@ def _after_in_parent() -> None:
             lock.release()
 
 
+class _Length:
+    """A process-private stand-in for a ``TensorStorage``'s shared length counter."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
 def _after_in_child() -> None:
+    from torchrl.data import LazyMemmapStorage, TensorStorage
+
     while _HELD:
         rb, lock, acquired = _HELD.pop()
+        storage = getattr(rb, "_storage", None)
+        if acquired and isinstance(storage, TensorStorage) and not isinstance(storage, LazyMemmapStorage):
+            # the data is this child's copy as of the fork, but the length counter is shared
+            # with the parent: without this the child's own sampler (online mode) would draw
+            # rows written after the fork, which it holds as uninitialised memory
+            storage._len_value = _Length(_FORK_LEN.get(rb, len(storage)))
         if acquired:
             lock.release()
         else:  # the writer thread does not exist here: its lock would never be released
