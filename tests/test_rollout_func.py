@@ -439,6 +439,8 @@ def test_async_grpo_train_bounded_staleness(checkpoints, fresh_model, policy_and
     assert collector.policy_version == 2
     for _, kw, _ in reward.calls:  # reward functions see the prompts that were generated for
         assert len(kw["torchrl_prompt"]) == 4 and kw["torchrl_prompt"][0] == kw["torchrl_prompt"][1]
+    for _, _, batch in rollout.calls:  # the TorchRL steps of the groups taken, in the same order
+        assert layouts.read_tokens(batch.steps[0], "response").tolist() == batch["completion_ids"]
 
 
 def test_bad_input_is_a_clear_error(policy_and_tokenizer):
@@ -527,7 +529,8 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
         if mode != "sync":
             func.close()
     first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
-    assert first < 0.05 and last > 0.5, (first, last)
+    # async: the bar is lower than the measured 0.996-1.0, the schedule varies with the load
+    assert first < 0.05 and last > (0.5 if mode == "sync" else 0.3), (first, last)
     if mode != "sync":
         assert max(func.consumed_staleness) <= 2 and len(func.consumed_staleness) == steps * 2
 

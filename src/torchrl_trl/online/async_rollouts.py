@@ -51,6 +51,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from tensordict import lazy_stack
 
 from .callback import CollectorError
 from .rollout_func import RolloutBatch, TorchRLRolloutFunc
@@ -82,7 +83,10 @@ def _concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     for b in batches[1:]:
         if list(b) != keys:
             raise ValueError(f"groups carry different fields: {keys} vs {list(b)}")
-    return RolloutBatch({k: [v for b in batches for v in b[k]] for k in keys})
+    out = RolloutBatch({k: [v for b in batches for v in b[k]] for k in keys})
+    n_turns = len(batches[0].steps)
+    out.steps = [lazy_stack([td for b in batches for td in b.steps[t].tensordicts]) for t in range(n_turns)]
+    return out
 
 
 class AsyncGroupCollector:
@@ -354,7 +358,14 @@ class AsyncTorchRLRolloutFunc:
         staleness = [version - grp.version for grp in groups]
         batch[STALENESS_FIELD] = [s for s in staleness for _ in range(g)]
         self.consumed_staleness.extend(staleness)
-        self.prompt_mismatches += sum(a != b for a, b in zip(prompts, batch[PROMPT_FIELD]))
+        mismatches = sum(a != b for a, b in zip(prompts, batch[PROMPT_FIELD]))
+        if mismatches and not self.prompt_mismatches:
+            warnings.warn(
+                f"{mismatches} of TRL's {len(prompts)} prompts are not the prompts the collector generated "
+                f"for: reward functions must read {PROMPT_FIELD!r} (and env columns), not 'prompts'",
+                stacklevel=2,
+            )
+        self.prompt_mismatches += mismatches
         return batch
 
     def close(self) -> None:
