@@ -5,14 +5,15 @@
 (reward parsers, tools, several turns). Every rollout can be written into a TorchRL
 replay buffer, one item per sample and turn, as ``LLMCollector`` writes them.
 
-What TRL 1.16 does with a ``rollout_func`` (read in ``trl/trainer/grpo_trainer.py``):
+What TRL 1.16 does with a ``rollout_func`` (read in ``trl/trainer/grpo_trainer.py`` of trl
+1.16.0; the line numbers are that file's):
 
 - **Prompts arrive repeated.** The docstring (l. 258-265) says the function receives "the raw
   per-process prompt slice with no duplication" and must return ``num_generations``
   completions per prompt. The code disagrees: the train sampler is
   ``RepeatSampler(mini_repeat_count=num_generations)`` (l. 1309), ``_generate_and_score_completions``
   passes ``[x["prompt"] for x in inputs]`` of that repeated batch to ``_generate``
-  (l. 2337, 2427), which calls ``rollout_func(prompts, trainer)`` as is (l. 2210). So each
+  (l. 2338, 2436), which calls ``rollout_func(prompts, trainer)`` as is (l. 2210). So each
   prompt comes ``num_generations`` times in a row, and the function must return exactly one
   completion per prompt it receives, in order: TRL groups rewards by consecutive blocks of
   ``num_generations`` for the advantages. This module does that, and tests it.
@@ -21,10 +22,10 @@ What TRL 1.16 does with a ``rollout_func`` (read in ``trl/trainer/grpo_trainer.p
   mask: the loss mask is ``completion_mask * env_mask`` (l. 2272, 2497), and only
   ``env_mask == 1`` tokens count in the logged lengths. Every other key ("extra field",
   including ``logprob_token_ids``, which nothing in the trainer reads) is merged into each
-  input row, *only when it is a list* (l. 2741-2747), and so reaches every reward function
+  input row, *only when it is a list* (l. 2741-2748), and so reaches every reward function
   as a keyword argument next to the dataset columns.
 - **Log-probs.** The returned ``logprobs`` become ``sampling_per_token_logps``; NaN marks an
-  unknown value (l. 2515). They enter the loss only through (a) the vLLM importance-sampling
+  unknown value (l. 2468). They enter the loss only through (a) the vLLM importance-sampling
   correction, gated by ``use_vllm and vllm_importance_sampling_correction`` (l. 2644, 2660,
   3146), and ``use_vllm`` needs vLLM installed and a vLLM server or colocated engine; and (b)
   ``off_policy_mask_threshold`` (DeepSeek-V3.2 off-policy sequence mask, l. 3068), which
