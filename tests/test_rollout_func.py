@@ -643,3 +643,43 @@ def test_trl_async_grpo_worker_failure_surfaces(fresh_model, policy_and_tokenize
     finally:
         worker.stop()
     assert isinstance(info.value.__cause__, ZeroDivisionError) and time.monotonic() - start < 30
+
+
+def test_async_drop_zero_std_groups(fresh_model, policy_and_tokenizer):
+    """DAPO-style: groups whose env reward is the same for every completion (no GRPO signal)
+    are dropped and counted; every group handed to TRL has a reward spread."""
+    from torchrl.envs import StepCounter, Transform
+    from torchrl.envs.llm import ChatEnv
+    from torchrl_trl.online import AsyncGroupCollector
+    from torchrl_trl.online.async_rollouts import _has_reward_spread
+    from torchrl_trl.online.rollout_func import _per_sample
+    from torchrl_trl.testing import make_policy_wrapper
+
+    class ZeroForHello(Transform):  # reward 0 on "hello", else the reply's token-id sum mod 5
+        def _step(self, tensordict, next_tensordict):
+            td = _per_sample(tensordict)
+            queries = [layouts.to_messages(q)[-1]["content"] for q in layouts.read_column(td, "query")]
+            sums = [sum(r) % 5 for r in layouts.read_tokens(td, "response").tolist()]
+            rewards = [0.0 if q == "hello" else float(s) for q, s in zip(queries, sums)]
+            next_tensordict.set("reward", torch.tensor(rewards).reshape(-1, 1, 1))
+            return next_tensordict
+
+        def _reset(self, tensordict, tensordict_reset):
+            return tensordict_reset
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    env = ChatEnv(batch_size=(2,), input_mode="history", tokenizer=tok)
+    env = env.append_transform(StepCounter(max_steps=1)).append_transform(ZeroForHello())
+    rollout = TorchRLRolloutFunc(make_policy_wrapper(fresh_model, tok, max_new_tokens=6), env=env)
+    chats = [[{"role": "user", "content": q}] for q in ("hello", "what is two plus two?")]
+    collector = AsyncGroupCollector(rollout, chats, group_size=2, max_pending_groups=4)
+    collector.start()
+    try:
+        groups = collector.get_groups(2, consumer_version=0, max_staleness=None, timeout=60, keep=_has_reward_spread)
+    finally:
+        collector.stop()
+    assert all(max(g.batch["torchrl_reward"]) > min(g.batch["torchrl_reward"]) for g in groups)
+    assert all(g.prompt != chats[0] for g in groups)
+    assert collector.dropped_filtered_groups >= 2  # the "hello" groups (every other one) met on the way
+    assert len(groups) + collector.dropped_filtered_groups + collector.pending == collector.produced_groups

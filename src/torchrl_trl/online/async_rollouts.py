@@ -47,7 +47,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +135,7 @@ class AsyncGroupCollector:
         self.produced_groups = 0
         self.consumed_groups = 0
         self.dropped_stale_groups = 0
+        self.dropped_filtered_groups = 0
         self.wait_s = 0.0
         self._pending: deque[RolloutGroup] = deque()
         self._cond = threading.Condition()
@@ -254,9 +255,11 @@ class AsyncGroupCollector:
         max_staleness: int | None,
         timeout: float = 60.0,
         poll_s: float = 0.1,
+        keep: Callable[[RolloutGroup], bool] | None = None,
     ) -> list[RolloutGroup]:
         """Take ``n`` whole groups, oldest first, dropping (and counting) those with
-        ``consumer_version - version > max_staleness``.
+        ``consumer_version - version > max_staleness`` (:attr:`dropped_stale_groups`) and
+        those ``keep`` rejects (:attr:`dropped_filtered_groups`).
 
         Raises:
             CollectorError: the thread died (its exception is the cause), the prompt source
@@ -270,6 +273,9 @@ class AsyncGroupCollector:
                     group = self._pending.popleft()
                     if max_staleness is not None and consumer_version - group.version > max_staleness:
                         self.dropped_stale_groups += 1
+                        continue
+                    if keep is not None and not keep(group):
+                        self.dropped_filtered_groups += 1
                         continue
                     out.append(group)
                 self._cond.notify_all()
@@ -293,6 +299,18 @@ class AsyncGroupCollector:
         return out
 
 
+def _has_reward_spread(group: RolloutGroup) -> bool:
+    from .rollout_func import TORCHRL_REWARD_FIELD
+
+    rewards = group.batch.get(TORCHRL_REWARD_FIELD)
+    if rewards is None:
+        raise KeyError(
+            f"drop_zero_std needs the env's reward ({TORCHRL_REWARD_FIELD!r}) in each group; the groups "
+            f"carry {sorted(group.batch)}: add a reward transform to the env"
+        )
+    return max(rewards) > min(rewards)
+
+
 class AsyncTorchRLRolloutFunc:
     """``GRPOTrainer(rollout_func=...)`` that drains an :class:`AsyncGroupCollector`.
 
@@ -305,6 +323,9 @@ class AsyncTorchRLRolloutFunc:
         push_weights: copy the trainer model's weights into the collector's policy whenever
             ``global_step`` changed (``False``: the caller keeps the collector up to date with
             :meth:`AsyncGroupCollector.update_policy_weights_`).
+        drop_zero_std: drop (and count, ``collector.dropped_filtered_groups``) groups whose
+            env reward (``"torchrl_reward"``) is the same for every completion: their GRPO
+            advantages are all 0 (DAPO's dynamic sampling). Needs a reward in the env.
 
     Attributes:
         consumed_staleness: the age of every group returned, in order.
@@ -318,6 +339,7 @@ class AsyncTorchRLRolloutFunc:
         max_staleness: int | None = 1,
         timeout: float = 60.0,
         push_weights: bool = True,
+        drop_zero_std: bool = False,
     ):
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
@@ -327,6 +349,7 @@ class AsyncTorchRLRolloutFunc:
         self.max_staleness = max_staleness
         self.timeout = timeout
         self.push_weights = push_weights
+        self.drop_zero_std = drop_zero_std
         self.consumed_staleness: list[int] = []
         self.prompt_mismatches = 0
         self.__name__ = type(self).__name__
@@ -351,7 +374,8 @@ class AsyncTorchRLRolloutFunc:
             collector.update_policy_weights_(model, version=version)
         collector.start()
         groups = collector.get_groups(
-            len(prompts) // g, consumer_version=version, max_staleness=self.max_staleness, timeout=self.timeout
+            len(prompts) // g, consumer_version=version, max_staleness=self.max_staleness, timeout=self.timeout,
+            keep=_has_reward_spread if self.drop_zero_std else None,
         )
         batch = _concat([grp.batch for grp in groups])
         batch[PROMPT_FIELD] = [grp.prompt for grp in groups for _ in range(g)]
