@@ -33,6 +33,7 @@ def received(n, num_shards, tmp):
                               columns={"input_ids": "input_ids"}, num_shards=num_shards)
     args = SFTConfig(output_dir=tmp, max_steps=1, per_device_train_batch_size=4, use_cpu=True, bf16=False,
                      report_to=[], save_strategy="no", ddp_backend="gloo", dataloader_num_workers=0)
+    assert torch.distributed.is_initialized()  # as_hf_dataset() below agrees the pass length over ranks
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
     rows = []
     for batch in trainer.get_train_dataloader():
@@ -48,6 +49,8 @@ if __name__ == "__main__":
         "world_size": int(os.environ["WORLD_SIZE"]),
         "sharded": received(26, None, out + f".tmp{rank}"),  # accelerate shards the HF iterable
         "iterable_shard": received(24, 1, out + f".tmp{rank}"),  # one shard: IterableDatasetShard
+        # a collector wrote 3 more items before rank 1 started: the pass is what rank 0 saw
+        "live": received(26 + 3 * rank, None, out + f".tmp{rank}"),
         "stored": buffer(26)[:]["input_ids"].tolist(),
     }
     with open(f"{out}.rank{rank}.json", "w") as f:

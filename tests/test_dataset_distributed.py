@@ -33,6 +33,9 @@ def test_two_processes_read_each_item_once(tmp_path):
     # one shard -> accelerate's IterableDatasetShard slices each global batch (24 = 3 x 8)
     seen = sorted(tuple(r) for rank in ranks for r in rank["iterable_shard"])
     assert seen == stored[:24] and len(set(seen)) == 24
+    # rank 1's buffer holds 3 items more (written after rank 0 began): both read rank 0's 26
+    seen = sorted(tuple(r) for rank in ranks for r in rank["live"])
+    assert seen == stored
 
 
 @pytest.mark.timeout(120)

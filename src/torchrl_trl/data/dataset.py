@@ -347,9 +347,9 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         """Epoch mode: the pass number mixed into the shuffle seed (the trainer calls
         this on the Hugging Face iterable from :meth:`as_hf_dataset`, which shares it).
 
-        Under ``torch.distributed`` with several ranks (call it on every rank), it also
-        fixes the items of the next pass of ``epoch`` to those rank 0 holds now, so every
-        rank reads the same items beside a live writer."""
+        Under ``torch.distributed`` with several ranks (then call it on every rank: it
+        broadcasts), it also fixes the passes of ``epoch`` to the items rank 0 holds now, so
+        every rank reads the same items beside a live writer."""
         self._epoch.fill_(int(epoch))
         self._pin_for_ranks()
 
@@ -515,6 +515,9 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         rank 0 reads all of them: an epoch pass is read exactly once in each case.
         Online, shard ``s`` is an independent sampling stream (``num_batches`` split
         over the shards).
+
+        Epoch mode under ``torch.distributed`` with several ranks: call it on every rank
+        (it broadcasts rank 0's buffer length, which the first epoch's passes then read).
         """
         if map_style:
             if tensors:

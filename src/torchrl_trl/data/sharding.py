@@ -133,14 +133,14 @@ class PassLengths:
     processes (``shared=True``: a memmap or remote buffer); a worker's private copy of an
     in-process buffer never grows, so it keeps the first length.
 
-    :meth:`pin` fixes the length of the next pass of ``epoch`` (e.g. broadcast from rank
-    0 so every rank reads the same items); the first iteration to start that pass uses it.
+    :meth:`pin` fixes the length of the passes of ``epoch`` (e.g. broadcast from rank 0
+    so every rank reads the same items, also when a trainer peeks at the dataset first).
     """
 
     def __init__(self, slots: int = 64, timeout: float = 120.0) -> None:
-        # (key, pass, n) per slot; pin: (epoch, n, taken)
+        # (key, pass, n) per slot; pin: (epoch, n)
         self._table = torch.full((slots, 3), -1, dtype=torch.int64).share_memory_()
-        self._pin = torch.full((3,), -1, dtype=torch.int64).share_memory_()
+        self._pin = torch.full((2,), -1, dtype=torch.int64).share_memory_()
         self._timeout = timeout
         self._iterations = 0  # per process: worker iterations started
         self._first = 0  # per process: the length of this worker iteration's first pass
@@ -152,13 +152,12 @@ class PassLengths:
         return {**self.__dict__, "_iterations": 0, "_first": 0}
 
     def pin(self, epoch: int, n: int) -> None:
-        self._pin[2] = 0
+        self._pin[0] = -1
         self._pin[1] = n
         self._pin[0] = epoch
 
     def _take(self, epoch: int, take: Callable[[], int]) -> int:
-        if int(self._pin[0]) == epoch and int(self._pin[2]) == 0:
-            self._pin[2] = 1
+        if int(self._pin[0]) == epoch:
             return int(self._pin[1])
         return take()
 
