@@ -149,6 +149,34 @@ def test_gsm8k_parser_right_wrong_unformatted():
         func(prompts, texts, [[1]] * 3)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("executor", ["process", "thread"])
+def test_gsm8k_parser_per_completion_in_an_executor(executor):
+    """A TorchRL reward parser through executor=: one completion per call, in worker
+    processes (the parser is pickled once per worker) or threads; the same rewards as
+    the batch call in this process."""
+    from torchrl.envs.llm import GSM8KRewardParser
+
+    answers = ["Two and two make four. #### 4"] * 3
+    texts = ["<think>2+2</think><answer>4</answer>", "<answer>5</answer>", "it is 4"]
+    prompts = _chat_batch()[0][:3]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    expected = as_trl_reward_func(GSM8KRewardParser())(prompts, completions, [[1]] * 3, answer=answers)
+    extra = {"mp_context": "fork"} if executor == "process" else {}
+    func = as_trl_reward_func(GSM8KRewardParser(), executor=executor, timeout=30, max_workers=2, **extra)
+    try:
+        assert not func.is_trl_function
+        for ids in ([[1]] * 3, None):
+            assert func(prompts, completions, ids, answer=answers, trainer_state=None) == pytest.approx(expected)
+        assert func.failure_counts == {"error": 0, "timeout": 0, "crash": 0} and func.scored == 6
+        with pytest.raises(KeyError, match="answer"):  # checked here, not once per completion
+            as_trl_reward_func(GSM8KRewardParser(), executor=executor, columns=["answer"], **extra)(
+                prompts, completions, [[1]] * 3
+            )
+    finally:
+        func.shutdown()
+
+
 def test_any_tensordict_module_and_errors():
     lengths = TensorDictModule(
         lambda texts: torch.tensor([[float(len(t))] for t in texts]), in_keys=[("text", "response")], out_keys=["score"]

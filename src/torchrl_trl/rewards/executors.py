@@ -17,9 +17,10 @@ must not stop training. :func:`make_item_executor` builds an executor that calls
 - a ``concurrent.futures.Executor``: one ``submit`` per item; the timeout counts from
   submission; a timed-out task is cancelled if it has not started, else abandoned.
 
-``timeout`` is per item: it starts when the item is handed to a worker (process, thread,
-Ray task), not when it is queued, so a call takes at most about
-``ceil(items / max_workers) * timeout`` plus worker start-up.
+``timeout`` is per item: it starts when a worker starts the item (a process worker
+once it has loaded the item's arguments, which may import modules; a thread when it
+starts; a Ray task or an Executor's future when submitted), not when it is queued, so a
+call takes at most about ``ceil(items / max_workers) * timeout`` plus worker start-up.
 """
 
 from __future__ import annotations
@@ -228,6 +229,7 @@ def _worker_main(conn, payload: bytes) -> None:
             shared = msg[1]
             continue
         _, task_id, index, kwargs = msg
+        conn.send(("started", task_id))  # the arguments are loaded (imports done): the clock starts
         try:
             value, logs = call_item(funcs[index], {**shared, **kwargs})
             reply = (task_id, "ok", value, "", logs)
@@ -248,6 +250,7 @@ class _Worker:
         self.started = time.monotonic()
         self.task: int | None = None
         self.deadline: float | None = None
+        self.running = False  # the task's function has started
         self.shared_version = -1
 
     def kill(self) -> None:
@@ -370,7 +373,10 @@ class ProcessItemExecutor(ItemExecutor):
                             self.replaced += 1
                             continue
                         worker.state, worker.task = "busy", index
-                        worker.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+                        # until the worker says it has loaded the arguments (which may
+                        # import modules), the start-up bound applies, not the timeout
+                        worker.deadline = time.monotonic() + self.startup_timeout
+                        worker.running = False
                 self._wait_and_collect(results)
                 while len(self._workers) < target:
                     self._spawn()
@@ -414,9 +420,12 @@ class ProcessItemExecutor(ItemExecutor):
                 self._drop(worker)
                 self.replaced += 1
             elif worker.state == "busy" and worker.deadline is not None and now >= worker.deadline:
-                results[worker.task] = ItemResult(
-                    "timeout", detail=f"no result within timeout={self.timeout}s; worker killed"
+                detail = (
+                    f"no result within timeout={self.timeout}s; worker killed"
+                    if worker.running
+                    else f"the worker did not load the arguments within {self.startup_timeout}s; killed"
                 )
+                results[worker.task] = ItemResult("timeout", detail=detail)
                 self._drop(worker)
                 self.replaced += 1
             elif worker.state == "starting" and now >= worker.started + self.startup_timeout:
@@ -429,6 +438,10 @@ class ProcessItemExecutor(ItemExecutor):
     def _on_message(self, worker: _Worker, msg, results) -> None:
         if msg[0] == "ready":
             worker.state = "idle"
+        elif msg[0] == "started":
+            if worker.state == "busy" and msg[1] == worker.task:
+                worker.running = True
+                worker.deadline = None if self.timeout is None else time.monotonic() + self.timeout
         elif msg[0] == "init_error":
             self._drop(worker)
             raise RuntimeError(
@@ -441,7 +454,7 @@ class ProcessItemExecutor(ItemExecutor):
             task_id, status, value, detail, logs = msg
             if worker.state == "busy" and task_id == worker.task:
                 results[task_id] = ItemResult(status, value, detail, logs)
-                worker.state, worker.task, worker.deadline = "idle", None, None
+                worker.state, worker.task, worker.deadline, worker.running = "idle", None, None, False
 
     def shutdown(self) -> None:
         for worker in list(getattr(self, "_workers", [])):
@@ -596,8 +609,9 @@ class RayItemExecutor(ItemExecutor):
     """One Ray task per item (``num_cpus=1``, no retries), at most ``max_workers`` in
     flight; a task past its deadline is cancelled with ``force=True`` (its worker process
     is killed); a dead worker fails only its item. Starts a local Ray if none is running.
-    The first call waits (up to ``startup_timeout``) for ``max_workers`` warm workers, so
-    worker start-up does not count against ``timeout``."""
+    The first call waits (up to ``startup_timeout``) for ``max_workers`` warm workers that
+    have loaded the shared arguments, so worker start-up does not count against
+    ``timeout``; the timeout counts from submission."""
 
     kind = "ray"
 
@@ -611,7 +625,7 @@ class RayItemExecutor(ItemExecutor):
         self._remote = None
         self._funcs_ref = None
 
-    def _setup(self):
+    def _setup(self, shared: dict):
         import ray
 
         if not ray.is_initialized():
@@ -619,7 +633,8 @@ class RayItemExecutor(ItemExecutor):
         if self._remote is None:
             self._remote = ray.remote(num_cpus=1, max_retries=0)(_ray_call_item)
             self._funcs_ref = ray.put(self.funcs)
-            warm = [self._remote.remote([_noop], 0, {}) for _ in range(self.max_workers)]
+            # loading the shared arguments (TRL's TrainerState) imports modules: not on the clock
+            warm = [self._remote.remote([_noop], 0, shared) for _ in range(self.max_workers)]
             ready, _ = ray.wait(warm, num_returns=len(warm), timeout=self.startup_timeout)
             if len(ready) < len(warm):
                 raise RuntimeError(
@@ -630,7 +645,7 @@ class RayItemExecutor(ItemExecutor):
         return ray
 
     def _run(self, items, shared) -> list[ItemResult]:
-        ray = self._setup()
+        ray = self._setup(shared)
         from ray import exceptions as rex
 
         results: list[ItemResult | None] = [None] * len(items)
