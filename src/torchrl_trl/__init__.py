@@ -11,6 +11,10 @@ imports ``trl``, ``datasets`` or ``ray``):
   TorchRL), :func:`as_trl_reward_func` (TorchRL rewards as TRL ``reward_funcs``)
 - online: :class:`CollectorCallback` (a TorchRL collector alongside a TRL trainer),
   :class:`StalenessFilter`, :func:`update_priorities`, :class:`BufferCheckpointCallback`
+- TRL's GRPO on TorchRL rollouts: :class:`TorchRLRolloutFunc` (a ``rollout_func``),
+  :class:`AsyncGroupCollector` + :class:`AsyncTorchRLRolloutFunc` (generation ahead of
+  the trainer, bounded staleness), :class:`BehaviourLogProbsMixin`; for
+  ``AsyncGRPOTrainer``: :class:`TorchRLRolloutWorker`, :class:`TorchRLWeightTransfer`
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ _EXPORTS = {
     "BufferCheckpointError": "torchrl_trl.online",
     "wait_for_items": "torchrl_trl.online",
     "connect_ray_replay_buffer": "torchrl_trl.online",
+    "TorchRLRolloutFunc": "torchrl_trl.online",
+    "AsyncGroupCollector": "torchrl_trl.online",
+    "AsyncTorchRLRolloutFunc": "torchrl_trl.online",
+    "BehaviourLogProbsMixin": "torchrl_trl.online",
+    "TorchRLRolloutWorker": "torchrl_trl.online",
+    "TorchRLWeightTransfer": "torchrl_trl.online",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -85,5 +95,11 @@ if TYPE_CHECKING:
         update_priorities,
         connect_ray_replay_buffer,
         wait_for_items,
+        TorchRLRolloutFunc,
+        AsyncGroupCollector,
+        AsyncTorchRLRolloutFunc,
+        BehaviourLogProbsMixin,
+        TorchRLRolloutWorker,
+        TorchRLWeightTransfer,
     )
     from .rewards.trl_funcs import as_trl_reward_func

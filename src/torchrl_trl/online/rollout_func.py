@@ -94,8 +94,7 @@ class RolloutBatch(dict):
 
 def _per_sample(td: TensorDictBase) -> TensorDictBase:
     """``td`` ``[B]`` as a lazy stack of ``B`` per-sample TensorDicts, the form
-    ``LazyStackStorage`` stores and every layout reader reads (a dense TensorDict holding
-    lazily stacked ``Tokens`` is not readable by key)."""
+    ``LazyStackStorage`` stores, so each turn's samples can be regrouped and written."""
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0 and td.batch_dims == 1:
         return td
     return lazy_stack(list(td.reshape(-1).unbind(0)))
