@@ -7,10 +7,12 @@ True, actor_name=...)`` / ``RayRetrieveKL`` idiom: the first caller creates the 
 and the weights are loaded once, in the actor, from a local path (safetensors,
 ``trust_remote_code=False`` unless asked).
 
-Unlike TorchRL's Ray transforms, no TensorDict crosses the wire: each caller renders its
-samples into the reward model's token ids locally (its own policy tokenizer, keys and chat
-layout) and sends flat int64 ids + lengths; the actor answers one float32 score per
-sequence. Requests that arrive within ``max_wait_ms`` of each other (from any caller) are
+TorchRL's ``RayModuleTransform`` is not reused: its actor is synchronous (one call at a
+time, so nothing to coalesce), takes and returns whole TensorDicts, waits on ``ray.get``
+without a timeout, and looks the name up before creating it (two workers can race). Here
+no TensorDict crosses the wire: each caller renders its samples into the reward model's
+token ids locally (its own policy tokenizer, keys and chat layout) and sends flat int64
+ids + lengths; the actor answers one float32 score per sequence. Requests that arrive within ``max_wait_ms`` of each other (from any caller) are
 scored together, so the token-budget planner of :class:`HFRewardModelWrapper` fills its
 micro-batches across callers; each caller gets its own scores back, in its order.
 
@@ -115,8 +117,11 @@ class RewardModelService:
             raise TypeError(f"settings {unknown} do not apply inside the service; expected some of "
                             f"{sorted(MODEL_SIDE_ARGS)}")  # fmt: skip
         self.model_path = os.fspath(model_path)
-        self.settings = settings
+        self.settings = dict(settings)  # as asked: what attaching callers are compared with
         self.max_wait = float(max_wait_ms) / 1000.0
+        if "device" not in settings and torch.cuda.is_available():
+            # Ray shows an actor only the GPUs it was given (num_gpus): use them
+            settings = {**settings, "device": "cuda"}
         self.wrapper = HFRewardModelWrapper(self.model_path, inference_mode=True, **settings)
         get_emb = getattr(self.wrapper.model, "get_input_embeddings", None)
         embedding = get_emb() if callable(get_emb) else None
@@ -149,6 +154,7 @@ class RewardModelService:
             settings=self.settings,
             eos_token_id=w.renderer.eos_token_id,
             max_length=w.max_length,
+            device=str(next(iter(w.model.parameters())).device),
             pid=os.getpid(),
         )
 
@@ -264,7 +270,9 @@ def _as_ragged(values: Any, lengths: Any, where: str) -> Ragged:
         raise ValueError(
             f"{where}: lengths sum to {int(lengths.sum())} but {values.numel()} token ids were sent"
         )
-    ids = Ragged(values if values.dtype.is_floating_point else values.long(), lengths.long())
+    # non-integer ids stay as they are, for check_ids to name them
+    integer = not (values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool)
+    ids = Ragged(values.long() if integer else values, lengths.long())
     check_ids(ids, where)
     return ids
 
@@ -285,7 +293,8 @@ class RewardServiceClient:
             later ones (which must ask for the same path and model-side settings, else
             ``ValueError``). ``None``: a private, unnamed service.
         namespace: Ray namespace of the named actor (default: the job's).
-        num_cpus, num_gpus: the actor's Ray resources (Ray's defaults when ``None``).
+        num_cpus, num_gpus: the actor's Ray resources (Ray's defaults when ``None``). With
+            a GPU the model goes onto it unless ``device=`` says otherwise.
         timeout: seconds a request may take before :class:`RewardServiceError`. Finite;
             defaults to 300.
         start_timeout: seconds to wait for the actor to start (load the model) or to
