@@ -157,6 +157,13 @@ def test_thread_and_user_executor():
         with pytest.warns(UserWarning):
             _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))
         assert wrapper.failure_counts["by_text"] == {"error": 1, "timeout": 1, "crash": 0}
+    # a standard process pool does not survive a segfault: said clearly, not counted per item
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        wrapper = RewardFunctionWrapper(by_text, executor=pool, timeout=TIMEOUT)
+        with pytest.raises(RuntimeError, match="ProcessPoolExecutor passed as executor= broke"):
+            wrapper(_text_rollouts(["ab", "segv"]))
 
 
 def test_bad_arguments_raise_naming_them():
@@ -180,6 +187,24 @@ def test_bad_arguments_raise_naming_them():
             wrapper(_text_rollouts(["a"]))
         wrapper.trainer_state = None
         _same(_rewards(wrapper(_text_rollouts(["a"]))), [1.0])
+    finally:
+        wrapper.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_functions_a_worker_cannot_import_raise(tmp_path, monkeypatch):
+    """A function the worker processes cannot load (its module is gone, as a notebook's
+    __main__ function under forkserver): a clear error, not a hang or a silent None."""
+    (tmp_path / "gone_module.py").write_text("def gone(prompts, completions, **kw):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gone_module
+
+    wrapper = RewardFunctionWrapper(gone_module.gone, executor="process", timeout=TIMEOUT, max_workers=1)
+    (tmp_path / "gone_module.py").unlink()
+    monkeypatch.delitem(sys.modules, "gone_module")
+    try:
+        with pytest.raises(RuntimeError, match=r"could not load the reward functions \['gone'\].*No module named 'gone_module'"):
+            wrapper(_text_rollouts(["a"]))
     finally:
         wrapper.shutdown()
 

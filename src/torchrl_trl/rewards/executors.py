@@ -390,6 +390,8 @@ class ProcessItemExecutor(ItemExecutor):
     def _wait_and_collect(self, results) -> None:
         now = time.monotonic()
         watched = [w for w in self._workers if w.state in ("starting", "busy")]
+        if not watched:  # nothing to wait for (a dead idle worker was just dropped)
+            return
         deadlines = [w.deadline for w in watched if w.deadline is not None]
         deadlines += [w.started + self.startup_timeout for w in watched if w.state == "starting"]
         wait_for = max(0.0, min(deadlines) - now) if deadlines else None

@@ -739,7 +739,9 @@ class RewardFunctionWrapper(Transform):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(funcs={self.names}, weights={self.weights.tolist()}, "
-            f"reward_key={self.reward_key}, input_mode={self.input_mode!r})"
+            f"reward_key={self.reward_key}, input_mode={self.input_mode!r}"
+            + (f", executor={self.executor!r}" if self.executor is not None else "")
+            + ")"
         )
 
 
