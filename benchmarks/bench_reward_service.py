@@ -184,7 +184,8 @@ def main(argv=None):
     for mode, r in res.items():
         rss = r["peak_rss_mib"]
         print(f"{mode:10s} {r['seqs_per_s']:8.1f} {r['forwards']:9d} {r['forwards_per_seq']:8.3f} "
-              f"{r['padding_efficiency']:8.3f} {r['requests_per_flush']:9.2f} {r['cpu_ms_per_seq']:10.2f} {max(rss):16.0f} "
+              f"{r['padding_efficiency']:8.3f} {r['requests_per_flush']:9.2f} {r['cpu_ms_per_seq']:10.2f} "
+              f"{max(rss):16.0f} "
               f"{sum(rss):14.0f} {r['torch_threads']}")  # fmt: skip
     s, q = res["shared"], res["private"]
     print("shared / private:")

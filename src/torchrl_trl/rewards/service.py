@@ -12,9 +12,10 @@ time, so nothing to coalesce), takes and returns whole TensorDicts, waits on ``r
 without a timeout, and looks the name up before creating it (two workers can race). Here
 no TensorDict crosses the wire: each caller renders its samples into the reward model's
 token ids locally (its own policy tokenizer, keys and chat layout) and sends flat int64
-ids + lengths; the actor answers one float32 score per sequence. Requests that arrive within ``max_wait_ms`` of each other (from any caller) are
-scored together, so the token-budget planner of :class:`HFRewardModelWrapper` fills its
-micro-batches across callers; each caller gets its own scores back, in its order.
+ids + lengths; the actor answers one float32 score per sequence. Requests that arrive
+within ``max_wait_ms`` of each other (from any caller) are scored together, so the
+token-budget planner of :class:`HFRewardModelWrapper` fills its micro-batches across
+callers; each caller gets its own scores back, in its order.
 
 Faults: every request has a finite ``timeout`` (:class:`RewardServiceError` when it
 passes, or at once when the actor is gone); ``max_restarts=n`` lets Ray restart a dead
@@ -37,7 +38,6 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from .. import layouts
 from ..layouts import Ragged
 from .model import HFRewardModelWrapper
 from .render import RewardRenderer, check_ids
@@ -373,7 +373,6 @@ class RewardServiceClient:
         self.accumulate, self.reward_dtype, self.inference_mode = accumulate, reward_dtype, True
         settings = {k: v for k, v in kwargs.items() if k in MODEL_SIDE_ARGS}
         caller = {k: v for k, v in kwargs.items() if k in CALLER_SIDE_ARGS}
-        self.attention_mask_key = caller.get("attention_mask_key", layouts.ATTENTION_MASK_KEY)
         self._actor = self._create_or_attach(
             settings,
             num_cpus=num_cpus,
