@@ -129,9 +129,9 @@ class PassLengths:
     iteration began: worker 0 is forked (or pickled) first, so every worker's copy of an
     in-process buffer holds at least those items; the others wait for it (all workers
     start together). Later passes of the same iterator take a new length (the first
-    worker to get there, under a file lock) only when the storage is shared across
-    processes (``shared=True``: a memmap or remote buffer); a worker's private copy of an
-    in-process buffer never grows, so it keeps the first length.
+    worker to get there, under a file lock) only where workers see new writes (``live``,
+    see :func:`readable_length`); a worker's private copy of an in-process buffer never
+    grows, so it keeps the first length.
 
     :meth:`pin` fixes the length of the passes of ``epoch`` (e.g. broadcast from rank 0
     so every rank reads the same items, also when a trainer peeks at the dataset first).
@@ -230,6 +230,7 @@ _FORK_LEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # in a child
 _TORN: weakref.WeakSet = weakref.WeakSet()  # in a child: buffers forked mid-write
 _FORK_WAIT_S = 30.0
 _hooks: list = []
+_private_tensor_storages: list = []
 
 
 def guard_fork(replay_buffer) -> None:
@@ -241,6 +242,9 @@ def guard_fork(replay_buffer) -> None:
     if getattr(replay_buffer, "_replay_lock", None) is None:
         return
     if not _hooks:
+        from torchrl.data import LazyMemmapStorage, TensorStorage
+
+        _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage])  # nothing to import in the hooks
         os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
         _hooks.append(True)
     _GUARDED.add(replay_buffer)
@@ -300,12 +304,11 @@ class _Length:
 
 
 def _after_in_child() -> None:
-    from torchrl.data import LazyMemmapStorage, TensorStorage
-
+    tensor_storage, memmap_storage = _private_tensor_storages
     while _HELD:
         rb, lock, acquired = _HELD.pop()
         storage = getattr(rb, "_storage", None)
-        if acquired and isinstance(storage, TensorStorage) and not isinstance(storage, LazyMemmapStorage):
+        if acquired and isinstance(storage, tensor_storage) and not isinstance(storage, memmap_storage):
             # the data is this child's copy as of the fork, but the length counter is shared
             # with the parent: without this the child's own sampler (online mode) would draw
             # rows written after the fork, which it holds as uninitialised memory
