@@ -6,7 +6,8 @@ imports ``trl``, ``datasets`` or ``ray``):
 - TorchRL -> TRL data: :class:`TorchRLBufferDataset`, :func:`register_format`,
   :class:`BufferFormat`, :func:`available_formats`; scored groups -> offline trainer rows:
   :func:`best_of_n`, :func:`preference_pairs`, :func:`kto_rows`
-- HF/TRL -> TorchRL rewards: :class:`HFRewardModelWrapper`, :class:`HFRewardTransform`
+- HF/TRL -> TorchRL rewards: :class:`HFRewardModelWrapper`, :class:`HFRewardTransform`;
+  one reward model on Ray shared by many collectors: :class:`RewardServiceClient`
 - reward functions both ways: :class:`RewardFunctionWrapper` (TRL-style functions in
   TorchRL), :func:`as_trl_reward_func` (TorchRL rewards as TRL ``reward_funcs``)
 - online: :class:`CollectorCallback` (a TorchRL collector alongside a TRL trainer),
@@ -40,6 +41,8 @@ _EXPORTS = {
     "HFRewardModelWrapper": "torchrl_trl.rewards",
     "HFRewardTransform": "torchrl_trl.rewards",
     "load_reward_model": "torchrl_trl.rewards",
+    "RewardServiceClient": "torchrl_trl.rewards.service",
+    "RewardServiceError": "torchrl_trl.rewards.service",
     "RewardFunctionWrapper": "torchrl_trl.rewards.functions",
     "as_trl_reward_func": "torchrl_trl.rewards.trl_funcs",
     "CollectorCallback": "torchrl_trl.online",
@@ -81,6 +84,7 @@ if TYPE_CHECKING:
     from .data import BufferFormat, TorchRLBufferDataset, available_formats, get_format, register_format
     from .rewards import HFRewardModelWrapper, HFRewardTransform, load_reward_model
     from .rewards.functions import RewardFunctionWrapper
+    from .rewards.service import RewardServiceClient, RewardServiceError
     from .data.groups import SkippedRolloutsWarning, SkipStats, find_groups
     from .data.preference import best_of_n, kto_rows, preference_pairs
     from .online import (
