@@ -603,8 +603,8 @@ class FuturesItemExecutor(ItemExecutor):
 # -- Ray --------------------------------------------------------------------------------
 
 
-def _ray_call_item(funcs, index, kwargs):
-    return call_item(funcs[index], kwargs)
+def _ray_call_item(funcs, index, shared, kwargs):
+    return call_item(funcs[index], {**shared, **kwargs})
 
 
 class RayItemExecutor(ItemExecutor):
@@ -626,17 +626,21 @@ class RayItemExecutor(ItemExecutor):
         super()._reset_runtime()
         self._remote = None
         self._funcs_ref = None
+        self._job = None  # the Ray job the remote function and the refs belong to
 
     def _setup(self, shared: dict):
         import ray
 
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, include_dashboard=False)
+        job = ray.get_runtime_context().get_job_id()
+        if self._job != job:  # first call, or Ray was restarted: refs of the old job are gone
+            self._remote, self._job = None, job
         if self._remote is None:
             self._remote = ray.remote(num_cpus=1, max_retries=0)(_ray_call_item)
             self._funcs_ref = ray.put(self.funcs)
             # loading the shared arguments (TRL's TrainerState) imports modules: not on the clock
-            warm = [self._remote.remote([_noop], 0, shared) for _ in range(self.max_workers)]
+            warm = [self._remote.remote([_noop], 0, shared, {}) for _ in range(self.max_workers)]
             ready, _ = ray.wait(warm, num_returns=len(warm), timeout=self.startup_timeout)
             if len(ready) < len(warm):
                 raise RuntimeError(
@@ -653,11 +657,12 @@ class RayItemExecutor(ItemExecutor):
         results: list[ItemResult | None] = [None] * len(items)
         pending = deque(range(len(items)))
         running: dict = {}
+        shared_ref = ray.put(shared)  # serialised once per call, not once per item
         while pending or running:
             while pending and len(running) < self.max_workers:
                 index = pending.popleft()
                 func_index, kwargs = items[index]
-                ref = self._remote.remote(self._funcs_ref, func_index, {**shared, **kwargs})
+                ref = self._remote.remote(self._funcs_ref, func_index, shared_ref, kwargs)
                 running[ref] = (index, None if self.timeout is None else time.monotonic() + self.timeout)
             deadlines = [d for _, d in running.values() if d is not None]
             wait_for = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
