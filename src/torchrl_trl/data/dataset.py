@@ -547,6 +547,9 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size,
         )
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_spawn_keepalive"}
+
     def __reduce_ex__(self, protocol):
         from multiprocessing.context import get_spawning_popen
 
@@ -565,7 +568,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         # objects made while pickling (e.g. shared-memory storages whose file descriptors
         # the child inherits) must live until the worker has started
         self._spawn_keepalive = pickler.memo.copy()
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_replay_buffer", "_spawn_keepalive")}
+        state = {k: v for k, v in self.__getstate__().items() if k != "_replay_buffer"}
         return _restore, (type(self), state, out.getvalue())
 
     def __repr__(self) -> str:
