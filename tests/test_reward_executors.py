@@ -166,6 +166,23 @@ def test_thread_and_user_executor():
             wrapper(_text_rollouts(["ab", "segv"]))
 
 
+def length(prompts, completions, **kwargs):
+    return [float(len(_text(c))) for c in completions]
+
+
+@pytest.mark.timeout(60)
+def test_failed_item_is_excluded_from_the_weighted_sum_not_zero():
+    wrapper = RewardFunctionWrapper([by_text, length], weights=[1.0, 10.0], executor="thread",
+                                    timeout=THREAD_TIMEOUT, per_function_keys=True)
+    with pytest.warns(UserWarning, match="'by_text' raised on a completion"):
+        td = wrapper(_text_rollouts(["raise", "ab"]))
+    _same(_rewards(td), [10.0 * 5, 2.0 + 10.0 * 2])  # TRL's nansum: the failure counts as None
+    _same(td["next", "reward_by_text"].reshape(-1).tolist(), [math.nan, 2.0])
+    assert wrapper.failure_counts == {"by_text": {"error": 1, "timeout": 0, "crash": 0},
+                                      "length": {"error": 0, "timeout": 0, "crash": 0}}
+    assert wrapper.unscorable_count == 0 and wrapper.none_counts == {"by_text": 0, "length": 0}
+
+
 def test_bad_arguments_raise_naming_them():
     with pytest.raises(TypeError, match=r"'<lambda>'.*top-level function"):
         RewardFunctionWrapper(lambda prompts, completions, **kw: [1.0], executor="process")

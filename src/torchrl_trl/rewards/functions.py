@@ -679,7 +679,7 @@ class RewardFunctionWrapper(Transform):
                 self._warned.add("__unscorable__")
                 warnings.warn(
                     f"All reward functions returned None for {int(unscorable.sum())} "
-                    f"completion(s) (or an infinite value), e.g. prompt={prompts[row]!r}, completion="
+                    f"completion(s) (or an infinite value, or failed in the executor), e.g. prompt={prompts[row]!r}, completion="
                     f"{completions[row]!r}; their reward is {self.unscorable_reward} "
                     "(counted in RewardFunctionWrapper.unscorable_count). Warning once.",
                     stacklevel=4,
