@@ -58,6 +58,10 @@ def by_column(prompts, completions, behaviour, log_extra=None, **kwargs):
     return [float(len(_text(c))) for c in completions]
 
 
+def uses_envs(prompts, completions, environments, **kwargs):
+    return [float(id(e)) for e in environments]
+
+
 def _expected(texts):
     """The independent reference: len(text), NaN for a failing item."""
     return [math.nan if t in BAD + ("sleep",) else float(len(t)) for t in texts]
@@ -243,6 +247,18 @@ def test_trl_function_per_completion_with_logs():
         assert out == [1.0, None, 3.0, None]
         assert func.failure_counts == {"error": 0, "timeout": 1, "crash": 1} and func.scored == 4
         assert logged == {"length": [1, None, 3, None]}
+        # arguments the function cannot take: raised once, before any completion is sent
+        with pytest.raises(KeyError, match="'by_column' requires the argument 'behaviour'"):
+            func(prompts, completions, completion_ids=[[1]] * 4)
+        # TRL's environments (live objects) go to threads, one per completion, not to processes
+        envs = [object() for _ in range(4)]
+        assert as_trl_reward_func(uses_envs, executor="thread")(prompts, completions, environments=envs) == [
+            float(id(e)) for e in envs
+        ]
+        refused = as_trl_reward_func(uses_envs, executor="process", mp_context="fork")
+        with pytest.raises(TypeError, match="'uses_envs' takes TRL's environments.*executor='thread'"):
+            refused(prompts, completions, environments=envs)
+        assert refused.executor.worker_pids == []
         # without an executor the same function scores the batch in one call
         inline = as_trl_reward_func(by_column)
         assert inline(prompts, completions, behaviour=["ok"] * 4) == by_column(prompts, completions, ["ok"] * 4)

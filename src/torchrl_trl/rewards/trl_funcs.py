@@ -33,8 +33,10 @@ from torchrl_trl.rewards.executors import FailureCounter, make_item_executor, me
 from torchrl_trl.rewards.functions import (
     TRL_EXTRA_KWARGS,
     FunctionTimeout,
+    _declares,
     _run_coroutines,
     callable_name,
+    check_signature,
     check_timeout,
     is_async_callable,
     named_error,
@@ -280,7 +282,15 @@ class TRLRewardFunc:
             self._select_columns(kwargs)  # a missing column fails here, not once per completion
         call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         if self.is_trl_function and "environments" in call_kwargs and self.executor.kind in ("process", "ray"):
-            call_kwargs.pop("environments")  # live objects of the trainer: cannot cross a process
+            if _declares(self.reward, "environments"):
+                raise TypeError(
+                    f"reward function {self.__name__!r} takes TRL's environments, live objects of "
+                    f"the trainer that cannot be sent to executor={self.executor.kind!r}; use "
+                    "executor='thread'"
+                )
+            call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
+        if self.is_trl_function:  # as TRL would fail, but once here rather than per completion
+            check_signature(self.reward, self.__name__, list(call_kwargs))
         shared, per_item = split_item_kwargs(call_kwargs, n)
         loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}
         items = [(0, {**{k: [v[row]] for k, v in per_item.items()}, **loggers}) for row in range(n)]
