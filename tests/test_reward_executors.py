@@ -132,9 +132,12 @@ def test_default_context_and_failure_reward_and_copy():
     clone = None
     try:
         assert wrapper.executor.mp_context in ("forkserver", "spawn")
+        wrapper(_text_rollouts(["warm", "up"]))
+        start = time.monotonic()
         with pytest.warns(UserWarning, match="failure_reward=-1.0"):
-            _same(_rewards(wrapper(_text_rollouts(["ab", "segv", "raise", "abc"]))), [2.0, -1.0, -1.0, 3.0])
-        assert wrapper.failure_counts["by_text"] == {"error": 1, "timeout": 0, "crash": 1}
+            _same(_rewards(wrapper(_text_rollouts(["ab", "segv", "loop", "raise", "abc"]))), [2.0, -1.0, -1.0, -1.0, 3.0])
+        assert time.monotonic() - start < TIMEOUT + 15  # includes starting a replacement worker
+        assert wrapper.failure_counts["by_text"] == {"error": 1, "timeout": 1, "crash": 1}
         assert wrapper.unscorable_count == 0  # a failure_reward is a reward
         clone = copy.deepcopy(wrapper)
         assert clone.executor.worker_pids == [] and clone.executor is not wrapper.executor
@@ -187,6 +190,7 @@ def test_failed_item_is_excluded_from_the_weighted_sum_not_zero():
     assert wrapper.unscorable_count == 0 and wrapper.none_counts == {"by_text": 0, "length": 0}
 
 
+@pytest.mark.timeout(60)
 def test_bad_arguments_raise_naming_them():
     with pytest.raises(TypeError, match=r"'<lambda>'.*top-level function"):
         RewardFunctionWrapper(lambda prompts, completions, **kw: [1.0], executor="process")
