@@ -327,9 +327,13 @@ def test_dataset_formats(produced, producer, storage, fmt):
         pytest.skip("no chat in this layout")
     if fmt == "sft" and not layouts.has_key(td, ("text", "prompt")):
         pytest.skip("no prompt text in this layout")
-    ds = TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch")
+    ds = TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch", tokenizer=tok)
     rows = list(ds)
     assert len(rows) == len(samples) == len(ds)
+    try:  # without the tokenizer: the same rows, or an error asking for it; never pads
+        assert list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch")) == rows
+    except ValueError as err:
+        assert "tokenizer" in str(err) and "pad_output=True" in str(err)
     if fmt == "sft_tokenized":
         assert [r["input_ids"] for r in rows] == [ref_tokens(s, "full") for s in samples]
         assert [sum(r["completion_mask"]) for r in rows] == [len(ref_tokens(s, "response")) for s in samples]
@@ -376,14 +380,17 @@ def test_preference_builders(produced, reward_models, producer, storage):
     scored_rb = ReplayBuffer(storage=make(len(samples)))
     scored_rb.extend(scored)
 
-    pairs = list(TorchRLBufferDataset(preference_pairs(scored_rb), batch_size=2, format="dpo", mode="epoch"))
+    def read(buffer, fmt):  # the policy's tokenizer names the pad string for small batches
+        return list(TorchRLBufferDataset(buffer, batch_size=2, format=fmt, mode="epoch", tokenizer=tok))
+
+    pairs = read(preference_pairs(scored_rb), "dpo")
     assert pairs
     for row in pairs:
         chosen, rejected = row["prompt"] + row["chosen"], row["prompt"] + row["rejected"]
         assert chosen in reward_of and rejected in reward_of  # real rollouts, no pad strings
         assert max(reward_of[chosen]) > min(reward_of[rejected])
     for fmt, builder in (("kto", kto_rows), ("sft", best_of_n)):
-        rows = list(TorchRLBufferDataset(builder(scored_rb), batch_size=2, format=fmt, mode="epoch"))
+        rows = read(builder(scored_rb), fmt)
         assert rows and all(r["prompt"] + r["completion"] in reward_of for r in rows)
 
 

@@ -14,6 +14,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
 
+from .. import layouts
 from . import sharding
 from .columns import (
     ColumnSpec, column_name, leaf_keys, missing_key_error, read_key, read_key_columnar, to_nested_key,
@@ -82,6 +83,11 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             so resuming from a checkpoint skips exactly the batches already trained, also
             after the first pass (with 1, Transformers counts ``max_steps`` batches per
             epoch and a resume after the first pass restarts at the next pass).
+        tokenizer: the policy's tokenizer, optional. Only its pad token is used: TorchRL's
+            history mode with ``pad_output=True`` decodes the padded sequence into
+            ``text``/``history``, and the pad string is removed from the rows; it is read
+            off the samples when they show it, and this names it when they do not (see
+            :func:`torchrl_trl.layouts.read_text`).
 
     Yields:
         ``dict[str, Any]`` rows: for ``format``/``columns`` Python values (str, lists of
@@ -109,6 +115,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
         index_column: str | None = None,
         num_passes: int | None = 1,
+        tokenizer: Any = None,
     ) -> None:
         from torchrl.data.replay_buffers import ReplayBuffer
 
@@ -164,6 +171,10 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         self._sample_filter = sample_filter
         self._index_column = index_column
         self._num_passes = num_passes
+        # a string, not the tokenizer: cheap to send to DataLoader workers
+        self._pad_text = (
+            None if tokenizer is None else tokenizer.decode([tokenizer.pad_token_id], skip_special_tokens=False)
+        )
         # shared memory, so DataLoader workers and the HF iterable see set_epoch()
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self._lengths = sharding.PassLengths()  # the items each epoch pass reads
@@ -249,8 +260,6 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         if self._format is not None:
             check_format(self._format, peek)
         for spec in [*(self._keys or []), *(s for s in self._columns.values() if not callable(s))]:
-            from .. import layouts
-
             if not layouts.has_key(peek, spec):
                 raise missing_key_error(peek, spec, "TorchRLBufferDataset")
         cols = self._convert(peek, python=python)
@@ -271,7 +280,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         if raw_keys is None and self._format is None and not self._columns:
             raw_keys = leaf_keys(batch)
         if self._format is not None:
-            cols.update(self._format(batch))
+            with layouts.decoded_padding(pad_text=self._pad_text):
+                cols.update(self._format(batch))
         for key in raw_keys or []:
             cols[column_name(key)], self._dtypes[column_name(key)] = self._read(batch, key, python)
         for name, spec in self._columns.items():
