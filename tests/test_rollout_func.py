@@ -475,6 +475,36 @@ def test_bad_input_is_a_clear_error(policy_and_tokenizer):
         AsyncTorchRLRolloutFunc(collector, max_staleness=-1)
 
 
+LEARN_CHATS = [[{"role": "user", "content": q}] for q in ("hello", "what is two plus two?", "hi there", "0 1 2")]
+
+
+class ShareOfA:
+    """The learning tests' verifiable reward: the share of the token "a" in each completion;
+    the batch mean of every call is kept in :attr:`means`."""
+
+    __name__ = "share_of_a"
+
+    def __init__(self, tok):
+        self.target, self.means = tok.convert_tokens_to_ids("a"), []
+
+    def __call__(self, completion_ids, **kw):
+        rewards = [sum(t == self.target for t in c) / max(len(c), 1) for c in completion_ids]
+        self.means.append(sum(rewards) / len(rewards))
+        return rewards
+
+
+def learning_args(tmp_path, steps):
+    """The GRPOConfig of the learning tests: 8 completions (2 prompts x 4) per step, 8 tokens."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=8, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1000, beta=0.0, gradient_checkpointing=False, learning_rate=3e-2, seed=0,
+        disable_tqdm=True,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async", "async-corrected"])
 def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_and_tokenizer, tmp_path):
@@ -486,22 +516,15 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
     and without the behaviour log-prob correction."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
     from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
     from torchrl_trl.testing import make_policy_wrapper
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
-    target = tok.convert_tokens_to_ids("a")
     steps = 20 if mode == "sync" else 40
-    means = []
-
-    def share_of_a(completion_ids, **kw):
-        rewards = [sum(t == target for t in c) / max(len(c), 1) for c in completion_ids]
-        means.append(sum(rewards) / len(rewards))
-        return rewards
-
-    chats = [[{"role": "user", "content": q}] for q in ("hello", "what is two plus two?", "hi there", "0 1 2")]
+    share_of_a = ShareOfA(tok)
+    means, chats = share_of_a.means, LEARN_CHATS
     if mode == "sync":
         func = TorchRLRolloutFunc(make_policy_wrapper(fresh_model, tok, max_new_tokens=8))
     else:
@@ -509,12 +532,7 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
         rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=8))
         collector = AsyncGroupCollector(rollout, chats, group_size=4, prompts_per_batch=2, max_pending_groups=4)
         func = AsyncTorchRLRolloutFunc(collector, max_staleness=2, timeout=120)
-    args = GRPOConfig(
-        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=8, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        logging_steps=1000, beta=0.0, gradient_checkpointing=False, learning_rate=3e-2, seed=0,
-        disable_tqdm=True,
-    )
+    args = learning_args(tmp_path, steps)
     cls = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {}) if mode == "async-corrected" else GRPOTrainer
     trainer = cls(
         model=fresh_model, reward_funcs=[share_of_a], args=args, processing_class=tok, rollout_func=func,

@@ -56,10 +56,11 @@ from tensordict import lazy_stack
 from .callback import CollectorError
 from .rollout_func import RolloutBatch, TorchRLRolloutFunc
 
-__all__ = ["AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "BehaviourLogProbsMixin", "RolloutGroup"]
+__all__ = ["AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "BehaviourLogProbsMixin", "GroupReplay", "RolloutGroup"]
 
 PROMPT_FIELD = "torchrl_prompt"
 STALENESS_FIELD = "staleness"
+REUSE_FIELD = "reuse"
 
 
 @dataclass
@@ -256,10 +257,12 @@ class AsyncGroupCollector:
         timeout: float = 60.0,
         poll_s: float = 0.1,
         keep: Callable[[RolloutGroup], bool] | None = None,
+        wait: bool = True,
     ) -> list[RolloutGroup]:
         """Take ``n`` whole groups, oldest first, dropping (and counting) those with
         ``consumer_version - version > max_staleness`` (:attr:`dropped_stale_groups`) and
-        those ``keep`` rejects (:attr:`dropped_filtered_groups`).
+        those ``keep`` rejects (:attr:`dropped_filtered_groups`). ``wait=False``: only the
+        groups ready now (possibly fewer than ``n``, none waited for).
 
         Raises:
             CollectorError: the thread died (its exception is the cause), the prompt source
@@ -283,6 +286,8 @@ class AsyncGroupCollector:
                     break
                 if self._error is not None:
                     raise CollectorError(f"the collector thread died: {self._error!r}") from self._error
+                if not wait:
+                    break
                 if self._exhausted:
                     raise CollectorError(f"the prompt source ended; got {len(out)} of {n} groups")
                 if self._thread is None or not self._thread.is_alive():
@@ -296,6 +301,69 @@ class AsyncGroupCollector:
                 self._cond.wait(poll_s)
         self.wait_s += time.monotonic() - start
         self.consumed_groups += len(out)
+        return out
+
+
+class GroupReplay:
+    """Whole GRPO groups kept for reuse, under the same staleness bound as fresh ones.
+
+    Every group trained on is :meth:`add`-ed; :meth:`draw` hands back up to ``n`` distinct
+    stored groups that were used at most ``reuse`` times so far and whose age
+    ``consumer_version - group.version`` is at most ``max_staleness`` (youngest first, then
+    least used). Groups past either bound are forgotten and counted. A group keeps its
+    :class:`RolloutBatch`, so a reused sample carries the behaviour log-probs recorded when
+    it was generated (``"logprobs"``, what :class:`BehaviourLogProbsMixin` corrects with).
+
+    Why not TorchRL's ``PromptGroupSampler`` over the replay buffer: it draws whole groups
+    (``group_key="group_id"``) but from everything stored, with no policy-version bound and no
+    cap on reuse, and the buffer items hold TorchRL's generation log-probs (first token 0.0
+    in TorchRL 0.14.1), not the rescored ones TRL trained on.
+
+    Args:
+        reuse: most extra uses of a group after the first (``0``: never reused).
+        max_staleness: largest accepted age; ``None``: no bound.
+
+    Attributes:
+        reused: groups handed out again by :meth:`draw` (each draw of a group counts).
+        expired_stale, expired_used: groups forgotten for their age / their use count.
+    """
+
+    def __init__(self, reuse: int, max_staleness: int | None):
+        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 0:
+            raise ValueError(f"reuse must be an integer >= 0, got {reuse!r}")
+        self.reuse = reuse
+        self.max_staleness = max_staleness
+        self.reused = 0
+        self.expired_stale = 0
+        self.expired_used = 0
+        self._groups: list[list] = []  # [group, uses]
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def add(self, groups: Iterable[RolloutGroup]) -> None:
+        """Store groups just trained on once."""
+        if self.reuse:
+            self._groups.extend([g, 1] for g in groups)
+
+    def draw(self, n: int, *, consumer_version: int) -> list[tuple[RolloutGroup, int]]:
+        """Up to ``n`` distinct stored groups within the bounds, each with how many times it
+        was used before; their use counts go up by one."""
+        kept = []
+        for entry in self._groups:
+            group, uses = entry
+            if self.max_staleness is not None and consumer_version - group.version > self.max_staleness:
+                self.expired_stale += 1
+            elif uses > self.reuse:
+                self.expired_used += 1
+            else:
+                kept.append(entry)
+        self._groups = kept
+        chosen = sorted(kept, key=lambda e: (consumer_version - e[0].version, e[1]))[:n]
+        out = [(group, uses) for group, uses in chosen]
+        for entry in chosen:
+            entry[1] += 1
+        self.reused += len(out)
         return out
 
 
@@ -326,9 +394,16 @@ class AsyncTorchRLRolloutFunc:
         drop_zero_std: drop (and count, ``collector.dropped_filtered_groups``) groups whose
             env reward (``"torchrl_reward"``) is the same for every completion: their GRPO
             advantages are all 0 (DAPO's dynamic sampling). Needs a reward in the env.
+            Such groups never reach the replay either.
+        reuse: each group may be trained on up to ``1 + reuse`` times (``0``: fresh groups
+            only). A call takes the fresh groups ready now, fills up with stored groups
+            within ``max_staleness`` (:class:`GroupReplay`), and waits for fresh groups only
+            for what is still missing; so a step need not wait for generation.
 
     Attributes:
         consumed_staleness: the age of every group returned, in order.
+        consumed_reuse: for every group returned, how many times it was used before (0: fresh).
+        replay: the :class:`GroupReplay` (counters ``reused``, ``expired_stale``, ``expired_used``).
         prompt_mismatches: how many of TRL's prompts differed from the generated ones.
     """
 
@@ -340,6 +415,7 @@ class AsyncTorchRLRolloutFunc:
         timeout: float = 60.0,
         push_weights: bool = True,
         drop_zero_std: bool = False,
+        reuse: int = 0,
     ):
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
@@ -350,7 +426,9 @@ class AsyncTorchRLRolloutFunc:
         self.timeout = timeout
         self.push_weights = push_weights
         self.drop_zero_std = drop_zero_std
+        self.replay = GroupReplay(reuse, max_staleness)
         self.consumed_staleness: list[int] = []
+        self.consumed_reuse: list[int] = []
         self.prompt_mismatches = 0
         self.__name__ = type(self).__name__
 
@@ -373,15 +451,25 @@ class AsyncTorchRLRolloutFunc:
             model = trainer_model if self.push_weights else None
             collector.update_policy_weights_(model, version=version)
         collector.start()
-        groups = collector.get_groups(
-            len(prompts) // g, consumer_version=version, max_staleness=self.max_staleness, timeout=self.timeout,
+        n = len(prompts) // g
+        take = dict(
+            consumer_version=version, max_staleness=self.max_staleness, timeout=self.timeout,
             keep=_has_reward_spread if self.drop_zero_std else None,
         )
+        fresh = collector.get_groups(n, wait=False, **take) if self.replay.reuse else []
+        reused = self.replay.draw(n - len(fresh), consumer_version=version)
+        if len(fresh) + len(reused) < n:
+            fresh += collector.get_groups(n - len(fresh) - len(reused), **take)
+        self.replay.add(fresh)
+        chosen = [(grp, 0) for grp in fresh] + reused
+        groups = [grp for grp, _ in chosen]
         batch = _concat([grp.batch for grp in groups])
         batch[PROMPT_FIELD] = [grp.prompt for grp in groups for _ in range(g)]
         staleness = [version - grp.version for grp in groups]
         batch[STALENESS_FIELD] = [s for s in staleness for _ in range(g)]
+        batch[REUSE_FIELD] = [uses for _, uses in chosen for _ in range(g)]
         self.consumed_staleness.extend(staleness)
+        self.consumed_reuse.extend(uses for _, uses in chosen)
         mismatches = sum(a != b for a, b in zip(prompts, batch[PROMPT_FIELD]))
         if mismatches and not self.prompt_mismatches:
             warnings.warn(

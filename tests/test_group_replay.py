@@ -1,0 +1,143 @@
+"""Replay of stored GRPO groups (``AsyncTorchRLRolloutFunc(reuse=k)``, ``GroupReplay``):
+bounded reuse, bounded age, behaviour log-probs kept, run end to end in ``GRPOTrainer.train()``
+(TRL's own replay-buffer GRPO is known broken, TRL issue 6804)."""
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from torchrl_trl.online.async_rollouts import GroupReplay, RolloutGroup  # noqa: E402
+from torchrl_trl.online.rollout_func import RolloutBatch  # noqa: E402
+
+from test_rollout_func import CHATS, Recorder, _collector, _make_trainer, _match_rows  # noqa: E402
+from test_rollout_func import LEARN_CHATS, ShareOfA, learning_args  # noqa: E402
+
+
+def _group(version, name):
+    return RolloutGroup(version, name, RolloutBatch(completion_ids=[[1], [2]]))
+
+
+def test_group_replay_bounds_reuse_and_age():
+    replay = GroupReplay(reuse=2, max_staleness=1)
+    a, b, c = _group(0, "a"), _group(1, "b"), _group(1, "c")
+    replay.add([a, b])
+    # youngest first, at most n, distinct, with the uses before this one
+    assert [(g.prompt, u) for g, u in replay.draw(1, consumer_version=1)] == [("b", 1)]
+    replay.add([c])
+    assert [(g.prompt, u) for g, u in replay.draw(3, consumer_version=1)] == [("c", 1), ("b", 2), ("a", 1)]
+    # "b" was used 3 times (1 + reuse=2): forgotten; "a" (version 0) is 2 steps old: forgotten
+    assert [(g.prompt, u) for g, u in replay.draw(3, consumer_version=2)] == [("c", 2)]
+    assert (replay.expired_used, replay.expired_stale, replay.reused) == (1, 1, 5)
+    assert replay.draw(3, consumer_version=2) == [] and len(replay) == 0 and replay.expired_used == 2
+
+    never = GroupReplay(reuse=0, max_staleness=None)
+    never.add([a])
+    assert never.draw(1, consumer_version=0) == [] and len(never) == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="reuse must be an integer >= 0"):
+            GroupReplay(bad, 1)
+
+
+def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenizer, tmp_path):
+    """4 optimizer steps of 2 groups each from a prompt source of only 4 groups: with
+    reuse=1 every group is trained on exactly twice, whatever the thread schedule; reused
+    samples carry the log-probs recorded at generation (TRL's old log-probs with
+    BehaviourLogProbsMixin), which differ from the moved weights'; nothing is written twice."""
+    from transformers import AutoModelForCausalLM
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl_trl.online import AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    buffer = ReplayBuffer(storage=LazyStackStorage(64))
+    prompts = iter(CHATS * 2)  # 4 groups, then the source ends
+    collector = _collector(generator, tok, prompts, buffer, max_pending_groups=4)
+    reward = Recorder(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids], "r")
+    with AsyncTorchRLRolloutFunc(collector, max_staleness=3, reuse=1, timeout=120) as func:
+        rollout = Recorder(func, "rollout")
+        trainer = _make_trainer(model, tok, rollout, reward, tmp_path, max_steps=4, mixins=(BehaviourLogProbsMixin,))
+        trainer.train()
+    captured = type(trainer).captured
+    assert len(rollout.calls) == len(captured) == 4
+
+    uses = Counter()
+    first_logps = {}
+    n_reused_rows = 0
+    for (_, _, batch), cap in zip(rollout.calls, captured):
+        key_of = [tuple(p) + (-1,) + tuple(c) for p, c in zip(batch["prompt_ids"], batch["completion_ids"])]
+        for i in range(0, 4, 2):  # one group = 2 consecutive rows
+            uses[tuple(key_of[i : i + 2])] += 1
+        order = _match_rows(cap, batch["prompt_ids"], batch["completion_ids"])
+        for j, i in enumerate(order):
+            torch.testing.assert_close(cap["old"][j], cap["sampling_logps"][j])  # TRL's old = behaviour
+            if batch["reuse"][i] == 0:
+                first_logps[key_of[i]] = cap["sampling_logps"][j]
+            else:
+                n_reused_rows += 1
+                # the same log-probs as when first trained on, not the current weights'
+                torch.testing.assert_close(cap["sampling_logps"][j], first_logps[key_of[i]])
+                assert (cap["sampling_logps"][j] - cap["reference"][j]).abs().max() > 1e-3
+    assert sorted(uses.values()) == [2, 2, 2, 2]  # each of the 4 groups exactly 1 + reuse times
+    assert sorted(func.consumed_reuse) == [0] * 4 + [1] * 4 and func.replay.reused == 4 == n_reused_rows // 2
+    assert max(func.consumed_staleness) <= 3 and collector.produced_groups == 4
+    assert len(buffer) == 8  # every generated rollout once; reuse writes nothing again
+
+
+@pytest.mark.slow
+def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
+    """Async GRPO with a generator slower than the trainer (each prompt waits 0.1 s), groups
+    reused once (reuse=1) within max_staleness=2, corrected with the behaviour log-probs,
+    raises the share of "a" in the completions from ~0.01."""
+    import itertools
+    import time
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
+    from torchrl_trl.online import TorchRLRolloutFunc
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    share_of_a = ShareOfA(tok)
+    means, chats = share_of_a.means, LEARN_CHATS
+    model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=8))
+
+    def slow_prompts():  # stands in for a generator that cannot keep up with the trainer
+        for chat in itertools.cycle(chats):
+            time.sleep(PROMPT_DELAY_S)
+            yield chat
+
+    collector = AsyncGroupCollector(rollout, slow_prompts(), group_size=4, prompts_per_batch=2, max_pending_groups=4)
+    func = AsyncTorchRLRolloutFunc(collector, max_staleness=2, reuse=1, timeout=120)
+    args = learning_args(tmp_path, STEPS)
+    trainer = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})(
+        model=model, reward_funcs=[share_of_a], args=args, processing_class=tok, rollout_func=func,
+        train_dataset=Dataset.from_dict({"prompt": chats}),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+        func.close()
+    first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
+    print("replay learning:", first, last, "reuse", func.consumed_reuse, "staleness", func.consumed_staleness)
+    assert first < 0.05 and last > MIN_LAST, (first, last)
+    assert max(func.consumed_staleness) <= 2 and len(func.consumed_staleness) == STEPS * 2
+    assert func.replay.reused == sum(u > 0 for u in func.consumed_reuse) > 0 and max(func.consumed_reuse) <= 1
+
+
+STEPS = 40
+MIN_LAST = 0.3
+PROMPT_DELAY_S = 0.1
