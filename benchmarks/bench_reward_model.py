@@ -24,6 +24,7 @@ especially with ``--threads 1``.
     python benchmarks/bench_reward_model.py            # 256 seqs, 32..1024 tokens
     python benchmarks/bench_reward_model.py --small    # quick run
     python benchmarks/bench_reward_model.py --small --threads 1 --repeat 5
+    python benchmarks/bench_reward_model.py --skip-baselines   # ours / limit only (no 1024-wide padding)
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def main():
                    help="packing=True token budgets, comma-separated (default: half and twice the longest)")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of ours / packed / limits (>= 1)")
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    p.add_argument("--skip-baselines", action="store_true", help="only ours, packed and the limits")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     n, hi = (64, 256) if args.small else (256, 1024)
@@ -200,7 +202,7 @@ def main():
         "limit_single": lambda: (limit_single(model, seqs, device), real),
         "limit_grouped": lambda: (limit_grouped(model, seqs, device, args.max_tokens_per_batch), real),
     }
-    baselines = {"trl_grpo": trl_path, "upstream": upstream}
+    baselines = {} if args.skip_baselines else {"trl_grpo": trl_path, "upstream": upstream}
 
     # warm-up (kernels, thread pools), not timed
     with torch.inference_mode():
