@@ -6,7 +6,10 @@ One process, one tiny policy (CPU by default), fixed prompts and seeds; each mod
 1. ``trl``: ``GRPOTrainer`` generating itself (``model.generate``);
 2. ``torchrl``: ``rollout_func=TorchRLRolloutFunc(TransformersWrapper(model))`` (shared weights);
 3. ``async``: ``AsyncTorchRLRolloutFunc`` draining an ``AsyncGroupCollector`` thread that
-   generates with its own copy of the weights (``max_staleness=1``).
+   generates with its own copy of the weights (``max_staleness=1``);
+4. ``async-reuse``: the same with ``reuse=1``: a step takes stored groups (each trained on
+   at most twice, within ``max_staleness=1``) instead of waiting for fresh ones. Its
+   samples/s counts trained samples, reuses included; the line also gives how many were fresh.
 
 Prints samples/s, the fraction of the training wall time the trainer waited for rollouts
 (time inside ``GRPOTrainer._generate`` for the synchronous modes; time blocked on the
@@ -59,14 +62,14 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     func = None
     if mode == "torchrl":
         func = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=args.max_new_tokens))
-    elif mode == "async":
+    elif mode in ("async", "async-reuse"):
         generator = AutoModelForCausalLM.from_pretrained(ckpt)
         rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens))
         collector = AsyncGroupCollector(
             rollout, chats, group_size=args.group, prompts_per_batch=args.batch // args.group,
             max_pending_groups=args.batch // args.group,  # one step ahead at most
         )
-        func = AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=600)
+        func = AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=600, reuse=int(mode == "async-reuse"))
     config = GRPOConfig(
         output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         num_generations=args.group, max_completion_length=args.max_new_tokens, use_cpu=args.device == "cpu",
@@ -90,17 +93,17 @@ def run(mode, ckpt, tok, args):
         try:
             trainer.train()
         finally:
-            if mode == "async":
+            if mode.startswith("async"):
                 func.close()
         wall = time.perf_counter() - start
-    waited = func.collector.wait_s if mode == "async" else trainer.generate_s
+    waited = func.collector.wait_s if mode.startswith("async") else trainer.generate_s
     extra = ""
-    if mode == "async":
+    if mode.startswith("async"):
         c = func.collector
         extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {c.dropped_stale_groups} "
-                 f"of {c.produced_groups} groups")
+                 f"of {c.produced_groups} groups, {func.replay.reused} of {len(func.consumed_reuse)} reused")
     samples = args.steps * args.batch
-    print(f"{mode:8s} {wall:7.2f} s  {samples / wall:7.1f} samples/s  waited {100 * waited / wall:5.1f}%{extra}",
+    print(f"{mode:11s} {wall:7.2f} s  {samples / wall:7.1f} samples/s  waited {100 * waited / wall:5.1f}%{extra}",
           flush=True)
     return samples / wall, waited / wall
 
@@ -127,7 +130,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(ckpt)
     print(f"{args.steps} GRPO steps x {args.batch} completions ({args.group}/prompt), "
           f"{args.max_new_tokens} new tokens, {args.threads} thread(s), {args.device}")
-    results = {mode: run(mode, ckpt, tok, args) for mode in ("trl", "torchrl", "async")}
+    results = {mode: run(mode, ckpt, tok, args) for mode in ("trl", "torchrl", "async", "async-reuse")}
     base = results["trl"][0]
     print("ratios vs trl (samples/s): " + ", ".join(f"{m} {r[0] / base:.2f}x" for m, r in results.items()))
 
