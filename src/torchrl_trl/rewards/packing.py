@@ -138,19 +138,22 @@ def iter_packs(
 ):
     """Yield :class:`Pack` s covering every row of ``ids`` once. ``pad_token_id`` is the
     id the model's pooling skips (``None``: pool at each sequence's last token)."""
+    rows = ids.split()  # views; no repeat_interleave (slow with 2+ threads on a busy CPU)
     for index in plan_packs(ids.lengths, max_tokens_per_batch=max_tokens_per_batch, max_batch_size=max_batch_size):
-        sub = ids.select(index)
-        lengths = sub.lengths
-        starts = sub.offsets[:-1]
-        seq = torch.arange(lengths.numel()).repeat_interleave(lengths)
-        within = torch.arange(sub.values.numel()) - starts[seq]
+        parts = [rows[i] for i in index.tolist()]
+        lengths = ids.lengths[index]
         if pad_token_id is None:
             last = lengths - 1
-        else:
-            # HF: argmax(position * (id != pad)), i.e. the last non-pad token, else 0
-            keep = within * (sub.values != pad_token_id)
-            last = torch.zeros_like(lengths).scatter_reduce(0, seq, keep, "amax")
-        yield Pack(index, sub.values[None], within[None], starts + last, lengths)
+        else:  # HF: argmax(position * (id != pad)), i.e. the last non-pad token, else 0
+            last = torch.tensor([_last_kept(p, pad_token_id) for p in parts], dtype=torch.long)
+        within = torch.cat([torch.arange(len(p)) for p in parts])
+        starts = lengths.cumsum(0) - lengths
+        yield Pack(index, torch.cat(parts)[None], within[None], starts + last, lengths)
+
+
+def _last_kept(seq: torch.Tensor, pad_token_id: int) -> int:
+    kept = (seq != pad_token_id).nonzero()
+    return int(kept[-1]) if kept.numel() else 0
 
 
 def score_pack(model: nn.Module, pack: Pack) -> torch.Tensor:
