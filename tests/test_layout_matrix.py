@@ -22,7 +22,7 @@ import warnings
 import pytest
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
-from torchrl.data import LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
+from torchrl.data import LazyMemmapStorage, LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
 from torchrl.data.llm import History
 from torchrl.modules.llm import TransformersWrapper
 
@@ -134,7 +134,9 @@ def produced(policy, eos_policy):
 # Storages
 # ---------------------------------------------------------------------------
 
-STORAGES = ["direct", "lazystack[:]", "lazystack.sample", "list[:]", "list.sample", "lazytensor[:]"]
+STORAGES = [
+    "direct", "lazystack[:]", "lazystack.sample", "list[:]", "list.sample", "lazytensor[:]", "lazymemmap[:]",
+]
 
 
 def _samples(td: TensorDictBase) -> list[TensorDictBase]:
@@ -149,7 +151,10 @@ def _store(td: TensorDictBase, storage: str) -> TensorDictBase:
         return td
     kind, read = storage.split(".") if "." in storage else (storage[:-3], "[:]")
     items = _samples(td)
-    make = {"lazystack": LazyStackStorage, "list": ListStorage, "lazytensor": LazyTensorStorage}[kind]
+    make = {
+        "lazystack": LazyStackStorage, "list": ListStorage, "lazytensor": LazyTensorStorage,
+        "lazymemmap": LazyMemmapStorage,
+    }[kind]
     rb = ReplayBuffer(storage=make(len(items) + 4), batch_size=len(items))
     try:
         if kind == "list":
@@ -216,13 +221,28 @@ def _cell_cache():
     return {}
 
 
-def _cell(produced, producer, storage):
+def _cell(produced, producer, storage, *, reads_text: bool = True):
+    """The stored rollouts of one cell and the policy tokenizer. ``reads_text``: the test
+    reads text or chat, which TorchRL 0.14.1's ``LazyMemmapStorage`` does not keep (every
+    row reads back the first row's string); such a cell is an expected failure, detected
+    by comparing the stored strings with the produced ones, so it runs once TorchRL keeps
+    them."""
     td, tok = produced[producer]
     key = (producer, storage)
     cache = _cell_cache()
     if key not in cache:
         cache[key] = _store(td, storage)
+    if reads_text and storage.startswith("lazymemmap"):
+        _xfail_if_strings_lost(cache[key], td)
     return cache[key], tok
+
+
+def _xfail_if_strings_lost(stored, produced):
+    for key in (("text", "response"), ("history", "response")):
+        if layouts.has_key(produced, key):
+            kept = [str(v) for v in layouts.read_column(stored, key)]
+            if kept != [str(v) for v in layouts.read_column(produced, key)]:
+                pytest.xfail(f"TorchRL's LazyMemmapStorage did not keep the strings at {key}")
 
 
 # ---------------------------------------------------------------------------
@@ -232,13 +252,14 @@ def _cell(produced, producer, storage):
 
 @pytest.mark.parametrize("producer,storage", CELLS)
 def test_tokens_and_text(produced, producer, storage):
-    td, tok = _cell(produced, producer, storage)
+    td, tok = _cell(produced, producer, storage, reads_text=False)
     samples = _samples(td)
     n = len(samples)
     for part in ("full", "response", "prompt"):
         got = layouts.read_tokens(td, part).tolist()
         assert got == [ref_tokens(s, part) for s in samples], part
     pad = tok.pad_token
+    _cell(produced, producer, storage)  # text below: TorchRL's memmap storage may not keep it
     if layouts.has_key(td, ("text", "response")):
         for part in ("full", "response"):
             if part == "full" and not layouts.has_key(td, ("text", "prompt")):
@@ -262,7 +283,7 @@ def test_tokens_and_text(produced, producer, storage):
 def test_reward_model_tokens(produced, reward_models, producer, storage):
     """Reward model sharing the policy's vocabulary, no tokenizer: the real tokens are
     scored as they are; each reward equals the sequence scored alone."""
-    td, _ = _cell(produced, producer, storage)
+    td, _ = _cell(produced, producer, storage, reads_text=False)
     if producer.startswith("eos"):
         pytest.skip("the eos policy has its own vocabulary")
     rm = reward_models[0]
@@ -318,7 +339,7 @@ def test_reward_function_sees_real_completion_ids(produced, producer, storage):
 @pytest.mark.parametrize("fmt", ["sft", "sft_tokenized", "sft_conversational", "sft_messages"])
 def test_dataset_formats(produced, producer, storage, fmt):
     """Epoch mode over a buffer yields each stored sample once, as its real content."""
-    td, tok = _cell(produced, producer, storage)
+    td, tok = _cell(produced, producer, storage, reads_text=fmt != "sft_tokenized")
     samples = _samples(td)
     rb = ReplayBuffer(storage=ListStorage(len(samples)))
     rb.extend(lazy_stack(samples))
@@ -431,3 +452,20 @@ def test_clean_text_ending_in_a_repeat_is_left_alone():
     )
     assert layouts.read_text(td, "full") == ["ab!!"]
     assert layouts.read_text(td, "response") == ["!!"]
+
+
+def test_dataset_refuses_text_from_a_storage_that_loses_strings(produced):
+    """TorchRL 0.14.1's LazyMemmapStorage reads every string back as the first one: text
+    formats are refused there with an error naming the storages that work; tokens read."""
+    from torchrl_trl.data.dataset import _memmap_keeps_strings
+
+    td, _ = produced["wrapper-text-pad1"]
+    rb = ReplayBuffer(storage=LazyMemmapStorage(16))
+    rb.extend(td)
+    rows = list(TorchRLBufferDataset(rb, batch_size=2, format="sft_tokenized", mode="epoch"))
+    assert [r["input_ids"] for r in rows] == [ref_tokens(s, "full") for s in _samples(td)]
+    if _memmap_keeps_strings():
+        assert len(list(TorchRLBufferDataset(rb, batch_size=2, format="sft", mode="epoch"))) == len(rows)
+    else:
+        with pytest.raises(ValueError, match="LazyMemmapStorage reads every stored string back"):
+            TorchRLBufferDataset(rb, batch_size=2, format="sft", mode="epoch").as_hf_dataset()

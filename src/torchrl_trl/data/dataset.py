@@ -5,6 +5,7 @@ A drop-in superset of ``torchrl.modules.llm.trl_interop.TorchRLBufferDataset``.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -263,6 +264,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             if not layouts.has_key(peek, spec):
                 raise missing_key_error(peek, spec, "TorchRLBufferDataset")
         cols = self._convert(peek, python=python)
+        _check_strings_survive(self._replay_buffer, cols)
         if self._index_column is not None:
             cols[self._index_column] = list(range(peek.batch_size.numel()))
         return cols
@@ -722,3 +724,39 @@ def _rows_to_td(rows: list, index: Sequence[int] | None = None, path: tuple = ()
         else:
             out.set(key, NonTensorStack(*[NonTensorData(v) for v in values], batch_size=[n]))
     return out
+
+
+def _check_strings_survive(replay_buffer, cols: dict[str, list]) -> None:
+    """Refuse to read text or chat from a storage that does not keep strings."""
+    from torchrl.data import LazyMemmapStorage
+
+    storage = getattr(replay_buffer, "storage", None)
+    if not isinstance(storage, LazyMemmapStorage) or _memmap_keeps_strings():
+        return
+    text = [name for name, values in cols.items() if values and _is_text(values[0])]
+    if text:
+        raise ValueError(
+            f"columns {text} hold text or chat, but this TorchRL's LazyMemmapStorage reads every "
+            "stored string back as the first one written; store LLM rollouts in a "
+            "LazyStackStorage, ListStorage or LazyTensorStorage, or read only tokens from it "
+            "(format='sft_tokenized', keys=[('tokens', ...)])"
+        )
+
+
+def _is_text(value: Any) -> bool:
+    """A string, or chat messages (a list of role/content dicts)."""
+    return isinstance(value, str) or (isinstance(value, list) and bool(value) and isinstance(value[0], dict))
+
+
+@functools.cache
+def _memmap_keeps_strings() -> bool:
+    """Whether this TorchRL's ``LazyMemmapStorage`` reads strings back as written (0.14.1
+    returns the first row's string for every row); probed once in a temporary directory."""
+    import tempfile
+
+    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rb = ReplayBuffer(storage=LazyMemmapStorage(2, scratch_dir=tmp))
+        rb.extend(TensorDict({"s": ["a", "b"]}, batch_size=[2]))
+        return [str(s) for s in rb[:].get("s")] == ["a", "b"]
