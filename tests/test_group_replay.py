@@ -14,7 +14,7 @@ from torchrl_trl.online.async_rollouts import GroupReplay, RolloutGroup  # noqa:
 from torchrl_trl.online.rollout_func import RolloutBatch  # noqa: E402
 
 from test_rollout_func import CHATS, Recorder, _collector, _make_trainer, _match_rows  # noqa: E402
-from test_rollout_func import LEARN_CHATS, ShareOfA, learning_args  # noqa: E402
+from test_rollout_func import LEARN_CHATS, ZERO_STD_CHATS, ShareOfA, learning_args, zero_for_hello_collector  # noqa: E402
 
 
 def _group(version, name):
@@ -87,6 +87,32 @@ def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenize
     assert sorted(func.consumed_reuse) == [0] * 4 + [1] * 4 and func.replay.reused == 4 == n_reused_rows // 2
     assert max(func.consumed_staleness) <= 3 and collector.produced_groups == 4
     assert len(buffer) == 8  # every generated rollout once; reuse writes nothing again
+
+
+def test_zero_std_groups_never_replayed(checkpoints, policy_and_tokenizer):
+    """drop_zero_std + reuse: zero-std groups are dropped (counted) before they can enter the
+    replay; from a source of 2 "hello" (reward 0 for all) and 2 other groups, 4 calls get
+    the 2 groups with a reward spread, each twice."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+    from torchrl_trl.online import AsyncTorchRLRolloutFunc
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    collector = zero_for_hello_collector(generator, tok, iter(ZERO_STD_CHATS * 2))
+    trainer = SimpleNamespace(  # what the rollout func reads of a GRPOTrainer
+        num_generations=2, num_generations_eval=2, model=torch.nn.Linear(1, 1), state=SimpleNamespace(global_step=0),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )
+    with AsyncTorchRLRolloutFunc(collector, max_staleness=0, reuse=1, drop_zero_std=True, push_weights=False) as func:
+        batches = [func(ZERO_STD_CHATS[1:] * 2, trainer) for _ in range(4)]
+    for batch in batches:
+        assert max(batch["torchrl_reward"]) > min(batch["torchrl_reward"])
+        assert batch["torchrl_prompt"] == [ZERO_STD_CHATS[1]] * 2
+    assert sorted(func.consumed_reuse) == [0, 0, 1, 1] and func.replay.reused == 2
+    assert collector.dropped_filtered_groups == 2 and collector.produced_groups == 4
 
 
 @pytest.mark.slow

@@ -663,35 +663,46 @@ def test_trl_async_grpo_worker_failure_surfaces(fresh_model, policy_and_tokenize
     assert isinstance(info.value.__cause__, ZeroDivisionError) and time.monotonic() - start < 30
 
 
-def test_async_drop_zero_std_groups(fresh_model, policy_and_tokenizer):
-    """DAPO-style: groups whose env reward is the same for every completion (no GRPO signal)
-    are dropped and counted; every group handed to TRL has a reward spread."""
+ZERO_STD_CHATS = [[{"role": "user", "content": q}] for q in ("hello", "what is two plus two?")]
+
+
+def zero_for_hello_collector(model, tok, prompts=ZERO_STD_CHATS):
+    """An AsyncGroupCollector (groups of 2) over a ChatEnv whose reward transform gives 0 to
+    every reply to "hello" (zero-std groups) and distinct rewards within other groups."""
     from torchrl.envs import StepCounter, Transform
     from torchrl.envs.llm import ChatEnv
     from torchrl_trl.online import AsyncGroupCollector
-    from torchrl_trl.online.async_rollouts import _has_reward_spread
     from torchrl_trl.online.rollout_func import _per_sample
     from torchrl_trl.testing import make_policy_wrapper
 
-    class ZeroForHello(Transform):  # reward 0 on "hello", else the reply's token-id sum mod 5
+    class ZeroForHello(Transform):
         def _step(self, tensordict, next_tensordict):
             td = _per_sample(tensordict)
             queries = [layouts.to_messages(q)[-1]["content"] for q in layouts.read_column(td, "query")]
-            sums = [sum(r) % 5 for r in layouts.read_tokens(td, "response").tolist()]
-            rewards = [0.0 if q == "hello" else float(s) for q, s in zip(queries, sums)]
+            lengths = layouts.read_tokens(td, "response").lengths.tolist()
+            # otherwise 1 + the reply's position in the env batch (one group): always a spread
+            rewards = [0.0 if q == "hello" else 1.0 + i + 0.01 * n for i, (q, n) in enumerate(zip(queries, lengths))]
             next_tensordict.set("reward", torch.tensor(rewards).reshape(-1, 1, 1))
             return next_tensordict
 
         def _reset(self, tensordict, tensordict_reset):
             return tensordict_reset
 
-    _, tok = policy_and_tokenizer
-    torch.manual_seed(0)
     env = ChatEnv(batch_size=(2,), input_mode="history", tokenizer=tok)
     env = env.append_transform(StepCounter(max_steps=1)).append_transform(ZeroForHello())
-    rollout = TorchRLRolloutFunc(make_policy_wrapper(fresh_model, tok, max_new_tokens=6), env=env)
-    chats = [[{"role": "user", "content": q}] for q in ("hello", "what is two plus two?")]
-    collector = AsyncGroupCollector(rollout, chats, group_size=2, max_pending_groups=4)
+    rollout = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=6), env=env)
+    return AsyncGroupCollector(rollout, prompts, group_size=2, max_pending_groups=4)
+
+
+def test_async_drop_zero_std_groups(fresh_model, policy_and_tokenizer):
+    """DAPO-style: groups whose env reward is the same for every completion (no GRPO signal)
+    are dropped and counted; every group handed to TRL has a reward spread."""
+    from torchrl_trl.online.async_rollouts import _has_reward_spread
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    chats = ZERO_STD_CHATS
+    collector = zero_for_hello_collector(fresh_model, tok)
     collector.start()
     try:
         groups = collector.get_groups(2, consumer_version=0, max_staleness=None, timeout=60, keep=_has_reward_spread)
