@@ -40,6 +40,13 @@ def test_group_replay_bounds_reuse_and_age():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="reuse must be an integer >= 0"):
             GroupReplay(bad, 1)
+    with pytest.raises(ValueError, match="capacity must be an integer >= 1"):
+        GroupReplay(1, 1, capacity=0)
+
+    small = GroupReplay(reuse=1, max_staleness=None, capacity=2)
+    small.add([a, b])
+    small.add([c])  # "a", stored first, makes room
+    assert small.evicted == 1 and [g.prompt for g, _ in small.draw(3, consumer_version=9)] == ["b", "c"]
 
 
 def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenizer, tmp_path):

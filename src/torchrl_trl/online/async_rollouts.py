@@ -322,20 +322,25 @@ class GroupReplay:
     Args:
         reuse: most extra uses of a group after the first (``0``: never reused).
         max_staleness: largest accepted age; ``None``: no bound.
+        capacity: most groups kept; the oldest stored are evicted first (counted).
 
     Attributes:
         reused: groups handed out again by :meth:`draw` (each draw of a group counts).
-        expired_stale, expired_used: groups forgotten for their age / their use count.
+        expired_stale, expired_used, evicted: groups forgotten for their age, their use
+            count, or for room.
     """
 
-    def __init__(self, reuse: int, max_staleness: int | None):
-        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 0:
-            raise ValueError(f"reuse must be an integer >= 0, got {reuse!r}")
+    def __init__(self, reuse: int, max_staleness: int | None, capacity: int = 1024):
+        for name, value, low in (("reuse", reuse, 0), ("capacity", capacity, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.reuse = reuse
         self.max_staleness = max_staleness
+        self.capacity = capacity
         self.reused = 0
         self.expired_stale = 0
         self.expired_used = 0
+        self.evicted = 0
         self._groups: list[list] = []  # [group, uses]
 
     def __len__(self) -> int:
@@ -345,6 +350,10 @@ class GroupReplay:
         """Store groups just trained on once."""
         if self.reuse:
             self._groups.extend([g, 1] for g in groups)
+            excess = len(self._groups) - self.capacity
+            if excess > 0:  # without a staleness bound, unused groups would pile up
+                self.evicted += excess
+                del self._groups[:excess]
 
     def draw(self, n: int, *, consumer_version: int) -> list[tuple[RolloutGroup, int]]:
         """Up to ``n`` distinct stored groups within the bounds, each with how many times it
