@@ -17,6 +17,16 @@ from test_rollout_func import CHATS, Recorder, _collector, _make_trainer, _match
 from test_rollout_func import LEARN_CHATS, ZERO_STD_CHATS, ShareOfA, learning_args, zero_for_hello_collector  # noqa: E402
 
 
+def _fake_trainer():
+    """What the async rollout func reads of a GRPOTrainer (groups of 2, step 0)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        num_generations=2, num_generations_eval=2, model=torch.nn.Linear(1, 1), state=SimpleNamespace(global_step=0),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )
+
+
 def _group(version, name):
     return RolloutGroup(version, name, RolloutBatch(completion_ids=[[1], [2]]))
 
@@ -100,8 +110,6 @@ def test_zero_std_groups_never_replayed(checkpoints, policy_and_tokenizer):
     """drop_zero_std + reuse: zero-std groups are dropped (counted) before they can enter the
     replay; from a source of 2 "hello" (reward 0 for all) and 2 other groups, 4 calls get
     the 2 groups with a reward spread, each twice."""
-    from types import SimpleNamespace
-
     from transformers import AutoModelForCausalLM
     from torchrl_trl.online import AsyncTorchRLRolloutFunc
 
@@ -109,10 +117,7 @@ def test_zero_std_groups_never_replayed(checkpoints, policy_and_tokenizer):
     torch.manual_seed(0)
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     collector = zero_for_hello_collector(generator, tok, iter(ZERO_STD_CHATS * 2))
-    trainer = SimpleNamespace(  # what the rollout func reads of a GRPOTrainer
-        num_generations=2, num_generations_eval=2, model=torch.nn.Linear(1, 1), state=SimpleNamespace(global_step=0),
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
-    )
+    trainer = _fake_trainer()
     with AsyncTorchRLRolloutFunc(collector, max_staleness=0, reuse=1, drop_zero_std=True, push_weights=False) as func:
         batches = [func(ZERO_STD_CHATS[1:] * 2, trainer) for _ in range(4)]
     for batch in batches:
@@ -120,6 +125,30 @@ def test_zero_std_groups_never_replayed(checkpoints, policy_and_tokenizer):
         assert batch["torchrl_prompt"] == [ZERO_STD_CHATS[1]] * 2
     assert sorted(func.consumed_reuse) == [0, 0, 1, 1] and func.replay.reused == 2
     assert collector.dropped_filtered_groups == 2 and collector.produced_groups == 4
+
+
+def test_dead_collector_not_hidden_by_replay(checkpoints, policy_and_tokenizer):
+    """With stored groups able to serve the step, a collector that died still raises at once."""
+    from transformers import AutoModelForCausalLM
+    from torchrl_trl.online import AsyncTorchRLRolloutFunc, CollectorError
+
+    from test_rollout_func import _wait
+
+    _, tok = policy_and_tokenizer
+
+    def prompts():
+        yield CHATS[0]
+        raise RuntimeError("prompt source broke")
+
+    collector = _collector(AutoModelForCausalLM.from_pretrained(checkpoints.policy), tok, prompts())
+    trainer = _fake_trainer()
+    with AsyncTorchRLRolloutFunc(collector, reuse=3, push_weights=False) as func:
+        func(CHATS[:1] * 2, trainer)
+        _wait(lambda: not collector.alive)
+        assert len(func.replay) == 1  # could serve the next call
+        with pytest.raises(CollectorError, match="died") as info:
+            func(CHATS[:1] * 2, trainer)
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 @pytest.mark.slow
