@@ -74,6 +74,18 @@ def test_demo_quick_learns_the_hidden_rule(tmp_path):
     print("demo --quick wall time:", results["timings_s"])
 
 
+def test_trl_grpo_phase_runs_on_torchrl_rollouts(checkpoints, tmp_path):
+    """Step 5 in small: one iteration (one TorchRL generation of 2 prompts x 2 x 4 steps,
+    4 TRL optimizer steps) with the untrained reward model; typed numbers."""
+    from torchrl_trl.demo import DemoConfig, run_trl_grpo
+
+    cfg = DemoConfig(output_dir=tmp_path, iterations=1, prompts_per_batch=2, group_size=2, max_new_tokens=4, lr=1e-2)
+    out = run_trl_grpo(checkpoints.policy, checkpoints.reward_model, cfg)
+    assert out["rollout_calls"] == 1 and out["samples"] == 16 and len(out["true_score"]) == 1
+    assert all(isinstance(out[k], float) for k in ("true_score_before", "true_score_after"))
+    assert 0.0 <= out["true_score"][0] <= 1.0
+
+
 def test_demo_help_lists_the_flags():
     proc = subprocess.run(
         [sys.executable, "-m", "torchrl_trl", "demo", "--help"], capture_output=True, text=True, timeout=120
