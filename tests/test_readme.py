@@ -30,7 +30,6 @@ XFAIL = {
     "distributed_dataset.md": "fragment: `rb`, `SFTTrainer` and the model are never defined on the page",
     "online_distributed.md": "fragments: `env`, `policy`, `model`, `SFTConfig(...)` placeholders",
     "reward_functions.md": "fragment: `env`, `fmt_reward`, `GRPOTrainer`, `tok` are never defined on the page",
-    "trl_from_torchrl.md": "fragment: `replay_buffer` and `GRPOTrainer(model=...)` placeholders",
     "grpo_rollouts.md": "fragment: `model`, `tok`, `env` are never defined on the page",
 }
 
