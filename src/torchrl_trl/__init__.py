@@ -14,7 +14,7 @@ imports ``trl``, ``datasets`` or ``ray``):
   :class:`StalenessFilter`, :func:`update_priorities`, :class:`BufferCheckpointCallback`
 - TRL's GRPO on TorchRL rollouts: :class:`TorchRLRolloutFunc` (a ``rollout_func``),
   :class:`AsyncGroupCollector` + :class:`AsyncTorchRLRolloutFunc` (generation ahead of
-  the trainer, bounded staleness), :class:`BehaviourLogProbsMixin`; for
+  the trainer, bounded staleness, :class:`GroupReplay` reuse), :class:`BehaviourLogProbsMixin`; for
   ``AsyncGRPOTrainer``: :class:`TorchRLRolloutWorker`, :class:`TorchRLWeightTransfer`
 """
 
@@ -60,6 +60,7 @@ _EXPORTS = {
     "AsyncGroupCollector": "torchrl_trl.online",
     "AsyncTorchRLRolloutFunc": "torchrl_trl.online",
     "BehaviourLogProbsMixin": "torchrl_trl.online",
+    "GroupReplay": "torchrl_trl.online",
     "TorchRLRolloutWorker": "torchrl_trl.online",
     "TorchRLWeightTransfer": "torchrl_trl.online",
 }
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
         AsyncGroupCollector,
         AsyncTorchRLRolloutFunc,
         BehaviourLogProbsMixin,
+        GroupReplay,
         TorchRLRolloutWorker,
         TorchRLWeightTransfer,
     )

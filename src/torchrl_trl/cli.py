@@ -40,7 +40,9 @@ FULL_TIME = "about 3 min on 2 free CPU cores, estimated from the --quick phases"
 DEMO_DESCRIPTION = (
     "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
     "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train further "
-    "with trl.SFTTrainer on best-of-n rollouts read from the TorchRL buffer. Prints a table, "
+    "with trl.SFTTrainer on best-of-n rollouts read from the TorchRL buffer, and train the same "
+    "initial policy with TRL's GRPOTrainer generating through TorchRL (TorchRLRolloutFunc). "
+    "Prints a table, "
     "writes results.json and reward_curve.png, and saves both trained policies (safetensors) "
     "under --output-dir. Tiny built-in models, no downloads."
 )
@@ -370,6 +372,7 @@ def cmd_demo(args) -> int:
             reward_model=reward_model,
             quick=args.quick,
             progress=not args.no_progress,
+            trl_grpo=not args.no_trl_grpo,
         )
     )
     return 0
@@ -433,6 +436,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--reward-model", default=None, help="sequence-classification checkpoint (local directory, or a hub id when online) to start the reward model from")
     demo.add_argument("--output-dir", type=Path, default=Path("torchrl_trl_demo"), help="where results.json, reward_curve.png and the trained models go (default: ./torchrl_trl_demo)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--no-trl-grpo", action="store_true", help="skip step 5, TRL's GRPOTrainer on TorchRL rollouts")
     demo.set_defaults(func=cmd_demo)
     return parser
 

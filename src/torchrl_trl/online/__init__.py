@@ -38,6 +38,7 @@ _EXPORTS = {
     "AsyncGroupCollector": ".async_rollouts",
     "AsyncTorchRLRolloutFunc": ".async_rollouts",
     "BehaviourLogProbsMixin": ".async_rollouts",
+    "GroupReplay": ".async_rollouts",
     "TorchRLRolloutWorker": ".trl_async_grpo",
     "TorchRLWeightTransfer": ".trl_async_grpo",
 }
