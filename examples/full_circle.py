@@ -11,9 +11,12 @@
    model scores the chosen completion above the rejected one (chance: 0.5), and the same
    for the untrained starting model.
 
-Everything is tiny and runs on CPU in well under a minute::
+Everything is tiny and runs on CPU::
 
     python examples/full_circle.py --seed 0
+
+Measured with ``time`` on 2 CPU cores shared with other jobs: 113 s wall, 73 s of CPU
+time (user), load average 2.8 before and 4.9 after (``uptime``); an earlier run took 79 s.
 """
 
 from __future__ import annotations
@@ -115,7 +118,11 @@ def run(workdir, *, seed=0, train_prompts=32, heldout_prompts=16, group_size=4, 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Time: 113 s wall (73 s CPU) measured on 2 shared CPU cores at load average 2.8-4.9; "
+               "79 s in an earlier run.",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--workdir", default=None)
