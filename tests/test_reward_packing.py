@@ -112,3 +112,16 @@ def test_packing_refused_where_it_cannot_be_exact(policy_and_tokenizer):
         HFRewardModelWrapper(bidirectional, packing=True)
     with pytest.raises(TypeError, match="packing must be a bool"):
         HFRewardModelWrapper(make_reward_model(tok), packing="yes")
+
+
+def test_packed_sliding_window_layers(policy_and_tokenizer):
+    """Qwen2 with sliding-window attention shorter than the sequences: transformers' sliding
+    mask composed with the packed one still keeps each sequence alone."""
+    _, tok = policy_and_tokenizer
+    rm = make_reward_model(tok, kind="qwen2", seed=4, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert set(rm.config.layer_types) == {"sliding_attention"}
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(5, len(tok), (n,), generator=g) for n in (7, 1, 30, 12, 3, 25)]
+    ref = torch.stack([_alone(rm, s) for s in seqs])
+    got = HFRewardModelWrapper(rm, packing=True, add_eos="never", inference_mode=True).score_ids(Ragged.from_list(seqs))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
