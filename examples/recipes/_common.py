@@ -144,5 +144,5 @@ def reward_transform(cfg: dict, policy_tokenizer):
     return HFRewardTransform(
         cfg["reward_model"], policy_tokenizer=policy_tokenizer, device=cfg["device"],
         dtype=torch_dtype(rm.get("dtype", cfg["dtype"])), max_tokens_per_batch=rm["max_tokens_per_batch"],
-        max_length=rm.get("max_length"),
+        max_length=rm.get("max_length"), pad_token_id=rm.get("pad_token_id"),
     )
