@@ -27,7 +27,6 @@ OUTPUT_SHOWN = {"formats.md"}
 
 # pages not owned by the README/docs work: fragments that need objects the page never builds
 XFAIL = {
-    "online_distributed.md": "fragments: `env`, `policy`, `model`, `SFTConfig(...)` placeholders",
     "reward_functions.md": "fragment: `env`, `fmt_reward`, `GRPOTrainer`, `tok` are never defined on the page",
     "grpo_rollouts.md": "fragment: `model`, `tok`, `env` are never defined on the page",
 }
