@@ -15,8 +15,10 @@ Everything is tiny and runs on CPU::
 
     python examples/full_circle.py --seed 0
 
-Measured with ``time`` on 2 CPU cores shared with other jobs: 113 s wall, 73 s of CPU
-time (user), load average 2.8 before and 4.9 after (``uptime``); an earlier run took 79 s.
+Measured with ``time`` on 2 CPU cores: 10.5 s wall (12.9 s CPU) with the cores otherwise
+idle (``uptime`` load average 0.6-0.8); 113 s wall (73 s CPU) while other jobs shared the
+cores (load average 2.8-4.9); an earlier report: 79 s. The time depends on the load far
+more than on this script.
 """
 
 from __future__ import annotations
@@ -120,8 +122,8 @@ def run(workdir, *, seed=0, train_prompts=32, heldout_prompts=16, group_size=4, 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        epilog="Time: 113 s wall (73 s CPU) measured on 2 shared CPU cores at load average 2.8-4.9; "
-               "79 s in an earlier run.",
+        epilog="Time, measured on 2 CPU cores: 10.5 s wall at load average 0.6-0.8 (idle cores), "
+               "113 s wall at load average 2.8-4.9 (cores shared with other jobs).",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=120)

@@ -52,7 +52,7 @@ def collect(cfg: dict, model, tokenizer):
         for i, _ in enumerate(collector):
             print(f"collected batch {i + 1}/{c['batches']}: {len(buffer)} scored completions", flush=True)
     collector.shutdown()
-    rewards = torch.stack([r.reshape(()) for r in buffer[:].get(("next", "reward")).unbind(0)]).float()
+    rewards = buffer[:].get(("next", "reward")).float().reshape(-1)
     print(f"{len(buffer)} completions in {time.perf_counter() - start:.0f} s; reward mean "
           f"{rewards.mean():.3f} std {rewards.std():.3f}")
     return buffer
