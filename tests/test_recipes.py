@@ -54,3 +54,48 @@ def test_recipe_config_errors(tmp_path):
     )
     assert proc.returncode != 0
     assert "--config" in proc.stderr and "nope.yaml" in proc.stderr, proc.stderr[-2000:]
+
+
+def _load_common():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("recipes_common", RECIPES / "_common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prompts_from_a_conversational_dataset(tmp_path):
+    """The real configs read a conversational prompt-only dataset (as
+    ``trl-lib/ultrafeedback-prompt``): the last user turn is the query; here a local parquet."""
+    from datasets import Dataset
+
+    rows = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": f"question {i}"}]
+            for i in range(5)]
+    Dataset.from_dict({"prompt": rows}).to_parquet(tmp_path / "p.parquet")
+    common = _load_common()
+    spec = {"dataset": "parquet", "data_files": str(tmp_path / "p.parquet"), "split": "train",
+            "column": "prompt", "limit": 3}
+    assert common.load_prompts(spec) == ["question 0", "question 1", "question 2"]
+    with pytest.raises(KeyError, match="'query' is not a column"):
+        common.load_prompts({**spec, "column": "query"})
+
+
+def test_real_configs_are_valid(tmp_path):
+    """The GPU configs (not run here): the model ids documented in the README, dtypes that
+    exist, and a ``dpo:`` section that ``trl.DPOConfig`` accepts as it is."""
+    import yaml
+    from trl import DPOConfig
+
+    common = _load_common()
+    for name in ("torchrl_to_trl_dpo.yaml", "hf_reward_to_torchrl_grpo.yaml"):
+        cfg = yaml.safe_load((RECIPES / name).read_text())
+        assert cfg["policy"] == "Qwen/Qwen2.5-0.5B-Instruct"
+        assert cfg["reward_model"] == "Skywork/Skywork-Reward-V2-Qwen3-0.6B"
+        assert cfg["reward_model"] in (RECIPES / "README.md").read_text()
+        for key in ("dtype", "policy_dtype"):
+            common.torch_dtype(cfg[key])
+        assert cfg["prompts"]["dataset"] == "trl-lib/ultrafeedback-prompt"
+    cfg = yaml.safe_load((RECIPES / "torchrl_to_trl_dpo.yaml").read_text())
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **cfg["dpo"])
+    assert args.beta == cfg["dpo"]["beta"] and args.max_length == cfg["dpo"]["max_length"]

@@ -72,19 +72,26 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_prompts(spec: dict) -> list[str]:
-    """Prompt strings from ``{"texts": [...]}`` or ``{"dataset": id, "split", "column", "limit"}``;
+    """Prompt strings from ``{"texts": [...]}`` or ``{"dataset": id, "split", "column", "limit",
+    "data_files"}`` (``datasets.load_dataset`` arguments, e.g. ``"parquet"`` + ``data_files``);
     a conversational column (a list of ``{"role", "content"}``) gives its last user turn."""
     if "texts" in spec:
         return [str(t) for t in spec["texts"]]
     from datasets import load_dataset
 
-    rows = load_dataset(spec["dataset"], split=spec.get("split", "train"))
+    rows = load_dataset(spec["dataset"], data_files=spec.get("data_files"), split=spec.get("split", "train"))
     if spec.get("limit"):
         rows = rows.select(range(min(int(spec["limit"]), len(rows))))
     prompts = []
-    for value in rows[spec.get("column", "prompt")]:
+    column = spec.get("column", "prompt")
+    if column not in rows.column_names:
+        raise KeyError(f"prompts.column {column!r} is not a column of {spec['dataset']!r}: {rows.column_names}")
+    for i, value in enumerate(rows[column]):
         if isinstance(value, list):
-            value = [m["content"] for m in value if m.get("role") == "user"][-1]
+            users = [m["content"] for m in value if m.get("role") == "user"]
+            if not users:
+                raise ValueError(f"prompts: row {i} of {spec['dataset']!r} has no user turn: {value!r:.200}")
+            value = users[-1]
         prompts.append(value)
     return prompts
 
