@@ -239,8 +239,8 @@ class RewardModelService:
                 for i, part in zip(todo, split):
                     results[i] = part
                 return results
-            except Exception:
-                pass
+            except Exception:  # rescored one by one below, so the error reaches its own caller
+                st["coalesced_failures"] = st.get("coalesced_failures", 0) + 1
         for i in todo:
             try:
                 results[i] = self.wrapper.score_ids(batch[i].ids, where=batch[i].where).float().cpu().numpy()
