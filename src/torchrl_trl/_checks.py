@@ -1,0 +1,89 @@
+"""Small checks shared by every module: argument validation, key helpers, warn-once counters.
+
+One helper per concern, so every module words its errors and its once-only warnings alike.
+"""
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections import Counter
+
+__all__ = ["WarnOnce", "positive_int", "positive_seconds", "strip_next"]
+
+
+def positive_int(value, name: str, *, allow_none: bool = False):
+    """``value`` if it is an int > 0 (or ``None`` when ``allow_none``), else a ``ValueError``
+    naming ``name``.
+
+    >>> positive_int(4, "batch_size")
+    4
+    >>> positive_int(0, "batch_size")
+    Traceback (most recent call last):
+    ...
+    ValueError: batch_size must be a positive integer, got 0
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        expected = "a positive integer or None" if allow_none else "a positive integer"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return int(value)
+
+
+def positive_seconds(value, name: str) -> float | None:
+    """``value`` as a float if it is a number > 0, ``None`` if ``None``, else a ``ValueError``.
+
+    >>> positive_seconds(2, "timeout")
+    2.0
+    >>> positive_seconds(None, "timeout") is None
+    True
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+def strip_next(key):
+    """A nested key without its leading ``"next"``: where a transform writes what the env
+    later moves under ``"next"``.
+
+    >>> strip_next(("next", "reward"))
+    ('reward',)
+    >>> strip_next("reward")
+    'reward'
+    """
+    if isinstance(key, tuple) and len(key) > 1 and key[0] == "next":
+        return key[1:]
+    return key
+
+
+class WarnOnce:
+    """Counts events per reason and warns the first time each reason occurs.
+
+    ``counts`` keeps the totals (what a user reads after a run); the warning is issued once
+    per reason, so a loop over millions of samples warns once, and nothing is silent.
+
+    >>> import warnings
+    >>> skipped = WarnOnce()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     skipped.add("empty", "2 empty completions skipped", n=2)
+    ...     skipped.add("empty", "1 empty completion skipped")
+    >>> len(caught), skipped.counts["empty"]
+    (1, 3)
+    """
+
+    def __init__(self, category: type[Warning] = UserWarning):
+        self.category = category
+        self.counts: Counter = Counter()
+
+    def add(self, reason, message: str, *, n: int = 1, stacklevel: int = 3) -> None:
+        """Count ``n`` events of ``reason``; warn with ``message`` if it is the first time."""
+        if n <= 0:
+            return
+        first = reason not in self.counts
+        self.counts[reason] += n
+        if first:
+            warnings.warn(f"{message} (warning once)", self.category, stacklevel=stacklevel)
