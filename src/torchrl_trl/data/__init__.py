@@ -1,7 +1,14 @@
-"""TorchRL -> TRL data: replay buffers as datasets for TRL trainers."""
+"""TorchRL -> TRL data: replay buffers as datasets for TRL trainers.
 
-from .dataset import TorchRLBufferDataset
-from .formats import BufferFormat, available_formats, get_format, register_format
+- :class:`TorchRLBufferDataset`: a TorchRL replay buffer read as a ``datasets`` dataset
+  in one of the registered formats (:func:`available_formats`, :func:`get_format`,
+  :func:`register_format`, :class:`BufferFormat`).
+- scored groups -> offline trainer rows: :func:`best_of_n`, :func:`preference_pairs`,
+  :func:`kto_rows`; :func:`find_groups`, :class:`SkipStats`, :class:`SkippedRolloutsWarning`.
 
-__all__ = ["BufferFormat", "TorchRLBufferDataset", "available_formats", "get_format", "register_format"]
-from . import offline_formats  # noqa: E402,F401  registers the dpo/reward/kto/rloo formats
+The public names are declared once, in ``__init__.pyi``, and imported on first use.
+"""
+
+from .._exports import attach
+
+__getattr__, __dir__, __all__ = attach(__name__, __file__)

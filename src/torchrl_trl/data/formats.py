@@ -197,3 +197,8 @@ def check_format(fmt: BufferFormat, td: TensorDictBase) -> None:
             f"format {fmt.name!r} needs keys {names} that the replay buffer's samples lack. "
             f"Available keys: {layouts.available_keys(td)}"
         )
+
+
+# the offline trainers' formats (dpo, reward, kto, rloo) register themselves on import; done
+# here so that the registry is complete whichever module is imported first
+from . import offline_formats  # noqa: E402,F401

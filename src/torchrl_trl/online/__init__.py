@@ -1,7 +1,8 @@
 """Online and distributed: a TorchRL collector feeding a TRL trainer.
 
 - :class:`CollectorCallback` (``transformers.TrainerCallback``): collect between optimizer
-  steps or in the background, push weights, log buffer size / throughput / staleness.
+  steps or in the background, push weights; :class:`CollectorMetricsCallback`: log buffer
+  size / throughput / staleness (``CollectorCallback`` adds one unless ``log_metrics=False``).
 - :class:`StalenessFilter`: drop or down-weight rows older than ``max_staleness`` versions.
 - :func:`update_priorities`, :class:`TensorPrioritizedSampler`: priority feedback.
 - :class:`BufferCheckpointCallback`, :func:`save_buffer`, :func:`load_buffer`: the buffer
@@ -12,48 +13,13 @@
   bounded staleness; :class:`BehaviourLogProbsMixin`: TRL's GRPO loss corrected with the
   behaviour log-probs; :class:`TorchRLRolloutWorker`, :class:`TorchRLWeightTransfer`:
   the same collector behind ``trl.experimental.async_grpo.AsyncGRPOTrainer``'s protocols.
-- :mod:`torchrl_trl.online.ray`: Ray buffers and collectors (imports ``ray`` on use).
+- :func:`make_ray_replay_buffer`, :func:`connect_ray_replay_buffer`, :func:`make_ray_collector`:
+  Ray buffers and collectors (:mod:`torchrl_trl.online.ray`, imports ``ray`` on use);
+  :func:`read_policy_version`: the policy version of each row.
+
+The public names are declared once, in ``__init__.pyi``, and imported on first use.
 """
 
-from __future__ import annotations
+from .._exports import attach
 
-import importlib
-
-_EXPORTS = {
-    "CollectorCallback": ".callback",
-    "CollectorError": ".callback",
-    "wait_for_items": ".callback",
-    "StalenessFilter": ".staleness",
-    "read_policy_version": ".staleness",
-    "update_priorities": ".priority",
-    "TensorPrioritizedSampler": ".priority",
-    "BufferCheckpointCallback": ".checkpoint",
-    "save_buffer": ".checkpoint",
-    "load_buffer": ".checkpoint",
-    "BufferCheckpointError": ".checkpoint",
-    "make_ray_replay_buffer": ".ray",
-    "make_ray_collector": ".ray",
-    "connect_ray_replay_buffer": ".ray",
-    "TorchRLRolloutFunc": ".rollout_func",
-    "AsyncGroupCollector": ".async_rollouts",
-    "AsyncTorchRLRolloutFunc": ".async_rollouts",
-    "BehaviourLogProbsMixin": ".async_rollouts",
-    "GroupReplay": ".async_rollouts",
-    "TorchRLRolloutWorker": ".trl_async_grpo",
-    "TorchRLWeightTransfer": ".trl_async_grpo",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchrl_trl.online' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = attach(__name__, __file__)

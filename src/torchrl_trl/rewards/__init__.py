@@ -1,36 +1,18 @@
-"""Hugging Face reward models as TorchRL rewards (TRL/HF -> TorchRL).
+"""Rewards, both ways: Hugging Face reward models and TRL reward functions in TorchRL, and
+TorchRL rewards as TRL ``reward_funcs``.
 
-Names are imported on first use, so a reward worker process that only needs
-:mod:`torchrl_trl.rewards.executors` does not import transformers.
+- :class:`HFRewardModelWrapper`, :class:`HFRewardTransform`, :func:`load_reward_model`: a
+  sequence-classification reward model scoring TorchRL rollouts;
+  :class:`RewardServiceClient`, :class:`RewardServiceError`: one such model on Ray shared
+  by many collectors.
+- :class:`RewardFunctionWrapper`: TRL-style reward functions in TorchRL;
+  :func:`as_trl_reward_func`: TorchRL rewards as TRL ``reward_funcs``.
+
+The public names are declared once, in ``__init__.pyi``, and imported on first use, so a
+reward worker process that only needs :mod:`torchrl_trl.rewards.executors` does not
+import transformers.
 """
 
-from __future__ import annotations
+from .._exports import attach
 
-import importlib
-from typing import TYPE_CHECKING
-
-__all__ = ["HFRewardModelWrapper", "HFRewardTransform", "load_reward_model"]
-
-_EXPORTS = {
-    "HFRewardModelWrapper": ".model",
-    "load_reward_model": ".model",
-    "HFRewardTransform": ".transform",
-}
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
-
-
-if TYPE_CHECKING:
-    from .model import HFRewardModelWrapper, load_reward_model
-    from .transform import HFRewardTransform
+__getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -1,0 +1,7 @@
+"""Public names of :mod:`torchrl_trl`: every subpackage's (see :mod:`torchrl_trl._exports`)."""
+
+from .data import *
+from .online import *
+from .rewards import *
+
+__version__: str

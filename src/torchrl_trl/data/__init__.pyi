@@ -1,0 +1,11 @@
+"""Public names of :mod:`torchrl_trl.data`: the one list (see :mod:`torchrl_trl._exports`)."""
+
+from .dataset import TorchRLBufferDataset as TorchRLBufferDataset
+from .formats import (
+    BufferFormat as BufferFormat,
+    available_formats as available_formats,
+    get_format as get_format,
+    register_format as register_format,
+)
+from .groups import SkippedRolloutsWarning as SkippedRolloutsWarning, SkipStats as SkipStats, find_groups as find_groups
+from .preference import best_of_n as best_of_n, kto_rows as kto_rows, preference_pairs as preference_pairs
