@@ -16,6 +16,7 @@ from torchrl_trl.online import (
     BufferCheckpointCallback,
     CollectorCallback,
     CollectorError,
+    CollectorMetricsCallback,
     StalenessFilter,
     TensorPrioritizedSampler,
     load_buffer,
@@ -84,12 +85,62 @@ def test_callback_collects_pushes_weights_and_logs(checkpoints, tmp_path):
     assert [h["collector/policy_version"] for h in logs] == [1, 2, 3]
     assert [h["staleness/buffer_max"] for h in logs] == [1, 2, 3]
     assert all(h["collector/frames_per_sec"] > 0 for h in logs)
+    # the end-of-training summary is logged at the last step again: same window, same rate
+    (summary,) = [h for h in trainer.state.log_history if "train_runtime" in h]
+    assert summary["step"] == 3 and summary["collector/frames_per_sec"] == logs[-1]["collector/frames_per_sec"]
     assert logs[-1]["staleness/seen"] == staleness.seen > 0
     # what the trainer trained on is what the collector stored
     td = rb[:]
     prompts, responses = layouts.read_tokens(td, "prompt").tolist(), layouts.read_tokens(td, "response").tolist()
     stored = {tuple(p + r) for p, r in zip(prompts, responses)}
     assert seen and all(tuple(t) in stored for t in seen)
+
+
+@pytest.mark.timeout(120)
+def test_metrics_callback_composes_with_a_silent_collector_callback(checkpoints, tmp_path):
+    """Collection and metrics as two callbacks: the collector callback logs nothing, the
+    metrics callback reports on it under its own prefix."""
+    from trl import SFTTrainer
+
+    trainer_model, tok = _load(checkpoints)
+    collector_model, _ = _load(checkpoints)
+    rb = ReplayBuffer(storage=LazyStackStorage(64))
+    collector = _collector(collector_model, tok, rb)
+    cb = CollectorCallback(collector, log_metrics=False, min_buffer_size=4)
+    assert cb.metrics_callback is None and not cb.remote  # a local LLMCollector is not a Ray one
+    metrics = CollectorMetricsCallback(cb, log_prefix="c/", log_buffer_staleness=False)
+    cb.collect(4)
+    ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
+    with cb:
+        trainer = SFTTrainer(model=trainer_model, args=_sft_args(tmp_path, 2), train_dataset=ds.as_hf_dataset(),
+                             processing_class=tok, callbacks=[cb, metrics])
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["c/weight_updates"] for h in logs] == [1, 2]
+    assert [h["c/policy_version"] for h in logs] == [1, 2]
+    assert [h["c/buffer_size"] for h in logs] == [8, 12] == [h["c/write_count"] for h in logs]
+    assert not any(k.startswith("collector/") or k.startswith("staleness/") for h in logs for k in h)
+    with pytest.raises(RuntimeError, match="CollectorMetricsCallback"):
+        cb.metrics()
+    with pytest.raises(ValueError, match="CollectorMetricsCallback"):
+        CollectorCallback(collector, log_metrics=False, log_prefix="x/")
+    with pytest.raises(ValueError, match="replay_buffer="):
+        CollectorMetricsCallback()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"collect_every": 0}, "collect_every must be a positive integer, got 0"),
+     ({"update_weights_every": -1}, "update_weights_every must be a positive integer, got -1"),
+     ({"frames_per_step": 2.5}, "frames_per_step must be a positive integer, got 2.5"),
+     ({"min_buffer_size": -3}, "min_buffer_size must be a positive integer, got -3"),
+     ({"wait_timeout": 0}, "wait_timeout must be a positive number of seconds or None, got 0")],
+)
+def test_collector_callback_names_a_bad_argument(kwargs, message):
+    rb = ReplayBuffer(storage=LazyStackStorage(4))
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        CollectorCallback(iter(()), replay_buffer=rb, **kwargs)
+    assert CollectorCallback(iter(()), replay_buffer=rb, update_weights_every=0, min_buffer_size=0).update_weights_every == 0
 
 
 def test_shared_model_only_bumps_version(policy_and_tokenizer):

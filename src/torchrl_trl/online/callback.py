@@ -1,4 +1,6 @@
-"""``CollectorCallback``: run a TorchRL collector alongside a Hugging Face / TRL trainer."""
+"""``CollectorCallback``: run a TorchRL collector alongside a Hugging Face / TRL trainer
+(collect, push weights, wait for data, surface collector errors). What it logs is
+:class:`~torchrl_trl.online.metrics.CollectorMetricsCallback`'s job."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .staleness import VERSION_KEYS, StalenessFilter, read_policy_version
+from .._checks import WarnOnce, positive_int, positive_seconds
+from ._buffers import local_sampler
+from .metrics import CollectorMetricsCallback, collector_policy_version, insert_before_reporters
+from .ray import is_ray_collector
+from .staleness import StalenessFilter
 
 #: consecutive collector batches that write nothing before ``collect`` gives up
 _MAX_EMPTY_BATCHES = 64
@@ -36,7 +42,20 @@ def wait_for_items(
     ``check()`` runs at every poll and should raise if the producer is dead (so a dead
     collector fails fast instead of running out the clock). Raises ``TimeoutError`` after
     ``timeout`` seconds (``None``: wait as long as it takes), naming how many items arrived.
+
+    >>> import threading
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> rb = ReplayBuffer(storage=ListStorage(8))
+    >>> writer = threading.Timer(0.1, rb.extend, [["a", "b", "c", "d"]])  # a producer thread
+    >>> writer.start()
+    >>> wait_for_items(rb, 4, timeout=10)
+    4
+    >>> wait_for_items(rb, 5, timeout=0.2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TimeoutError: the replay buffer holds 4 items after waiting ...s (timeout=0.2s) for at least 5; ...
     """
+    timeout = positive_seconds(timeout, "timeout")
     start = time.monotonic()
     n = len(replay_buffer)
     while n < min_items:
@@ -54,13 +73,21 @@ def wait_for_items(
     return n
 
 
+def _count(value, name: str) -> int:
+    """A non-negative int: ``0`` (a documented "never" / "don't wait") or a positive one."""
+    return 0 if isinstance(value, int) and value == 0 else positive_int(value, name)
+
+
 class CollectorCallback(TrainerCallback):
     """Run a TorchRL collector that fills the buffer a ``TorchRLBufferDataset`` reads,
-    alongside a ``transformers.Trainer`` / TRL trainer.
+    alongside a ``transformers.Trainer`` / TRL trainer: collect between optimizer steps or
+    in the background, push the trainer's weights, wait for a minimum of data, and raise
+    the collector's errors in the trainer as :class:`CollectorError`.
 
     Args:
         collector: an ``LLMCollector`` (or any TorchRL collector) writing into
-            ``replay_buffer``; or a ``RayLLMCollector`` (remote; started with ``start()``).
+            ``replay_buffer``; or a ``RayLLMCollector`` (recognised by type: it runs
+            remotely and is started with ``start()``).
 
     Keyword Args:
         replay_buffer: the buffer (default ``collector.replay_buffer``).
@@ -72,7 +99,7 @@ class CollectorCallback(TrainerCallback):
             ``RayLLMCollector`` always runs remotely). An exception in that thread is
             re-raised in the trainer as :class:`CollectorError` at the next step.
         min_buffer_size: ``on_train_begin`` collects (sync) or waits (background / remote,
-            up to ``wait_timeout`` s) until the buffer holds this many items.
+            up to ``wait_timeout`` s) until the buffer holds this many items (``0``: no wait).
         wait_timeout: seconds to wait for data before a ``TimeoutError`` (background /
             remote), and the longest one collector batch may take in a synchronous
             :meth:`collect` before it raises :class:`CollectorError` (the batch runs in a
@@ -90,23 +117,39 @@ class CollectorCallback(TrainerCallback):
             collector's policy wraps the model as ``policy.model`` like
             ``TransformersWrapper``).
         staleness: a :class:`StalenessFilter` (the dataset's ``sample_filter``) whose
-            ``consumer_version`` follows the collector's policy version; its counters are
-            logged. A buffer sampler with a ``consumer_version`` (TorchRL's
-            ``StalenessAwareSampler``) is kept in step too.
-        log_buffer_staleness: log mean/max staleness of (up to 4096 of) the stored items.
-        log_prefix: prefix of the collector metrics in the logs.
+            ``consumer_version`` follows the collector's policy version. A buffer sampler
+            with a ``consumer_version`` (TorchRL's ``StalenessAwareSampler``) is kept in
+            step too.
+        log_metrics: also log the collector's metrics: the callback makes a
+            :class:`CollectorMetricsCallback` (``metrics_callback``) and forwards the
+            trainer's logs to it. ``False``: log nothing here (add your own
+            ``CollectorMetricsCallback(cb)`` to the trainer, or none).
+        log_buffer_staleness, log_prefix: passed to that ``CollectorMetricsCallback``
+            (only with ``log_metrics=True``).
+        shutdown_on_end: shut a local collector down in :meth:`close`.
 
-    Logged at each trainer log (in ``logs`` and ``trainer.state.log_history``):
-    ``collector/buffer_size``, ``collector/write_count``, ``collector/frames_per_sec``
-    (items written per wall second since the previous log), ``collector/collect_seconds``
-    (time the trainer spent collecting, sync mode), ``collector/policy_version``,
-    ``collector/weight_updates``, and ``staleness/*`` (see :class:`StalenessFilter`,
-    ``staleness/buffer_mean``, ``staleness/buffer_max``). To have reporting integrations
-    (wandb, tensorboard) see them, add the callback with :meth:`attach`, which places it
-    before them.
+    Logged at each trainer log (``log_metrics=True``): see
+    :class:`CollectorMetricsCallback`. To have reporting integrations (wandb, tensorboard)
+    see them, add the callback with :meth:`attach`, which places it before them.
 
     Use as a context manager (or call :meth:`close`) so a failed ``train()`` still stops
     the background collection.
+
+    >>> from torchrl.collectors.llm import LLMCollector
+    >>> from torchrl.data import LazyStackStorage, ReplayBuffer
+    >>> from torchrl_trl import testing
+    >>> tok = testing.make_tokenizer()
+    >>> policy = testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=2)
+    >>> env = testing.make_chat_env([{"query": "1+1?", "answer": "2"}], batch_size=2)
+    >>> rb = ReplayBuffer(storage=LazyStackStorage(16))
+    >>> collector = LLMCollector(env=env, policy=policy, dialog_turns_per_batch=2, replay_buffer=rb,
+    ...                          total_dialog_turns=-1, track_policy_version=True)
+    >>> with CollectorCallback(collector, min_buffer_size=2) as cb:
+    ...     cb.collect(4), len(rb)              # what trainer steps do between optimizer steps
+    ...     cb.push_weights(policy.model)       # the trainer's model is the policy's: version + 1
+    ...     collector.policy_version, cb.metrics_callback.metrics()["collector/write_count"]
+    (4, 4)
+    (1, 4)
     """
 
     def __init__(
@@ -122,6 +165,7 @@ class CollectorCallback(TrainerCallback):
         update_weights_every: int = 1,
         weights_fn: Callable[[torch.nn.Module], Any] | None = None,
         staleness: StalenessFilter | None = None,
+        log_metrics: bool = True,
         log_buffer_staleness: bool = True,
         log_prefix: str = "collector/",
         shutdown_on_end: bool = False,
@@ -132,28 +176,24 @@ class CollectorCallback(TrainerCallback):
                 "CollectorCallback: the collector has no replay_buffer; build it with "
                 "replay_buffer=... (the buffer the dataset reads) or pass replay_buffer=."
             )
-        for name, value in (("collect_every", collect_every), ("update_weights_every", update_weights_every)):
-            if not isinstance(value, int) or value < 0 or (name == "collect_every" and value == 0):
-                raise ValueError(f"{name} must be a {'positive' if name == 'collect_every' else 'non-negative'} int, got {value!r}")
+        if not log_metrics and (log_buffer_staleness is not True or log_prefix != "collector/"):
+            raise ValueError(
+                "CollectorCallback: log_buffer_staleness= and log_prefix= configure the metrics this callback "
+                "logs, and log_metrics=False logs none; pass them to CollectorMetricsCallback(cb, ...) instead"
+            )
         self.collector = collector
         self.replay_buffer = rb
-        self.remote = type(collector).__module__.endswith("ray_collector")
+        self.remote = is_ray_collector(collector)
         if frames_per_step is None:
             frames_per_step = 1 if self.remote else int(getattr(collector, "frames_per_batch", None) or 1)
-        self.frames_per_step = int(frames_per_step)
-        self.collect_every = collect_every
+        self.frames_per_step = positive_int(frames_per_step, "frames_per_step")
+        self.collect_every = positive_int(collect_every, "collect_every")
         self.background = bool(background)
-        self.min_buffer_size = int(min_buffer_size)
-        if wait_timeout is not None and (
-            isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)) or not wait_timeout > 0
-        ):
-            raise ValueError(f"wait_timeout must be a positive number of seconds or None, got {wait_timeout!r}")
-        self.wait_timeout = None if wait_timeout is None else float(wait_timeout)
-        self.update_weights_every = update_weights_every
+        self.min_buffer_size = _count(min_buffer_size, "min_buffer_size")
+        self.wait_timeout = positive_seconds(wait_timeout, "wait_timeout")
+        self.update_weights_every = _count(update_weights_every, "update_weights_every")
         self.weights_fn = weights_fn
         self.staleness = staleness
-        self.log_buffer_staleness = log_buffer_staleness
-        self.log_prefix = log_prefix
         self.shutdown_on_end = shutdown_on_end
 
         self.weight_updates = 0
@@ -165,9 +205,13 @@ class CollectorCallback(TrainerCallback):
         self._error: BaseException | None = None
         self._exhausted = False
         self._started_remote = False
-        self._last_log = (time.monotonic(), self._write_count())
-        self._shared_warned = False
+        self._warnings = WarnOnce()
         self._hung: threading.Thread | None = None  # a sync batch that outlived wait_timeout
+        self.metrics_callback: CollectorMetricsCallback | None = (
+            CollectorMetricsCallback(self, log_buffer_staleness=log_buffer_staleness, log_prefix=log_prefix)
+            if log_metrics
+            else None
+        )
 
     # ------------------------------------------------------------------
     # collecting
@@ -183,12 +227,12 @@ class CollectorCallback(TrainerCallback):
         try:
             next(self._iter)
         except StopIteration:
-            if not self._exhausted:
-                warnings.warn(
-                    f"CollectorCallback: the collector is exhausted (total_dialog_turns reached) after "
-                    f"{self._write_count()} writes; training continues on the stored data.",
-                    stacklevel=3,
-                )
+            self._warnings.add(
+                "exhausted",
+                f"CollectorCallback: the collector is exhausted (total_dialog_turns reached) after "
+                f"{self._write_count()} writes; training continues on the stored data",
+                stacklevel=4,
+            )
             self._exhausted = True
             return False
         return True
@@ -344,21 +388,20 @@ class CollectorCallback(TrainerCallback):
 
     @property
     def policy_version(self) -> int | None:
-        version = getattr(self.collector, "policy_version", None)
-        return version if isinstance(version, int) else None
+        """The collector's policy version (``None`` if it tracks none)."""
+        return collector_policy_version(self.collector)
 
     def push_weights(self, model: torch.nn.Module) -> None:
         """Send ``model``'s weights to the collector's policy now (and bump its version)."""
         from tensordict import TensorDict
 
         if self._shares_model(model):
-            if self.background and not self._shared_warned:
-                self._shared_warned = True
-                warnings.warn(
+            if self.background:
+                self._warnings.add(
+                    "shared_model",
                     "CollectorCallback(background=True) with a policy that shares the trainer's model: "
                     "generation reads weights while the optimizer updates them; give the collector "
-                    "its own copy of the model for consistent rollouts.",
-                    stacklevel=2,
+                    "its own copy of the model for consistent rollouts",
                 )
             with self._lock:
                 self.collector.increment_version()
@@ -383,7 +426,7 @@ class CollectorCallback(TrainerCallback):
             return
         if self.staleness is not None:
             self.staleness.consumer_version = version
-        sampler = getattr(self.replay_buffer, "_sampler", None)
+        sampler = local_sampler(self.replay_buffer)
         if sampler is not None and hasattr(sampler, "consumer_version"):
             sampler.consumer_version = version
 
@@ -394,9 +437,7 @@ class CollectorCallback(TrainerCallback):
     def attach(self, trainer) -> CollectorCallback:
         """Add this callback to ``trainer`` right after its flow callback, before the
         reporting integrations, so they see the collector metrics. Returns ``self``."""
-        callbacks = trainer.callback_handler.callbacks
-        callbacks.insert(min(1, len(callbacks)), self)
-        return self
+        return insert_before_reporters(trainer, self)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._sync_versions()
@@ -407,7 +448,8 @@ class CollectorCallback(TrainerCallback):
             missing = self.min_buffer_size - len(self.replay_buffer)
             if missing > 0:
                 self.collect(max(missing, 1), model=model)
-        self._last_log = (time.monotonic(), self._write_count())
+        if self.metrics_callback is not None:
+            self.metrics_callback.restart_window()  # throughput from step 1 on, not the initial fill
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -424,43 +466,15 @@ class CollectorCallback(TrainerCallback):
         return control
 
     def metrics(self) -> dict[str, float]:
-        """The collector metrics logged at each trainer log."""
-        p = self.log_prefix
-        now, wc = time.monotonic(), self._write_count()
-        t_prev, wc_prev = self._last_log
-        self._last_log = (now, wc)
-        out: dict[str, float] = {
-            f"{p}buffer_size": len(self.replay_buffer),
-            f"{p}write_count": wc,
-            f"{p}frames_per_sec": (wc - wc_prev) / max(now - t_prev, 1e-9),
-            f"{p}collect_seconds": self.collect_seconds,
-            f"{p}weight_updates": self.weight_updates,
-        }
-        version = self.policy_version
-        if version is not None:
-            out[f"{p}policy_version"] = version
-        if self.staleness is not None:
-            out.update(self.staleness.stats())
-        if self.log_buffer_staleness and version is not None:
-            n = len(self.replay_buffer)
-            if n:
-                try:
-                    versions = read_policy_version(self.replay_buffer[max(0, n - 4096) : n], VERSION_KEYS)
-                except KeyError:
-                    versions = None
-                if versions is not None:
-                    stale = (version - versions).clamp_min(0).float()
-                    out["staleness/buffer_mean"] = float(stale.mean())
-                    out["staleness/buffer_max"] = float(stale.max())
-        return out
+        """The collector metrics of :attr:`metrics_callback` (see
+        :class:`CollectorMetricsCallback`)."""
+        if self.metrics_callback is None:
+            raise RuntimeError("CollectorCallback(log_metrics=False) keeps no metrics; use a CollectorMetricsCallback")
+        return self.metrics_callback.metrics()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        metrics = self.metrics()
-        if logs is not None:
-            logs.update(metrics)
-        # Trainer.log appends a copy of ``logs`` to log_history before on_log runs
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
+        if self.metrics_callback is not None:
+            self.metrics_callback.on_log(args, state, control, logs=logs, **kwargs)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

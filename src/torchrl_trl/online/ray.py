@@ -21,7 +21,26 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-__all__ = ["connect_ray_replay_buffer", "make_ray_collector", "make_ray_replay_buffer"]
+from .._checks import positive_int, positive_seconds
+
+__all__ = ["connect_ray_replay_buffer", "is_ray_collector", "make_ray_collector", "make_ray_replay_buffer"]
+
+
+def is_ray_collector(collector) -> bool:
+    """Whether ``collector`` runs in a Ray actor: an instance of TorchRL's
+    ``torchrl.collectors.llm.RayLLMCollector`` (collection is started with ``start()``, weights
+    go through the actor). ``False`` without importing anything when ray is not installed.
+
+    >>> is_ray_collector(object())
+    False
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return False
+    from torchrl.collectors.llm import RayLLMCollector
+
+    return isinstance(collector, RayLLMCollector)
 
 
 def _require_ray():
@@ -62,8 +81,20 @@ def make_ray_replay_buffer(
     Close it with ``buffer.close()`` (kills the actor; what it held is lost:
     :func:`torchrl_trl.online.save_buffer` saves local buffers only, so copy
     ``buffer[:]`` into a local ``ReplayBuffer`` first to keep it).
+
+    Example (skipped by the doctest run: it starts Ray, ~10 s; ``tests/test_ray.py`` runs it):
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import LazyTensorStorage
+    >>> rb = make_ray_replay_buffer(16, storage=LazyTensorStorage)  # doctest: +SKIP
+    >>> rb.extend(TensorDict({"x": torch.arange(4)}, [4]))  # doctest: +SKIP
+    >>> len(rb), rb[:]["x"].tolist()  # doctest: +SKIP
+    (4, [0, 1, 2, 3])
+    >>> rb.close()  # doctest: +SKIP
     """
     _require_ray()
+    capacity = positive_int(capacity, "capacity")
     from torchrl.data import LazyStackStorage, RayReplayBuffer
 
     if sampler is not None:
@@ -102,8 +133,24 @@ def make_ray_collector(
     a ``vLLMWrapper`` on the actor's GPU). Start it with ``.start()`` (or let
     :class:`torchrl_trl.CollectorCallback` do it); weights go through
     ``collector.update_policy_weights_``.
+
+    Example (skipped by the doctest run: it starts Ray and a collector actor;
+    ``tests/test_ray.py`` runs it):
+
+    >>> from torchrl_trl import CollectorCallback, testing
+    >>> def env_factory():  # runs in the actor
+    ...     return testing.make_chat_env([{"query": "1+1?", "answer": "2"}], batch_size=1)
+    >>> def policy_factory():
+    ...     tok = testing.make_tokenizer()
+    ...     return testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=4)
+    >>> rb = make_ray_replay_buffer(256)  # doctest: +SKIP
+    >>> collector = make_ray_collector(env_factory, policy_factory, rb, dialog_turns_per_batch=4)  # doctest: +SKIP
+    >>> cb = CollectorCallback(collector, replay_buffer=rb, min_buffer_size=4)  # doctest: +SKIP
+    >>> cb.remote  # doctest: +SKIP
+    True
     """
     _require_ray()
+    dialog_turns_per_batch = positive_int(dialog_turns_per_batch, "dialog_turns_per_batch")
     from torchrl.collectors.llm import RayLLMCollector
 
     client = replay_buffer.client() if hasattr(replay_buffer, "client") else replay_buffer
@@ -123,7 +170,7 @@ def connect_ray_replay_buffer(
     *,
     namespace: str | None = None,
     address: str | None = None,
-    timeout: float = 30.0,
+    timeout: float | None = 30.0,
     ray_init_config: dict[str, Any] | None = None,
 ):
     """Attach this process to a named Ray buffer actor made by another process.
@@ -141,7 +188,8 @@ def connect_ray_replay_buffer(
             (``"auto"``, ``"HOST:6379"``, or the creator's
             ``ray.get_runtime_context().gcs_address``); ignored if it is.
         timeout: seconds to wait for the actor to appear (ranks may start before it
-            exists); then ``LookupError`` listing the named actors that do exist.
+            exists); then ``LookupError`` listing the named actors that do exist
+            (``None``: wait as long as it takes).
         ray_init_config: other ``ray.init`` arguments.
 
     Returns:
@@ -149,16 +197,26 @@ def connect_ray_replay_buffer(
         ``TorchRLBufferDataset`` and ``BufferCheckpointCallback`` accept it) whose reads,
         writes and ``len`` go to the actor. Its ``close()`` detaches this process only
         (and leaves Ray if this call started it); the actor lives on, owned by its creator.
+
+    Example (skipped by the doctest run: it starts Ray; ``tests/test_ray_distributed.py``
+    runs it across torchrun ranks):
+
+    >>> owner = make_ray_replay_buffer(64, name="rollouts", namespace="demo")  # doctest: +SKIP
+    >>> view = connect_ray_replay_buffer("rollouts", namespace="demo")  # doctest: +SKIP
+    >>> len(view) == len(owner)  # doctest: +SKIP
+    True
+    >>> view.close()  # doctest: +SKIP
     """
     ray = _require_ray()
-    from torchrl._comm.ray_runtime import _RayRuntimeLease
+    timeout = positive_seconds(timeout, "timeout")
+    from .._compat import ray_runtime_lease
 
     config = dict(ray_init_config or {})
     if address is not None:
         config.setdefault("address", address)
     if namespace is not None:
         config.setdefault("namespace", namespace)
-    lease = _RayRuntimeLease.acquire(config)
+    lease = ray_runtime_lease(config)
     try:
         actor = _wait_for_actor(ray, name, namespace, timeout)
         return _attached_class()(actor, lease=lease)
@@ -167,13 +225,13 @@ def connect_ray_replay_buffer(
         raise
 
 
-def _wait_for_actor(ray, name: str, namespace: str | None, timeout: float):
-    deadline = time.monotonic() + timeout
+def _wait_for_actor(ray, name: str, namespace: str | None, timeout: float | None):
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
             return ray.get_actor(name, namespace=namespace)
         except ValueError:
-            if time.monotonic() >= deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
     try:
@@ -199,32 +257,35 @@ def _attached_class():
         return _ATTACHED_CLASS
     from torchrl.data import RayReplayBuffer
 
+    from .._compat import bind_ray_replay_buffer
+
     class AttachedRayReplayBuffer(RayReplayBuffer):
         """A ``RayReplayBuffer`` view of an actor another process owns (see
         :func:`connect_ray_replay_buffer`): same reads/writes, no shutdown rights."""
 
         def __init__(self, actor, *, lease=None):
-            # RayReplayBuffer.__init__ would create a new actor: set the attributes its
-            # methods read (the actor handle, its transport, the client) instead. Data is
-            # moved to CPU before it is sent (has_gpu=False), which is right for any actor.
-            self._rb = actor
-            self.has_gpu = False
-            self._transport_kind = "ray"
-            self._delayed_init = False
-            self._client = RayReplayBuffer.client(self)
-            self._lease = lease
+            # RayReplayBuffer.__init__ would create a new actor: bind this view to the
+            # existing one instead (the one private use, in torchrl_trl._compat)
+            bind_ray_replay_buffer(self, actor)
+            self._attached_actor = actor
+            self._attached_lease = lease
 
         def close(self) -> None:
             """Detach: the actor keeps running for its owner and the other processes."""
-            if self.__dict__.pop("_rb", None) is not None and self._lease is not None:
-                self._lease.release()
+            if self.is_alive:
+                bind_ray_replay_buffer(self, None)
+                if self._attached_lease is not None:
+                    self._attached_lease.release()
 
         def __reduce__(self):
             # a copy (e.g. in a DataLoader worker) is another reader, without the lease
-            return (type(self), (self._rb,))
+            if not self.is_alive:
+                raise RuntimeError("AttachedRayReplayBuffer: this view was closed; connect again to read the actor")
+            return (type(self), (self._attached_actor,))
 
         def __repr__(self) -> str:
-            return f"{type(self).__name__}(actor={getattr(self, '_rb', '<detached>')!r})"
+            actor = self._attached_actor if self.is_alive else "<detached>"
+            return f"{type(self).__name__}(actor={actor!r})"
 
     # pickled by reference to this module (its __getattr__ below)
     AttachedRayReplayBuffer.__module__ = __name__
