@@ -103,6 +103,24 @@ def test_inspect(saved, name):
     assert f"  prompt: {first_prompt!r}" in out
 
 
+@pytest.mark.parametrize("widths", [(3, 5, 2), (4, 4, 4)], ids=["ragged", "equal"])
+def test_inspect_tokens_without_torchrl_padded_flag(tmp_path, widths):
+    """Tokens written by other code than TorchRL's wrappers carry no ``Tokens.padded``
+    flag: the stored widths say the layout (samples of different lengths cannot be stacked)."""
+    from tensordict import TensorDict, lazy_stack
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+
+    from torchrl_trl import save_buffer
+
+    rb = ReplayBuffer(storage=LazyStackStorage(4))
+    rb.extend(lazy_stack([TensorDict({"tokens": {"full": torch.arange(1, n + 1)}}) for n in widths]))
+    assert "padded" not in rb[:]["tokens"].keys()
+    proc = run("inspect", str(save_buffer(rb, tmp_path / "buffer")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = "ragged (real lengths 2..5)" if widths == (3, 5, 2) else "padded (width 4, real lengths 4..4)"
+    assert f"layout:  {expected}\n" in proc.stdout, proc.stdout
+
+
 def test_export_dataset_on_disk_matches_the_buffer(saved, tmp_path):
     from datasets import load_from_disk
 

@@ -171,16 +171,18 @@ def _layout(td) -> str:
         flags = None if flags is None else set(flags.tolist() if hasattr(flags, "tolist") else [flags])
     except (RuntimeError, KeyError):
         flags = None
-    try:
-        value = td.get(key)
-    except RuntimeError:  # a lazy stack of different widths
-        value = None
     if flags == {True, False}:
         return f"mixed padded and ragged samples ({span})"
-    if flags == {False} or (flags is None and (value is None or value.is_nested)):
+    if flags == {False}:
         return f"ragged ({span})"
-    width = f"width {value.shape[-1]}, " if value is not None and not value.is_nested else ""
-    return f"padded ({width}{span})"
+    # no flag (tokens written by other code than TorchRL's wrappers), or padded: the widths say
+    try:
+        value = td.get(key)
+    except RuntimeError:  # a lazy stack of samples of different widths cannot be stacked
+        return f"ragged ({span})"
+    if value.is_nested:
+        return f"ragged ({span})"
+    return f"padded (width {value.shape[-1]}, {span})"
 
 
 #: the formats ``inspect`` shows a row of by default, in order of preference

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DemoConfig", "run_demo", "run_trl_grpo", "true_score"]
+__all__ = ["DemoConfig", "plot_reward_curve", "run_demo", "run_trl_grpo", "true_score"]
 
 VOWELS = frozenset("aeiouAEIOU")
 #: how every checkpoint given by path is loaded (with ``use_safetensors=True`` for weights)
@@ -470,6 +470,25 @@ def _write_outputs(results: dict, output_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = plot_reward_curve(results)
+    fig.savefig(output_dir / "reward_curve.png", dpi=100)
+    plt.close(fig)
+
+
+def plot_reward_curve(results: dict):
+    """The demo's figure (``reward_curve.png``) drawn from ``results`` as :func:`run_demo`
+    returns it (or ``results.json`` holds it): per GRPO iteration, the hidden rule's true
+    score of TorchRL GRPO's and (when run) TRL GRPO's samples on the left axis, the reward
+    model's score of TorchRL GRPO's samples on the right. Returns the pyplot figure
+    (needs ``matplotlib``: ``pip install 'torchrl-trl[demo]'``).
+
+    >>> fig = plot_reward_curve({"grpo": {"true_score": [0.18, 0.43], "rm_score": [-1.1, 1.4]}})
+    >>> [line.get_label() for ax in fig.axes for line in ax.get_lines()]
+    ['true score (hidden rule), TorchRL GRPO', 'reward-model score, TorchRL GRPO']
+    >>> import matplotlib.pyplot as plt; plt.close(fig)
+    """
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(results["grpo"]["true_score"], label="true score (hidden rule), TorchRL GRPO")
     if "trl_grpo" in results:
@@ -481,8 +500,7 @@ def _write_outputs(results: dict, output_dir: Path) -> None:
     ax2.set_ylabel("reward-model score")
     fig.legend(loc="upper left", bbox_to_anchor=(0.1, 0.97), fontsize=8, framealpha=0.8)
     fig.tight_layout()
-    fig.savefig(output_dir / "reward_curve.png", dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _quiet_trainer_args(cfg: DemoConfig, output_dir: Path) -> dict:
