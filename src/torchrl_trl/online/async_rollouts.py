@@ -54,7 +54,7 @@ import torch
 from tensordict import lazy_stack
 
 from .callback import CollectorError
-from .rollout_func import RolloutBatch, TorchRLRolloutFunc
+from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
 
 __all__ = ["AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "BehaviourLogProbsMixin", "GroupReplay", "RolloutGroup"]
 
@@ -443,12 +443,7 @@ class AsyncTorchRLRolloutFunc:
 
     def __call__(self, prompts: list, trainer) -> RolloutBatch:
         collector = self.collector
-        g = collector.group_size
-        expected = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
-        if expected != g:
-            raise ValueError(f"the trainer uses num_generations={expected}, the collector group_size={g}")
-        if len(prompts) % g:
-            raise ValueError(f"got {len(prompts)} prompts, not a multiple of group_size={g}")
+        g = _group_size(trainer, len(prompts), collector.group_size)
         version = int(trainer.state.global_step)
         trainer_model = trainer.accelerator.unwrap_model(trainer.model)
         if collector.rollout.policy.model is trainer_model:

@@ -452,13 +452,18 @@ def _check_policy(policy) -> None:
         raise ValueError(f"policy.input_mode must be 'text' or 'history', got {mode!r}")
 
 
-def _group_size(trainer, n: int) -> int:
+def _group_size(trainer, n: int, expected: int | None = None) -> int:
+    """TRL's group size for a call with ``n`` prompts (``num_generations``, or
+    ``num_generations_eval`` in evaluation), checked to divide ``n`` and to equal
+    ``expected`` (a collector's group size) when given."""
     if trainer is None:
-        return n
+        return n if expected is None else expected
     training = getattr(trainer.model, "training", True)
     g = trainer.num_generations if training else getattr(trainer, "num_generations_eval", trainer.num_generations)
+    if expected is not None and g != expected:
+        raise ValueError(f"the trainer uses num_generations={g}, the collector group_size={expected}")
     if n % g:
-        raise ValueError(f"got {n} prompts, not a multiple of num_generations={g}")
+        raise ValueError(f"got {n} prompts, not a multiple of group_size={g}")
     return g
 
 

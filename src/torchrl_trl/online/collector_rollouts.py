@@ -1,0 +1,283 @@
+"""TRL's ``GRPOTrainer`` trained on the GRPO groups a TorchRL ``LLMCollector`` writes.
+
+:class:`LLMCollectorRolloutFunc` is the ``rollout_func`` for the async mode built only from
+TorchRL's own pieces: an ``LLMCollector`` runs ahead of the trainer (``collector.start()``: a
+background thread in this process, or a ``RayLLMCollector`` actor on a Ray cluster) and
+writes into a replay buffer whose ``MCAdvantage(grpo_size=G)`` write transform holds each
+prompt's rollouts back until its group of ``G`` is complete (a local ``ReplayBuffer`` or a
+``RayReplayBuffer``). At each trainer call the function
+
+1. pushes the trainer's weights through TorchRL's path,
+   ``collector.update_policy_weights_(weights)``, when the trainer's ``global_step``
+   changed; with ``track_policy_version=True`` that bumps the collector's ``PolicyVersion``,
+   which stamps ``policy_version`` into every rollout generated afterwards;
+2. reads what was written since its last read (``rb.stats()`` gives ``write_count`` and the
+   capacity consistently, then the new items by index), as whole groups of ``G``
+   consecutive items with the same prompt (anything else raises);
+3. hands TRL the oldest groups whose age ``collector.policy_version - version`` is at most
+   ``max_staleness``; older groups are dropped and counted, never trained on.
+
+Nothing stored is taken out of the buffer: it keeps every rollout (up to its capacity;
+items overwritten before they were read are counted in ``missed_items``).
+
+Log-probs: TorchRL 0.14.1's ``TransformersWrapper(generate=True)`` writes 0.0 for the first
+generated token; TRL receives NaN there (unknown, which TRL neutralises) and the generated
+values elsewhere. So :class:`~torchrl_trl.online.BehaviourLogProbsMixin` (which refuses
+unknown log-probs on trained tokens) does not apply; a stale group is trained as TRL trains
+any group (ratio 1), or use TRL's ``off_policy_mask_threshold``.
+
+TorchRL loads pushed weights while the collector may be generating (its thread, or the Ray
+actor, does not pause): a batch in flight at a push can mix the two weight versions and is
+stamped with the new version. Keep ``max_staleness >= 1`` for such batches to count as
+what they are at worst, one version old.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .. import layouts
+from .._checks import positive_int, positive_seconds
+from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD
+from .callback import CollectorError
+from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
+from .staleness import read_policy_version
+
+__all__ = ["LLMCollectorRolloutFunc"]
+
+
+class LLMCollectorRolloutFunc:
+    """``GRPOTrainer(rollout_func=...)`` that trains on the complete GRPO groups a TorchRL
+    ``LLMCollector`` / ``RayLLMCollector`` writes into ``replay_buffer``.
+
+    Args:
+        collector: a TorchRL ``LLMCollector`` or ``RayLLMCollector`` built with
+            ``replay_buffer=`` (or its Ray ``client()``), ``track_policy_version=True`` and a
+            policy holding its *own* copy of the weights (single-turn episodes: one step
+            each). Started on the first call (``collector.start()``).
+        replay_buffer: the buffer it writes into, with ``MCAdvantage(grpo_size=group_size)``
+            as a write transform (so groups arrive whole), local or ``RayReplayBuffer``.
+
+    Keyword Args:
+        group_size: completions per prompt (``GRPOConfig.num_generations``).
+        max_staleness: largest accepted ``collector.policy_version - group version``.
+        timeout: seconds to wait for enough fresh groups before raising ``CollectorError``.
+        poll_s: seconds between two reads of the buffer while waiting.
+        group_key: the key whose value all items of a group share (``MCAdvantage``'s
+            ``prompt_key``).
+        push_weights: push the trainer's weights when ``global_step`` changed (``False``:
+            the caller does it).
+
+    Returned rows carry ``"torchrl_prompt"`` (the prompt generated for: reward functions
+    must read it, not TRL's ``prompts``), ``"staleness"``, ``"torchrl_reward"`` (the env's
+    reward) and the rollouts' dataset columns (e.g. ``"answer"``).
+
+    Attributes:
+        read_groups, consumed_groups, dropped_stale_groups, missed_items, weight_pushes:
+            counters; ``consumed_staleness``: the age of every group returned, in order.
+
+    Example (skipped by the doctest run: it starts a collector thread and a trainer;
+    ``tests/test_collector_rollouts.py`` runs it, locally and on Ray):
+
+    >>> rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=MCAdvantage(grpo_size=2))  # doctest: +SKIP
+    >>> collector = LLMCollector(env=env, policy=own_policy, dialog_turns_per_batch=4, replay_buffer=rb,
+    ...                          track_policy_version=True, total_dialog_turns=-1)  # doctest: +SKIP
+    >>> with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1) as func:  # doctest: +SKIP
+    ...     GRPOTrainer(model=model, rollout_func=func, reward_funcs=[reward], args=args,
+    ...                 train_dataset=ds, processing_class=tok).train()
+    """
+
+    def __init__(
+        self,
+        collector,
+        replay_buffer,
+        *,
+        group_size: int,
+        max_staleness: int | None = 1,
+        timeout: float = 120.0,
+        poll_s: float = 0.1,
+        group_key="query",
+        push_weights: bool = True,
+    ):
+        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
+        self.collector = collector
+        self.replay_buffer = replay_buffer
+        self.group_size = positive_int(group_size, "group_size")
+        self.max_staleness = max_staleness
+        self.timeout = positive_seconds(timeout, "timeout")
+        self.poll_s = positive_seconds(poll_s, "poll_s")
+        self.group_key = group_key
+        self.push_weights = push_weights
+        self.read_groups = 0
+        self.consumed_groups = 0
+        self.dropped_stale_groups = 0
+        self.missed_items = 0
+        self.weight_pushes = 0
+        self.consumed_staleness: list[int] = []
+        self.policy_version = 0
+        self.__name__ = type(self).__name__
+        self._cursor = 0  # write_count read so far
+        self._pending: deque[tuple[int, TensorDictBase]] = deque()
+        self._pushed_step: int | None = None
+        self._started = False
+        self._converter = TorchRLRolloutFunc(logprobs="generate")
+
+    # -- TRL entry point ---------------------------------------------------------------
+
+    def __call__(self, prompts: list, trainer) -> RolloutBatch:
+        g = _group_size(trainer, len(prompts), self.group_size)
+        step = int(trainer.state.global_step)
+        if self.push_weights and step != self._pushed_step:
+            self.push(trainer.accelerator.unwrap_model(trainer.model))
+            self._pushed_step = step
+        if not self._started:
+            self.collector.start()
+            self._started = True
+        groups = self.take(len(prompts) // g)
+        steps = [_stack([td for _, td in groups])]
+        batch = self._converter._to_trl(None, steps)
+        batch[PROMPT_FIELD] = _prompts(steps[0])
+        ages = [self.policy_version - v for v, _ in groups]
+        batch[STALENESS_FIELD] = [a for a in ages for _ in range(g)]
+        self.consumed_staleness.extend(ages)
+        return batch
+
+    # -- weights -----------------------------------------------------------------------
+
+    def push(self, model: torch.nn.Module) -> int:
+        """Send ``model``'s weights to the collector's policy through
+        ``collector.update_policy_weights_`` and return the collector's new policy version."""
+        weights = TensorDict({"model": TensorDict.from_module(model).data.cpu()}, batch_size=[])
+        self.collector.update_policy_weights_(weights)
+        self.weight_pushes += 1
+        version = self.collector.policy_version
+        if not isinstance(version, int):
+            raise ValueError(
+                f"collector.policy_version is {version!r}: build the collector with track_policy_version=True "
+                "(an integer PolicyVersion) so the rollouts carry the version that generated them"
+            )
+        self.policy_version = version
+        return version
+
+    # -- reading the buffer --------------------------------------------------------------
+
+    def take(self, n: int) -> list[tuple[int, TensorDictBase]]:
+        """``n`` whole groups ``(version, items [G])``, oldest first, within ``max_staleness``
+        (older ones dropped and counted); waits up to ``timeout`` seconds.
+
+        Raises:
+            CollectorError: the collector stopped, or fewer than ``n`` fresh groups came in time.
+        """
+        out: list[tuple[int, TensorDictBase]] = []
+        start = time.monotonic()
+        while True:
+            self._read_new()
+            while self._pending and len(out) < n:
+                version, group = self._pending.popleft()
+                if self.max_staleness is not None and self.policy_version - version > self.max_staleness:
+                    self.dropped_stale_groups += 1
+                    continue
+                out.append((version, group))
+            if len(out) == n:
+                self.consumed_groups += n
+                return out
+            if not _is_running(self.collector):
+                raise CollectorError(
+                    f"the collector is not running (it stopped or died); got {len(out)} of {n} groups "
+                    f"({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
+                )
+            if time.monotonic() - start > self.timeout:
+                raise CollectorError(
+                    f"only {len(out)} of {n} groups within max_staleness={self.max_staleness} after "
+                    f"{self.timeout} s ({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
+                )
+            time.sleep(self.poll_s)
+
+    def _read_new(self) -> None:
+        stats = self.replay_buffer.stats()
+        written, capacity = int(stats["write_count"]), stats.get("capacity")
+        if written == self._cursor:
+            return
+        if (written - self._cursor) % self.group_size:
+            raise ValueError(
+                f"{written - self._cursor} items were written into the buffer since the last read, not a multiple "
+                f"of group_size={self.group_size}: give the buffer MCAdvantage(grpo_size={self.group_size}) as a "
+                "write transform so each GRPO group is written whole"
+            )
+        first = self._cursor if capacity is None else max(self._cursor, written - int(capacity))
+        self.missed_items += first - self._cursor
+        first += -(first - self._cursor) % self.group_size  # the next group boundary
+        if first < written:
+            positions = torch.arange(first, written)
+            items = self.replay_buffer[positions if capacity is None else positions % int(capacity)]
+            after = int(self.replay_buffer.stats()["write_count"])
+            if capacity is not None and after - int(capacity) > first:  # overwritten while read
+                lost = min(after - int(capacity), written) - first
+                lost += -lost % self.group_size
+                self.missed_items += lost
+                items, first = items[lost:], first + lost
+            self._split(items)
+        self._cursor = written
+        if self.missed_items:
+            warnings.warn(
+                f"{self.missed_items} items were overwritten in the buffer before they were read: give it a "
+                "larger capacity (it must hold what the collector writes between two trainer steps)",
+                stacklevel=3,
+            )
+
+    def _split(self, items: TensorDictBase) -> None:
+        g = self.group_size
+        versions = read_policy_version(items)
+        keys = layouts.read_column(items, self.group_key)
+        for start in range(0, len(keys), g):
+            ids = {_hashable(k) for k in keys[start : start + g]}
+            if len(ids) != 1:
+                raise ValueError(
+                    f"items {start}..{start + g - 1} of the new writes hold {len(ids)} different {self.group_key!r} "
+                    f"values, not one GRPO group: give the buffer MCAdvantage(grpo_size={g}, "
+                    f"prompt_key={self.group_key!r}) as a write transform"
+                )
+            self._pending.append((int(versions[start : start + g].min()), items[start : start + g]))
+            self.read_groups += 1
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the collector (``async_shutdown``)."""
+        if self._started:
+            self.collector.async_shutdown(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _stack(groups: list[TensorDictBase]) -> TensorDictBase:
+    from tensordict import lazy_stack
+
+    return lazy_stack([td for group in groups for td in group.unbind(0)])
+
+
+def _hashable(value):
+    if isinstance(value, torch.Tensor):
+        return tuple(value.reshape(-1).tolist())
+    return value if isinstance(value, (str, int, float, tuple)) else repr(value)
+
+
+def _prompts(items: TensorDictBase) -> list:
+    if layouts.has_key(items, layouts.history_key("prompt")):
+        return layouts.read_history(items, "prompt")
+    return layouts.read_text(items, "prompt")
+
+
+def _is_running(collector) -> bool:
+    running = getattr(collector, "is_running", None)
+    return bool(running()) if callable(running) else True

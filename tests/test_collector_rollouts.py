@@ -1,0 +1,151 @@
+"""LLMCollectorRolloutFunc: TRL's GRPOTrainer trains on the whole GRPO groups a real TorchRL
+LLMCollector writes (MCAdvantage on the buffer), weights pushed through
+``collector.update_policy_weights_`` and versioned by TorchRL's PolicyVersion; locally (the
+collector's background thread) and with the collector in a Ray actor writing into a
+RayReplayBuffer."""
+
+import os
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from torchrl_trl import layouts  # noqa: E402
+from torchrl_trl.online import CollectorError  # noqa: E402
+from torchrl_trl.online.collector_rollouts import LLMCollectorRolloutFunc  # noqa: E402
+from test_rollout_func import Recorder  # noqa: E402
+
+ROWS = [{"query": q, "answer": a} for q, a in [("what is two plus two?", "four"), ("hello world", "hi")]]
+ANSWERS = {r["query"]: r["answer"] for r in ROWS}
+
+
+def _length_reward(completions, **kwargs):
+    return [float(len(c[-1]["content"])) for c in completions]
+
+
+def _env(rows=ROWS, batch_size=2):
+    """ChatEnv over ROWS, each prompt twice (a GRPO group of 2), one turn, the reply's length
+    as the env's reward (MCAdvantage needs one)."""
+    from tensordict import set_list_to_stack
+
+    from torchrl_trl import RewardFunctionWrapper, testing
+
+    set_list_to_stack(True).set()
+    env = testing.make_chat_env(rows, batch_size=batch_size, group_size=2)
+    return env.append_transform(RewardFunctionWrapper(_length_reward).as_transform())
+
+
+def _trainer(model, tok, func, reward, tmp_path, max_steps):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=4, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        shuffle_dataset=False, gradient_checkpointing=False, learning_rate=1e-2, logging_steps=1,
+    )
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": r["query"]}] for r in ROWS]})
+    return GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
+                       processing_class=tok, rollout_func=func)
+
+
+def _reward(completions, torchrl_prompt, torchrl_reward, answer, **kwargs):
+    assert [ANSWERS[p[-1]["content"]] for p in torchrl_prompt] == answer  # the rollout's own columns
+    return list(torchrl_reward)
+
+
+def test_local_llm_collector_weights_version_and_staleness(checkpoints, policy_and_tokenizer, tmp_path):
+    """A real LLMCollector in its background thread: the trainer's weights reach the
+    collector's policy through update_policy_weights_, PolicyVersion advances by one per
+    step, groups are whole, within max_staleness, and nothing written is lost."""
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+    from transformers import AutoModelForCausalLM
+
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    own = AutoModelForCausalLM.from_pretrained(checkpoints.policy)  # the collector's copy
+    rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=MCAdvantage(grpo_size=2))
+    collector = LLMCollector(env=_env(), policy=make_policy_wrapper(own, tok, max_new_tokens=4),
+                             dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
+                             total_dialog_turns=-1)
+    seen = []
+
+    def reward(completions, **kwargs):  # runs after the push of this step, before the optimizer
+        seen.append((collector.policy_version,
+                     all(torch.equal(a, b) for a, b in zip(own.parameters(), model.parameters()))))
+        return _reward(completions, **kwargs)
+
+    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
+        rollout = Recorder(func, "rollout")
+        trainer = _trainer(model, tok, rollout, Recorder(reward, "reward"), tmp_path, max_steps=3)
+        before = [p.detach().clone() for p in model.parameters()]
+        trainer.train()
+    assert not collector.is_running()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it trained
+    # one push per step, each bumping TorchRL's PolicyVersion; the collector's policy held the
+    # trainer's weights at every step (pushed before it generated for the step)
+    assert func.weight_pushes == 3 and collector.policy_version == 3
+    assert seen == [(1, True), (2, True), (3, True)]
+    assert len(func.consumed_staleness) == 3 * 2 and max(func.consumed_staleness) <= 1
+    # whole groups: both completions of a row pair answer one prompt
+    for _, _, batch in rollout.calls:
+        prompts = batch["torchrl_prompt"]
+        assert prompts[0] == prompts[1] and prompts[2] == prompts[3]
+        assert all(torch.isnan(torch.tensor(lp[0])) for lp in batch["logprobs"])  # TorchRL's 0.0: unknown
+    # nothing lost: every item written is still in the buffer; every group read was trained
+    # on, dropped as stale or is pending; what TRL trained on is what TorchRL stored
+    assert len(rb) == rb.write_count >= 2 * func.read_groups
+    assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
+    assert func.missed_items == 0
+    stored = rb[:]
+    stored = set(zip(map(tuple, layouts.read_tokens(stored, "prompt").tolist()),
+                     map(tuple, layouts.read_tokens(stored, "response").tolist())))
+    trained = {(tuple(p), tuple(c)) for _, _, b in rollout.calls for p, c in zip(b["prompt_ids"], b["completion_ids"])}
+    assert len(trained) > 1 and trained <= stored
+    versions = [int(v) for v in layouts.read_column(rb[:], ("next", "policy_version"))]
+    assert versions == sorted(versions) and max(versions) <= 3
+
+
+def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer):
+    from types import SimpleNamespace
+
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+
+    from torchrl_trl.testing import make_policy_wrapper
+
+    model, tok = policy_and_tokenizer
+    trainer = SimpleNamespace(
+        num_generations=2, num_generations_eval=2, model=model, state=SimpleNamespace(global_step=0),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )
+    prompts = [[{"role": "user", "content": "x"}]] * 2
+    # no MCAdvantage(grpo_size=3): the env writes pairs, so 3 consecutive items are never one group
+    rb = ReplayBuffer(storage=LazyStackStorage(64))
+    collector = LLMCollector(env=_env(), policy=make_policy_wrapper(model, tok, max_new_tokens=2),
+                             dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
+                             total_dialog_turns=-1)
+    with LLMCollectorRolloutFunc(collector, rb, group_size=3, push_weights=False) as func:
+        with pytest.raises(ValueError, match=r"MCAdvantage\(grpo_size=3"):
+            func(prompts[:1] * 3, SimpleNamespace(**{**vars(trainer), "num_generations": 3, "num_generations_eval": 3}))
+    # a collector that stops (total_dialog_turns reached) surfaces within a bounded time
+    rb = ReplayBuffer(storage=LazyStackStorage(64))
+    collector = LLMCollector(env=_env(), policy=make_policy_wrapper(model, tok, max_new_tokens=2),
+                             dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
+                             total_dialog_turns=2)
+    with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, timeout=60) as func:
+        start = time.monotonic()
+        with pytest.raises(CollectorError, match="not running"):
+            func(prompts * 4, trainer)
+        assert time.monotonic() - start < 30
+    with pytest.raises(ValueError, match="max_staleness"):
+        LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=-1)
+    with pytest.raises(ValueError, match="group_size"):
+        LLMCollectorRolloutFunc(collector, rb, group_size=0)
