@@ -149,3 +149,60 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
         LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=-1)
     with pytest.raises(ValueError, match="group_size"):
         LLMCollectorRolloutFunc(collector, rb, group_size=0)
+
+
+def _ray_env_factory():  # runs in the collector actor
+    return _env()
+
+
+def _ray_policy_factory():
+    import torch
+
+    from torchrl_trl import testing
+
+    torch.set_num_threads(1)
+    tok = testing.make_tokenizer()
+    return testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=4)
+
+
+@pytest.mark.timeout(300)
+def test_ray_collector_actor_feeds_grpo_trainer(policy_and_tokenizer, tmp_path):
+    """Local Ray: the LLMCollector runs in a RayLLMCollector actor and writes whole groups
+    (MCAdvantage inside the RayReplayBuffer actor); GRPOTrainer.train() drains them within
+    max_staleness, weights go to the actor through update_policy_weights_."""
+    import sys
+    from functools import partial
+
+    ray = pytest.importorskip("ray")
+    from torchrl.objectives.llm import MCAdvantage
+
+    from torchrl_trl import testing
+    from torchrl_trl.online.ray import make_ray_collector, make_ray_replay_buffer
+
+    _, tok = policy_and_tokenizer
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the factories live here
+    try:
+        rb = make_ray_replay_buffer(1024, transform_factory=partial(MCAdvantage, grpo_size=2))
+        collector = make_ray_collector(_ray_env_factory, _ray_policy_factory, rb, dialog_turns_per_batch=2)
+        model = testing.make_policy(tok)  # the same weights as the actor's (seed 0)
+        with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=180) as func:
+            rollout = Recorder(func, "rollout")
+            trainer = _trainer(model, tok, rollout, Recorder(_reward, "reward"), tmp_path, max_steps=3)
+            trainer.train()
+            version = collector.policy_version
+        assert trainer.state.global_step == 3 and len(rollout.calls) == 3
+        assert func.weight_pushes == 3 and version == 3  # TorchRL's PolicyVersion, in the actor
+        assert len(func.consumed_staleness) == 6 and max(func.consumed_staleness) <= 1
+        assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
+        stored = rb[:]
+        assert len(rb) == rb.write_count >= 2 * func.read_groups and func.missed_items == 0
+        versions = [int(v) for v in layouts.read_column(stored, ("next", "policy_version"))]
+        assert versions == sorted(versions) and max(versions) <= 3
+        stored = set(zip(map(tuple, layouts.read_tokens(stored, "prompt").tolist()),
+                         map(tuple, layouts.read_tokens(stored, "response").tolist())))
+        trained = {(tuple(p), tuple(c)) for _, _, b in rollout.calls for p, c in zip(b["prompt_ids"], b["completion_ids"])}
+        assert len(trained) > 1 and trained <= stored
+        rb.close()
+    finally:
+        ray.shutdown()
