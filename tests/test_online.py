@@ -131,9 +131,9 @@ def test_metrics_callback_composes_with_a_silent_collector_callback(checkpoints,
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"collect_every": 0}, "collect_every must be a positive integer, got 0"),
-     ({"update_weights_every": -1}, "update_weights_every must be a positive integer, got -1"),
+     ({"update_weights_every": -1}, "update_weights_every must be 0 or a positive integer, got -1"),
      ({"frames_per_step": 2.5}, "frames_per_step must be a positive integer, got 2.5"),
-     ({"min_buffer_size": -3}, "min_buffer_size must be a positive integer, got -3"),
+     ({"min_buffer_size": -3}, "min_buffer_size must be 0 or a positive integer, got -3"),
      ({"wait_timeout": 0}, "wait_timeout must be a positive number of seconds or None, got 0")],
 )
 def test_collector_callback_names_a_bad_argument(kwargs, message):
@@ -280,6 +280,36 @@ def test_buffer_save_load_ragged_rollouts(policy_and_tokenizer, tmp_path):
     assert layouts.read_history(rb2[:], "full") == layouts.read_history(rb[:], "full")
     rb2.extend(rb[:2])  # the writer's cursor came back too
     assert len(rb2) == 10
+
+
+def test_load_buffer_restores_without_rerunning_write_transforms(tmp_path):
+    calls = []
+
+    def double(td):  # a write transform (like reward scoring): runs once per write
+        calls.append(td.batch_size[0])
+        td = td.clone()
+        td["x"] = td["x"] * 2
+        return td
+
+    sampler = TensorPrioritizedSampler(8)
+    rb = ReplayBuffer(storage=LazyTensorStorage(8), sampler=sampler)
+    rb.append_transform(double, invert=True)
+    rb.extend(TensorDict({"x": torch.arange(4)}, [4]))
+    rb.update_priority(torch.tensor([1]), torch.tensor([5.0]))
+    assert rb[:]["x"].tolist() == [0, 2, 4, 6] and calls == [4]
+    save_buffer(rb, tmp_path / "b")
+
+    sampler2 = TensorPrioritizedSampler(8)
+    rb2 = ReplayBuffer(storage=LazyTensorStorage(8), sampler=sampler2)
+    rb2.append_transform(double, invert=True)
+    calls.clear()
+    assert load_buffer(rb2, tmp_path / "b")["len"] == 4
+    assert rb2[:]["x"].tolist() == [0, 2, 4, 6] and calls == []  # stored as they were, not doubled again
+    assert sampler2.priorities(4).tolist() == [1.0, 5.0, 1.0, 1.0] and rb2.write_count == 4
+    rb2.extend(TensorDict({"x": torch.tensor([10])}, [1]))  # later writes still go through it
+    assert rb2[:]["x"].tolist() == [0, 2, 4, 6, 20] and calls == [1]
+    with pytest.raises(TypeError, match="keeps its storage elsewhere"):
+        save_buffer(object(), tmp_path / "c")
 
 
 def _resume_run(tmp_path, max_steps, resume=None):

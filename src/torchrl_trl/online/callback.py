@@ -26,7 +26,19 @@ __all__ = ["CollectorCallback", "CollectorError", "wait_for_items"]
 
 
 class CollectorError(RuntimeError):
-    """The collector feeding the trainer failed (its exception is the ``__cause__``)."""
+    """The collector feeding the trainer failed (its exception is the ``__cause__``).
+
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> def broken_collector():  # any iterable collector; this one fails on its first batch
+    ...     raise ConnectionError("generation server down")
+    ...     yield
+    >>> cb = CollectorCallback(broken_collector(), replay_buffer=ReplayBuffer(storage=ListStorage(4)))
+    >>> try:
+    ...     cb.collect(1)
+    ... except CollectorError as err:
+    ...     print(type(err.__cause__).__name__, "-", err)
+    ConnectionError - the collector raised while collecting 1 items (0 written; the 0 stored items are kept): ConnectionError('generation server down')
+    """
 
 
 def wait_for_items(
@@ -75,7 +87,12 @@ def wait_for_items(
 
 def _count(value, name: str) -> int:
     """A non-negative int: ``0`` (a documented "never" / "don't wait") or a positive one."""
-    return 0 if isinstance(value, int) and value == 0 else positive_int(value, name)
+    if isinstance(value, int) and value == 0:
+        return 0
+    try:
+        return positive_int(value, name)
+    except ValueError:
+        raise ValueError(f"{name} must be 0 or a positive integer, got {value!r}") from None
 
 
 class CollectorCallback(TrainerCallback):

@@ -39,6 +39,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from .._compat import replay_lock
+from ._buffers import local_parts
+
 __all__ = ["BUFFER_DIR", "BufferCheckpointCallback", "BufferCheckpointError", "load_buffer", "save_buffer"]
 
 BUFFER_DIR = "torchrl_buffer"
@@ -53,7 +56,19 @@ _PICKLE_FILES = ("items.pt", "meta.json", "buffer")  # what the old, pickling fo
 
 class BufferCheckpointError(ValueError):
     """A saved buffer that cannot be read safely or consistently (old pickle format,
-    files that do not match the manifest, an unknown class)."""
+    files that do not match the manifest, an unknown class).
+
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> old = Path(tempfile.mkdtemp()) / "torchrl_buffer"
+    >>> old.mkdir(); (old / "items.pt").write_bytes(b"pickle")  # the old, pickling format
+    6
+    >>> load_buffer(ReplayBuffer(storage=ListStorage(4)), old)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    torchrl_trl.online.checkpoint.BufferCheckpointError: load_buffer: ... old torchrl_trl buffer format (items.pt), ...
+    """
 
 
 # ---------------------------------------------------------------------------
@@ -221,17 +236,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _local_parts(replay_buffer, what: str):
-    storage = getattr(replay_buffer, "_storage", None)
-    sampler, writer = getattr(replay_buffer, "_sampler", None), getattr(replay_buffer, "_writer", None)
-    if storage is None or sampler is None or writer is None:
-        raise TypeError(
-            f"{what}: {type(replay_buffer).__name__} keeps its storage elsewhere (e.g. a Ray actor); "
-            "save or load a local torchrl.data.ReplayBuffer"
-        )
-    return storage, sampler, writer
-
-
 def _stored_items(storage, n: int):
     """What the storage holds, in storage order: one TensorDict ``[n]`` (tensor storages)
     or a list of ``n`` items (list storages)."""
@@ -257,11 +261,20 @@ def save_buffer(
     tensorclasses the items may hold. Returns ``path``.
 
     Raises ``TypeError`` naming the key of a value that cannot be stored without pickle.
+
+    >>> import tempfile, torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> rb = ReplayBuffer(storage=ListStorage(8))
+    >>> _ = rb.extend([TensorDict({"reward": torch.tensor(float(i))}) for i in range(3)])
+    >>> path = save_buffer(rb, f"{tempfile.mkdtemp()}/torchrl_buffer", extra={"step": 7})
+    >>> sorted(p.name for p in path.iterdir())
+    ['manifest.json', 'structure.json', 'tensors.safetensors']
     """
     path = Path(path)
-    storage, sampler, writer = _local_parts(replay_buffer, "save_buffer")
+    storage, sampler, writer = local_parts(replay_buffer, "save_buffer")
     encode = _Encoder(_allowed_classes(classes))
-    with replay_buffer._replay_lock:  # writers wait: items, sampler and writer of one moment
+    with replay_lock(replay_buffer):  # writers wait: items, sampler and writer of one moment
         n = len(replay_buffer)
         items = _stored_items(storage, n)
         structure = {
@@ -381,13 +394,24 @@ def load_buffer(
     Returns the manifest (``len``, ``write_count``, ``extra`` entries). Raises
     :class:`BufferCheckpointError` for a checkpoint that cannot be read safely (old pickle
     format, files that do not match the manifest, a class not allowed), naming the file.
+
+    >>> import tempfile, torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> rb = ReplayBuffer(storage=ListStorage(8))
+    >>> _ = rb.extend([TensorDict({"reward": torch.tensor(float(i))}) for i in range(3)])
+    >>> path = save_buffer(rb, f"{tempfile.mkdtemp()}/torchrl_buffer", extra={"step": 7})
+    >>> restored = ReplayBuffer(storage=ListStorage(8))
+    >>> meta = load_buffer(restored, path)
+    >>> meta["len"], meta["step"], [float(td["reward"]) for td in restored[:]]
+    (3, 7, [0.0, 1.0, 2.0])
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     from tensordict import TensorDictBase, lazy_stack
 
     path = Path(path)
-    storage, sampler, writer = _local_parts(replay_buffer, "load_buffer")
+    storage, sampler, writer = local_parts(replay_buffer, "load_buffer")
     meta = read_meta(path)
     _verify(path, meta)
     try:
@@ -418,27 +442,26 @@ def load_buffer(
         raise BufferCheckpointError(f"load_buffer: {str(path / STRUCTURE)!r} holds no item list or batch ({type(items).__name__})")
     if count != n:
         raise BufferCheckpointError(f"load_buffer: {str(path)!r} holds {count} items, its manifest says {n}")
-    replay_buffer.empty()
-    if n:
-        if isinstance(items, list) and all(isinstance(i, TensorDictBase) for i in items):
-            items = lazy_stack(items)
-        # the items were stored after the buffer's write transforms ran (reward scoring,
-        # MCAdvantage): put them back as they are, without running them again
-        transform, replay_buffer._transform = replay_buffer._transform, None
-        try:
-            replay_buffer.extend(items)
-        finally:
-            replay_buffer._transform = transform
-    try:
-        if restore_state:
-            writer.load_state_dict(writer_state)
-            sampler.load_state_dict(sampler_state)
-    except Exception as err:
+    if isinstance(items, list) and n and all(isinstance(i, TensorDictBase) for i in items):
+        items = lazy_stack(items)
+    with replay_lock(replay_buffer):  # nobody writes or samples a half-restored buffer
         replay_buffer.empty()
-        raise BufferCheckpointError(
-            f"load_buffer: the writer/sampler state in {str(path)!r} does not fit this buffer's "
-            f"{type(writer).__name__}/{type(sampler).__name__}: {err!r}; build the buffer with the ones it was saved with"
-        ) from err
+        if n:
+            # the items were stored after the buffer's write transforms ran (reward scoring,
+            # MCAdvantage): the writer and sampler take them back as they are, without
+            # ReplayBuffer.extend running those transforms again
+            sampler.extend(writer.extend(items))
+        if restore_state:
+            try:
+                writer.load_state_dict(writer_state)
+                sampler.load_state_dict(sampler_state)
+            except Exception as err:
+                replay_buffer.empty()
+                raise BufferCheckpointError(
+                    f"load_buffer: the writer/sampler state in {str(path)!r} does not fit this buffer's "
+                    f"{type(writer).__name__}/{type(sampler).__name__}: {err!r}; build the buffer with the ones "
+                    "it was saved with"
+                ) from err
     if len(replay_buffer) != n:
         raise RuntimeError(
             f"load_buffer: restored {len(replay_buffer)} items from {str(path)!r}, the checkpoint holds {n}; "
@@ -463,6 +486,22 @@ class BufferCheckpointCallback(TrainerCallback):
     ``<output_dir>/checkpoint-<global_step>/torchrl_buffer`` unless the buffer already
     holds it (same ``write_count``), e.g. because :func:`load_buffer` was called before
     building the dataset, which needs a non-empty buffer.
+
+    >>> import tempfile, torch
+    >>> from types import SimpleNamespace
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> rb = ReplayBuffer(storage=ListStorage(8))
+    >>> _ = rb.extend([TensorDict({"x": torch.tensor(i)}) for i in range(3)])
+    >>> cb = BufferCheckpointCallback(rb)
+    >>> args = SimpleNamespace(output_dir=tempfile.mkdtemp())   # a Trainer passes its own
+    >>> state = SimpleNamespace(global_step=5, is_world_process_zero=True)
+    >>> _ = cb.on_save(args, state, None)                      # the trainer saves checkpoint-5
+    >>> fresh = ReplayBuffer(storage=ListStorage(8))
+    >>> resumed = BufferCheckpointCallback(fresh)
+    >>> _ = resumed.on_train_begin(args, state, None)          # resume_from_checkpoint=".../checkpoint-5"
+    >>> [int(td["x"]) for td in fresh[:]], resumed.restored_from.endswith("checkpoint-5/torchrl_buffer")
+    ([0, 1, 2], True)
     """
 
     def __init__(self, replay_buffer, *, collector=None, classes: Iterable[type] = ()) -> None:

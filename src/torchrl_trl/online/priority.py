@@ -21,6 +21,9 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
+from .._checks import positive_int
+from ._buffers import local_sampler
+
 __all__ = ["TensorPrioritizedSampler", "update_priorities"]
 
 
@@ -33,6 +36,20 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
     indices that are not integers (a float index would be truncated) or when the buffer's
     sampler keeps no priorities (TorchRL's default ``RandomSampler`` ignores them
     silently), ``IndexError`` for an index outside ``[0, len(replay_buffer))``.
+
+    >>> import torch
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> sampler = TensorPrioritizedSampler(4)
+    >>> rb = ReplayBuffer(storage=ListStorage(4), sampler=sampler)
+    >>> _ = rb.extend(["a", "b", "c", "d"])
+    >>> per_sample_loss = torch.tensor([0.5, -2.0])   # e.g. from compute_loss, shape [B]
+    >>> update_priorities(rb, torch.tensor([1, 3]), per_sample_loss, eps=0.0)
+    >>> sampler.priorities(4).tolist()                # new rows start at the max priority, 1
+    [1.0, 0.5, 1.0, 2.0]
+    >>> update_priorities(rb, [0.0], [1.0])
+    Traceback (most recent call last):
+    ...
+    TypeError: update_priorities: indices must be integer storage indices, got dtype torch.float32 ([0.0]...); pass the dataset's index column as given
     """
     idx = _as_indices(indices, len(replay_buffer))
     val = torch.as_tensor(values).detach().to("cpu", torch.float64).reshape(-1)
@@ -40,7 +57,7 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
         raise ValueError(f"update_priorities: {idx.numel()} indices but {val.numel()} values")
     if not torch.isfinite(val).all():
         raise ValueError(f"update_priorities: non-finite values at positions {(~torch.isfinite(val)).nonzero().flatten().tolist()}")
-    sampler = getattr(replay_buffer, "_sampler", None)
+    sampler = local_sampler(replay_buffer)  # a Ray buffer's sampler lives in its actor
     if sampler is not None and not _has_priorities(sampler):
         raise TypeError(
             f"update_priorities: the buffer's sampler {type(sampler).__name__} keeps no priorities; "
@@ -83,10 +100,21 @@ class TensorPrioritizedSampler(Sampler):
         max_capacity: the storage's capacity.
         alpha, beta: prioritisation and importance-sampling exponents.
         eps: floor of a priority.
+
+    >>> import torch
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> sampler = TensorPrioritizedSampler(3)
+    >>> rb = ReplayBuffer(storage=ListStorage(3), sampler=sampler)
+    >>> _ = rb.extend(["low", "mid", "high"])
+    >>> rb.update_priority(torch.tensor([0, 1, 2]), torch.tensor([1.0, 3.0, 6.0]))
+    >>> _ = torch.manual_seed(0)
+    >>> index, info = sampler.sample(rb.storage, 1000)  # what rb.sample(1000) draws
+    >>> round((index == 2).float().mean().item(), 1), info["_weight"].max().item()  # P(high) = 6 / 10
+    (0.6, 1.0)
     """
 
     def __init__(self, max_capacity: int, alpha: float = 1.0, beta: float = 1.0, eps: float = 1e-8):
-        self._max_capacity = int(max_capacity)
+        self._max_capacity = positive_int(max_capacity, "max_capacity")
         self._alpha, self._beta, self._eps = float(alpha), float(beta), float(eps)
         self._priority = torch.zeros(self._max_capacity, dtype=torch.float64)
         self._max_priority = 1.0

@@ -17,12 +17,13 @@ the collector's ``policy_version``, bumped at every weight push).
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
+
+from .._checks import WarnOnce
 
 __all__ = ["StalenessFilter", "read_policy_version", "VERSION_KEYS"]
 
@@ -33,7 +34,13 @@ VERSION_KEYS: tuple[NestedKey, ...] = (("next", "policy_version"), "policy_versi
 
 def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSION_KEYS) -> torch.Tensor:
     """int64 ``[B]``: the policy version of each row (``B = batch.numel()``), from the first
-    of ``keys`` the batch has. Raises ``KeyError`` naming the keys tried and those present."""
+    of ``keys`` the batch has. Raises ``KeyError`` naming the keys tried and those present.
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> read_policy_version(TensorDict({"next": {"policy_version": torch.tensor([2, 3])}}, [2])).tolist()
+    [2, 3]
+    """
     from .. import layouts
 
     for key in keys:
@@ -67,8 +74,21 @@ class StalenessFilter:
             :class:`CollectorCallback` after each weight push, or by hand).
 
     Counters (in shared memory, so DataLoader workers' drops are counted too; read by
-    :class:`CollectorCallback` into the trainer's logs): ``seen``, ``dropped``,
+    :class:`CollectorMetricsCallback` into the trainer's logs): ``seen``, ``dropped``,
     ``max_seen`` and ``stats()``.
+
+    >>> import torch, warnings
+    >>> from tensordict import TensorDict
+    >>> batch = TensorDict({"next": {"policy_version": torch.tensor([0, 3, 5, 5])}}, [4])
+    >>> filt = StalenessFilter(max_staleness=2, consumer_version=5)
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")  # "dropping rows older than ...", warned once
+    ...     filt(batch).tolist()
+    [False, True, True, True]
+    >>> [round(w, 3) for w in filt.weight_column(batch)]  # 1 / (1 + staleness), to down-weight instead
+    [0.167, 0.333, 1.0, 1.0]
+    >>> filt.stats()["staleness/dropped"], filt.stats()["staleness/max_read"]
+    (1, 5)
     """
 
     def __init__(
@@ -90,7 +110,7 @@ class StalenessFilter:
         self._version = torch.tensor([int(consumer_version)]).share_memory_()
         self._counts = torch.zeros(4, dtype=torch.int64).share_memory_()  # seen, dropped, sum, max
         self._lock = threading.Lock()
-        self._warned = False
+        self._warnings = WarnOnce()  # per process; the counters above are the shared totals
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -135,14 +155,12 @@ class StalenessFilter:
             self._counts[1] += n_drop
             self._counts[2] += int(stale.sum())
             self._counts[3] = max(int(self._counts[3]), int(stale.max()) if stale.numel() else 0)
-        if n_drop and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"StalenessFilter: dropping rows older than max_staleness={self.max_staleness} "
-                f"versions (consumer_version={self.consumer_version}); counted in "
-                "'staleness/dropped' (warned once).",
-                stacklevel=2,
-            )
+        self._warnings.add(
+            "dropped",
+            f"StalenessFilter: dropping rows older than max_staleness={self.max_staleness} "
+            f"versions (consumer_version={self.consumer_version}); counted in 'staleness/dropped'",
+            n=n_drop,
+        )
         return keep
 
     def weight_column(self, batch: TensorDictBase) -> list[float]:
