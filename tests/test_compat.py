@@ -74,3 +74,62 @@ def test_ray_runtime_lease_shares_an_initialised_runtime(ray_session):
     lease.release()
     lease.release()  # idempotent
     assert ray.is_initialized()  # it did not start Ray, so it does not shut it down
+
+
+# -- the buffer dataset's uses (data/sharding.py, data/arrow.py) ---------------------------
+
+
+def test_reset_replay_lock_frees_a_lock_held_by_a_gone_thread():
+    rb = ReplayBuffer(storage=ListStorage(8))
+    held = _compat.replay_lock(rb)
+    assert held.acquire()  # as a writer thread that does not exist in a forked child
+    _compat.reset_replay_lock(rb)
+    assert _compat.replay_lock(rb) is not held and _compat.replay_lock(rb).acquire(blocking=False)
+    rb.add(torch.tensor(1))  # writes take the new lock
+    assert len(rb) == 1
+
+
+def test_pin_storage_length_bounds_what_the_sampler_draws():
+    rb = ReplayBuffer(storage=LazyTensorStorage(16), batch_size=64)
+    rb.extend(TensorDict({"x": torch.arange(10)}, [10]))
+    _compat.pin_storage_length(rb.storage, 4)
+    assert len(rb) == 4 and int(rb.sample()["x"].max()) <= 3
+    rb.extend(TensorDict({"x": torch.arange(10, 12)}, [2]))  # writes still advance the pinned length
+    assert len(rb) == 6
+
+
+def test_datasets_examples_iterable_protocol():
+    """The protocol ``data/arrow.py`` implements: the names datasets 5.2 calls on it."""
+    pytest.importorskip("datasets")
+    from datasets import Features, IterableDataset, Value
+
+    base = _compat.datasets_examples_iterable_base()
+    for name in ("shard_data_sources", "shuffle_data_sources", "reshard_data_sources", "split_shard_indices_by_worker",
+                 "_init_state_dict", "state_dict", "load_state_dict", "is_typed", "features", "iter_arrow", "num_shards"):
+        assert hasattr(base, name), name
+
+    class Rows(base):
+        def __init__(self, shards):
+            super().__init__()
+            self.shards = shards
+
+        is_typed = True
+        features = Features({"x": Value("int64")})
+        iter_arrow = None
+        num_shards = property(lambda self: len(self.shards))
+
+        def __iter__(self):
+            for s in self.shards:
+                yield str(s), {"x": s}
+
+        def _init_state_dict(self):
+            self._state_dict = {}
+            return self._state_dict
+
+        def shard_data_sources(self, num_shards, index, contiguous=True):
+            return Rows([self.shards[i] for i in self.split_shard_indices_by_worker(num_shards, index, contiguous)])
+
+    ds = _compat.iterable_dataset_from_examples(Rows([0, 1, 2, 3]), Rows.features)
+    assert isinstance(ds, IterableDataset) and ds.features == Rows.features
+    assert list(ds) == [{"x": i} for i in range(4)]
+    assert list(ds.shard(2, 1)) == [{"x": 2}, {"x": 3}]

@@ -22,7 +22,7 @@ PUBLIC = sorted(set(torchrl_trl.__all__) - {"__version__"})
 NO_EXAMPLE_YET = {
     "AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "BehaviourLogProbsMixin", "BufferFormat", "GroupReplay",
     "RewardServiceClient", "RewardServiceError", "SkipStats", "SkippedRolloutsWarning",
-    "TorchRLBufferDataset", "TorchRLRolloutFunc", "TorchRLRolloutWorker", "TorchRLWeightTransfer",
+    "TorchRLRolloutFunc", "TorchRLRolloutWorker", "TorchRLWeightTransfer",
     "available_formats", "best_of_n", "find_groups", "get_format", "kto_rows", "preference_pairs",
     "register_format",
 }

@@ -65,3 +65,88 @@ def ray_runtime_lease(ray_init_config: dict | None = None):
     from torchrl._comm.ray_runtime import _RayRuntimeLease
 
     return _RayRuntimeLease.acquire(ray_init_config)
+
+
+def reset_replay_lock(replay_buffer) -> None:
+    """Give ``replay_buffer`` a fresh, unheld lock. For a process forked while another
+    thread held the buffer's lock: that thread does not exist in the child, so the
+    inherited lock would never be released.
+
+    Private use: ``ReplayBuffer._replay_lock`` (a ``threading.RLock``), set; checked against
+    torchrl 0.14.1. A buffer without that lock (a Ray client) is left alone.
+
+    >>> from torchrl.data import ListStorage, ReplayBuffer
+    >>> rb = ReplayBuffer(storage=ListStorage(4))
+    >>> held = replay_lock(rb); _ = held.acquire()
+    >>> reset_replay_lock(rb)
+    >>> replay_lock(rb) is not held and replay_lock(rb).acquire(blocking=False)
+    True
+    """
+    import threading
+
+    if hasattr(getattr(replay_buffer, "_replay_lock", None), "acquire"):
+        replay_buffer._replay_lock = threading.RLock()
+
+
+class _FixedLength:
+    """A process-private stand-in for a ``TensorStorage``'s shared length counter."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def pin_storage_length(storage, n: int) -> None:
+    """Make ``len(storage)`` of a ``torchrl.data.TensorStorage`` read ``n`` in this process
+    only. For a forked process: its copy of the tensors stops at the fork, but the length
+    counter is shared memory that the parent keeps advancing, so the child's own sampler
+    would draw rows it holds as uninitialised memory.
+
+    Private use: ``TensorStorage._len_value`` (a ``multiprocessing.Value`` or an int; the
+    storage reads ``._len_value.value`` when it is shared), checked against torchrl 0.14.1.
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl import torchrl_logger
+    >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+    >>> torchrl_logger.setLevel("WARNING")  # no storage-creation log line in the output
+    >>> rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    >>> _ = rb.extend(TensorDict({"x": torch.arange(5)}, [5]))
+    >>> pin_storage_length(rb.storage, 3)
+    >>> len(rb.storage)
+    3
+    """
+    storage._len_value = _FixedLength(int(n))
+
+
+def datasets_examples_iterable_base() -> type:
+    """The base class of ``datasets``' examples iterables: what a
+    ``datasets.IterableDataset`` iterates, shards over ranks and DataLoader workers
+    (``shard_data_sources``, ``num_shards``), resumes (``_init_state_dict``,
+    ``state_dict``) and reads as Arrow (``iter_arrow``), and whose ``is_typed`` /
+    ``features`` tell ``datasets`` that rows already match the features (no per-row
+    encoding, which ``IterableDataset.from_generator`` always applies).
+
+    Private use: ``datasets.iterable_dataset._BaseExamplesIterable`` and the protocol above,
+    checked against datasets 5.2 (no public way to give an IterableDataset typed column
+    batches or an Arrow path). ``tests/test_compat.py`` checks the protocol's names.
+    """
+    from datasets.iterable_dataset import _BaseExamplesIterable
+
+    return _BaseExamplesIterable
+
+
+def iterable_dataset_from_examples(ex_iterable, features, cls: type | None = None):
+    """A ``datasets.IterableDataset`` (or subclass ``cls``) iterating ``ex_iterable`` (an
+    instance of a :func:`datasets_examples_iterable_base` subclass) and declaring
+    ``features``.
+
+    Private use: ``IterableDataset(ex_iterable, info=...)``, the constructor that
+    ``datasets``' own builders call with their internal iterables; checked against
+    datasets 5.2.
+    """
+    from datasets import DatasetInfo, IterableDataset
+
+    return (cls or IterableDataset)(ex_iterable, info=DatasetInfo(features=features))
+
+
+# -- TorchRL reward parsers run outside an env (rewards/trl_funcs.py) ----------------------

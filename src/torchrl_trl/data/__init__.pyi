@@ -8,4 +8,5 @@ from .formats import (
     register_format as register_format,
 )
 from .groups import SkippedRolloutsWarning as SkippedRolloutsWarning, SkipStats as SkipStats, find_groups as find_groups
+from .reading import EpochPass as EpochPass, OnlineSampling as OnlineSampling
 from .preference import best_of_n as best_of_n, kto_rows as kto_rows, preference_pairs as preference_pairs

@@ -25,13 +25,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from datasets import DatasetInfo, IterableDataset
-from datasets.iterable_dataset import _BaseExamplesIterable  # the examples-iterable protocol
+from datasets import IterableDataset
 
+from .. import _compat
 from ..layouts import Ragged
 from .columns import to_pylist as column_to_pylist
 
-__all__ = ["ColumnarExamplesIterable", "column_to_pylist", "columns_to_table", "make_iterable_dataset"]
+__all__ = [
+    "ColumnarExamplesIterable", "EpochSharingIterableDataset", "column_to_pylist", "columns_to_table",
+    "make_iterable_dataset",
+]
 
 ColumnBatch = Mapping[str, Any]
 
@@ -84,7 +87,7 @@ def _rows(cols: ColumnBatch, tensors: bool = False) -> Iterator[dict]:
         yield dict(zip(names, row))
 
 
-class ColumnarExamplesIterable(_BaseExamplesIterable):
+class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
     """Examples iterable over ``generate_batches(shard_ids) -> ((key, column batch), ...)``.
 
     Shards are ``shard_ids`` (a list of ints): ``datasets`` splits them over ranks and
@@ -196,11 +199,27 @@ class ColumnarExamplesIterable(_BaseExamplesIterable):
         return self._with_shards(self.shard_ids)
 
 
+class EpochSharingIterableDataset(IterableDataset):
+    """A ``datasets.IterableDataset`` whose :meth:`set_epoch` (what a trainer calls at each
+    epoch start) also writes ``epoch_counter``, a shared-memory int64 scalar tensor that
+    the row source reads (e.g. the epoch mixed into a shuffle seed)."""
+
+    epoch_counter: torch.Tensor | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if self.epoch_counter is not None:
+            self.epoch_counter.fill_(int(epoch))
+
+
 def make_iterable_dataset(generate_batches, shard_ids: list[int], features, tensors: bool = False,
-                          num_passes: int | None = 1):
+                          num_passes: int | None = 1, epoch_counter: torch.Tensor | None = None):
     """A ``datasets.IterableDataset`` declaring ``features`` whose rows come from
     ``generate_batches(shard_ids)`` column batches without per-row encoding (``tensors``:
     tensor and token columns as 1-row tensor views instead of Python lists), going over
-    its shards ``num_passes`` times per iteration (``None``: endless)."""
+    its shards ``num_passes`` times per iteration (``None``: endless). ``set_epoch`` on it
+    also writes ``epoch_counter`` (see :class:`EpochSharingIterableDataset`)."""
     ex_iterable = ColumnarExamplesIterable(generate_batches, shard_ids, features, tensors, num_passes)
-    return IterableDataset(ex_iterable, info=DatasetInfo(features=features))
+    ds = _compat.iterable_dataset_from_examples(ex_iterable, features, cls=EpochSharingIterableDataset)
+    ds.epoch_counter = epoch_counter
+    return ds

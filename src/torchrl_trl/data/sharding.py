@@ -16,36 +16,42 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .._checks import positive_int
+from .. import _compat
+
 __all__ = [
-    "Consumer", "PassLengths", "broadcast_length", "consumer", "epoch_order", "forked_mid_write",
-    "guard_fork", "readable_length", "shard_bounds", "stream_seed", "world_size",
+    "Consumer", "PassLengths", "Sharding", "broadcast_length", "epoch_order", "forked_mid_write", "guard_fork",
+    "process", "readable_length", "split_count", "stream_seed", "worker_index",
 ]
 
 
-def world_size() -> int:
-    """Number of training processes: ``torch.distributed`` if initialised, else the
-    ``WORLD_SIZE`` that ``torchrun``/``accelerate launch`` export, else 1."""
-    import torch.distributed as dist
+def process() -> tuple[int, int]:
+    """``(rank, world_size)`` of this training process as accelerate's ``PartialState``
+    sees it (the state TRL's trainers set up; it joins a process group already started
+    with ``torch.distributed``). Call it in the main process, not in a DataLoader worker:
+    under a launcher with no process group yet, ``PartialState`` starts one."""
+    from accelerate import PartialState
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    state = PartialState()
+    return state.process_index, state.num_processes
 
 
-def _rank() -> int:
-    import torch.distributed as dist
+def _in_worker() -> bool:
+    return torch.utils.data.get_worker_info() is not None
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+
+def worker_index() -> int:
+    """This DataLoader worker's id (0 outside a worker)."""
+    info = torch.utils.data.get_worker_info()
+    return 0 if info is None else info.id
 
 
 @dataclass(frozen=True)
@@ -66,16 +72,77 @@ class Consumer:
         return self.world_size * self.num_workers
 
 
-def consumer(rank: int | None = None, world: int | None = None) -> Consumer:
-    """The current reader. ``rank``/``world`` default to 0/1 (no rank sharding) unless
-    given; the worker comes from ``torch.utils.data.get_worker_info()``."""
-    info = torch.utils.data.get_worker_info()
-    return Consumer(
-        rank=0 if rank is None else rank,
-        world_size=1 if world is None else world,
-        worker=0 if info is None else info.id,
-        num_workers=1 if info is None else info.num_workers,
-    )
+class Sharding:
+    """Who reads which part of a :class:`~torchrl_trl.data.TorchRLBufferDataset`: the one
+    place that knows ranks, DataLoader workers and Hugging Face shards.
+
+    Args:
+        num_shards: shards of the Hugging Face iterable (``None``: the reading strategy's
+            default for this many processes, see :meth:`shards`). Ranks and DataLoader
+            workers split them (accelerate, ``datasets``).
+        rank, world_size: for ``TorchRLBufferDataset.__iter__`` only: also split an epoch
+            pass over processes (a plain ``DataLoader`` under ``torch.distributed``). Leave
+            unset when a trainer (accelerate) shards the Hugging Face iterable.
+
+    The process's own rank (mixed into online sampling seeds, so ranks draw different
+    samples) comes from accelerate's ``PartialState``, read in the main process and kept
+    for DataLoader workers.
+
+    >>> s = Sharding(rank=1, world_size=2)
+    >>> s.consumer()  # outside a DataLoader worker
+    Consumer(rank=1, world_size=2, worker=0, num_workers=1)
+    >>> s.shards(default_per_process=4, world_size=2)
+    8
+    """
+
+    def __init__(self, num_shards: int | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        self.num_shards = positive_int(num_shards, "num_shards", allow_none=True)
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass both rank and world_size, or neither.")
+        if world_size is not None:
+            positive_int(world_size, "world_size")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+                raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}.")
+        self.rank, self.world_size = rank, world_size
+        self._process: tuple[int, int] | None = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.process()  # joins the running group: nothing is started
+
+    def process(self) -> tuple[int, int]:
+        """``(rank, world_size)`` of this training process (:func:`process`), read once in
+        the main process; a DataLoader worker uses what its parent read (or ``(0, 1)`` if
+        the parent never read it and no process group is running)."""
+        if self._process is None:
+            if _in_worker() and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                return 0, 1
+            self._process = process()
+        return self._process
+
+    def shards(self, default_per_process: int, world_size: int | None = None) -> int:
+        """``num_shards``, else ``default_per_process`` shards per training process."""
+        if self.num_shards is not None:
+            return self.num_shards
+        return default_per_process * (self.process()[1] if world_size is None else world_size)
+
+    def consumer(self) -> Consumer:
+        """The current reader of ``__iter__``: (``rank``, DataLoader worker); the rank is
+        0 of 1 unless ``rank``/``world_size`` were given."""
+        info = torch.utils.data.get_worker_info()
+        return Consumer(
+            rank=0 if self.rank is None else self.rank,
+            world_size=1 if self.world_size is None else self.world_size,
+            worker=0 if info is None else info.id,
+            num_workers=1 if info is None else info.num_workers,
+        )
+
+    def __getstate__(self) -> dict:
+        if not _in_worker():  # pickled for a spawned DataLoader worker: it inherits our read
+            self.process()
+        return self.__dict__
+
+    def __repr__(self) -> str:
+        return f"Sharding(num_shards={self.num_shards}, rank={self.rank}, world_size={self.world_size})"
 
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
@@ -83,28 +150,35 @@ def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor
     same ``(seed, epoch)``."""
     if not shuffle:
         return torch.arange(n)
-    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
+    gen = torch.Generator().manual_seed(_seed_from(seed, epoch))
     return torch.randperm(n, generator=gen)
 
 
-def shard_bounds(n: int, num_shards: int) -> list[int]:
-    """``num_shards + 1`` cut points splitting ``range(n)`` into near-equal contiguous
-    shards (sizes differ by at most one)."""
-    base, extra = divmod(n, num_shards)
-    bounds = [0]
-    for s in range(num_shards):
-        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    return bounds
+def split_count(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` near-equal counts (earlier parts get the remainder), as
+    ``torch.tensor_split`` splits a sequence.
+
+    >>> split_count(10, 4)
+    [3, 3, 2, 2]
+    """
+    return [len(p) for p in torch.tensor_split(torch.empty(n, dtype=torch.uint8), parts)]
 
 
-def stream_seed(base: int | None, *parts: int) -> int:
+def _seed_from(*entropy: int) -> int:
+    """A 63-bit seed from a tuple of non-negative ints (``numpy.random.SeedSequence``)."""
+    lo, hi = np.random.SeedSequence([int(e) for e in entropy]).generate_state(2, np.uint32)
+    return (int(hi) << 32 | int(lo)) & (2**63 - 1)
+
+
+def stream_seed(base: int | None, rank: int, *parts: int) -> int:
     """A seed for one online stream, distinct for each ``parts`` tuple (e.g. shard or
-    worker, pass) and for each process rank, so processes that a trainer seeded alike
-    still draw different samples. ``base=None`` uses ``torch.initial_seed()``."""
-    seed = torch.initial_seed() if base is None else int(base)
-    for p in (_rank(), *parts):
-        seed = (seed * 6_364_136_223_846_793_005 + int(p) + 1_442_695_040_888_963_407) % (2**63)
-    return seed
+    worker, pass) and for each process ``rank``, so processes that a trainer seeded alike
+    still draw different samples. ``base=None`` uses ``torch.initial_seed()``.
+
+    >>> stream_seed(0, 0, 1) == stream_seed(0, 0, 1) != stream_seed(0, 1, 1)
+    True
+    """
+    return _seed_from(torch.initial_seed() if base is None else base, rank, *parts)
 
 
 def broadcast_length(n: int) -> int:
@@ -239,12 +313,17 @@ def guard_fork(replay_buffer) -> None:
     neither inherits a lock no thread of its own will release (a deadlock) nor a
     half-written buffer, and records the length it had then (:func:`readable_length`).
     A buffer still locked after 30 s is marked torn in the child (:func:`forked_mid_write`)."""
-    if getattr(replay_buffer, "_replay_lock", None) is None:
+    try:
+        if not hasattr(_compat.replay_lock(replay_buffer), "acquire"):  # a Ray client: nothing local
+            return
+    except AttributeError:
         return
     if not _hooks:
         from torchrl.data import LazyMemmapStorage, TensorStorage
+        from torchrl.data.replay_buffers.storages import Storage
 
-        _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage])  # nothing to import in the hooks
+        # nothing to import in the hooks (a forked child must not wait for the import lock)
+        _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage, Storage])
         os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
         _hooks.append(True)
     _GUARDED.add(replay_buffer)
@@ -270,7 +349,7 @@ def readable_length(replay_buffer) -> tuple[int, bool]:
         return n, True
     from torchrl.data import LazyMemmapStorage, TensorStorage
 
-    storage = getattr(replay_buffer, "_storage", None)
+    storage = local_storage(replay_buffer)
     if storage is None or isinstance(storage, LazyMemmapStorage):
         return n, True
     if replay_buffer in _FORK_LEN:
@@ -280,8 +359,8 @@ def readable_length(replay_buffer) -> tuple[int, bool]:
 
 def _before_fork() -> None:
     for rb in list(_GUARDED):
-        lock = getattr(rb, "_replay_lock", None)
-        if lock is not None:
+        lock = _compat.replay_lock(rb)
+        if hasattr(lock, "acquire"):
             acquired = lock.acquire(timeout=_FORK_WAIT_S)
             _HELD.append((rb, lock, acquired))
             if acquired:
@@ -296,25 +375,33 @@ def _after_in_parent() -> None:
             lock.release()
 
 
-class _Length:
-    """A process-private stand-in for a ``TensorStorage``'s shared length counter."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-
 def _after_in_child() -> None:
-    tensor_storage, memmap_storage = _private_tensor_storages
+    tensor_storage, memmap_storage, _ = _private_tensor_storages
     while _HELD:
         rb, lock, acquired = _HELD.pop()
-        storage = getattr(rb, "_storage", None)
+        storage = local_storage(rb)
         if acquired and isinstance(storage, tensor_storage) and not isinstance(storage, memmap_storage):
             # the data is this child's copy as of the fork, but the length counter is shared
             # with the parent: without this the child's own sampler (online mode) would draw
             # rows written after the fork, which it holds as uninitialised memory
-            storage._len_value = _Length(_FORK_LEN.get(rb, len(storage)))
+            _compat.pin_storage_length(storage, _FORK_LEN.get(rb, len(storage)))
         if acquired:
             lock.release()
         else:  # the writer thread does not exist here: its lock would never be released
-            rb._replay_lock = threading.RLock()
+            _compat.reset_replay_lock(rb)
             _TORN.add(rb)
+
+
+def local_storage(replay_buffer):
+    """The buffer's ``storage`` when it lives in this process; ``None`` for a buffer whose
+    storage lives elsewhere (a Ray client)."""
+    if _private_tensor_storages:
+        storage_cls = _private_tensor_storages[2]
+    else:
+        from torchrl.data.replay_buffers.storages import Storage as storage_cls
+
+    try:
+        storage = replay_buffer.storage
+    except AttributeError:
+        return None
+    return storage if isinstance(storage, storage_cls) else None
