@@ -8,9 +8,8 @@ The hook:
 2. ``TorchRLBufferDataset(..., index_column="index")`` yields each row's storage index,
    and the trainer keeps it (``remove_unused_columns=False``; pop it from ``inputs`` in
    ``compute_loss`` before the model call);
-3. in ``compute_loss``, call :func:`update_priorities` (or
-   ``CollectorCallback.update_priorities``) with the indices and a per-sample value (loss,
-   ``|advantage|``), shape ``[B]``.
+3. in ``compute_loss``, call :func:`update_priorities` with the indices and a per-sample
+   value (loss, ``|advantage|``), shape ``[B]``.
 """
 
 from __future__ import annotations
