@@ -191,3 +191,91 @@ def test_bad_inputs_raise_at_once(rollouts):
     empty.extend(TensorDict({"input_ids": torch.zeros(8, 3, dtype=torch.long)}, [8]))
     with pytest.raises(KeyError, match="format 'sft_tokenized' needs keys"):
         later.as_hf_dataset()
+
+
+# ---------------------------------------------------------------------------
+# Reading strategies (reading=) and the shorthands that build them
+# ---------------------------------------------------------------------------
+
+
+def test_reading_strategies_and_their_shorthands():
+    from torchrl_trl.data import EpochPass, OnlineSampling
+
+    rb, ids = _dense(12)
+    stored = sorted(tuple(r) for r in ids.tolist())
+    ds = TorchRLBufferDataset(rb, 4, keys=["input_ids"], reading=EpochPass(shuffle=True, seed=3, num_passes=2))
+    short = TorchRLBufferDataset(rb, 4, keys=["input_ids"], mode="epoch", shuffle=True, seed=3, num_passes=2)
+    assert short.reading == ds.reading == EpochPass(True, 3, 2) and ds.mode == "epoch"
+    rows = _ids(ds)
+    assert rows == _ids(short) and _ids(ds.as_hf_dataset()) == rows and len(ds) == 24
+    assert sorted(rows[:12]) == sorted(rows[12:]) == stored and rows[:12] != rows[12:]  # 2 passes, 2 orders
+    assert _ids(TorchRLBufferDataset(rb, 4, reading=EpochPass(shuffle=True, seed=4))) != rows[:12]
+    assert _ids(TorchRLBufferDataset(rb, 4, reading=EpochPass())) == [tuple(r) for r in ids.tolist()]
+    online = TorchRLBufferDataset(rb, 4, keys=["input_ids"], reading=OnlineSampling(num_batches=3, seed=0))
+    assert TorchRLBufferDataset(rb, 4, num_batches=3, seed=0).reading == online.reading
+    assert online.mode == "online" and len(_ids(online)) == 12 and set(_ids(online)) <= set(stored)
+    assert len(_ids(online.as_hf_dataset())) == 12
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"reading": "epoch"}, TypeError, "reading must be an EpochPass or an OnlineSampling, got str"),
+    ({"reading": "EPOCH", "mode": "epoch"}, TypeError, r"\['mode'\] inside reading="),
+    ({"reading": "EPOCH", "num_passes": 2}, TypeError, r"\['num_passes'\] inside reading=EpochPass"),
+    ({"reading": "ONLINE", "num_batches": 2}, TypeError, r"\['num_batches'\] inside reading=OnlineSampling"),
+    ({"reading": "ONLINE", "seed": 1, "shuffle": True}, TypeError, r"\['seed', 'shuffle'\] inside reading="),
+    ({"mode": "epoch", "num_batches": 3}, ValueError, "num_batches=3 is for mode='online'.*num_passes"),
+    ({"num_passes": 2}, ValueError, "num_passes=2 is for mode='epoch'"),
+    ({"mode": "offline"}, ValueError, "mode must be 'online' or 'epoch', got 'offline'"),
+    ({"batch_size": 0}, ValueError, "batch_size must be a positive integer, got 0"),
+    ({"num_batches": 0}, ValueError, "num_batches must be a positive integer or None, got 0"),
+    ({"num_shards": 0}, ValueError, "num_shards must be a positive integer or None, got 0"),
+    ({"rank": 0}, ValueError, "pass both rank and world_size"),
+    ({"rank": 2, "world_size": 2}, ValueError, r"rank must be an int in \[0, world_size=2\), got 2"),
+])
+def test_reading_and_sharding_arguments_are_checked(kwargs, error, match):
+    from torchrl_trl.data import EpochPass, OnlineSampling
+
+    rb, _ = _dense()
+    kwargs = {**kwargs}
+    kwargs["reading"] = {"EPOCH": EpochPass(), "ONLINE": OnlineSampling()}.get(kwargs.get("reading"), kwargs.get("reading"))
+    batch_size = kwargs.pop("batch_size", 4)
+    with pytest.raises(error, match=match):
+        TorchRLBufferDataset(rb, batch_size, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"shuffle": 1}, "EpochPass.shuffle must be a bool"),
+    ({"seed": -1}, "EpochPass.seed must be a non-negative int"),
+    ({"num_passes": 0}, "EpochPass.num_passes must be a positive integer or None"),
+])
+def test_epoch_pass_settings_are_checked(kwargs, match):
+    from torchrl_trl.data import EpochPass
+
+    with pytest.raises((TypeError, ValueError), match=match):
+        EpochPass(**kwargs)
+
+
+def test_in_keys_and_features_are_what_is_read_and_yielded(rollouts):
+    """Rows built from only ``in_keys`` of each sample are the same rows; the features
+    name exactly the yielded columns and accept them."""
+    stored = rollouts[:]
+    cases = [
+        {"format": name} for name in ["sft", "sft_conversational", "sft_messages", "sft_tokenized", "grpo"]
+    ] + [
+        {"keys": ["tokens.response", "text.prompt"]},
+        {"columns": {"prompt": "text.prompt"}, "extra_columns": ["answer"]},
+        {"format": "sft_tokenized", "index_column": "item"},
+    ]
+    for kwargs in cases:
+        ds = TorchRLBufferDataset(rollouts, 4, mode="epoch", **kwargs)
+        only = ReplayBuffer(storage=LazyStackStorage(16))
+        only.extend(stored.select(*ds.in_keys))
+        ref = TorchRLBufferDataset(only, 4, mode="epoch", **kwargs)
+        rows, ref_rows = list(ds.as_hf_dataset()), list(ref.as_hf_dataset())
+        assert rows == ref_rows, kwargs
+        assert list(rows[0]) == ds.column_names == ds.out_keys == list(ds.features), kwargs
+        for row in rows:
+            ds.features.encode_example(row)
+        assert set(ds.in_keys) <= set(stored.keys(True, True)) | set(stored.keys(True)), kwargs
+    everything = TorchRLBufferDataset(_dense()[0], 4, mode="epoch")  # no keys: every leaf, as upstream
+    assert everything.in_keys == ["input_ids", ("meta", "score")] and everything.column_names == ["input_ids", "meta.score"]
