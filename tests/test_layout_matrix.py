@@ -457,7 +457,7 @@ def test_clean_text_ending_in_a_repeat_is_left_alone():
 def test_dataset_refuses_text_from_a_storage_that_loses_strings(produced):
     """TorchRL 0.14.1's LazyMemmapStorage reads every string back as the first one: text
     formats are refused there with an error naming the storages that work; tokens read."""
-    from torchrl_trl.data.dataset import _memmap_keeps_strings
+    from torchrl_trl.data.buffer_reader import _memmap_keeps_strings
 
     td, _ = produced["wrapper-text-pad1"]
     rb = ReplayBuffer(storage=LazyMemmapStorage(16))
