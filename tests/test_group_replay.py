@@ -50,7 +50,7 @@ def test_group_replay_bounds_reuse_and_age():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="reuse must be an integer >= 0"):
             GroupReplay(bad, 1)
-    with pytest.raises(ValueError, match="capacity must be an integer >= 1"):
+    with pytest.raises(ValueError, match="capacity must be a positive integer"):
         GroupReplay(1, 1, capacity=0)
 
     small = GroupReplay(reuse=1, max_staleness=None, capacity=2)

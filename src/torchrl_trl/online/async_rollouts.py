@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import lazy_stack
 
+from .._checks import WarnOnce, positive_int, positive_seconds
 from .callback import CollectorError
 from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
 
@@ -105,6 +106,20 @@ class AsyncGroupCollector:
         prompts_per_batch: prompts generated together (one policy call of
             ``prompts_per_batch * group_size`` sequences).
         max_pending_groups: the thread waits while this many groups are unconsumed.
+
+    Example:
+
+    >>> from torchrl_trl.online import TorchRLRolloutFunc
+    >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
+    >>> tok = make_tokenizer()
+    >>> policy = make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3)  # its own weights
+    >>> collector = AsyncGroupCollector(TorchRLRolloutFunc(policy), [[{"role": "user", "content": "hi"}]],
+    ...                                 group_size=2, max_pending_groups=2)
+    >>> collector.start()
+    >>> (group,) = collector.get_groups(1, consumer_version=0, max_staleness=0, timeout=60)
+    >>> collector.stop()
+    >>> group.version, group.prompt, len(group.batch["completion_ids"])
+    (0, [{'role': 'user', 'content': 'hi'}], 2)
     """
 
     def __init__(
@@ -116,13 +131,9 @@ class AsyncGroupCollector:
         prompts_per_batch: int = 1,
         max_pending_groups: int = 8,
     ):
-        for name, value, low in (
-            ("group_size", group_size, 1),
-            ("prompts_per_batch", prompts_per_batch, 1),
-            ("max_pending_groups", max_pending_groups, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        group_size = positive_int(group_size, "group_size")
+        prompts_per_batch = positive_int(prompts_per_batch, "prompts_per_batch")
+        max_pending_groups = positive_int(max_pending_groups, "max_pending_groups")
         if not isinstance(rollout, TorchRLRolloutFunc) or rollout.policy is None:
             raise ValueError("rollout must be a TorchRLRolloutFunc with a policy")
         self.rollout = rollout
@@ -293,7 +304,7 @@ class AsyncGroupCollector:
                 if self._thread is None or not self._thread.is_alive():
                     raise CollectorError("the collector thread is not running (call start())")
                 waited = time.monotonic() - start
-                if waited > timeout:
+                if timeout is not None and waited > timeout:
                     raise CollectorError(
                         f"only {len(out)} of {n} groups within max_staleness={max_staleness} after "
                         f"{timeout} s ({self.produced_groups} produced, {self.dropped_stale_groups} dropped stale)"
@@ -328,15 +339,23 @@ class GroupReplay:
         reused: groups handed out again by :meth:`draw` (each draw of a group counts).
         expired_stale, expired_used, evicted: groups forgotten for their age, their use
             count, or for room.
+
+    Example (groups stand-ins: only ``version`` is read here):
+
+    >>> replay = GroupReplay(reuse=1, max_staleness=2)
+    >>> replay.add([RolloutGroup(version=0, prompt="a", batch=None), RolloutGroup(version=1, prompt="b", batch=None)])
+    >>> [(g.prompt, uses) for g, uses in replay.draw(2, consumer_version=2)]  # youngest first
+    [('b', 1), ('a', 1)]
+    >>> replay.draw(2, consumer_version=3)  # 'a' is 3 versions old, 'b' was reused once already
+    []
+    >>> replay.expired_stale, replay.expired_used, replay.reused
+    (1, 1, 2)
     """
 
     def __init__(self, reuse: int, max_staleness: int | None, capacity: int = 1024):
-        for name, value, low in (("reuse", reuse, 0), ("capacity", capacity, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        self.reuse = reuse
-        self.max_staleness = max_staleness
-        self.capacity = capacity
+        self.reuse = non_negative_int(reuse, "reuse")
+        self.max_staleness = check_max_staleness(max_staleness)
+        self.capacity = positive_int(capacity, "capacity")
         self.reused = 0
         self.expired_stale = 0
         self.expired_used = 0
@@ -374,6 +393,27 @@ class GroupReplay:
             entry[1] += 1
         self.reused += len(out)
         return out
+
+
+def non_negative_int(value, name: str) -> int:
+    """``value`` if it is an int >= 0, else a ``ValueError`` naming ``name``
+    (:func:`~torchrl_trl._checks.positive_int` for counts that may be 0).
+
+    >>> non_negative_int(0, "reuse")
+    0
+    >>> non_negative_int(-1, "reuse")
+    Traceback (most recent call last):
+    ...
+    ValueError: reuse must be an integer >= 0, got -1
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def check_max_staleness(value) -> int | None:
+    """A staleness bound: an int >= 0, or ``None`` for none."""
+    return None if value is None else non_negative_int(value, "max_staleness")
 
 
 def _has_reward_spread(group: RolloutGroup) -> bool:
@@ -414,6 +454,22 @@ class AsyncTorchRLRolloutFunc:
         consumed_reuse: for every group returned, how many times it was used before (0: fresh).
         replay: the :class:`GroupReplay` (counters ``reused``, ``expired_stale``, ``expired_used``).
         prompt_mismatches: how many of TRL's prompts differed from the generated ones.
+
+    Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read):
+
+    >>> from types import SimpleNamespace
+    >>> from torchrl_trl.online import AsyncGroupCollector, TorchRLRolloutFunc
+    >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
+    >>> tok = make_tokenizer()
+    >>> chat = [{"role": "user", "content": "hi"}]
+    >>> collector = AsyncGroupCollector(
+    ...     TorchRLRolloutFunc(make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3)), [chat], group_size=2)
+    >>> trainer = SimpleNamespace(num_generations=2, model=make_policy(tok), state=SimpleNamespace(global_step=0),
+    ...                           accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    >>> with AsyncTorchRLRolloutFunc(collector, max_staleness=1) as func:
+    ...     batch = func([chat, chat], trainer)  # pushes the trainer's weights, starts the collector
+    >>> batch["torchrl_prompt"] == [chat, chat], batch["staleness"], collector.alive
+    (True, [0, 0], False)
     """
 
     def __init__(
@@ -426,19 +482,15 @@ class AsyncTorchRLRolloutFunc:
         drop_zero_std: bool = False,
         reuse: int = 0,
     ):
-        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0):
-            raise ValueError(f"max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.collector = collector
-        self.max_staleness = max_staleness
-        self.timeout = timeout
+        self.max_staleness = check_max_staleness(max_staleness)
+        self.timeout = positive_seconds(timeout, "timeout")
         self.push_weights = push_weights
         self.drop_zero_std = drop_zero_std
         self.replay = GroupReplay(reuse, max_staleness)
         self.consumed_staleness: list[int] = []
         self.consumed_reuse: list[int] = []
-        self.prompt_mismatches = 0
+        self._warnings = WarnOnce()
         self.__name__ = type(self).__name__
 
     def __call__(self, prompts: list, trainer) -> RolloutBatch:
@@ -475,14 +527,18 @@ class AsyncTorchRLRolloutFunc:
         self.consumed_staleness.extend(staleness)
         self.consumed_reuse.extend(uses for _, uses in chosen)
         mismatches = sum(a != b for a, b in zip(prompts, batch[PROMPT_FIELD]))
-        if mismatches and not self.prompt_mismatches:
-            warnings.warn(
-                f"{mismatches} of TRL's {len(prompts)} prompts are not the prompts the collector generated "
-                f"for: reward functions must read {PROMPT_FIELD!r} (and env columns), not 'prompts'",
-                stacklevel=2,
-            )
-        self.prompt_mismatches += mismatches
+        self._warnings.add(
+            "prompt_mismatch",
+            f"{mismatches} of TRL's {len(prompts)} prompts are not the prompts the collector generated "
+            f"for: reward functions must read {PROMPT_FIELD!r} (and env columns), not 'prompts'",
+            n=mismatches,
+        )
         return batch
+
+    @property
+    def prompt_mismatches(self) -> int:
+        """How many of TRL's prompts differed from the generated ones, over all calls."""
+        return self._warnings.counts["prompt_mismatch"]
 
     def close(self) -> None:
         self.collector.stop()
@@ -504,6 +560,19 @@ class BehaviourLogProbsMixin:
     ``vllm_importance_sampling_correction``). Unknown (NaN) behaviour log-probs on trained
     tokens raise ``ValueError`` (use ``TorchRLRolloutFunc(logprobs="rescore")``); on masked
     tokens they are set to 0.
+
+    Example (``Base`` stands in for ``GRPOTrainer``, whose loss then reads the old log-probs):
+
+    >>> import torch
+    >>> class Base:
+    ...     def compute_loss(self, model, inputs):
+    ...         return inputs["old_per_token_logps"]
+    >>> class Trainer(BehaviourLogProbsMixin, Base):
+    ...     pass
+    >>> inputs = {"sampling_per_token_logps": torch.tensor([[-0.5, -1.0, float("nan")]]),
+    ...           "completion_mask": torch.tensor([[1, 1, 0]])}
+    >>> Trainer().compute_loss(None, inputs)  # the behaviour log-probs; NaN on a masked token -> 0
+    tensor([[-0.5000, -1.0000,  0.0000]])
     """
 
     def compute_loss(self, model, inputs, *args, **kwargs):

@@ -35,15 +35,14 @@ what they are at worst, one version old.
 from __future__ import annotations
 
 import time
-import warnings
 from collections import deque
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import layouts
-from .._checks import positive_int, positive_seconds
-from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD
+from .._checks import WarnOnce, positive_int, positive_seconds
+from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD, check_max_staleness
 from .callback import CollectorError
 from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
 from .staleness import read_policy_version
@@ -81,15 +80,29 @@ class LLMCollectorRolloutFunc:
         read_groups, consumed_groups, dropped_stale_groups, missed_items, weight_pushes:
             counters; ``consumed_staleness``: the age of every group returned, in order.
 
-    Example (skipped by the doctest run: it starts a collector thread and a trainer;
-    ``tests/test_collector_rollouts.py`` runs it, locally and on Ray):
+    Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read;
+    ``tests/test_collector_rollouts.py`` runs ``GRPOTrainer.train()``, locally and on Ray):
 
-    >>> rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=MCAdvantage(grpo_size=2))  # doctest: +SKIP
-    >>> collector = LLMCollector(env=env, policy=own_policy, dialog_turns_per_batch=4, replay_buffer=rb,
-    ...                          track_policy_version=True, total_dialog_turns=-1)  # doctest: +SKIP
-    >>> with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1) as func:  # doctest: +SKIP
-    ...     GRPOTrainer(model=model, rollout_func=func, reward_funcs=[reward], args=args,
-    ...                 train_dataset=ds, processing_class=tok).train()
+    >>> from types import SimpleNamespace
+    >>> from torchrl.collectors.llm import LLMCollector
+    >>> from torchrl.data import LazyStackStorage, ReplayBuffer
+    >>> from torchrl.objectives.llm import MCAdvantage
+    >>> from torchrl_trl import RewardFunctionWrapper, testing
+    >>> tok = testing.make_tokenizer()
+    >>> env = testing.make_chat_env([{"query": "hi"}], batch_size=2, group_size=2)  # "hi" twice: a group
+    >>> def length(completions, **kwargs):
+    ...     return [float(len(c[-1]["content"])) for c in completions]
+    >>> env = env.append_transform(RewardFunctionWrapper(length).as_transform())  # MCAdvantage needs a reward
+    >>> rb = ReplayBuffer(storage=LazyStackStorage(256), transform=MCAdvantage(grpo_size=2))
+    >>> collector = LLMCollector(
+    ...     env=env, policy=testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=3),
+    ...     dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True, total_dialog_turns=-1)
+    >>> trainer = SimpleNamespace(num_generations=2, model=testing.make_policy(tok), state=SimpleNamespace(global_step=0),
+    ...                           accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    >>> with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1) as func:
+    ...     batch = func([[{"role": "user", "content": "hi"}]] * 2, trainer)  # pushes, starts, takes a group
+    >>> collector.policy_version, func.weight_pushes, batch["staleness"], batch["torchrl_prompt"][0][-1]["content"]
+    (1, 1, [0, 0], 'hi')
     """
 
     def __init__(
@@ -104,12 +117,10 @@ class LLMCollectorRolloutFunc:
         group_key="query",
         push_weights: bool = True,
     ):
-        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0):
-            raise ValueError(f"max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
         self.collector = collector
         self.replay_buffer = replay_buffer
         self.group_size = positive_int(group_size, "group_size")
-        self.max_staleness = max_staleness
+        self.max_staleness = check_max_staleness(max_staleness)
         self.timeout = positive_seconds(timeout, "timeout")
         self.poll_s = positive_seconds(poll_s, "poll_s")
         self.group_key = group_key
@@ -117,7 +128,7 @@ class LLMCollectorRolloutFunc:
         self.read_groups = 0
         self.consumed_groups = 0
         self.dropped_stale_groups = 0
-        self.missed_items = 0
+        self._warnings = WarnOnce()
         self.weight_pushes = 0
         self.consumed_staleness: list[int] = []
         self.policy_version = 0
@@ -211,7 +222,7 @@ class LLMCollectorRolloutFunc:
                 "write transform so each GRPO group is written whole"
             )
         first = self._cursor if capacity is None else max(self._cursor, written - int(capacity))
-        self.missed_items += first - self._cursor
+        self._missed(first - self._cursor)
         first += -(first - self._cursor) % self.group_size  # the next group boundary
         if first < written:
             positions = torch.arange(first, written)
@@ -220,16 +231,21 @@ class LLMCollectorRolloutFunc:
             if capacity is not None and after - int(capacity) > first:  # overwritten while read
                 lost = min(after - int(capacity), written) - first
                 lost += -lost % self.group_size
-                self.missed_items += lost
+                self._missed(lost)
                 items, first = items[lost:], first + lost
             self._split(items)
         self._cursor = written
-        if self.missed_items:
-            warnings.warn(
-                f"{self.missed_items} items were overwritten in the buffer before they were read: give it a "
-                "larger capacity (it must hold what the collector writes between two trainer steps)",
-                stacklevel=3,
-            )
+
+    def _missed(self, n: int) -> None:
+        self._warnings.add(
+            "missed", f"{n} items were overwritten in the buffer before they were read: give it a larger "
+            "capacity (it must hold what the collector writes between two trainer steps)", n=n, stacklevel=5,
+        )
+
+    @property
+    def missed_items(self) -> int:
+        """Items overwritten in the buffer before they were read (never trained on)."""
+        return self._warnings.counts["missed"]
 
     def _split(self, items: TensorDictBase) -> None:
         g = self.group_size

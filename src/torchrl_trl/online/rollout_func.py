@@ -61,7 +61,6 @@ What TorchRL 0.14.1 does that matters here:
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -70,6 +69,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_s
 from tensordict.utils import NestedKey
 
 from .. import layouts
+from .._checks import WarnOnce, positive_int
 
 __all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
 
@@ -147,6 +147,23 @@ class TorchRLRolloutFunc:
     Attributes:
         policy_version: the trainer's ``global_step`` when the weights last generated.
         calls, samples: counters.
+
+    Example (without a trainer: one completion per prompt received, as TRL calls it):
+
+    >>> import torch
+    >>> from torchrl.data import LazyStackStorage, ReplayBuffer
+    >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
+    >>> tok = make_tokenizer()
+    >>> rb = ReplayBuffer(storage=LazyStackStorage(16))
+    >>> func = TorchRLRolloutFunc(make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3), replay_buffer=rb)
+    >>> _ = torch.manual_seed(0)
+    >>> out = func([[{"role": "user", "content": "hi"}]] * 2)  # TRL repeats each prompt
+    >>> sorted(out), len(out["completion_ids"])
+    (['completion_ids', 'logprobs', 'prompt_ids'], 2)
+    >>> [len(lp) for lp in out["logprobs"]] == [len(c) for c in out["completion_ids"]]
+    True
+    >>> len(rb), rb[0]["group_id"].item(), rb[1]["group_id"].item()  # one group of 2 stored
+    (2, 0, 0)
     """
 
     def __init__(
@@ -165,8 +182,7 @@ class TorchRLRolloutFunc:
             raise ValueError(f"logprobs must be 'rescore' or 'generate', got {logprobs!r}")
         if sync_weights not in ("copy", None) and not callable(sync_weights):
             raise ValueError(f"sync_weights must be 'copy', a callable or None, got {sync_weights!r}")
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        max_turns = positive_int(max_turns, "max_turns")
         if env is None and max_turns != 1:
             raise ValueError("max_turns > 1 needs an env (a ChatEnv) to produce the next turn's prompt")
         if policy is not None:
@@ -186,7 +202,7 @@ class TorchRLRolloutFunc:
         self._scorer = None
         self._next_group = 0
         self._lock = threading.Lock()
-        self._warned_temperature = False
+        self._warnings = WarnOnce()
 
     # -- TRL entry point ---------------------------------------------------------------
 
@@ -273,12 +289,12 @@ class TorchRLRolloutFunc:
                 self.sync_weights(model, step)
             self.policy_version = step
         temperature = getattr(trainer, "temperature", 1.0)
-        if temperature != 1.0 and not self._warned_temperature:
-            self._warned_temperature = True
-            warnings.warn(
+        if temperature != 1.0:
+            self._warnings.add(
+                "temperature",
                 f"trainer.temperature={temperature}: TorchRL's log-probs are those of the raw logits "
-                "(temperature 1), TRL's recomputed ones use logits / temperature; they differ.",
-                stacklevel=3,
+                "(temperature 1), TRL's recomputed ones use logits / temperature; they differ",
+                stacklevel=4,
             )
         return self.policy_version
 
@@ -412,7 +428,7 @@ class TorchRLRolloutFunc:
         last = steps[-1]
         keys = self.forward_keys
         if keys is None:
-            sample = last.tensordicts[0]
+            sample = layouts.first_member(last)
             keys = [k for k in sample.keys() if k not in layouts.TORCHRL_ROOT_KEYS and k not in _OWN_KEYS]
         fields = {}
         for key in keys:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from .._checks import positive_int, positive_seconds
 from .async_rollouts import AsyncGroupCollector, RolloutGroup
 
 __all__ = ["TorchRLRolloutWorker", "TorchRLWeightTransfer"]
@@ -51,6 +52,25 @@ class TorchRLRolloutWorker:
     Keyword Args:
         queue_maxsize: bound of :attr:`rollout_buffer` (the pump waits when it is full).
         timeout: seconds the pump waits for a group before it counts as a failure.
+
+    Example:
+
+    >>> from torchrl_trl.online import AsyncGroupCollector, TorchRLRolloutFunc
+    >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
+    >>> tok = make_tokenizer()
+    >>> policy = make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3)
+    >>> collector = AsyncGroupCollector(TorchRLRolloutFunc(policy), [[{"role": "user", "content": "hi"}]],
+    ...                                 group_size=2, max_pending_groups=1)
+    >>> def length(completions, **kwargs):
+    ...     return [float(len(c[0]["content"])) for c in completions]
+    >>> worker = TorchRLRolloutWorker(collector, [length], queue_maxsize=2)
+    >>> worker.start()
+    >>> a, b = worker.rollout_buffer.get(timeout=60), worker.rollout_buffer.get(timeout=60)  # one group
+    >>> worker.stop()
+    >>> a.group_id == b.group_id, a.model_version, len(a.input_ids) == len(a.completion_mask) == len(a.old_log_probs)
+    (True, 0, True)
+    >>> round(a.advantage + b.advantage, 6)  # (r - mean) / (std + 1e-8) within the group
+    0.0
     """
 
     def __init__(
@@ -65,9 +85,9 @@ class TorchRLRolloutWorker:
             raise ValueError("reward_funcs is empty: the worker scores every group it sends")
         self.collector = collector
         self.reward_funcs = list(reward_funcs)
-        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=queue_maxsize)
+        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=positive_int(queue_maxsize, "queue_maxsize"))
         self.metrics_queue: queue.Queue = queue.Queue()
-        self.timeout = timeout
+        self.timeout = positive_seconds(timeout, "timeout")
         self.model_version = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -180,7 +200,24 @@ class TorchRLRolloutWorker:
 
 class TorchRLWeightTransfer:
     """``AsyncGRPOTrainer(weight_transfer=...)`` loading the trainer's weights into the
-    collector's policy (same process)."""
+    collector's policy (same process).
+
+    Example (the calls ``AsyncGRPOTrainer`` makes at a weight sync):
+
+    >>> import torch
+    >>> from torchrl_trl.online import AsyncGroupCollector, TorchRLRolloutFunc
+    >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
+    >>> tok = make_tokenizer()
+    >>> policy = make_policy_wrapper(make_policy(tok, seed=0), tok)
+    >>> collector = AsyncGroupCollector(TorchRLRolloutFunc(policy), [[{"role": "user", "content": "hi"}]], group_size=2)
+    >>> trained = make_policy(tok, seed=1)
+    >>> transfer = TorchRLWeightTransfer(collector)
+    >>> transfer.pause()
+    >>> transfer.send_weights(trained.named_parameters())
+    >>> transfer.resume()
+    >>> collector.policy_version, all(torch.equal(a, b) for a, b in zip(policy.model.parameters(), trained.parameters()))
+    (1, True)
+    """
 
     def __init__(self, collector: AsyncGroupCollector):
         self.collector = collector
