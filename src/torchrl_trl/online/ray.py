@@ -194,8 +194,8 @@ def connect_ray_replay_buffer(
 
     Returns:
         An :class:`AttachedRayReplayBuffer`: a ``torchrl.data.RayReplayBuffer`` (so
-        ``TorchRLBufferDataset`` and ``BufferCheckpointCallback`` accept it) whose reads,
-        writes and ``len`` go to the actor. Its ``close()`` detaches this process only
+        ``TorchRLBufferDataset`` accepts it) whose reads, writes and ``len`` go to the
+        actor (like any Ray buffer, ``save_buffer`` refuses it: its storage is remote). Its ``close()`` detaches this process only
         (and leaves Ray if this call started it); the actor lives on, owned by its creator.
 
     Example (skipped by the doctest run: it starts Ray; ``tests/test_ray_distributed.py``
