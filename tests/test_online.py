@@ -131,9 +131,9 @@ def test_metrics_callback_composes_with_a_silent_collector_callback(checkpoints,
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"collect_every": 0}, "collect_every must be a positive integer, got 0"),
-     ({"update_weights_every": -1}, "update_weights_every must be 0 or a positive integer, got -1"),
+     ({"update_weights_every": -1}, "update_weights_every must be an integer >= 0, got -1"),
      ({"frames_per_step": 2.5}, "frames_per_step must be a positive integer, got 2.5"),
-     ({"min_buffer_size": -3}, "min_buffer_size must be 0 or a positive integer, got -3"),
+     ({"min_buffer_size": -3}, "min_buffer_size must be an integer >= 0, got -3"),
      ({"wait_timeout": 0}, "wait_timeout must be a positive number of seconds or None, got 0")],
 )
 def test_collector_callback_names_a_bad_argument(kwargs, message):
@@ -179,6 +179,8 @@ def test_staleness_filter_drops_counts_and_weights():
     assert stats["staleness/max_read"] == 5
     with pytest.raises(KeyError, match="track_policy_version"):
         StalenessFilter(1)(TensorDict({"id": torch.arange(2)}, [2]))
+    with pytest.raises(ValueError, match="max_staleness must be an integer >= 0, got -1"):
+        StalenessFilter(-1)
 
 
 def test_staleness_filter_is_shared_with_worker_copies():

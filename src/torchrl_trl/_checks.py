@@ -8,7 +8,7 @@ import numbers
 import warnings
 from collections import Counter
 
-__all__ = ["WarnOnce", "positive_int", "positive_seconds", "strip_next"]
+__all__ = ["WarnOnce", "non_negative_int", "positive_int", "positive_seconds", "strip_next"]
 
 
 def positive_int(value, name: str, *, allow_none: bool = False):
@@ -27,6 +27,22 @@ def positive_int(value, name: str, *, allow_none: bool = False):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         expected = "a positive integer or None" if allow_none else "a positive integer"
         raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(value, name: str) -> int:
+    """``value`` if it is an int >= 0 (counts where 0 means "never" / "none"), else a
+    ``ValueError`` naming ``name``.
+
+    >>> non_negative_int(0, "reuse")
+    0
+    >>> non_negative_int(-1, "reuse")
+    Traceback (most recent call last):
+    ...
+    ValueError: reuse must be an integer >= 0, got -1
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return int(value)
 
 

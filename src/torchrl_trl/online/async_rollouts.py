@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import lazy_stack
 
-from .._checks import WarnOnce, positive_int, positive_seconds
+from .._checks import WarnOnce, non_negative_int, positive_int, positive_seconds
 from .callback import CollectorError
 from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
 
@@ -393,22 +393,6 @@ class GroupReplay:
             entry[1] += 1
         self.reused += len(out)
         return out
-
-
-def non_negative_int(value, name: str) -> int:
-    """``value`` if it is an int >= 0, else a ``ValueError`` naming ``name``
-    (:func:`~torchrl_trl._checks.positive_int` for counts that may be 0).
-
-    >>> non_negative_int(0, "reuse")
-    0
-    >>> non_negative_int(-1, "reuse")
-    Traceback (most recent call last):
-    ...
-    ValueError: reuse must be an integer >= 0, got -1
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return int(value)
 
 
 def check_max_staleness(value) -> int | None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .._checks import WarnOnce, positive_int, positive_seconds
+from .._checks import WarnOnce, non_negative_int, positive_int, positive_seconds
 from ._buffers import local_sampler
 from .metrics import CollectorMetricsCallback, collector_policy_version, insert_before_reporters
 from .ray import is_ray_collector
@@ -83,16 +83,6 @@ def wait_for_items(
         time.sleep(poll)
         n = len(replay_buffer)
     return n
-
-
-def _count(value, name: str) -> int:
-    """A non-negative int: ``0`` (a documented "never" / "don't wait") or a positive one."""
-    if isinstance(value, int) and value == 0:
-        return 0
-    try:
-        return positive_int(value, name)
-    except ValueError:
-        raise ValueError(f"{name} must be 0 or a positive integer, got {value!r}") from None
 
 
 class CollectorCallback(TrainerCallback):
@@ -206,9 +196,9 @@ class CollectorCallback(TrainerCallback):
         self.frames_per_step = positive_int(frames_per_step, "frames_per_step")
         self.collect_every = positive_int(collect_every, "collect_every")
         self.background = bool(background)
-        self.min_buffer_size = _count(min_buffer_size, "min_buffer_size")
+        self.min_buffer_size = non_negative_int(min_buffer_size, "min_buffer_size")
         self.wait_timeout = positive_seconds(wait_timeout, "wait_timeout")
-        self.update_weights_every = _count(update_weights_every, "update_weights_every")
+        self.update_weights_every = non_negative_int(update_weights_every, "update_weights_every")
         self.weights_fn = weights_fn
         self.staleness = staleness
         self.shutdown_on_end = shutdown_on_end

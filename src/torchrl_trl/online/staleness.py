@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from .._checks import WarnOnce
+from .._checks import WarnOnce, non_negative_int
 
 __all__ = ["StalenessFilter", "read_policy_version", "VERSION_KEYS"]
 
@@ -99,9 +99,7 @@ class StalenessFilter:
         weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         consumer_version: int = 0,
     ) -> None:
-        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
-            raise ValueError(f"max_staleness must be a non-negative int or None, got {max_staleness!r}")
-        self.max_staleness = max_staleness
+        self.max_staleness = None if max_staleness is None else non_negative_int(max_staleness, "max_staleness")
         self.version_keys = tuple(version_keys)
         self.weight_fn = weight_fn or _inverse_staleness
         # the version and the counters live in shared memory, so DataLoader worker
