@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.data import TorchRLBufferDataset  # noqa: E402
 from torchrl_trl.online import CollectorCallback, CollectorError, wait_for_items  # noqa: E402
-from torchrl_trl.online.ray import make_ray_collector, make_ray_replay_buffer  # noqa: E402
+from torchrl_trl.online.ray import is_ray_collector, make_ray_collector, make_ray_replay_buffer  # noqa: E402
 
 ROWS = [{"query": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
 
@@ -62,6 +62,7 @@ def test_ray_collector_feeds_trainer_then_faults(ray_session, tmp_path):
     collector = make_ray_collector(_env_factory, _policy_factory, rb, dialog_turns_per_batch=4)
     try:
         cb = CollectorCallback(collector, replay_buffer=rb, min_buffer_size=4, wait_timeout=90, update_weights_every=1)
+        assert cb.remote and is_ray_collector(collector)  # recognised by type: RayLLMCollector
         cb.start()
         wait_for_items(rb, 4, timeout=90, check=cb.check)
         tok = testing.make_tokenizer()

@@ -49,7 +49,7 @@ def test_two_trainer_ranks_read_one_named_ray_buffer(ray_cluster, tmp_path):
         view = connect_ray_replay_buffer(name, namespace=namespace)
         assert len(view) == n and isinstance(view, type(rb))
         view.close()
-        assert len(rb) == n
+        assert not view.is_alive and rb.is_alive and len(rb) == n
         with pytest.raises(LookupError, match="'nope'.*" + namespace + "/rollouts"):
             connect_ray_replay_buffer("nope", namespace=namespace, timeout=0.3)
 
