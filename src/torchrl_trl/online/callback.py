@@ -456,7 +456,12 @@ class CollectorCallback(TrainerCallback):
             if missing > 0:
                 self.collect(max(missing, 1), model=model)
         if self.metrics_callback is not None:
-            self.metrics_callback.restart_window()  # throughput from step 1 on, not the initial fill
+            self.metrics_callback.on_train_begin(args, state, control, **kwargs)
+        return control
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.metrics_callback is not None:
+            self.metrics_callback.on_step_begin(args, state, control, **kwargs)
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

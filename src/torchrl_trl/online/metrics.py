@@ -100,6 +100,7 @@ class CollectorMetricsCallback(TrainerCallback):
         self._window_start = (time.monotonic(), self._write_count())
         self._window_step: int | None = None
         self._window_rate = 0.0
+        self._restart_at_first_step = False
 
     def _write_count(self) -> int:
         return int(self.replay_buffer.write_count)
@@ -157,7 +158,15 @@ class CollectorMetricsCallback(TrainerCallback):
         return insert_before_reporters(trainer, self)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.restart_window()
+        self._restart_at_first_step = True
+        return control
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # throughput from the first step on: not the initial fill, which other callbacks'
+        # on_train_begin may do after this one's
+        if self._restart_at_first_step:
+            self._restart_at_first_step = False
+            self.restart_window()
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
