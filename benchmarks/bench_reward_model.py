@@ -6,7 +6,7 @@
    ``tokenizer(texts, padding=True, padding_side="right", add_special_tokens=False)``, one
    forward under ``torch.inference_mode()``, ``logits[:, 0]``), reproduced here;
 3. ours: ``torchrl_trl.HFRewardModelWrapper`` on the ragged tokens (length-sorted
-   token-budget micro-batches), and ``packing=True`` (sequences back to back, one row per
+   token-budget micro-batches), and ``RewardBatching(packing=True)`` (sequences back to back, one row per
    forward, ``--pack-tokens`` per pack);
 4. the zero-padding limit: the same model on the same token ids with no padding at all,
    two ways -- one forward per sequence (``limit_single``), and sequences of identical
@@ -149,7 +149,7 @@ def main():
     from transformers import LlamaConfig, LlamaForSequenceClassification
     from torchrl.modules.llm.trl_interop import HFRewardModelWrapper as Upstream
 
-    from torchrl_trl.rewards import HFRewardModelWrapper
+    from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching
     from torchrl_trl.testing import make_tokenizer
 
     tok = make_tokenizer(padding_side="right")
@@ -183,8 +183,10 @@ def main():
             r = model(**inputs).logits[:, 0]
         return r.float().cpu(), inputs["input_ids"].numel()
 
-    def scorer_fn(**kwargs):
-        scorer = HFRewardModelWrapper(model, attention_mask_key=None, inference_mode=True, **kwargs)
+    def scorer_fn(**batching):
+        scorer = HFRewardModelWrapper(
+            model, attention_mask_key=None, inference_mode=True, batching=RewardBatching(**batching)
+        )
 
         def run():
             before = scorer.processed_tokens

@@ -86,12 +86,14 @@ def _in_threads(fn, n):
 
 
 def run(mode: str, path: str, workload, args) -> dict:
+    from torchrl_trl.rewards import RewardBatching
     from torchrl_trl.rewards.service import RewardServiceClient
 
     n = len(workload)
-    settings = dict(max_tokens_per_batch=args.budget)
+    batching = dict(max_tokens_per_batch=args.budget)
     if args.min_fill != "default":
-        settings["min_fill"] = args.min_fill
+        batching["min_fill"] = args.min_fill
+    settings = dict(batching=RewardBatching(**batching))
     if mode == "shared":
         # every caller builds its own client, as each collector builds its own transform;
         # the first creates the actor, the others attach by name
@@ -151,7 +153,7 @@ def main(argv=None):
     p.add_argument("--min-fill", type=lambda v: v if v == "default" else None if v == "none" else float(v),
                    default="default",
                    help="the planner's min_fill (a float, or 'none': pack by the budget alone); "
-                        "default: HFRewardModelWrapper's")
+                        "default: RewardBatching's")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the shared service (each private copy gets 1); on a busy "
                         "2-core machine 2 threads were 10x slower than 1")

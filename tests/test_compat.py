@@ -133,3 +133,17 @@ def test_datasets_examples_iterable_protocol():
     assert isinstance(ds, IterableDataset) and ds.features == Rows.features
     assert list(ds) == [{"x": i} for i in range(4)]
     assert list(ds.shard(2, 1)) == [{"x": 2}, {"x": 3}]
+
+
+def test_attn_implementation_reads_what_transformers_selected():
+    """The packed reward scorer picks its kernel arguments by this value."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    model = LlamaForSequenceClassification(config)
+    model.set_attn_implementation("eager")
+    assert _compat.attn_implementation(model.config) == "eager"
+    model.set_attn_implementation("sdpa")
+    assert _compat.attn_implementation(model.config.get_text_config()) == "sdpa"
+    assert _compat.attn_implementation(object()) is None

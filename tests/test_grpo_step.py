@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from torchrl_trl import layouts
-from torchrl_trl.rewards import HFRewardTransform
+from torchrl_trl.rewards import HFRewardModelWrapper, HFRewardTransform, RewardRenderer
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
 
 ROWS = [
@@ -57,7 +57,11 @@ def test_grpo_step_with_reward_trainer_model(checkpoints, policy_and_tokenizer, 
 
     policy_model, tokenizer = policy_and_tokenizer
     policy_model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)  # trained below
-    reward_tf = HFRewardTransform(trained_reward_model, policy_tokenizer=tokenizer)  # by path
+    reward_tf = HFRewardTransform(  # by path
+        HFRewardModelWrapper.from_pretrained(
+            trained_reward_model, inference_mode=True, renderer=RewardRenderer(policy_tokenizer=tokenizer)
+        )
+    )
     env = make_chat_env(ROWS, batch_size=2, group_size=2).append_transform(reward_tf)
     rb = ReplayBuffer(storage=LazyStackStorage(16), batch_size=4)
     rb.append_transform(MCAdvantage(grpo_size=2))

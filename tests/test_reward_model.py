@@ -1,5 +1,6 @@
 """HFRewardModelWrapper: the same rewards whatever the input layout, re-tokenisation,
-micro-batching, truncation, post-processing, device/dtype and bad input."""
+micro-batching, truncation, post-processing transforms, device/dtype, bad input, and
+removed keywords naming their replacement."""
 
 import warnings
 
@@ -9,7 +10,7 @@ from tensordict import NonTensorStack, TensorDict, lazy_stack
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from torchrl_trl.layouts import Ragged
-from torchrl_trl.rewards import HFRewardModelWrapper
+from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching, RewardRenderer, RunningRewardNorm
 
 CONVS = [
     [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "four"}],
@@ -82,7 +83,7 @@ def test_same_rewards_across_layouts(checkpoints, tok, rm):
     ids = _ids(tok)
     texts = [tok.apply_chat_template(c, tokenize=False) for c in CONVS]
     ref = torch.stack([_alone(rm, i) for i in ids])
-    scorer = HFRewardModelWrapper(checkpoints.reward_model, policy_tokenizer=tok, inference_mode=True)
+    scorer = HFRewardModelWrapper(checkpoints.reward_model, renderer=RewardRenderer(policy_tokenizer=tok), inference_mode=True)
 
     got = {
         "ragged": scorer(_ragged_td(ids))["reward"],
@@ -104,8 +105,8 @@ def test_same_rewards_across_layouts(checkpoints, tok, rm):
 def test_micro_batched_equals_unbatched_and_order_restored(checkpoints, tok):
     ids = _ids(tok) * 3
     td = _ragged_td(ids)
-    one = HFRewardModelWrapper(checkpoints.reward_model, max_tokens_per_batch=None, inference_mode=True)
-    small = HFRewardModelWrapper(checkpoints.reward_model, max_tokens_per_batch=60, inference_mode=True)
+    one = HFRewardModelWrapper(checkpoints.reward_model, batching=RewardBatching(max_tokens_per_batch=None), inference_mode=True)
+    small = HFRewardModelWrapper(checkpoints.reward_model, batching=RewardBatching(max_tokens_per_batch=60), inference_mode=True)
     r_one = one(td.clone())["reward"]
     r_small = small(td.clone())["reward"]
     torch.testing.assert_close(r_small, r_one, atol=1e-5, rtol=0)
@@ -137,7 +138,7 @@ def test_other_tokenizer_is_rerendered_with_its_template(checkpoints, tok):
     path = checkpoints.reward_model_other_tokenizer
     rm_tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
-    scorer = HFRewardModelWrapper(path, policy_tokenizer=tok, inference_mode=True)
+    scorer = HFRewardModelWrapper(path, renderer=RewardRenderer(policy_tokenizer=tok), inference_mode=True)
     assert not scorer.renderer.tokens_direct
 
     # history: exactly the model on the text rendered with the RM's own template
@@ -169,7 +170,7 @@ def test_eos_rule_matches_reward_trainer(checkpoints, tok, rm):
     # a truncated response's tokens get the same EOS
     ids = tok(text)["input_ids"]
     torch.testing.assert_close(scorer(_ragged_td([ids]))["reward"][0], ref, atol=1e-5, rtol=0)
-    never = HFRewardModelWrapper(checkpoints.reward_model, inference_mode=True, add_eos="never")
+    never = HFRewardModelWrapper(checkpoints.reward_model, inference_mode=True, renderer=RewardRenderer(add_eos="never"))
     torch.testing.assert_close(never(_ragged_td([ids]))["reward"][0], _alone(rm, ids), atol=1e-5, rtol=0)
 
 
@@ -191,7 +192,7 @@ def test_upstream_defaults_and_gradients(checkpoints, tok, rm):
 def test_truncation_is_counted(checkpoints, tok, rm):
     ids = _ids(tok)
     td = _ragged_td(ids)
-    keep_end = HFRewardModelWrapper(rm, max_length=10, inference_mode=True)
+    keep_end = HFRewardModelWrapper(rm, batching=RewardBatching(max_length=10), inference_mode=True)
     with pytest.warns(RuntimeWarning, match="truncated"):
         r = keep_end(td.clone())["reward"]
     n_long = sum(len(i) > 10 for i in ids)
@@ -201,32 +202,47 @@ def test_truncation_is_counted(checkpoints, tok, rm):
         warnings.simplefilter("error")  # warned once only
         keep_end(td.clone())
     assert keep_end.truncated_count == 2 * n_long
-    keep_start = HFRewardModelWrapper(rm, max_length=10, truncation="keep_start", inference_mode=True)
+    keep_start = HFRewardModelWrapper(rm, batching=RewardBatching(max_length=10, truncation="keep_start"), inference_mode=True)
     with pytest.warns(RuntimeWarning):
         r = keep_start(td.clone())["reward"]
     torch.testing.assert_close(r, torch.stack([_alone(rm, i[:10]) for i in ids]), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="max_length=10"):
-        HFRewardModelWrapper(rm, max_length=10, truncation="error")(td.clone())
+        HFRewardModelWrapper(rm, batching=RewardBatching(max_length=10, truncation="error"))(td.clone())
     # default max_length: the model's position limit
     assert HFRewardModelWrapper(rm).max_length == rm.config.max_position_embeddings
 
 
-def test_postprocessing(checkpoints, tok, rm):
+def test_postprocessing_transforms(checkpoints, tok, rm):
+    """Scale/shift/clip are TorchRL's transforms composed after the scorer; running
+    normalisation is RunningRewardNorm; each against values computed by hand."""
+    from tensordict.nn import TensorDictSequential
+    from torchrl.envs import RewardClipping, RewardScaling
+
     ids = _ids(tok)
     td = _ragged_td(ids)
     raw = torch.stack([_alone(rm, i) for i in ids])
-    s = HFRewardModelWrapper(rm, scale=2.0, shift=1.0, inference_mode=True)(td.clone())["reward"]
+    scorer = HFRewardModelWrapper(rm, inference_mode=True)
+    s = TensorDictSequential(scorer, RewardScaling(loc=1.0, scale=2.0))(td.clone())["reward"]
     torch.testing.assert_close(s, 2 * raw + 1, atol=1e-5, rtol=0)
     mid = float(raw.median())
-    c = HFRewardModelWrapper(rm, clip=(None, mid), inference_mode=True)(td.clone())["reward"]
+    # TorchRL 0.14.1's RewardClipping needs both bounds (None fails in torch.as_tensor)
+    c = RewardClipping(clamp_min=float("-inf"), clamp_max=mid)(scorer(td.clone()))["reward"]
     torch.testing.assert_close(c, raw.clamp(max=mid), atol=1e-5, rtol=0)
-    norm = HFRewardModelWrapper(rm, normalize="running", inference_mode=True)
-    n1 = norm(td.clone())["reward"]
+    norm = RunningRewardNorm()
+    n1 = norm(scorer(td.clone()))["reward"]
     torch.testing.assert_close(n1, (raw - raw.mean()) / raw.std(), atol=1e-4, rtol=0)
-    n2 = norm(_ragged_td(ids[:2]))["reward"]
+    n2 = norm(scorer(_ragged_td(ids[:2])))["reward"]
     seen = torch.cat([raw, raw[:2]])
     torch.testing.assert_close(n2, (raw[:2] - seen.mean()) / seen.std(), atol=1e-4, rtol=0)
-    assert int(norm.postprocess.count) == 6
+    assert int(norm.count) == 6
+    # the statistics save with the state dict and are restored
+    restored = RunningRewardNorm()
+    restored.load_state_dict(norm.state_dict())
+    torch.testing.assert_close(restored.std, norm.std)
+    # frozen statistics (eval) do not move
+    restored.update_stats = False
+    restored(scorer(td.clone()))
+    assert int(restored.count) == 6
 
 
 def test_multi_label_head(checkpoints, tok):
@@ -249,9 +265,9 @@ def test_bad_input_errors(checkpoints, tok, rm):
     with pytest.raises(KeyError, match=r"tokens.*history.*text.*Available keys.*foo"):
         HFRewardModelWrapper(checkpoints.reward_model)(td)
     with pytest.raises(KeyError, match="Available keys"):
-        HFRewardModelWrapper(rm, input_mode="tokens")(td)
+        HFRewardModelWrapper(rm, renderer=RewardRenderer(input_mode="tokens"))(td)
     with pytest.raises(ValueError, match="tokenizer"):
-        HFRewardModelWrapper(rm, input_mode="text")
+        HFRewardModelWrapper(rm, renderer=RewardRenderer(input_mode="text"))
     # a tokenizer whose vocabulary does not fit the model
     big = make_tokenizer(vocab_size=200)
     with pytest.raises(ValueError, match="200 tokens.*160 rows"):
@@ -262,9 +278,9 @@ def test_bad_input_errors(checkpoints, tok, rm):
     nopad = make_reward_model(tok, pad_token_id=None)
     two = _ragged_td(_ids(tok)[:2])
     with pytest.raises(ValueError, match="no pad token"):
-        HFRewardModelWrapper(nopad, min_fill=None)(two.clone())
-    one_by_one = HFRewardModelWrapper(nopad, max_batch_size=1, inference_mode=True)(two.clone())["reward"]
-    padded = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, min_fill=None, inference_mode=True)(two.clone())
+        HFRewardModelWrapper(nopad, batching=RewardBatching(min_fill=None))(two.clone())
+    one_by_one = HFRewardModelWrapper(nopad, batching=RewardBatching(max_batch_size=1), inference_mode=True)(two.clone())["reward"]
+    padded = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, batching=RewardBatching(min_fill=None), inference_mode=True)(two.clone())
     torch.testing.assert_close(padded["reward"], one_by_one, atol=1e-5, rtol=0)
 
 
@@ -287,10 +303,14 @@ def test_nonfinite_rewards(tok):
     td = _ragged_td(_ids(tok))
     with pytest.raises(FloatingPointError, match="non-finite"):
         HFRewardModelWrapper(_NaNModel(), pad_token_id=0)(td.clone())
-    w = HFRewardModelWrapper(_NaNModel(), on_nonfinite="warn", nonfinite_value=0.0, max_batch_size=1)
+    w = HFRewardModelWrapper(_NaNModel(), on_nonfinite=0.0, batching=RewardBatching(max_batch_size=1))
     with pytest.warns(RuntimeWarning, match="non-finite"):
         r = w(td.clone())["reward"]
     assert w.nonfinite_count == 4 and torch.equal(r, torch.zeros(4))
+    kept = HFRewardModelWrapper(_NaNModel(), on_nonfinite="warn", batching=RewardBatching(max_batch_size=1))
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        r = kept(td.clone())["reward"]
+    assert kept.nonfinite_count == 4 and bool(r.isnan().all())
 
 
 def test_bfloat16_model_float_tensordict(checkpoints, tok):
@@ -313,7 +333,7 @@ def test_bfloat16_model_float_tensordict(checkpoints, tok):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_model_cpu_tensordict(checkpoints, tok, rm):
     ids = _ids(tok)
-    scorer = HFRewardModelWrapper(checkpoints.reward_model, device="cuda", inference_mode=True)
+    scorer = HFRewardModelWrapper.from_pretrained(checkpoints.reward_model, device="cuda", inference_mode=True)
     out = scorer(_ragged_td(ids))["reward"]
     assert out.device.type == "cpu"
     ref = torch.stack([_alone(rm, i) for i in ids])
@@ -326,26 +346,66 @@ def test_cuda_model_cpu_tensordict(checkpoints, tok, rm):
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        ({"max_batch_size": 0, "min_fill": None}, ValueError, "max_batch_size must be >= 1, got 0"),
-        ({"max_batch_size": -2, "min_fill": None}, ValueError, "max_batch_size must be >= 1, got -2"),
+        ({"max_batch_size": 0, "min_fill": None}, ValueError, "max_batch_size must be a positive integer or None, got 0"),
+        ({"max_batch_size": -2, "min_fill": None}, ValueError, "max_batch_size must be a positive integer or None, got -2"),
         ({"max_tokens_per_batch": 0}, ValueError, "max_tokens_per_batch"),
-        ({"max_tokens_per_batch": 1.5}, TypeError, "max_tokens_per_batch"),
+        ({"max_tokens_per_batch": 1.5}, ValueError, "max_tokens_per_batch"),
         ({"pad_to_multiple_of": 0}, ValueError, "pad_to_multiple_of"),
         ({"min_fill": 0.0}, ValueError, "min_fill"),
         ({"min_fill": 1.5}, ValueError, "min_fill"),
         ({"max_length": 0}, ValueError, "max_length"),
+        ({"truncation": "middle"}, ValueError, "truncation"),
+        ({"packing": 1}, TypeError, "packing"),
+    ],
+)
+def test_batching_arguments_checked_at_construction(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        RewardBatching(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
         ({"pad_token_id": -1}, ValueError, "pad_token_id"),
         ({"head_index": 0.5}, TypeError, "head_index"),
-        ({"scale": float("nan")}, ValueError, "scale"),
-        ({"shift": "1"}, TypeError, "shift"),
-        ({"clip": (1.0, -1.0)}, ValueError, "clip"),
-        ({"nonfinite_value": float("inf")}, ValueError, "nonfinite_value"),
-        ({"reward_dtype": torch.int64}, TypeError, "reward_dtype"),
+        ({"on_nonfinite": float("inf")}, ValueError, "on_nonfinite"),
+        ({"on_nonfinite": "ignore"}, ValueError, "on_nonfinite"),
+        ({"reward_shape": "column"}, ValueError, "reward_shape"),
+        ({"renderer": {"part": "response"}}, TypeError, "renderer must be a RewardRenderer"),
+        ({"batching": 128}, TypeError, "batching must be a RewardBatching"),
     ],
 )
 def test_numeric_arguments_checked_at_construction(rm, kwargs, error, words):
     with pytest.raises(error, match=words):
         HFRewardModelWrapper(rm, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, value, replacement",
+    [
+        ("max_tokens_per_batch", 64, r"RewardBatching\(max_tokens_per_batch=...\)"),
+        ("min_fill", None, r"RewardBatching\(min_fill=...\)"),
+        ("packing", True, r"RewardBatching\(packing=...\)"),
+        ("truncation", "error", r"RewardBatching\(truncation=...\)"),
+        ("policy_tokenizer", None, r"RewardRenderer\(policy_tokenizer=...\)"),
+        ("part", "response", r"RewardRenderer\(part=...\)"),
+        ("add_eos", "never", r"RewardRenderer\(add_eos=...\)"),
+        ("scale", 2.0, r"RewardScaling\(loc=shift, scale=scale"),
+        ("clip", (0, 1), r"RewardClipping"),
+        ("normalize", "running", r"RunningRewardNorm"),
+        ("nonfinite_value", 0.0, r"on_nonfinite=<value>"),
+        ("accumulate", True, r"HFRewardTransform\(scorer, accumulate=True\)"),
+        ("reward_dtype", torch.float64, r"DTypeCastTransform"),
+        ("device", "cpu", r"from_pretrained\(path, device=...\)"),
+        ("dtype", torch.bfloat16, r"from_pretrained\(path, dtype=...\)"),
+        ("trust_remote_code", True, r"from_pretrained\(path, trust_remote_code=...\)"),
+    ],
+)
+def test_removed_keyword_names_its_replacement(rm, name, value, replacement):
+    with pytest.raises(TypeError, match=rf"{name} moved to .*{replacement}"):
+        HFRewardModelWrapper(rm, **{name: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        HFRewardModelWrapper(rm, bogus=1)
 
 
 def test_micro_batch_planner_refuses_zero_rows():
@@ -397,23 +457,28 @@ def test_non_string_chat_content_raises(checkpoints, content):
 def test_accumulate_onto_another_shape_raises(rm, tok):
     td = _ragged_td(_ids(tok))
     td.set("reward", torch.zeros(4, 1))
+    scorer = HFRewardModelWrapper(rm, inference_mode=True)
     with pytest.raises(ValueError, match=r"accumulate=True.*'reward'.*\(4, 1\).*\(4,\)"):
-        HFRewardModelWrapper(rm, accumulate=True)(td)
+        scorer.write(td, scorer.score(td), accumulate=True)
     # same shape: added
     first = HFRewardModelWrapper(rm, inference_mode=True)(_ragged_td(_ids(tok)))["reward"]
     td = _ragged_td(_ids(tok))
     td.set("reward", torch.ones(4))
-    out = HFRewardModelWrapper(rm, accumulate=True, inference_mode=True)(td)["reward"]
+    out = scorer.write(td, scorer.score(td), accumulate=True)["reward"]
     torch.testing.assert_close(out, first + 1)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"device": "cpu"}, {"dtype": torch.bfloat16}, {"trust_remote_code": True}, {"model_kwargs": {}}]
-)
-def test_loading_arguments_with_a_model_object_raise(rm, kwargs):
-    (name,) = kwargs
-    with pytest.raises(TypeError, match=rf"\['{name}'\] only apply when the model is loaded by path"):
-        HFRewardModelWrapper(rm, **kwargs)
+def test_from_pretrained_places_and_casts(checkpoints, rm, tok):
+    scorer = HFRewardModelWrapper.from_pretrained(
+        checkpoints.reward_model, device="cpu", dtype=torch.bfloat16, inference_mode=True
+    )
+    assert next(scorer.model.parameters()).dtype == torch.bfloat16
+    assert scorer.tokenizer is not None and not scorer.model.training
+    with pytest.raises(TypeError, match="from_pretrained takes a local directory"):
+        HFRewardModelWrapper.from_pretrained(rm)
+    # wrapper arguments pass through; the tokenizer given is used instead of the saved one
+    scorer = HFRewardModelWrapper.from_pretrained(checkpoints.reward_model, tokenizer=tok, reward_shape="step")
+    assert scorer.tokenizer is tok and scorer.reward_shape == "step"
 
 
 # -- part and declared keys -------------------------------------------------------------
@@ -433,7 +498,7 @@ def test_part_response_scores_the_response_tokens(checkpoints, policy_and_tokeni
     out = make_policy_wrapper(model, ptok, pad_output=True, max_new_tokens=6)(
         TensorDict({"history": ChatHistory(prompt=prompts, batch_size=[2])}, [2])
     )
-    scorer = HFRewardModelWrapper(checkpoints.reward_model, policy_tokenizer=ptok, part="response", inference_mode=True)
+    scorer = HFRewardModelWrapper(checkpoints.reward_model, renderer=RewardRenderer(policy_tokenizer=ptok, part="response"), inference_mode=True)
     assert scorer.in_keys == [("tokens", "response"), ("masks", "all_attention_mask")]
     got = scorer(out)["reward"]
     refs = []
@@ -442,19 +507,19 @@ def test_part_response_scores_the_response_tokens(checkpoints, policy_and_tokeni
             row.pop()
         refs.append(_alone(rm, row if row[-1] == ptok.eos_token_id else row + [ptok.eos_token_id]))
     torch.testing.assert_close(got, torch.stack(refs), atol=1e-5, rtol=0)
-    full = HFRewardModelWrapper(checkpoints.reward_model, policy_tokenizer=ptok, inference_mode=True)(out)["reward"]
+    full = HFRewardModelWrapper(checkpoints.reward_model, renderer=RewardRenderer(policy_tokenizer=ptok), inference_mode=True)(out)["reward"]
     assert (full - got).abs().max() > 1e-4
     with pytest.raises(ValueError, match="part='response' with token_key=\\('tokens', 'full'\\)"):
-        HFRewardModelWrapper(rm, part="response", token_key=("tokens", "full"))
+        HFRewardModelWrapper(rm, renderer=RewardRenderer(part="response"), token_key=("tokens", "full"))
 
 
 def test_in_keys_are_the_keys_read(checkpoints, tok):
     other = checkpoints.reward_model_other_tokenizer
-    history = HFRewardModelWrapper(other, policy_tokenizer=tok, inference_mode=True)
+    history = HFRewardModelWrapper(other, renderer=RewardRenderer(policy_tokenizer=tok), inference_mode=True)
     assert history.in_keys == [("history", "full")]
-    text = HFRewardModelWrapper(other, policy_tokenizer=tok, input_mode="text")
+    text = HFRewardModelWrapper(other, renderer=RewardRenderer(policy_tokenizer=tok, input_mode="text"))
     assert text.in_keys == [("text", "full")]
-    same = HFRewardModelWrapper(checkpoints.reward_model, policy_tokenizer=tok)
+    same = HFRewardModelWrapper(checkpoints.reward_model, renderer=RewardRenderer(policy_tokenizer=tok))
     assert same.in_keys == [("tokens", "full"), ("masks", "all_attention_mask")]
     # a tensordict holding only the declared keys is enough (select relies on it)
     td = _history_td(CONVS)
@@ -481,6 +546,6 @@ def test_padding_mask_only_where_attention_can_see_it(tok, is_causal):
     ids = _ids(tok)
     ref = torch.stack([_alone(rm, i) for i in ids])
     calls.clear()
-    got = HFRewardModelWrapper(rm, inference_mode=True, min_fill=None)(_ragged_td(ids))["reward"]
+    got = HFRewardModelWrapper(rm, inference_mode=True, batching=RewardBatching(min_fill=None))(_ragged_td(ids))["reward"]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert len(calls) == 1 and (calls[0] is None) == is_causal

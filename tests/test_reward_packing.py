@@ -1,4 +1,4 @@
-"""Packed reward-model scoring (``HFRewardModelWrapper(packing=True)``): every sequence's
+"""Packed reward-model scoring (``HFRewardModelWrapper(batching=RewardBatching(packing=True))``): every sequence's
 reward equals the same sequence scored alone, unpadded, by the plain model call."""
 
 import pytest
@@ -7,7 +7,7 @@ from tensordict import TensorDict
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_trl.layouts import Ragged
-from torchrl_trl.rewards import HFRewardModelWrapper
+from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching, RewardRenderer
 from torchrl_trl.rewards.packing import iter_packs, plan_packs, score_pack
 from torchrl_trl.testing import make_reward_model
 
@@ -47,7 +47,10 @@ def test_packed_equals_each_sequence_alone(rollouts, policy_and_tokenizer, kind,
     ref = torch.stack([_alone(rm, s) for s in seqs])
 
     budget = 2 * max(map(len, seqs))  # several packs, most holding several sequences
-    scorer = HFRewardModelWrapper(rm, packing=True, add_eos="never", max_tokens_per_batch=budget, inference_mode=True)
+    scorer = HFRewardModelWrapper(
+        rm, batching=RewardBatching(packing=True, max_tokens_per_batch=budget),
+        renderer=RewardRenderer(add_eos="never"), inference_mode=True,
+    )
     got = scorer(td)["reward"]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert ref.std() > 1e-4  # the sequences get different rewards: order is checked
@@ -57,7 +60,7 @@ def test_packed_equals_each_sequence_alone(rollouts, policy_and_tokenizer, kind,
 
     # the default EOS rule too: the same rewards as padded micro-batches
     padded = HFRewardModelWrapper(rm, inference_mode=True)(rollouts.clone())["reward"]
-    packed = HFRewardModelWrapper(rm, packing=True, inference_mode=True)(rollouts.clone())["reward"]
+    packed = HFRewardModelWrapper(rm, batching=RewardBatching(packing=True), inference_mode=True)(rollouts.clone())["reward"]
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
 
 
@@ -86,14 +89,14 @@ def test_pooling_follows_the_pad_rule_and_gradients(policy_and_tokenizer):
     pad = rm.config.pad_token_id
     seqs = [torch.tensor([7, 8, 9, pad, pad]), torch.tensor([pad, pad]), torch.tensor([5]), torch.tensor([11, 12, 13])]
     ref = torch.stack([_alone(rm, s) for s in seqs])
-    scorer = HFRewardModelWrapper(rm, packing=True, add_eos="never", max_batch_size=3)
+    scorer = HFRewardModelWrapper(rm, batching=RewardBatching(packing=True, max_batch_size=3), renderer=RewardRenderer(add_eos="never"))
     got = scorer.score_ids(Ragged.from_list(seqs))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
     got.sum().backward()
     packed_grad = rm.score.weight.grad.clone()
     rm.zero_grad()
-    HFRewardModelWrapper(rm, add_eos="never", max_batch_size=1).score_ids(Ragged.from_list(seqs)).sum().backward()
+    HFRewardModelWrapper(rm, renderer=RewardRenderer(add_eos="never"), batching=RewardBatching(max_batch_size=1)).score_ids(Ragged.from_list(seqs)).sum().backward()
     torch.testing.assert_close(packed_grad, rm.score.weight.grad, atol=1e-5, rtol=0)
 
 
@@ -104,14 +107,14 @@ def test_packing_refused_where_it_cannot_be_exact(policy_and_tokenizer):
         def forward(self, input_ids, attention_mask=None):
             return input_ids.float().sum(-1, keepdim=True)
 
-    with pytest.raises(ValueError, match="packing=True: StandIn is not a causal"):
-        HFRewardModelWrapper(StandIn(), packing=True)
+    with pytest.raises(ValueError, match=r"RewardBatching\(packing=True\): StandIn is not a causal"):
+        HFRewardModelWrapper(StandIn(), batching=RewardBatching(packing=True))
     bidirectional = make_reward_model(tok, kind="llama")
     bidirectional.config.is_causal = False
-    with pytest.raises(ValueError, match="packing=True: LlamaForSequenceClassification"):
-        HFRewardModelWrapper(bidirectional, packing=True)
+    with pytest.raises(ValueError, match=r"RewardBatching\(packing=True\): LlamaForSequenceClassification"):
+        HFRewardModelWrapper(bidirectional, batching=RewardBatching(packing=True))
     with pytest.raises(TypeError, match="packing must be a bool"):
-        HFRewardModelWrapper(make_reward_model(tok), packing="yes")
+        RewardBatching(packing="yes")
 
 
 def test_packed_sliding_window_layers(policy_and_tokenizer):
@@ -123,5 +126,5 @@ def test_packed_sliding_window_layers(policy_and_tokenizer):
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(5, len(tok), (n,), generator=g) for n in (7, 1, 30, 12, 3, 25)]
     ref = torch.stack([_alone(rm, s) for s in seqs])
-    got = HFRewardModelWrapper(rm, packing=True, add_eos="never", inference_mode=True).score_ids(Ragged.from_list(seqs))
+    got = HFRewardModelWrapper(rm, batching=RewardBatching(packing=True), renderer=RewardRenderer(add_eos="never"), inference_mode=True).score_ids(Ragged.from_list(seqs))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -17,7 +17,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer  # no
 
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.layouts import Ragged  # noqa: E402
-from torchrl_trl.rewards import HFRewardModelWrapper, HFRewardTransform  # noqa: E402
+from torchrl_trl.rewards import HFRewardModelWrapper, HFRewardTransform, RewardBatching, RewardRenderer  # noqa: E402
 from torchrl_trl.rewards.service import RewardServiceClient, RewardServiceError  # noqa: E402
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper  # noqa: E402
 
@@ -65,7 +65,8 @@ def _collect_in_worker(path, policy_path, actor_name):
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(policy_path)
     model = AutoModelForCausalLM.from_pretrained(policy_path).eval()
-    tf = HFRewardTransform(path, use_ray_service=True, actor_name=actor_name, policy_tokenizer=tok, timeout=60)
+    client = RewardServiceClient(path, actor_name=actor_name, renderer=RewardRenderer(policy_tokenizer=tok), timeout=60)
+    tf = HFRewardTransform(client)
     env = make_chat_env(ROWS, batch_size=2, group_size=1).append_transform(tf)
     rb = collect_rollouts(make_policy_wrapper(model, tok, max_new_tokens=6), env, total_turns=4, seed=1)
     return _rewards(rb), layouts.read_history(rb[:], "full"), tf.scorer.info()["pid"], os.getpid()
@@ -75,8 +76,9 @@ def _collect_in_worker(path, policy_path, actor_name):
 def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_tokenizer):
     model, tok = policy_and_tokenizer
     path = str(checkpoints.reward_model_other_tokenizer)
-    tf = HFRewardTransform(path, use_ray_service=True, actor_name="rm-shared", policy_tokenizer=tok,
-                           num_cpus=0, timeout=60)  # fmt: skip
+    client = RewardServiceClient(path, actor_name="rm-shared", renderer=RewardRenderer(policy_tokenizer=tok),
+                                 num_cpus=0, timeout=60)  # fmt: skip
+    tf = HFRewardTransform(client)
     assert tf.in_keys == [("history", "full")] and tf.out_keys == [("next", "reward")]
     # the second collector runs in another process, concurrently with the first
     remote = ray.remote(num_cpus=1)(_collect_in_worker).remote(path, str(checkpoints.policy), "rm-shared")
@@ -87,7 +89,7 @@ def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_t
     # one actor: created by the first transform, attached to by name from the worker
     assert [n for n in ray.util.list_named_actors() if n == "rm-shared"] == ["rm-shared"]
     assert remote_service_pid == tf.scorer.info()["pid"] and worker_pid != os.getpid()
-    in_process = HFRewardModelWrapper(path, policy_tokenizer=tok, inference_mode=True)
+    in_process = HFRewardModelWrapper(path, renderer=RewardRenderer(policy_tokenizer=tok), inference_mode=True)
     for rewards, convs in [(_rewards(rb), layouts.read_history(rb[:], "full")), (remote_rewards, remote_convs)]:
         assert rewards.shape == (4, 1, 1) and rewards.dtype == torch.float32
         # an independent reference: plain transformers, each conversation alone, unpadded
@@ -100,7 +102,9 @@ def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_t
     assert stats["sequences"] == 2 * stats["requests"] >= 8
 
     # called as a module (a buffer's write path): scores and writes ("next", "reward")
-    standalone = HFRewardTransform(path, use_ray_service=True, actor_name="rm-shared", policy_tokenizer=tok)
+    # TorchRL's ModuleTransform spelling: attaches to the running service by name (the
+    # tokens are re-rendered here from the chat, so no policy tokenizer is needed)
+    standalone = HFRewardTransform(path, use_ray_service=True, actor_name="rm-shared", num_cpus=0)
     again = standalone(rb[:].exclude(("next", "reward")))
     torch.testing.assert_close(torch.stack(again.get(("next", "reward"), as_list=True)), _rewards(rb),
                                atol=1e-5, rtol=0)  # fmt: skip
@@ -110,7 +114,7 @@ def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_t
 def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoints):
     path = str(checkpoints.reward_model_other_tokenizer)
     # 1 s of bounded wait: four threads' requests surely meet in one flush on a busy machine
-    client = RewardServiceClient(path, actor_name="rm-batching", max_tokens_per_batch=64, max_wait_ms=1000,
+    client = RewardServiceClient(path, actor_name="rm-batching", batching=RewardBatching(max_tokens_per_batch=64), max_wait_ms=1000,
                                  num_cpus=0, timeout=60)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
 
@@ -143,7 +147,7 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
     for sequences, got in zip(requests, results):
         torch.testing.assert_close(got, _reference(path, sequences), atol=1e-5, rtol=0)
     stats = client.stats()
-    alone = HFRewardModelWrapper(path, max_tokens_per_batch=64, inference_mode=True)
+    alone = HFRewardModelWrapper(path, batching=RewardBatching(max_tokens_per_batch=64), inference_mode=True)
     calls = []
     alone.model.register_forward_hook(lambda *a: calls.append(1))
     for sequences in requests:
@@ -154,7 +158,7 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
 
     # a caller whose timeout is shorter than the service takes (here: it holds a lone
     # request up to 1 s for company) gets a clear error at its timeout, not a hang
-    impatient = RewardServiceClient(path, actor_name="rm-batching", max_tokens_per_batch=64, timeout=0.3)
+    impatient = RewardServiceClient(path, actor_name="rm-batching", batching=RewardBatching(max_tokens_per_batch=64), timeout=0.3)
     t0 = time.monotonic()
     with pytest.raises(RewardServiceError, match=r"'rm-batching' did not answer score\(\) within timeout=0\.3s"):
         impatient.score_ids(Ragged.from_list(seqs([5])))
@@ -190,8 +194,10 @@ def test_service_arguments_are_checked(checkpoints, policy_and_tokenizer):
     with pytest.raises(ValueError, match="timeout must be a finite"):
         RewardServiceClient(path, timeout=float("inf"))
     with pytest.raises(ValueError, match="inference_mode=False"):
-        HFRewardTransform(path, use_ray_service=True, inference_mode=False)
+        RewardServiceClient(path, inference_mode=False)
     with pytest.raises(TypeError, match="unexpected argument"):
         RewardServiceClient(path, max_tokens=3)
-    with pytest.raises(TypeError, match="configured HFRewardModelWrapper"):
+    with pytest.raises(TypeError, match=r"max_tokens_per_batch moved to RewardBatching\(max_tokens_per_batch=...\)"):
+        RewardServiceClient(path, max_tokens_per_batch=3)
+    with pytest.raises(TypeError, match="use_ray_service=True serves the reward model from a local path"):
         HFRewardTransform(HFRewardModelWrapper(path), service_backend="ray")

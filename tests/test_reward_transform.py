@@ -6,13 +6,20 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from torchrl_trl import layouts
-from torchrl_trl.rewards import HFRewardTransform
+from torchrl_trl.rewards import HFRewardModelWrapper, HFRewardTransform, RewardRenderer
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
 
 ROWS = [
     {"query": "what is two plus two?", "answer": "4"},
     {"query": "hello world", "answer": "hi"},
 ]
+
+
+def _scorer(path, policy_tokenizer):
+    """The scorer the transform composes: the reward model, re-rendering the policy's samples."""
+    return HFRewardModelWrapper.from_pretrained(
+        path, inference_mode=True, renderer=RewardRenderer(policy_tokenizer=policy_tokenizer)
+    )
 
 
 def _history_reference(path, conversations):
@@ -33,7 +40,7 @@ def test_replay_buffer_scores_once_before_mcadvantage(checkpoints, policy_and_to
 
     model, tok = policy_and_tokenizer
     path = checkpoints.reward_model_other_tokenizer
-    reward_tf = HFRewardTransform(path, policy_tokenizer=tok)
+    reward_tf = HFRewardTransform(_scorer(path, tok))
     rb = ReplayBuffer(storage=LazyStackStorage(16), batch_size=4)
     rb.append_transform(MCAdvantage(grpo_size=2))
     rb.append_transform(reward_tf)  # the buffer runs write transforms last-to-first
@@ -54,7 +61,7 @@ def test_env_multi_turn_rewards(checkpoints, policy_and_tokenizer):
     model, tok = policy_and_tokenizer
     path = checkpoints.reward_model_other_tokenizer
     env = make_chat_env(ROWS, batch_size=2, group_size=1, max_turns=2)
-    env = env.append_transform(HFRewardTransform(path, policy_tokenizer=tok))
+    env = env.append_transform(HFRewardTransform(_scorer(path, tok)))
     rb = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)
     data = rb[:]
     assert len(rb) == 4
@@ -66,16 +73,16 @@ def test_env_multi_turn_rewards(checkpoints, policy_and_tokenizer):
 
 
 def test_configured_wrapper_is_used_as_configured(checkpoints, policy_and_tokenizer):
-    from torchrl_trl.rewards import HFRewardModelWrapper
+    from torchrl_trl.rewards import HFRewardModelWrapper, RewardRenderer
 
     model, tok = policy_and_tokenizer
-    scorer = HFRewardModelWrapper.for_grpo(str(checkpoints.reward_model), policy_tokenizer=tok)
+    scorer = HFRewardModelWrapper.for_grpo(str(checkpoints.reward_model), renderer=RewardRenderer(policy_tokenizer=tok))
     env = make_chat_env(ROWS, batch_size=2, group_size=1).append_transform(HFRewardTransform(scorer))
     data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=2)[:]
     rewards = torch.stack(data.get(("next", "reward"), as_list=True))
     assert rewards.shape == (2, 1, 1) and not rewards.requires_grad
-    with pytest.raises(TypeError, match="reward_shape"):
-        HFRewardTransform(scorer, reward_shape="flat")
+    # the transform writes: its own key/shape, when given, win over the scorer's
+    assert HFRewardTransform(scorer, reward_shape="trailing").reward_shape == "trailing"
 
 
 def test_composes_with_retrieve_kl(checkpoints, policy_and_tokenizer):
@@ -90,7 +97,7 @@ def test_composes_with_retrieve_kl(checkpoints, policy_and_tokenizer):
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
     env = make_chat_env(ROWS, batch_size=2, group_size=2)
-    env = env.append_transform(HFRewardTransform(str(checkpoints.reward_model), policy_tokenizer=tok))
+    env = env.append_transform(HFRewardTransform(_scorer(checkpoints.reward_model, tok)))
     data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)[:]
     rm_reward = torch.stack(layouts.read_column(data, layouts.REWARD_KEY)).reshape(-1)
 
@@ -119,9 +126,9 @@ def test_called_as_a_module_writes_the_reward_and_declares_what_it_reads(checkpo
 
     model, tok = policy_and_tokenizer
     path = checkpoints.reward_model_other_tokenizer
-    tf = HFRewardTransform(path, policy_tokenizer=tok)
+    tf = HFRewardTransform(_scorer(path, tok))
     assert tf.in_keys == [("history", "full")] and tf.out_keys == [("next", "reward")]
-    same = HFRewardTransform(checkpoints.reward_model, policy_tokenizer=tok)
+    same = HFRewardTransform(_scorer(checkpoints.reward_model, tok))
     assert same.in_keys == [("tokens", "full"), ("masks", "all_attention_mask")]
 
     torch.manual_seed(0)
@@ -142,9 +149,44 @@ def test_service_arguments_need_use_ray_service(checkpoints):
     """Service settings without the service, or an unknown backend, are refused (no Ray
     needed to tell)."""
     path = str(checkpoints.reward_model)
-    with pytest.raises(TypeError, match=r"\['actor_name', 'timeout'\] only apply with use_ray_service=True"):
-        HFRewardTransform(path, actor_name="rm", timeout=3)
+    with pytest.raises(TypeError, match=r"\['actor_name', 'num_gpus'\] only apply with use_ray_service=True"):
+        HFRewardTransform(path, actor_name="rm", num_gpus=1)
     with pytest.raises(ValueError, match="service_backend must be"):
         HFRewardTransform(path, service_backend="grpc")
     with pytest.raises(ValueError, match="conflicts"):
         HFRewardTransform(path, use_ray_service=True, service_backend="direct")
+
+
+@pytest.mark.parametrize(
+    "name, value, replacement",
+    [
+        ("policy_tokenizer", None, r"RewardRenderer\(policy_tokenizer=...\)"),
+        ("max_tokens_per_batch", 64, r"RewardBatching\(max_tokens_per_batch=...\)"),
+        ("scale", 2.0, r"RewardScaling"),
+        ("tokenizer", None, r"HFRewardModelWrapper.from_pretrained\(path, tokenizer=...\)"),
+        ("device", "cpu", r"HFRewardModelWrapper.from_pretrained\(path, device=...\)"),
+        ("inference_mode", False, r"HFRewardModelWrapper.from_pretrained\(path, inference_mode=...\)"),
+        ("timeout", 3, r"RewardServiceClient\(path, timeout=...\)"),
+        ("max_restarts", 1, r"RewardServiceClient\(path, max_restarts=...\)"),
+    ],
+)
+def test_removed_keyword_names_its_replacement(checkpoints, name, value, replacement):
+    """The transform composes a scorer: a wrapper or service argument passed to it is
+    refused with where it goes now (no model is loaded to tell)."""
+    with pytest.raises(TypeError, match=rf"HFRewardTransform composes a scorer: {name} moved to .*{replacement}"):
+        HFRewardTransform(str(checkpoints.reward_model), **{name: value})
+
+
+def test_scorer_kinds(checkpoints):
+    """A path or a loaded model is wrapped with the defaults (no gradients, step-shaped
+    reward at ("next", "reward")); anything else is refused by type."""
+    by_path = HFRewardTransform(str(checkpoints.reward_model))
+    assert isinstance(by_path.scorer, HFRewardModelWrapper) and by_path.scorer.inference_mode
+    assert by_path.reward_shape == "step" and by_path.out_keys == [("next", "reward")]
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoints.reward_model)
+    by_model = HFRewardTransform(model)
+    assert by_model.scorer.model is model and by_model.reward_shape == "step"
+    with pytest.raises(TypeError, match="scorer must be"):
+        HFRewardTransform(42)
+    with pytest.raises(TypeError, match="use_ray_service=True serves the reward model from a local path"):
+        HFRewardTransform(by_path.scorer, use_ray_service=True)

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.modules.llm.trl_interop import HFRewardModelWrapper as Upstream
 
-from torchrl_trl import HFRewardModelWrapper
+from torchrl_trl import HFRewardModelWrapper, RewardBatching
 
 
 class _Out:
@@ -79,7 +79,7 @@ def test_stand_in_module_without_config_gets_ids_and_mask_as_given():
 def test_stand_in_module_chunks_rows_by_budget_in_order():
     td = _left_padded(n=5)
     model = PositionalScorer()
-    ours = HFRewardModelWrapper(model, max_tokens_per_batch=24)(td.clone())["reward"]
+    ours = HFRewardModelWrapper(model, batching=RewardBatching(max_tokens_per_batch=24))(td.clone())["reward"]
     assert [c[0].shape for c in model.calls] == [(2, 12), (2, 12), (1, 12)]
     torch.testing.assert_close(ours, Upstream(PositionalScorer())(td.clone())["reward"])
 

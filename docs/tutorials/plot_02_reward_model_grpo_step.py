@@ -40,7 +40,7 @@ from trl import RewardConfig, RewardTrainer
 
 from tensordict import set_list_to_stack
 
-from torchrl_trl import HFRewardTransform, layouts
+from torchrl_trl import HFRewardModelWrapper, HFRewardTransform, RewardRenderer, layouts
 from torchrl_trl.testing import tiny_checkpoints
 
 set_list_to_stack(True).set()
@@ -88,7 +88,10 @@ group_size = 4  # completions per prompt
 loader = DataLoader(["what is two plus two?", "say hello"], batch_size=2, collate_fn=lambda qs: {"query": qs})
 env = ChatEnv.from_dataloader(dataloader=loader, batch_size=2, repeats=group_size, input_mode="history")
 env = env.append_transform(StepCounter(max_steps=1))
-env = env.append_transform(HFRewardTransform(f"{workdir}/rm", policy_tokenizer=tokenizer))
+# the scorer: the reward model, re-rendering each chat with its own template (the policy's
+# tokenizer tells it how the policy tokenised); the transform writes ("next", "reward")
+scorer = HFRewardModelWrapper.for_grpo(f"{workdir}/rm", renderer=RewardRenderer(policy_tokenizer=tokenizer))
+env = env.append_transform(HFRewardTransform(scorer))
 
 buffer = ReplayBuffer(storage=LazyStackStorage(16), batch_size=2 * group_size)
 buffer.append_transform(MCAdvantage(grpo_size=group_size))  # groups completions of the same prompt

@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tensordict import set_list_to_stack
 
-from torchrl_trl import HFRewardModelWrapper, RewardFunctionWrapper, as_trl_reward_func, layouts
+from torchrl_trl import HFRewardModelWrapper, RewardBatching, RewardFunctionWrapper, as_trl_reward_func, layouts
 from torchrl_trl.testing import tiny_checkpoints
 
 set_list_to_stack(True).set()
@@ -120,7 +120,9 @@ fig.tight_layout()
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-reward_model = HFRewardModelWrapper(str(paths.reward_model_other_tokenizer), max_tokens_per_batch=512)
+reward_model = HFRewardModelWrapper(
+    str(paths.reward_model_other_tokenizer), batching=RewardBatching(max_tokens_per_batch=512)
+)
 reward_func = as_trl_reward_func(reward_model, name="tiny_rm")
 print(reward_func([[{"role": "user", "content": "hi"}]], [[{"role": "assistant", "content": "hello"}]]))
 

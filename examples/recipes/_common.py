@@ -145,11 +145,12 @@ def make_sampler(model, tokenizer, cfg: dict):
 def reward_transform(cfg: dict, policy_tokenizer):
     """``HFRewardTransform`` with the config's reward model, re-rendering each chat with the
     reward model's own chat template, writing ``("next", "reward")`` ``[B, 1, 1]``."""
-    from torchrl_trl import HFRewardTransform
+    from torchrl_trl import HFRewardModelWrapper, HFRewardTransform, RewardBatching, RewardRenderer
 
     rm = cfg["reward"]
-    return HFRewardTransform(
-        cfg["reward_model"], policy_tokenizer=policy_tokenizer, device=cfg["device"],
-        dtype=torch_dtype(rm.get("dtype", cfg["dtype"])), max_tokens_per_batch=rm["max_tokens_per_batch"],
-        max_length=rm.get("max_length"), pad_token_id=rm.get("pad_token_id"),
+    scorer = HFRewardModelWrapper.for_grpo(
+        cfg["reward_model"], device=cfg["device"], dtype=torch_dtype(rm.get("dtype", cfg["dtype"])),
+        renderer=RewardRenderer(policy_tokenizer=policy_tokenizer), pad_token_id=rm.get("pad_token_id"),
+        batching=RewardBatching(max_tokens_per_batch=rm["max_tokens_per_batch"], max_length=rm.get("max_length")),
     )
+    return HFRewardTransform(scorer)

@@ -150,3 +150,14 @@ def iterable_dataset_from_examples(ex_iterable, features, cls: type | None = Non
 
 
 # -- TorchRL reward parsers run outside an env (rewards/trl_funcs.py) ----------------------
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a transformers config runs with (``"eager"``,
+    ``"sdpa"``, ``"flash_attention_2"``, ...), or ``None`` when it says none.
+
+    transformers has no public getter: the value lives in ``config._attn_implementation``
+    (set by ``from_pretrained(attn_implementation=...)`` / ``set_attn_implementation``).
+    Checked against transformers 5.24.
+    """
+    return getattr(config, "_attn_implementation", None)

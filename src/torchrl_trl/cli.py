@@ -273,7 +273,7 @@ def cmd_score(args) -> int:
 
     from . import layouts
     from .online import save_buffer
-    from .rewards import HFRewardModelWrapper
+    from .rewards import HFRewardModelWrapper, RewardBatching, RewardRenderer
 
     policy_tokenizer = None
     if tok_dir is not None:
@@ -287,8 +287,8 @@ def cmd_score(args) -> int:
         raise CLIError(f"{args.path}: the buffer is empty; nothing to score")
     key = tuple(args.reward_key.split(".")) if "." in args.reward_key else args.reward_key
     scorer = HFRewardModelWrapper.for_grpo(
-        str(rm_dir), reward_key=key, policy_tokenizer=policy_tokenizer, device=args.device,
-        max_tokens_per_batch=args.max_tokens_per_batch,
+        str(rm_dir), reward_key=key, renderer=RewardRenderer(policy_tokenizer=policy_tokenizer),
+        device=args.device, batching=RewardBatching(max_tokens_per_batch=args.max_tokens_per_batch),
     )
     rewards = []
     for start in tqdm(range(0, n, args.batch_size), desc="scoring", unit="batch", disable=args.no_progress):

@@ -227,7 +227,7 @@ def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
     trainer.save_model(str(out_dir))
     tokenizer.save_pretrained(out_dir)
 
-    scorer = HFRewardModelWrapper(str(out_dir), inference_mode=True, device=cfg.device)
+    scorer = HFRewardModelWrapper.from_pretrained(out_dir, inference_mode=True, device=cfg.device)
     chosen = scorer.score_messages([p["prompt"] + p["chosen"] for p in heldout])
     rejected = scorer.score_messages([p["prompt"] + p["rejected"] for p in heldout])
     return out_dir, float((chosen > rejected).float().mean())
@@ -247,14 +247,15 @@ def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
     from torchrl.objectives.llm.grpo import GRPOLoss, MCAdvantage
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from torchrl_trl import HFRewardTransform, layouts, testing
+    from torchrl_trl import HFRewardModelWrapper, HFRewardTransform, RewardRenderer, layouts, testing
 
     tokenizer = AutoTokenizer.from_pretrained(policy_path, **SAFE_LOADING)
     model = AutoModelForCausalLM.from_pretrained(policy_path, use_safetensors=True, **SAFE_LOADING)
     model = model.to(cfg.device).eval()
     rows = [{"query": p} for p in PROMPTS]
     env = testing.make_chat_env(rows, batch_size=cfg.prompts_per_batch, group_size=cfg.group_size)
-    env = env.append_transform(HFRewardTransform(str(rm_path), policy_tokenizer=tokenizer))
+    scorer = HFRewardModelWrapper.for_grpo(str(rm_path), renderer=RewardRenderer(policy_tokenizer=tokenizer))
+    env = env.append_transform(HFRewardTransform(scorer))
     sampler = testing.make_policy_wrapper(
         model, tokenizer, max_new_tokens=cfg.max_new_tokens, device=cfg.device
     )
@@ -336,7 +337,7 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
         true_scores.append(_mean_true_score(texts))
         return batch
 
-    reward = as_trl_reward_func(HFRewardModelWrapper(str(rm_path), inference_mode=True, device=cfg.device))
+    reward = as_trl_reward_func(HFRewardModelWrapper.from_pretrained(rm_path, inference_mode=True, device=cfg.device))
     batch = cfg.prompts_per_batch * cfg.group_size
     args = GRPOConfig(
         **_quiet_trainer_args(cfg, cfg.output_dir / "trl_grpo"),

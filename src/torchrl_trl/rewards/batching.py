@@ -1,5 +1,8 @@
 """Token-budget micro-batches: sort by length, pack, pad right, restore order.
 
+:class:`RewardBatching` is the policy (budget, fill, width rounding, longest input,
+truncation, packing) a reward scorer is given; the functions below carry it out.
+
 A batch of ``N`` sequences of lengths ``L_i`` padded to ``max(L)`` costs ``N * max(L)``
 token slots. Sorting by length and packing consecutive sequences while
 ``rows * longest <= max_tokens_per_batch`` makes the processed slots close to
@@ -9,31 +12,21 @@ token slots. Sorting by length and packing consecutive sequences while
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from .._checks import positive_int
 from ..layouts import Ragged
 
 __all__ = [
     "MicroBatch",
-    "check_count",
+    "RewardBatching",
     "check_fraction",
     "iter_micro_batches",
     "plan_micro_batches",
     "truncate",
 ]
-
-
-def check_count(name: str, value, *, minimum: int = 1, optional: bool = True) -> int | None:
-    """``value`` as an ``int >= minimum`` (``None`` allowed when ``optional``); a
-    ``ValueError``/``TypeError`` naming the argument otherwise."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def check_fraction(name: str, value) -> float | None:
@@ -45,6 +38,96 @@ def check_fraction(name: str, value) -> float | None:
     if not 0 < value <= 1:
         raise ValueError(f"{name} must be in (0, 1] (or None), got {value}")
     return float(value)
+
+
+Truncation = Literal["keep_end", "keep_start", "error"]
+
+
+@dataclass(frozen=True)
+class RewardBatching:
+    """How a reward scorer feeds its model: token budget, fill, width, length, packing.
+
+    Attributes:
+        max_tokens_per_batch: token budget (rows x padded width) of one forward; ``None``:
+            one forward over everything. Defaults to 16384.
+        max_batch_size: optional cap on rows (sequences) per forward.
+        min_fill: a micro-batch only holds sequences of at least ``min_fill`` x its
+            longest, so its padding efficiency is >= ``min_fill`` (``None``: budget only).
+            Defaults to 0.95 (0.9 left ~4% padding on a long-tailed batch).
+        pad_to_multiple_of: round each micro-batch width up to this multiple.
+        max_length: longest sequence fed to the model; ``None``: the model's
+            ``max_position_embeddings`` when known. Longer ones follow ``truncation``.
+        truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, i.e.
+            the response and its EOS, where reward models pool), ``"keep_start"`` or
+            ``"error"``.
+        packing: score whole sequences back to back in one row per forward (at most
+            ``max_tokens_per_batch`` tokens and ``max_batch_size`` sequences), positions
+            restarting per sequence, no padding (see :mod:`torchrl_trl.rewards.packing`;
+            causal transformers ``*ForSequenceClassification`` models only). On CPU a
+            pack's attention costs ``T^2``: keep the budget near the longest sequence.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_trl.layouts import Ragged
+        >>> policy = RewardBatching(max_tokens_per_batch=8, min_fill=None)
+        >>> ids = Ragged.from_list([[1, 2, 3, 4], [5, 6], [7, 8, 9]])
+        >>> [mb.index.tolist() for mb in policy.micro_batches(ids, pad_token_id=0)]  # longest first
+        [[0, 2], [1]]
+        >>> RewardBatching(max_length=2).truncate(ids)[1]  # (ids, how many were cut)
+        2
+        >>> RewardBatching(max_tokens_per_batch=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_tokens_per_batch must be a positive integer or None, got 0
+    """
+
+    max_tokens_per_batch: int | None = 16384
+    max_batch_size: int | None = None
+    min_fill: float | None = 0.95
+    pad_to_multiple_of: int | None = None
+    max_length: int | None = None
+    truncation: Truncation = "keep_end"
+    packing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_per_batch", "max_batch_size", "pad_to_multiple_of", "max_length"):
+            positive_int(getattr(self, name), name, allow_none=True)
+        check_fraction("min_fill", self.min_fill)
+        if self.truncation not in ("keep_end", "keep_start", "error"):
+            raise ValueError(
+                f"truncation must be 'keep_end', 'keep_start' or 'error', got {self.truncation!r}"
+            )
+        if not isinstance(self.packing, bool):
+            raise TypeError(f"packing must be a bool, got {self.packing!r}")
+
+    def truncate(self, ids: Ragged, max_length: int | None = None) -> tuple[Ragged, int]:
+        """``(ids cut to max_length per truncation, number cut)``; ``max_length``
+        defaults to :attr:`max_length`."""
+        return truncate(ids, self.max_length if max_length is None else max_length, self.truncation)
+
+    def micro_batches(self, ids: Ragged, *, pad_token_id: int, equal_lengths: bool = False):
+        """Right-padded :class:`MicroBatch` es of ``ids`` by this policy;
+        ``equal_lengths`` (a model that cannot be told what is padding) batches only
+        sequences of one length together."""
+        return iter_micro_batches(
+            ids,
+            pad_token_id=pad_token_id,
+            max_tokens_per_batch=self.max_tokens_per_batch,
+            max_batch_size=self.max_batch_size,
+            pad_to_multiple_of=None if equal_lengths else self.pad_to_multiple_of,
+            min_fill=1.0 if equal_lengths else self.min_fill,
+        )
+
+    def packs(self, ids: Ragged, *, pad_token_id: int | None):
+        """:class:`~torchrl_trl.rewards.packing.Pack` s of ``ids`` by this policy."""
+        from .packing import iter_packs
+
+        return iter_packs(
+            ids,
+            pad_token_id=pad_token_id,
+            max_tokens_per_batch=self.max_tokens_per_batch,
+            max_batch_size=self.max_batch_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -100,9 +183,9 @@ def plan_micro_batches(
     Returns:
         index tensors, longest sequences first; together a permutation of ``range(N)``.
     """
-    check_count("max_tokens_per_batch", max_tokens_per_batch)
-    check_count("max_batch_size", max_batch_size)
-    check_count("pad_to_multiple_of", pad_to_multiple_of)
+    positive_int(max_tokens_per_batch, "max_tokens_per_batch", allow_none=True)
+    positive_int(max_batch_size, "max_batch_size", allow_none=True)
+    positive_int(pad_to_multiple_of, "pad_to_multiple_of", allow_none=True)
     check_fraction("min_fill", min_fill)
     n = lengths.numel()
     if n == 0:

@@ -2,10 +2,17 @@
 
 A drop-in superset of ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper``: the
 same arguments with the same meaning and defaults (reward ``[*B]`` at top-level
-``"reward"``, gradients kept unless ``inference_mode=True``), plus loading by path,
-ragged / text / chat inputs, re-tokenisation for a reward model with its own tokenizer
-or chat template, token-budget micro-batching, a truncation policy, device/dtype
-placement, TorchRL's GRPO reward convention and post-processing.
+``"reward"``, gradients kept unless ``inference_mode=True``). What is added comes in
+pieces, each an object with one job:
+
+- :class:`~torchrl_trl.rewards.render.RewardRenderer`: what the model sees (tokens, text
+  or chat; which part; the EOS rule; re-tokenisation for a reward model with its own
+  tokenizer or chat template);
+- :class:`~torchrl_trl.rewards.batching.RewardBatching`: how it is fed (token budget,
+  fill, longest input, truncation, packing);
+- :meth:`HFRewardModelWrapper.from_pretrained`: loading (safetensors, device, dtype);
+- post-processing as TorchRL transforms composed after the scorer (``RewardScaling``,
+  ``RewardClipping``, :class:`~torchrl_trl.rewards.postprocess.RunningRewardNorm`).
 """
 
 from __future__ import annotations
@@ -13,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import warnings
 from typing import Any, Literal
 
 import torch
@@ -23,59 +29,66 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from .. import layouts
+from .._checks import WarnOnce
 from ..layouts import Ragged
-from .batching import check_count, check_fraction, iter_micro_batches, truncate
-from .packing import causal_classifier, iter_packs, packing_unsupported, score_pack
-from .postprocess import RewardPostprocess, select_head
+from .batching import RewardBatching
+from .loading import load_reward_model
+from .packing import causal_classifier, packing_unsupported, score_pack
+from .postprocess import NonFiniteRewards, extract_scores, select_head
 from .render import RewardRenderer, check_ids
+from .shape import RewardShape, trailing_dims
+from .writing import write_rewards
 
-__all__ = ["HFRewardModelWrapper", "load_reward_model"]
+__all__ = ["HFRewardModelWrapper", "load_reward_model", "moved_arguments_error"]
 
-RewardShape = Literal["flat", "trailing", "step"]
+_SCALE = "a TorchRL transform after the scorer: torchrl.envs.RewardScaling(loc=shift, scale=scale, in_keys=[reward_key])"
+#: keyword arguments that moved out of the constructor, and where they went
+MOVED = {
+    **{name: f"RewardRenderer({name}=...) (renderer=)" for name in
+       ("policy_tokenizer", "input_mode", "part", "add_eos", "chat_template_kwargs")},
+    **{name: f"RewardBatching({name}=...) (batching=)" for name in
+       ("max_tokens_per_batch", "max_batch_size", "pad_to_multiple_of", "min_fill", "packing",
+        "max_length", "truncation")},
+    "scale": _SCALE,
+    "shift": _SCALE,
+    "clip": "a TorchRL transform after the scorer: torchrl.envs.RewardClipping(clamp_min, clamp_max, in_keys=[reward_key]) "
+            "(both bounds: +-inf for a one-sided clip)",
+    "normalize": "a transform after the scorer: torchrl_trl.rewards.RunningRewardNorm(in_keys=[reward_key])",
+    "nonfinite_value": "on_nonfinite=<value> (the replacement value itself)",
+    "accumulate": "HFRewardTransform(scorer, accumulate=True), or scorer.write(td, rewards, accumulate=True)",
+    "reward_dtype": "a transform after the scorer: torchrl.envs.DTypeCastTransform (the reward is written "
+                    "in the dtype of a reward already at reward_key, else torch.get_default_dtype())",
+    **{name: f"HFRewardModelWrapper.from_pretrained(path, {name}=...) (a model object is used as it is: "
+             "model.to(device, dtype))" for name in ("device", "dtype", "trust_remote_code", "model_kwargs")},
+}  # fmt: skip
 
 
-def load_reward_model(
-    path: str | os.PathLike,
-    *,
-    trust_remote_code: bool = False,
-    dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
-    load_tokenizer: bool = True,
-    **model_kwargs,
-) -> tuple[nn.Module, Any]:
-    """Load ``AutoModelForSequenceClassification`` (safetensors only) and its tokenizer
-    from a local directory, e.g. one written by ``trl.RewardTrainer.save_model``.
+def moved_arguments_error(owner: str, given: dict) -> TypeError:
+    """The ``TypeError`` for keyword arguments ``owner`` no longer takes: each one named
+    with where it moved (unknown ones as unexpected).
 
-    Returns:
-        ``(model in eval mode, tokenizer or None)``.
+    >>> print(moved_arguments_error("HFRewardModelWrapper", {"max_length": 8}))
+    HFRewardModelWrapper: max_length moved to RewardBatching(max_length=...) (batching=)
     """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    path = os.fspath(path)
-    kwargs = dict(use_safetensors=True, trust_remote_code=trust_remote_code, **model_kwargs)
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
-    if device is not None:
-        model = model.to(device)
-    tokenizer = None
-    if load_tokenizer:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model.eval(), tokenizer
+    lines = [
+        f"{name} moved to {MOVED[name]}" if name in MOVED else f"unexpected keyword argument {name!r}"
+        for name in sorted(given)
+    ]
+    return TypeError(f"{owner}: " + "; ".join(lines))
 
 
 class HFRewardModelWrapper(TensorDictModuleBase):
     """Score TorchRL LLM samples with a Hugging Face sequence-classification reward model.
 
-    Reads each sample's tokens, text or chat (see :mod:`torchrl_trl.rewards.render` for
-    which one and how it is rendered), scores them in length-sorted, right-padded
-    micro-batches and writes one reward per sample.
+    Reads each sample's tokens, text or chat (as the :class:`RewardRenderer` says), scores
+    them in length-sorted, right-padded micro-batches (as the :class:`RewardBatching` says)
+    and writes one reward per sample.
 
     Args:
         model: a loaded reward model (any ``*ForSequenceClassification`` or module whose
-            output has ``logits``/``rewards`` of shape ``[n]`` or ``[n, num_labels]``), or
-            a local path, loaded with :func:`load_reward_model` (safetensors,
-            ``trust_remote_code=False`` unless asked) together with its tokenizer.
+            output has ``logits``/``rewards`` of shape ``[n]`` or ``[n, num_labels]``), used
+            where and as it is; or a local path, the same as :meth:`from_pretrained` with
+            its defaults.
 
     The first four keyword arguments are upstream's, with the same meaning and defaults;
     the rest are added.
@@ -94,53 +107,26 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         inference_mode: ``True`` scores under ``torch.no_grad()``; ``False`` (default)
             keeps the graph.
 
-        tokenizer: the reward model's tokenizer (loaded from ``model``'s path by default).
+        tokenizer: the reward model's tokenizer (loaded with a model given by path).
             Needed for text and chat inputs and for re-tokenisation.
-        policy_tokenizer: the tokenizer that produced the tokens in the tensordict. When it
-            differs from ``tokenizer`` (vocabulary or chat template), samples are
-            re-rendered (chat with the reward model's template, else text, else tokens
-            decoded with this tokenizer) and re-tokenised.
-        input_mode: ``"auto"`` (default), ``"tokens"``, ``"text"`` or ``"history"``.
-        part: ``"full"`` (prompt + response, default) or ``"response"``.
-        add_eos: ``"auto"`` (default; as ``trl.RewardTrainer`` tokenised its pairs),
-            ``"always"`` or ``"never"``.
-        chat_template_kwargs: forwarded to ``apply_chat_template``.
-        max_tokens_per_batch: token budget (rows x padded width) of one forward;
-            ``None``: one forward over everything. Defaults to 16384.
-        max_batch_size: optional cap on rows per forward.
-        pad_to_multiple_of: round each micro-batch width up to this multiple.
-        min_fill: a micro-batch only holds sequences of at least ``min_fill`` x its
-            longest, so its padding efficiency is >= ``min_fill`` (``None``: budget only).
-            Defaults to 0.95 (0.9 left ~4% padding on a long-tailed batch).
-        packing: score whole sequences back to back in one row per forward (at most
-            ``max_tokens_per_batch`` tokens, ``max_batch_size`` sequences), positions
-            restarting per sequence, no padding; the score is pooled from the base model's
-            hidden states (see :mod:`torchrl_trl.rewards.packing`). Causal transformers
-            ``*ForSequenceClassification`` models only (``ValueError`` otherwise). On CPU
-            the attention of a pack costs ``T^2``: keep the budget near the longest
-            sequence; with flash attention (GPU) it is the varlen kernel.
-        max_length: longest sequence fed to the model; defaults to the model's
-            ``max_position_embeddings`` when known. Longer ones follow ``truncation``.
-        truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, i.e.
-            the response and its EOS), ``"keep_start"`` or ``"error"``. Truncations are
-            counted in :attr:`truncated_count` and warned about once.
-        reward_shape: ``"flat"`` (``[*B]``, upstream), ``"trailing"`` (``[*B, 1]``) or
-            ``"step"`` (``[*B, 1, 1]``, TorchRL's GRPO convention as ``GSM8KRewardParser``
-            writes). Use :meth:`for_grpo` for ``("next", "reward")`` + ``"step"``.
-        accumulate: add to a reward already at ``reward_key`` instead of overwriting it.
-        reward_dtype: dtype of the written reward; defaults to the dtype of a reward
-            already there, else ``torch.get_default_dtype()``.
+        renderer: a :class:`RewardRenderer`: input mode, part, EOS rule, chat template
+            arguments, policy tokenizer. Defaults to ``RewardRenderer()``.
+        batching: a :class:`RewardBatching`: token budget, max batch size, fill, pad
+            multiple, max length, truncation, packing. Defaults to ``RewardBatching()``
+            (16384-token budget, ``min_fill=0.95``, ``max_length`` from the model config).
         head_index: which output of a multi-label head is the reward.
-        scale, shift, clip, normalize, on_nonfinite, nonfinite_value: see
-            :class:`~torchrl_trl.rewards.postprocess.RewardPostprocess`.
         pad_token_id: pad id for right-padding; defaults to the model config's (the id
             HF's sequence classifiers pool against). If the model has none, this value is
             also set on ``model.config`` so batched forwards work.
-        device, dtype: move / cast a model loaded by path. Inputs always go to the
-            model's device. With a model object they raise ``TypeError`` (move the model
-            yourself with ``model.to(...)``: it is used where it is).
-        trust_remote_code, model_kwargs: for loading by path only (``TypeError`` with a
-            model object).
+        reward_shape: ``"flat"`` (``[*B]``, upstream), ``"trailing"`` (``[*B, 1]``) or
+            ``"step"`` (``[*B, 1, 1]``, TorchRL's GRPO convention as ``GSM8KRewardParser``
+            writes; see :mod:`torchrl_trl.rewards.shape`). Use :meth:`for_grpo` for
+            ``("next", "reward")`` + ``"step"``.
+        on_nonfinite: ``"raise"`` (default) on NaN/inf scores, ``"warn"`` (counted in
+            :attr:`nonfinite_count`, warned once, kept) or a number written instead.
+
+    Scale, shift, clipping and running normalisation are not constructor flags: compose
+    TorchRL transforms after the scorer (see :mod:`torchrl_trl.rewards.postprocess`).
 
     A module with no ``config`` and no ``pad_token_id=`` (a stand-in like upstream's
     tests use) gets the stored ``input_ids`` + ``attention_mask`` as given, as upstream
@@ -154,20 +140,25 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             ``[("history", part)]`` (reward model with a chat template) or
             ``[("text", part)]``; ``input_mode="auto"`` falls back to another input when
             those are absent.
-        truncated_count: sequences truncated so far.
-        nonfinite_count: non-finite rewards seen so far (``on_nonfinite="warn"``).
+        renderer: the renderer bound to this model (tokenizer, keys, EOS).
+        max_length: the longest input fed to the model (``batching.max_length`` or the
+            model's ``max_position_embeddings``).
+        truncated_count: sequences truncated so far (warned about once).
+        nonfinite_count: non-finite rewards seen so far (``on_nonfinite`` not ``"raise"``).
         real_tokens, processed_tokens: token counters over all calls (padding
             efficiency = real / processed).
 
     Examples:
         Ragged rollouts (TorchRL's default ``pad_output=False``) scored in TorchRL's GRPO
-        convention:
+        convention, then a chat rendered with the reward model's template:
 
         >>> import tempfile, torch
         >>> from tensordict import TensorDict, lazy_stack
         >>> from torchrl_trl import testing
+        >>> from torchrl_trl.rewards import RewardBatching, RewardRenderer
         >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
-        >>> scorer = HFRewardModelWrapper.for_grpo(str(paths.reward_model))
+        >>> scorer = HFRewardModelWrapper.for_grpo(
+        ...     str(paths.reward_model), batching=RewardBatching(max_tokens_per_batch=64))
         >>> rollouts = lazy_stack([
         ...     TensorDict({"tokens": {"full": torch.tensor(t)},
         ...                 "masks": {"all_attention_mask": torch.ones(len(t), dtype=torch.bool)}})
@@ -177,6 +168,13 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         torch.Size([2, 1, 1])
         >>> scorer.score_texts(["hello", "bye"]).shape
         torch.Size([2])
+
+        A removed keyword names its replacement:
+
+        >>> HFRewardModelWrapper(str(paths.reward_model), max_tokens_per_batch=64)
+        Traceback (most recent call last):
+        ...
+        TypeError: HFRewardModelWrapper: max_tokens_per_batch moved to RewardBatching(max_tokens_per_batch=...) (batching=)
     """
 
     def __init__(
@@ -184,96 +182,49 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         model: nn.Module | str | os.PathLike,
         *,
         token_key: NestedKey | None = None,
-        attention_mask_key: NestedKey | None = ("masks", "all_attention_mask"),
+        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY,
         reward_key: NestedKey = "reward",
         inference_mode: bool = False,
         tokenizer: Any = None,
-        policy_tokenizer: Any = None,
-        input_mode: Literal["auto", "tokens", "text", "history"] = "auto",
-        part: layouts.Part = "full",
-        add_eos: Literal["auto", "always", "never"] = "auto",
-        chat_template_kwargs: dict | None = None,
-        max_tokens_per_batch: int | None = 16384,
-        max_batch_size: int | None = None,
-        pad_to_multiple_of: int | None = None,
-        min_fill: float | None = 0.95,
-        packing: bool = False,
-        max_length: int | None = None,
-        truncation: Literal["keep_end", "keep_start", "error"] = "keep_end",
-        reward_shape: RewardShape = "flat",
-        accumulate: bool = False,
-        reward_dtype: torch.dtype | None = None,
+        renderer: RewardRenderer | None = None,
+        batching: RewardBatching | None = None,
         head_index: int | None = None,
-        scale: float = 1.0,
-        shift: float = 0.0,
-        clip: tuple[float | None, float | None] | None = None,
-        normalize: Literal["running"] | None = None,
-        on_nonfinite: Literal["raise", "warn"] = "raise",
-        nonfinite_value: float | None = None,
         pad_token_id: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | str | None = None,
-        trust_remote_code: bool = False,
-        model_kwargs: dict | None = None,
+        reward_shape: RewardShape = "flat",
+        on_nonfinite: Literal["raise", "warn"] | float = "raise",
+        **removed,
     ) -> None:
+        if removed:
+            raise moved_arguments_error(type(self).__name__, removed)
         super().__init__()
-        if not isinstance(model, (str, os.PathLike)):
-            for_path_only = {"device": device, "dtype": dtype, "model_kwargs": model_kwargs}
-            for_path_only["trust_remote_code"] = trust_remote_code or None
-            given = sorted(k for k, v in for_path_only.items() if v is not None)
-            if given:
-                raise TypeError(
-                    f"{given} only apply when the model is loaded by path, but a "
-                    f"{type(model).__name__} object was passed: it is used where and as it is "
-                    "(move or cast it first, e.g. model.to(device, dtype))"
-                )
         if isinstance(model, (str, os.PathLike)):
-            model, loaded_tok = load_reward_model(
-                model,
-                trust_remote_code=trust_remote_code,
-                dtype=dtype,
-                device=device,
-                load_tokenizer=tokenizer is None,
-                **(model_kwargs or {}),
-            )
+            model, loaded_tok = load_reward_model(model, load_tokenizer=tokenizer is None)
             tokenizer = tokenizer if tokenizer is not None else loaded_tok
-        if truncation not in ("keep_end", "keep_start", "error"):
-            raise ValueError(
-                f"truncation must be 'keep_end', 'keep_start' or 'error', got {truncation!r}"
-            )
-        if reward_shape not in ("flat", "trailing", "step"):
-            raise ValueError(
-                f"reward_shape must be 'flat', 'trailing' or 'step', got {reward_shape!r}"
-            )
-        check_count("max_tokens_per_batch", max_tokens_per_batch)
-        check_count("max_batch_size", max_batch_size)
-        check_count("pad_to_multiple_of", pad_to_multiple_of)
-        check_fraction("min_fill", min_fill)
-        check_count("max_length", max_length)
-        check_count("pad_token_id", pad_token_id, minimum=0)
+        renderer = RewardRenderer() if renderer is None else renderer
+        batching = RewardBatching() if batching is None else batching
+        if not isinstance(renderer, RewardRenderer):
+            raise TypeError(f"renderer must be a RewardRenderer, got {type(renderer).__name__}")
+        if not isinstance(batching, RewardBatching):
+            raise TypeError(f"batching must be a RewardBatching, got {type(batching).__name__}")
+        trailing_dims(reward_shape)  # checks the name
+        if pad_token_id is not None and (
+            isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0
+        ):
+            raise ValueError(f"pad_token_id must be an int >= 0 or None, got {pad_token_id!r}")
         if head_index is not None and (isinstance(head_index, bool) or not isinstance(head_index, int)):
             raise TypeError(f"head_index must be an int or None, got {head_index!r}")
-        if reward_dtype is not None and not (
-            isinstance(reward_dtype, torch.dtype) and reward_dtype.is_floating_point
-        ):
-            raise TypeError(f"reward_dtype must be a floating torch.dtype or None, got {reward_dtype!r}")
+        if batching.packing and (reason := packing_unsupported(model)) is not None:
+            raise ValueError(f"RewardBatching(packing=True): {reason}; use packing=False (padded micro-batches)")
         self.model = model
         self.tokenizer = tokenizer
         self.inference_mode = inference_mode
         self.attention_mask_key, self.reward_key = attention_mask_key, reward_key
         self.out_keys = [reward_key]
-        self.max_tokens_per_batch, self.max_batch_size = max_tokens_per_batch, max_batch_size
-        self.pad_to_multiple_of, self.min_fill = pad_to_multiple_of, min_fill
-        if not isinstance(packing, bool):
-            raise TypeError(f"packing must be a bool, got {packing!r}")
-        if packing and (reason := packing_unsupported(model)) is not None:
-            raise ValueError(f"packing=True: {reason}; use packing=False (padded micro-batches)")
-        self.packing = packing
-        self.truncation, self.reward_shape, self.accumulate = truncation, reward_shape, accumulate
-        self.reward_dtype, self.head_index = reward_dtype, head_index
+        self.batching, self.reward_shape, self.head_index = batching, reward_shape, head_index
         config = getattr(model, "config", None)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._text_config = text_config
+        max_length = batching.max_length
         if max_length is None:
             max_length = getattr(text_config, "max_position_embeddings", None)
         self.max_length = max_length
@@ -284,16 +235,8 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         if eos is None:
             eos = getattr(text_config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-        self.renderer = RewardRenderer(
-            tokenizer,
-            policy_tokenizer=policy_tokenizer,
-            input_mode=input_mode,
-            part=part,
-            token_key=token_key,
-            attention_mask_key=attention_mask_key,
-            add_eos=add_eos,
-            eos_token_id=eos,
-            chat_template_kwargs=chat_template_kwargs,
+        self.renderer = renderer.bind(
+            tokenizer, token_key=token_key, attention_mask_key=attention_mask_key, eos_token_id=eos
         )
         self.token_key = self.renderer.token_key
         #: the keys read when every input is present (``input_mode="auto"`` falls back to
@@ -304,26 +247,69 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         self._model_takes_mask = _takes_argument(model, "attention_mask")
         # right padding comes after every real token: a causal decoder needs no mask for it
         self._causal = causal_classifier(model)
-        self.postprocess = RewardPostprocess(
-            scale=scale,
-            shift=shift,
-            clip=clip,
-            normalize=normalize,
-            on_nonfinite=on_nonfinite,
-            nonfinite_value=nonfinite_value,
-        )
-        self.truncated_count = 0
+        self._nonfinite = NonFiniteRewards(on_nonfinite)
+        self._truncations = WarnOnce(RuntimeWarning)
         self.real_tokens = 0
         self.processed_tokens = 0
-        self._warned_truncation = False
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        trust_remote_code: bool = False,
+        model_kwargs: dict | None = None,
+        tokenizer: Any = None,
+        **wrapper_kwargs,
+    ) -> HFRewardModelWrapper:
+        """Load a reward model from a local directory and wrap it.
+
+        Loads ``AutoModelForSequenceClassification`` (safetensors only,
+        ``trust_remote_code=False`` unless asked, eval mode) and, unless ``tokenizer=`` is
+        given, its tokenizer, with :func:`load_reward_model`.
+
+        Args:
+            path: the directory (e.g. ``trl.RewardTrainer``'s output).
+            device, dtype: where and in which dtype the model is placed.
+            trust_remote_code, model_kwargs: for ``from_pretrained``.
+            tokenizer: the reward model's tokenizer, instead of the one at ``path``.
+            **wrapper_kwargs: the constructor's keyword arguments (``renderer=``,
+                ``batching=``, ``reward_key=``, ...).
+
+        Examples:
+            >>> import tempfile
+            >>> from torchrl_trl import testing
+            >>> from torchrl_trl.rewards import RewardRenderer
+            >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
+            >>> scorer = HFRewardModelWrapper.from_pretrained(
+            ...     paths.reward_model, dtype=torch.float32, inference_mode=True,
+            ...     renderer=RewardRenderer(add_eos="never"))
+            >>> scorer.score_messages([[{"role": "user", "content": "hi"}]]).dtype
+            torch.float32
+        """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"from_pretrained takes a local directory, got a {type(path).__name__}; wrap a loaded "
+                "model with HFRewardModelWrapper(model, ...)"
+            )
+        model, loaded_tok = load_reward_model(
+            path, trust_remote_code=trust_remote_code, dtype=dtype, device=device,
+            load_tokenizer=tokenizer is None, **(model_kwargs or {}),
+        )
+        return cls(model, tokenizer=loaded_tok if tokenizer is None else tokenizer, **wrapper_kwargs)
 
     @classmethod
     def for_grpo(cls, model, **kwargs) -> HFRewardModelWrapper:
         """TorchRL's GRPO convention: reward ``[*B, 1, 1]`` at ``("next", "reward")``,
-        scored without gradients (all overridable)."""
+        scored without gradients (all overridable). ``model`` as for the constructor; a
+        path also takes :meth:`from_pretrained`'s loading arguments (``device=``, ...)."""
         kwargs.setdefault("reward_key", layouts.REWARD_KEY)
         kwargs.setdefault("reward_shape", "step")
         kwargs.setdefault("inference_mode", True)
+        if isinstance(model, (str, os.PathLike)):
+            return cls.from_pretrained(model, **kwargs)
         return cls(model, **kwargs)
 
     # -- checks --------------------------------------------------------------------
@@ -362,7 +348,11 @@ class HFRewardModelWrapper(TensorDictModuleBase):
 
     @property
     def nonfinite_count(self) -> int:
-        return self.postprocess.nonfinite_count
+        return self._nonfinite.count
+
+    @property
+    def truncated_count(self) -> int:
+        return self._truncations.counts["truncated"]
 
     @property
     def padding_efficiency(self) -> float:
@@ -382,7 +372,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             out = self.model(input_ids=input_ids.to(device))
         else:
             out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
-        return select_head(_extract_scores(out), self.head_index, input_ids.shape[0]).float()
+        return select_head(extract_scores(out), self.head_index, input_ids.shape[0]).float()
 
     def _check_vocab_range(self, ids: Ragged, where: str) -> None:
         if self._num_embeddings is None or not ids.values.numel():
@@ -397,21 +387,18 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             )
 
     def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
-        """Post-processed rewards ``float32 [N]`` on the model's device for reward-model
-        token ids (one sample per row of ``ids``), in the order given. ``where`` names the
-        input in error messages."""
+        """Rewards ``float32 [N]`` on the model's device for reward-model token ids (one
+        sample per row of ``ids``), in the order given (head selected, non-finite scores
+        handled per ``on_nonfinite``). ``where`` names the input in error messages."""
         check_ids(ids, where)
-        ids, n_cut = truncate(ids, self.max_length, self.truncation)
-        if n_cut:
-            self.truncated_count += n_cut
-            if not self._warned_truncation:
-                self._warned_truncation = True
-                warnings.warn(
-                    f"{n_cut} reward-model input(s) longer than max_length={self.max_length} were "
-                    f"truncated ({self.truncation}); counted in truncated_count (warned once)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+        ids, n_cut = self.batching.truncate(ids, self.max_length)
+        self._truncations.add(
+            "truncated",
+            f"{n_cut} reward-model input(s) longer than max_length={self.max_length} were "
+            f"truncated ({self.batching.truncation}); counted in truncated_count",
+            n=n_cut,
+            stacklevel=4,
+        )
         n = len(ids)
         if n == 0:
             return torch.zeros(0, device=self._model_device())
@@ -421,31 +408,21 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         ctx = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
         scores, order = [], []
         with ctx:
-            if self.packing:
-                for pack in iter_packs(
-                    ids, pad_token_id=pad, max_tokens_per_batch=self.max_tokens_per_batch,
-                    max_batch_size=self.max_batch_size,
-                ):
+            if self.batching.packing:
+                for pack in self.batching.packs(ids, pad_token_id=pad):
                     self.real_tokens += pack.real_tokens
                     self.processed_tokens += pack.processed_tokens
                     scores.append(select_head(score_pack(self.model, pack), self.head_index, len(pack.index)).float())
                     order.append(pack.index)
             else:
-                for mb in iter_micro_batches(
-                    ids,
-                    pad_token_id=0 if pad is None else pad,
-                    max_tokens_per_batch=self.max_tokens_per_batch,
-                    max_batch_size=self.max_batch_size,
-                    # a model that takes no mask cannot tell padding: equal lengths only
-                    pad_to_multiple_of=None if no_mask else self.pad_to_multiple_of,
-                    min_fill=1.0 if no_mask else self.min_fill,
-                ):
+                # a model that takes no mask cannot tell padding: equal lengths only
+                for mb in self.batching.micro_batches(ids, pad_token_id=0 if pad is None else pad, equal_lengths=no_mask):
                     needs_pad = mb.processed_tokens != mb.real_tokens or mb.index.numel() > 1
                     if pad is None and needs_pad and self._text_config is not None:
                         raise ValueError(
                             "the reward model has no pad token (model.config.pad_token_id is None) "
                             "so a padded batch cannot be pooled; pass pad_token_id= (RewardTrainer "
-                            "uses tokenizer.pad_token, else eos) or max_batch_size=1"
+                            "uses tokenizer.pad_token, else eos) or batching=RewardBatching(max_batch_size=1)"
                         )
                     self.real_tokens += mb.real_tokens
                     self.processed_tokens += mb.processed_tokens
@@ -454,7 +431,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         flat = torch.cat(scores)
         inverse = torch.empty_like(torch.cat(order))
         inverse[torch.cat(order)] = torch.arange(n)
-        return self.postprocess(flat[inverse.to(flat.device)])
+        return self._nonfinite(flat[inverse.to(flat.device)])
 
     def _given_tokens(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The stored ``[N, T]`` ids (and mask) as they are, when a stand-in module gets
@@ -481,8 +458,9 @@ class HFRewardModelWrapper(TensorDictModuleBase):
     def _score_given(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Rows of stored ``[N, T]`` ids + mask, unchanged, in budget-sized chunks."""
         n, width = ids.shape
-        rows = n if self.max_tokens_per_batch is None else max(1, self.max_tokens_per_batch // max(width, 1))
-        rows = min(rows, self.max_batch_size or rows)
+        budget, cap = self.batching.max_tokens_per_batch, self.batching.max_batch_size
+        rows = n if budget is None else max(1, budget // max(width, 1))
+        rows = min(rows, cap or rows)
         ctx = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
         with ctx:
             scores = [
@@ -491,7 +469,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             ]
         self.real_tokens += int(mask.sum()) if mask is not None else ids.numel()
         self.processed_tokens += ids.numel()
-        return self.postprocess(torch.cat(scores))
+        return self._nonfinite(torch.cat(scores))
 
     def score_texts(self, texts: list[str]) -> torch.Tensor:
         """Rewards ``float32 [N]`` for plain texts (EOS rule applied), on the model's device."""
@@ -519,43 +497,15 @@ class HFRewardModelWrapper(TensorDictModuleBase):
 
     # -- writing -------------------------------------------------------------------
 
-    def shape_rewards(
-        self, rewards: torch.Tensor, batch_size: torch.Size, *, like: torch.Tensor | None = None,
-        device: torch.device | None = None,
-    ) -> torch.Tensor:
-        """``[N]`` -> ``batch_size`` + the trailing dims of :attr:`reward_shape`, with the
-        output dtype (``like``'s, else :attr:`reward_dtype` / default) on ``device``."""
-        trailing = {"flat": (), "trailing": (1,), "step": (1, 1)}[self.reward_shape]
-        dtype = self.reward_dtype
-        if dtype is None:
-            dtype = like.dtype if like is not None and like.is_floating_point() else torch.get_default_dtype()
-        out = rewards.reshape(*batch_size, *trailing).to(dtype)
-        return out.to(device) if device is not None else out
-
-    def write(self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None):
-        """Write ``[N]`` rewards into ``tensordict`` at ``key`` (default :attr:`reward_key`)."""
+    def write(
+        self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None, *,
+        accumulate: bool = False,
+    ) -> TensorDictBase:
+        """Write ``[N]`` rewards into ``tensordict`` at ``key`` (default :attr:`reward_key`),
+        shaped per :attr:`reward_shape` (see :func:`~torchrl_trl.rewards.writing.write_rewards`;
+        ``accumulate``: add to a reward already there)."""
         key = self.reward_key if key is None else key
-        existing = tensordict.get(key, None) if layouts.has_key(tensordict, key) else None
-        if isinstance(existing, torch.Tensor) and existing.is_nested:
-            existing = None
-        device = tensordict.device
-        if device is None:
-            device = existing.device if isinstance(existing, torch.Tensor) else torch.device("cpu")
-        out = self.shape_rewards(
-            rewards, tensordict.batch_size, like=existing if isinstance(existing, torch.Tensor) else None,
-            device=device,
-        )
-        if self.accumulate and isinstance(existing, torch.Tensor):
-            if existing.shape != out.shape:
-                raise ValueError(
-                    f"accumulate=True: the reward already at {key!r} has shape "
-                    f"{tuple(existing.shape)}, this scorer writes {tuple(out.shape)} "
-                    f"(reward_shape={self.reward_shape!r}); pass the reward_shape of the reward "
-                    "it adds to"
-                )
-            out = existing.to(out.dtype) + out
-        tensordict.set(key, out)
-        return tensordict
+        return write_rewards(tensordict, rewards, key, self.reward_shape, accumulate=accumulate)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Score ``tensordict`` and write the reward at ``reward_key`` (in place).
@@ -574,19 +524,3 @@ def _takes_argument(model: nn.Module, name: str) -> bool:
     except (TypeError, ValueError):
         return True
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _extract_scores(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    for name in ("logits", "rewards"):
-        value = getattr(out, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(out, dict) and "logits" in out:
-        return out["logits"]
-    raise RuntimeError(
-        "HFRewardModelWrapper: could not extract reward from model output. Got type "
-        f"{type(out).__name__}. Expected an output with a 'logits' or 'rewards' attribute, a "
-        "dict with 'logits', or a bare torch.Tensor."
-    )

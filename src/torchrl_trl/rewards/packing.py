@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from ..layouts import Ragged
-from .batching import check_count
+from .._checks import positive_int
+from .._compat import attn_implementation
 
 __all__ = ["Pack", "causal_classifier", "iter_packs", "packing_unsupported", "plan_packs", "score_pack"]
 
@@ -70,7 +71,7 @@ def packing_unsupported(model: nn.Module) -> str | None:
             "module reproduces"
         )
     config = model.config.get_text_config()
-    impl = getattr(config, "_attn_implementation", None)
+    impl = attn_implementation(config)
     if impl not in PACKED_ATTENTION:
         return f"{name} uses attention {impl!r}; packing needs one of {PACKED_ATTENTION}"
     kinds = set(getattr(config, "layer_types", None) or ())
@@ -112,8 +113,8 @@ def plan_packs(
     """Indices of the sequences of each pack: longest first, each pack filled up to
     ``max_tokens_per_batch`` tokens (a longer sequence gets a pack of its own) and at
     most ``max_batch_size`` sequences. Together a permutation of ``range(N)``."""
-    check_count("max_tokens_per_batch", max_tokens_per_batch)
-    check_count("max_batch_size", max_batch_size)
+    positive_int(max_tokens_per_batch, "max_tokens_per_batch", allow_none=True)
+    positive_int(max_batch_size, "max_batch_size", allow_none=True)
     order = torch.sort(lengths, descending=True, stable=True).indices
     budget = max_tokens_per_batch or int(lengths.sum())
     packs, current, used = [], [], 0
@@ -162,7 +163,7 @@ def score_pack(model: nn.Module, pack: Pack) -> torch.Tensor:
     device = model.score.weight.device
     base = getattr(model, model.base_model_prefix)
     kwargs = {}
-    if model.config.get_text_config()._attn_implementation.startswith("flash"):
+    if (attn_implementation(model.config.get_text_config()) or "").startswith("flash"):
         cu = torch.cat([pack.lengths.new_zeros(1), pack.lengths.cumsum(0)]).to(device, torch.int32)
         longest = int(pack.lengths.max())
         kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)

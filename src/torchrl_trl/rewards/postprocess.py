@@ -1,20 +1,29 @@
-"""Reward post-processing: pick a head, check finiteness, normalise, scale/shift, clip.
+"""From model outputs to rewards: read the score, pick a head, handle non-finite scores,
+and normalise with running statistics.
 
-Order (each step optional): ``logits[:, head_index]`` -> non-finite check ->
-running normalisation ``(r - mean) / std`` -> ``scale * r + shift`` -> ``clamp(clip)``.
+Scale, shift and clipping are TorchRL's own transforms, composed after the scorer
+(``RewardScaling(loc=shift, scale=scale)``, ``RewardClipping(clamp_min, clamp_max)``, both bounds given: TorchRL 0.14.1 fails on
+``None``, so a one-sided clip passes ``float("inf")``):
+on an env with ``env.append_transform``, on a replay buffer with ``rb.append_transform``,
+or called on a tensordict. Running normalisation is :class:`RunningRewardNorm` here:
+TorchRL's ``VecNormV2`` only runs inside an env's ``step`` (it cannot be called on a
+tensordict or a buffer's rollouts), which is where it fits; this one works in all three.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import warnings
-from typing import Literal
+from typing import Any
 
 import torch
-from torch import nn
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+from torchrl.envs import Transform
 
-__all__ = ["RewardPostprocess", "RewardShapeError", "check_real", "select_head"]
+from .._checks import WarnOnce
+
+__all__ = ["NonFiniteRewards", "RewardShapeError", "RunningRewardNorm", "extract_scores", "select_head"]
 
 
 class RewardShapeError(RuntimeError, ValueError):
@@ -22,19 +31,30 @@ class RewardShapeError(RuntimeError, ValueError):
     upstream's ``HFRewardModelWrapper`` raises (and a ``ValueError``)."""
 
 
-def check_real(name: str, value, *, optional: bool = False) -> float | None:
-    """``value`` as a finite float (``None`` allowed when ``optional``)."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+def extract_scores(out: Any) -> torch.Tensor:
+    """The score tensor of a model output: a bare tensor, ``.logits``/``.rewards``, or a
+    dict's ``"logits"`` (``RuntimeError`` otherwise, as upstream)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for name in ("logits", "rewards"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, dict) and "logits" in out:
+        return out["logits"]
+    raise RuntimeError(
+        "HFRewardModelWrapper: could not extract reward from model output. Got type "
+        f"{type(out).__name__}. Expected an output with a 'logits' or 'rewards' attribute, a "
+        "dict with 'logits', or a bare torch.Tensor."
+    )
 
 
 def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> torch.Tensor:
-    """``[n]`` or ``[n, k]`` model scores -> ``[n]``; a multi-label head needs ``head_index``."""
+    """``[n]`` or ``[n, k]`` model scores -> ``[n]``; a multi-label head needs ``head_index``.
+
+    >>> select_head(torch.tensor([[0.1, 0.9], [0.2, 0.8]]), 1, 2)
+    tensor([0.9000, 0.8000])
+    """
     if logits.ndim == 1 and logits.shape[0] == n_rows:
         if head_index not in (None, 0):
             raise ValueError(f"head_index={head_index} given but the model returns one score per row")
@@ -60,57 +80,93 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
     return logits[:, head_index]
 
 
-class RewardPostprocess(nn.Module):
-    """Turn raw ``[N]`` scores into rewards.
+class NonFiniteRewards:
+    """What a scorer does with NaN/inf scores.
 
     Args:
-        scale, shift: ``r = scale * r + shift`` (after normalisation).
-        clip: ``(low, high)`` bounds (either may be ``None``), applied last.
-        normalize: ``"running"`` divides by a running std after subtracting a running mean
-            (Welford statistics over every reward seen, kept in buffers so they save with
-            ``state_dict``); ``None`` leaves scores as they are.
-        update_stats: whether each call updates the running statistics.
-        on_nonfinite: ``"raise"`` on NaN/inf scores; ``"warn"`` counts them in
-            :attr:`nonfinite_count`, warns once and writes ``nonfinite_value`` instead
-            (``None`` keeps the NaN/inf).
-        nonfinite_value: replacement for non-finite scores in ``"warn"`` mode.
-        eps: floor of the running std.
+        policy: ``"raise"`` (default: ``FloatingPointError``), ``"warn"`` (count them in
+            :attr:`count`, warn once, keep them) or a finite number (count, warn once and
+            write that number instead).
+
+    >>> check = NonFiniteRewards(0.0)
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     check(torch.tensor([1.0, float("nan")]))
+    tensor([1., 0.])
+    >>> check.count
+    1
+    """
+
+    def __init__(self, policy: str | float = "raise") -> None:
+        if policy not in ("raise", "warn"):
+            if isinstance(policy, bool) or not isinstance(policy, numbers.Real) or not math.isfinite(policy):
+                raise ValueError(
+                    f"on_nonfinite must be 'raise', 'warn' or a finite replacement value, got {policy!r}"
+                )
+        self.policy = policy
+        self._warn = WarnOnce(RuntimeWarning)
+
+    @property
+    def count(self) -> int:
+        """Non-finite scores seen so far (when not raising)."""
+        return self._warn.counts["nonfinite"]
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        finite = torch.isfinite(scores)
+        if bool(finite.all()):
+            return scores
+        bad = int((~finite).sum())
+        if self.policy == "raise":
+            raise FloatingPointError(
+                f"reward model returned {bad} non-finite reward(s) out of {scores.numel()} "
+                "(pass on_nonfinite='warn' to count them and continue, or on_nonfinite=<value> "
+                "to replace them)"
+            )
+        self._warn.add("nonfinite", f"reward model returned {bad} non-finite reward(s); counted in "
+                       "nonfinite_count", n=bad, stacklevel=4)  # fmt: skip
+        if self.policy != "warn":
+            scores = torch.where(finite, scores, scores.new_tensor(float(self.policy)))
+        return scores
+
+
+class RunningRewardNorm(Transform):
+    """Normalise rewards by running statistics: ``(r - mean) / std``.
+
+    Mean and std are Welford statistics over every finite reward seen (all batch and
+    trailing dims pooled), kept in float64 buffers so they save with ``state_dict``; the
+    std is 1 until two rewards were seen, and at least ``eps``. Non-finite rewards pass
+    through unchanged and are not counted.
+
+    Works where TorchRL's ``VecNormV2`` does not: called on a tensordict
+    (``norm(td)``, e.g. after :class:`~torchrl_trl.rewards.HFRewardModelWrapper`), on an
+    env (``env.append_transform(norm)``, after the reward transform) and on a replay
+    buffer (normalised when sampled).
+
+    Args:
+        in_keys: the reward keys (default ``["reward"]``; on a tensordict of rollouts use
+            ``[("next", "reward")]``).
+        update_stats: whether each call updates the statistics (freeze them for eval).
+        eps: floor of the std.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> norm = RunningRewardNorm(in_keys=[("next", "reward")])
+        >>> td = TensorDict({("next", "reward"): torch.tensor([[[1.0]], [[3.0]]])}, batch_size=[2])
+        >>> norm(td)["next", "reward"].flatten()
+        tensor([-0.7071,  0.7071])
+        >>> float(norm.mean), int(norm.count)
+        (2.0, 2)
     """
 
     def __init__(
-        self,
-        *,
-        scale: float = 1.0,
-        shift: float = 0.0,
-        clip: tuple[float | None, float | None] | None = None,
-        normalize: Literal["running"] | None = None,
-        update_stats: bool = True,
-        on_nonfinite: Literal["raise", "warn"] = "raise",
-        nonfinite_value: float | None = None,
-        eps: float = 1e-6,
+        self, in_keys: list[NestedKey] | None = None, *, update_stats: bool = True, eps: float = 1e-6
     ) -> None:
-        super().__init__()
-        if normalize not in (None, "running"):
-            raise ValueError(f"normalize must be None or 'running', got {normalize!r}")
-        if on_nonfinite not in ("raise", "warn"):
-            raise ValueError(f"on_nonfinite must be 'raise' or 'warn', got {on_nonfinite!r}")
-        if clip is not None:
-            if not isinstance(clip, (tuple, list)) or len(clip) != 2:
-                raise ValueError(f"clip must be (low, high), got {clip!r}")
-            low = check_real("clip[0]", clip[0], optional=True)
-            high = check_real("clip[1]", clip[1], optional=True)
-            if low is not None and high is not None and low > high:
-                raise ValueError(f"clip=(low, high) needs low <= high, got {clip!r}")
-            clip = (low, high)
-        scale, shift = check_real("scale", scale), check_real("shift", shift)
-        nonfinite_value = check_real("nonfinite_value", nonfinite_value, optional=True)
-        if check_real("eps", eps) <= 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        self.scale, self.shift, self.clip = scale, shift, clip
-        self.normalize, self.update_stats, self.eps = normalize, update_stats, eps
-        self.on_nonfinite, self.nonfinite_value = on_nonfinite, nonfinite_value
-        self.nonfinite_count = 0
-        self._warned = False
+        in_keys = ["reward"] if in_keys is None else in_keys
+        super().__init__(in_keys=in_keys, out_keys=list(in_keys))
+        if not (isinstance(eps, numbers.Real) and eps > 0):
+            raise ValueError(f"eps must be a number > 0, got {eps!r}")
+        self.update_stats, self.eps = bool(update_stats), float(eps)
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
         self.register_buffer("mean", torch.zeros((), dtype=torch.float64))
         self.register_buffer("m2", torch.zeros((), dtype=torch.float64))
@@ -135,35 +191,12 @@ class RewardPostprocess(nn.Module):
         self.m2 += m2_b + delta**2 * self.count * n / total
         self.count.fill_(total)
 
-    def forward(self, scores: torch.Tensor) -> torch.Tensor:
-        finite = torch.isfinite(scores)
-        if not bool(finite.all()):
-            bad = int((~finite).sum())
-            if self.on_nonfinite == "raise":
-                raise FloatingPointError(
-                    f"reward model returned {bad} non-finite reward(s) out of {scores.numel()} "
-                    "(pass on_nonfinite='warn' to count them and continue)"
-                )
-            self.nonfinite_count += bad
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"reward model returned {bad} non-finite reward(s); counted in "
-                    f"nonfinite_count (this warning is shown once)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            if self.nonfinite_value is not None:
-                scores = torch.where(finite, scores, scores.new_tensor(self.nonfinite_value))
-        if self.normalize == "running":
-            ok = torch.isfinite(scores)
-            if self.update_stats:
-                self._update(scores[ok])
-            mean = self.mean.to(scores.device, scores.dtype)
-            scores = (scores - mean) / self.std.to(scores.device, scores.dtype)
-        if self.scale != 1.0 or self.shift != 0.0:
-            scores = scores * self.scale + self.shift
-        if self.clip is not None:
-            low, high = self.clip
-            scores = scores.clamp(min=low, max=high)
-        return scores
+    def _apply_transform(self, reward: torch.Tensor) -> torch.Tensor:
+        finite = torch.isfinite(reward)
+        if self.update_stats:
+            self._update(reward[finite])
+        out = (reward - self.mean.to(reward.device, reward.dtype)) / self.std.to(reward.device, reward.dtype)
+        return torch.where(finite, out, reward)
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return tensordict_reset

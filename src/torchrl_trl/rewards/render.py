@@ -28,6 +28,7 @@ history or a shared tokenizer when exactness matters.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 import torch
@@ -62,34 +63,49 @@ def _backend_json(tok: Any) -> str | None:
 
 
 class RewardRenderer:
-    """Reads a tensordict (or lists of texts / chats) and returns reward-model token ids.
+    """What the reward model sees: which input, which part, the EOS rule, the chat template
+    arguments, and the policy's tokenizer.
 
-    Args:
-        tokenizer: the reward model's tokenizer, or ``None`` (then only tokens work).
-        policy_tokenizer: the tokenizer that produced ``("tokens", ...)``; decides whether
-            tokens can be used directly and decodes them when they cannot.
-        input_mode: ``"auto"``, ``"tokens"``, ``"text"`` or ``"history"`` (see module doc).
+    Built by the user with the settings below and handed to
+    :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (``renderer=``), which binds it to
+    the reward model's tokenizer, token keys and EOS with :meth:`bind`. The bound renderer
+    reads a tensordict (or lists of texts / chats) and returns reward-model token ids.
+
+    Keyword Args:
+        input_mode: ``"auto"`` (default), ``"tokens"``, ``"text"`` or ``"history"`` (see
+            the module doc).
         part: which part to score, ``"full"`` (prompt + response, the default) or
             ``"response"``.
-        token_key, attention_mask_key: where tokens and their mask are read
-            (``attention_mask_key=None``: every stored token is real).
-        add_eos: ``"auto"``, ``"always"`` or ``"never"`` (see module doc).
-        eos_token_id: EOS id for token inputs when there is no tokenizer.
+        add_eos: ``"auto"`` (default; as ``trl.RewardTrainer`` tokenised its pairs),
+            ``"always"`` or ``"never"`` (see the module doc).
         chat_template_kwargs: extra arguments to ``apply_chat_template``.
+        policy_tokenizer: the tokenizer that produced the tokens in the tensordict. When it
+            differs from the reward model's (vocabulary or chat template), samples are
+            re-rendered (chat with the reward model's template, else text, else tokens
+            decoded with this tokenizer) and re-tokenised.
+
+    Examples:
+        >>> import tempfile
+        >>> from transformers import AutoTokenizer
+        >>> from torchrl_trl import testing
+        >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
+        >>> rm_tok = AutoTokenizer.from_pretrained(paths.reward_model)
+        >>> renderer = RewardRenderer(input_mode="text", add_eos="always").bind(rm_tok)
+        >>> ids = renderer.encode_texts(["hello"])
+        >>> ids.tolist()[0][-1] == rm_tok.eos_token_id
+        True
+        >>> renderer.in_keys()
+        [('text', 'full')]
     """
 
     def __init__(
         self,
-        tokenizer: Any = None,
         *,
-        policy_tokenizer: Any = None,
         input_mode: InputMode = "auto",
         part: layouts.Part = "full",
-        token_key: NestedKey | None = None,
-        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY,
         add_eos: Literal["auto", "always", "never"] = "auto",
-        eos_token_id: int | None = None,
         chat_template_kwargs: dict | None = None,
+        policy_tokenizer: Any = None,
     ) -> None:
         if input_mode not in ("auto", "tokens", "text", "history"):
             raise ValueError(
@@ -97,31 +113,67 @@ class RewardRenderer:
             )
         if add_eos not in ("auto", "always", "never"):
             raise ValueError(f"add_eos must be 'auto', 'always' or 'never', got {add_eos!r}")
-        if input_mode in ("text", "history") and tokenizer is None:
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}")
+        self.policy_tokenizer = policy_tokenizer
+        self.input_mode = input_mode
+        self.part = part
+        self.add_eos = add_eos
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        # what bind() sets; unbound: no tokenizer, the default keys, no EOS
+        self.tokenizer = None
+        self.token_key = layouts.token_key(part)
+        self.attention_mask_key = layouts.ATTENTION_MASK_KEY
+        self.eos_token_id = None
+        #: tokens can be fed as they are (no re-tokenisation)
+        self.tokens_direct = True
+        self._whitespace_ids: set[int] | None = None
+
+    def bind(
+        self,
+        tokenizer: Any = None,
+        *,
+        token_key: NestedKey | None = None,
+        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY,
+        eos_token_id: int | None = None,
+    ) -> RewardRenderer:
+        """A copy of these settings bound to a reward model.
+
+        Args:
+            tokenizer: the reward model's tokenizer, or ``None`` (then only tokens work).
+            token_key: where tokens are read; defaults to ``("tokens", part)``.
+            attention_mask_key: mask of real tokens (``None``: every stored token is real).
+            eos_token_id: EOS id for token inputs; defaults to the tokenizer's.
+        """
+        if self.input_mode in ("text", "history") and tokenizer is None:
             raise ValueError(
-                f"input_mode={input_mode!r} needs the reward model's tokenizer: pass tokenizer= "
+                f"input_mode={self.input_mode!r} needs the reward model's tokenizer: pass tokenizer= "
                 "(or load the model by path, which loads its tokenizer)"
             )
+        part = self.part
         if token_key is not None and part != "full" and _as_tuple(token_key) == layouts.token_key("full"):
             raise ValueError(
                 f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot "
                 f"score the {part}; leave token_key unset (it then reads "
                 f"{layouts.token_key(part)!r}) or pass part='full'"
             )
-        self.tokenizer = tokenizer
-        self.policy_tokenizer = policy_tokenizer
-        self.input_mode = input_mode
-        self.part = part
-        self.token_key = layouts.token_key(part) if token_key is None else token_key
-        self.attention_mask_key = attention_mask_key
-        self.add_eos = add_eos
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        bound = copy.copy(self)
+        bound.tokenizer = tokenizer
+        bound.token_key = layouts.token_key(part) if token_key is None else token_key
+        bound.attention_mask_key = attention_mask_key
         if eos_token_id is None and tokenizer is not None:
             eos_token_id = tokenizer.eos_token_id
-        self.eos_token_id = eos_token_id
-        #: tokens can be fed as they are (no re-tokenisation)
-        self.tokens_direct = tokenizer is None or same_tokenizer(tokenizer, policy_tokenizer)
-        self._whitespace_ids: set[int] | None = None
+        bound.eos_token_id = eos_token_id
+        bound.tokens_direct = tokenizer is None or same_tokenizer(tokenizer, self.policy_tokenizer)
+        bound._whitespace_ids = None
+        return bound
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_mode={self.input_mode!r}, part={self.part!r}, "
+            f"add_eos={self.add_eos!r}, chat_template_kwargs={self.chat_template_kwargs!r}, "
+            f"policy_tokenizer={type(self.policy_tokenizer).__name__ if self.policy_tokenizer else None})"
+        )
 
     # -- choosing the input --------------------------------------------------------
 

@@ -38,24 +38,33 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
+from .. import layouts
 from ..layouts import Ragged
-from .model import HFRewardModelWrapper
+from .model import MOVED, HFRewardModelWrapper, moved_arguments_error
 from .render import RewardRenderer, check_ids
+from .shape import trailing_dims
+from .writing import write_rewards
 
 __all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError", "SERVICE_ARGS"]
 
 #: :class:`HFRewardModelWrapper` arguments applied by each caller (rendering)
-CALLER_SIDE_ARGS = frozenset({
-    "tokenizer", "policy_tokenizer", "input_mode", "part", "add_eos", "chat_template_kwargs",
-    "token_key", "attention_mask_key",
-})  # fmt: skip
+CALLER_SIDE_ARGS = frozenset({"tokenizer", "renderer", "token_key", "attention_mask_key"})
 #: ... and by each caller when writing the reward
-WRITE_ARGS = frozenset({"reward_key", "reward_shape", "accumulate", "reward_dtype", "inference_mode"})
-#: every other :class:`HFRewardModelWrapper` argument applies inside the service (the
-#: model side: budget, truncation, post-processing, device, ...)
+WRITE_ARGS = frozenset({"reward_key", "reward_shape", "inference_mode"})
+
+
+def _named_parameters(fn) -> set[str]:
+    return {
+        p.name for p in inspect.signature(fn).parameters.values()
+        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    }  # fmt: skip
+
+
+#: every other argument of :meth:`HFRewardModelWrapper.from_pretrained` applies inside the
+#: service (the model side: batching, head, pad id, non-finite policy, device, dtype, ...)
 MODEL_SIDE_ARGS = frozenset(
-    set(inspect.signature(HFRewardModelWrapper.__init__).parameters) - {"self", "model"}
-    - CALLER_SIDE_ARGS - WRITE_ARGS
+    (_named_parameters(HFRewardModelWrapper.__init__) | _named_parameters(HFRewardModelWrapper.from_pretrained))
+    - {"self", "cls", "model", "path"} - CALLER_SIDE_ARGS - WRITE_ARGS
 )
 #: arguments about the service itself (only valid with ``use_ray_service=True``)
 SERVICE_ARGS = frozenset({
@@ -122,7 +131,7 @@ class RewardModelService:
         if "device" not in settings and torch.cuda.is_available():
             # Ray shows an actor only the GPUs it was given (num_gpus): use them
             settings = {**settings, "device": "cuda"}
-        self.wrapper = HFRewardModelWrapper(self.model_path, inference_mode=True, **settings)
+        self.wrapper = HFRewardModelWrapper.from_pretrained(self.model_path, inference_mode=True, **settings)
         get_emb = getattr(self.wrapper.model, "get_input_embeddings", None)
         embedding = get_emb() if callable(get_emb) else None
         self.num_embeddings = getattr(embedding, "num_embeddings", None)
@@ -306,19 +315,22 @@ class RewardServiceClient:
         lifetime: ``"detached"`` (default for a named actor, as ``RayRetrieveKL``: it
             outlives the caller that created it; stop it with :meth:`shutdown`) or
             ``None`` (it dies with its creator).
-        reward_key, reward_shape, accumulate, reward_dtype: how rewards are written, as
+        reward_key, reward_shape: how rewards are written, as
             :class:`HFRewardModelWrapper` (default ``"reward"``, ``"flat"``).
         inference_mode: must be ``True`` (default): no gradients cross the wire.
-        **kwargs: :class:`HFRewardModelWrapper` arguments: the rendering ones
-            (``tokenizer``, ``policy_tokenizer``, ``input_mode``, ``part``, ``add_eos``,
-            ``chat_template_kwargs``, ``token_key``, ``attention_mask_key``) apply here; the
-            model ones (``max_tokens_per_batch``, ``max_length``, ``truncation``, ``scale``,
-            ``device``, ``dtype``, ...) in the actor.
-    """
+        **kwargs: :meth:`HFRewardModelWrapper.from_pretrained` arguments: the rendering
+            ones (``tokenizer``, ``renderer``, ``token_key``, ``attention_mask_key``) apply
+            here; the model ones (``batching``, ``head_index``, ``pad_token_id``,
+            ``on_nonfinite``, ``device``, ``dtype``, ...) in the actor.
 
-    # the wrapper's writing convention, shared as is
-    shape_rewards = HFRewardModelWrapper.shape_rewards
-    write = HFRewardModelWrapper.write
+    Examples:
+        Not run here (it starts a Ray cluster); see ``tests/test_reward_service.py``::
+
+            client = RewardServiceClient(path, actor_name="rm", num_gpus=1,
+                                         batching=RewardBatching(max_tokens_per_batch=32768),
+                                         renderer=RewardRenderer(policy_tokenizer=tok))
+            env.append_transform(HFRewardTransform(client))
+    """
 
     def __init__(
         self,
@@ -335,8 +347,6 @@ class RewardServiceClient:
         lifetime: str | None = "detached",
         reward_key: NestedKey = "reward",
         reward_shape: str = "flat",
-        accumulate: bool = False,
-        reward_dtype: torch.dtype | None = None,
         inference_mode: bool = True,
         **kwargs,
     ) -> None:
@@ -345,6 +355,9 @@ class RewardServiceClient:
                 f"a reward-model service loads its model from a local path (safetensors), got a "
                 f"{type(model).__name__}: save it with save_pretrained and pass the directory"
             )
+        moved = {k: v for k, v in kwargs.items() if k in MOVED}
+        if moved:
+            raise moved_arguments_error(type(self).__name__, moved)
         unknown = sorted(set(kwargs) - MODEL_SIDE_ARGS - CALLER_SIDE_ARGS)
         if unknown:
             raise TypeError(
@@ -356,8 +369,7 @@ class RewardServiceClient:
                 "inference_mode=False: a reward-model service returns scores without gradients; "
                 "use the in-process HFRewardTransform (use_ray_service=False) to keep the graph"
             )
-        if reward_shape not in ("flat", "trailing", "step"):
-            raise ValueError(f"reward_shape must be 'flat', 'trailing' or 'step', got {reward_shape!r}")
+        trailing_dims(reward_shape)  # checks the name
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
@@ -370,7 +382,7 @@ class RewardServiceClient:
         self.model_path = os.path.abspath(os.fspath(model))
         self.actor_name, self.namespace, self.timeout = actor_name, namespace, float(timeout)
         self.reward_key, self.reward_shape = reward_key, reward_shape
-        self.accumulate, self.reward_dtype, self.inference_mode = accumulate, reward_dtype, True
+        self.inference_mode = True
         settings = {k: v for k, v in kwargs.items() if k in MODEL_SIDE_ARGS}
         caller = {k: v for k, v in kwargs.items() if k in CALLER_SIDE_ARGS}
         self._actor = self._create_or_attach(
@@ -396,8 +408,14 @@ class RewardServiceClient:
                 self.model_path, trust_remote_code=bool(settings.get("trust_remote_code", False))
             )
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.renderer = RewardRenderer(
-            tokenizer, eos_token_id=info["eos_token_id"] if eos is None else eos, **caller
+        renderer = caller.pop("renderer", None) or RewardRenderer()
+        if not isinstance(renderer, RewardRenderer):
+            raise TypeError(f"renderer must be a RewardRenderer, got {type(renderer).__name__}")
+        self.renderer = renderer.bind(
+            tokenizer,
+            token_key=caller.get("token_key"),
+            attention_mask_key=caller.get("attention_mask_key", layouts.ATTENTION_MASK_KEY),
+            eos_token_id=info["eos_token_id"] if eos is None else eos,
         )
         self.tokenizer = tokenizer
         self.token_key = self.renderer.token_key
@@ -494,6 +512,15 @@ class RewardServiceClient:
         mode = self.renderer.resolve_mode(tensordict)
         key = self.token_key if mode == "tokens" else self.renderer.in_keys(mode)[0]
         return self.score_ids(self.renderer.render(tensordict, mode), where=f"{mode} at {key!r}")
+
+    def write(
+        self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None, *,
+        accumulate: bool = False,
+    ) -> TensorDictBase:
+        """Write ``[N]`` rewards at ``key`` (default :attr:`reward_key`), as
+        :meth:`HFRewardModelWrapper.write` does."""
+        key = self.reward_key if key is None else key
+        return write_rewards(tensordict, rewards, key, self.reward_shape, accumulate=accumulate)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.model_path!r}, actor_name={self.actor_name!r})"

@@ -18,16 +18,25 @@ Two places to put it:
 ``in_keys`` are the keys the scorer reads (tokens + mask, text or history: see
 :attr:`HFRewardModelWrapper.in_keys`); ``out_keys`` is ``[("next", reward_key)]``.
 
-Scoring runs under ``torch.no_grad()`` unless ``inference_mode=False``.
+The transform composes a scorer and decides where and how the reward is written; the
+scorer decides what the model sees and how it is fed:
 
-**Shared service** (``use_ray_service=True, actor_name="rm"``): the reward model runs
-once, in a named Ray actor shared by every transform (collector, env worker) built with
-that name; each transform renders its samples locally and sends token ids (see
-:mod:`torchrl_trl.rewards.service`).
+- an :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (built with its renderer and
+  batching objects, or :meth:`~torchrl_trl.rewards.HFRewardModelWrapper.from_pretrained`);
+- a :class:`~torchrl_trl.rewards.service.RewardServiceClient`: one reward model in a named
+  Ray actor shared by every transform (collector, env worker) attached to that name; each
+  renders its samples locally and sends token ids (see :mod:`torchrl_trl.rewards.service`).
+  ``HFRewardTransform(path, use_ray_service=True, actor_name="rm", num_gpus=1)`` builds one
+  with its defaults (TorchRL's ``ModuleTransform`` spelling);
+- a local path or a loaded reward model: wrapped with the defaults, without gradients.
+
+Post-processing composes after it: ``env.append_transform(RewardScaling(loc, scale))``,
+``RewardClipping``, :class:`~torchrl_trl.rewards.RunningRewardNorm`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -35,12 +44,15 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
+from torch import nn
 
-from .model import HFRewardModelWrapper
-from .service import SERVICE_ARGS, RewardServiceClient
+from .._checks import strip_next
+from .model import HFRewardModelWrapper, moved_arguments_error
+from .service import RewardServiceClient
+from .shape import RewardShape, trailing_dims
+from .writing import write_rewards
 
 __all__ = ["HFRewardTransform"]
-
 
 def _as_tuple(key: NestedKey) -> tuple:
     return (key,) if isinstance(key, str) else tuple(key)
@@ -50,100 +62,115 @@ class HFRewardTransform(Transform):
     """Write reward-model scores as TorchRL rewards.
 
     Args:
-        model: a reward model, a local path (loaded with its tokenizer), or an
-            :class:`HFRewardModelWrapper` already configured — then it is used exactly
-            as configured (its key, shape and gradient mode; e.g. build it with
-            :meth:`HFRewardModelWrapper.for_grpo`) and no other argument may be given.
+        scorer: what scores: an :class:`HFRewardModelWrapper`, a
+            :class:`~torchrl_trl.rewards.service.RewardServiceClient`, or a local path / a
+            loaded reward model (wrapped with the defaults, ``inference_mode=True``; with
+            ``use_ray_service=True`` a path is served by a
+            :class:`~torchrl_trl.rewards.service.RewardServiceClient`).
 
     Keyword Args:
         reward_key: reward key *inside* ``"next"`` (env: ``next_tensordict[reward_key]``;
-            buffer: ``td["next", reward_key]``). Defaults to ``"reward"``.
-        reward_shape: ``"step"`` (default, ``[*B, 1, 1]`` as ``GSM8KRewardParser`` writes),
-            ``"trailing"`` or ``"flat"``.
+            buffer: ``td["next", reward_key]``). Defaults to the scorer's ``reward_key``
+            without a leading ``"next"`` (``"reward"`` unless it was configured).
+        reward_shape: ``"step"`` (default: ``[*B, 1, 1]`` as ``GSM8KRewardParser`` writes
+            and ``MCAdvantage`` reads), ``"trailing"`` or ``"flat"``. The transform writes
+            the reward: the scorer's own ``reward_shape`` (for its standalone use) is not
+            used.
         accumulate: add to a reward already there (e.g. another parser's) instead of
             overwriting it. Defaults to ``False``.
-        inference_mode: score without gradients. Defaults to ``True``.
-        use_ray_service: score with a reward model served by a Ray actor, shared by
+        use_ray_service: serve ``scorer`` (a local path) from a named Ray actor shared by
             every transform given the same ``actor_name`` (TorchRL's ``ModuleTransform`` /
-            ``RayRetrieveKL`` idiom). ``model`` must then be a local path. Defaults to
-            ``False`` (the model lives in this transform).
+            ``RayRetrieveKL`` idiom). Defaults to ``False``.
         service_backend: ``"ray"`` is the same as ``use_ray_service=True`` (TorchRL
             0.14's newer spelling); ``"direct"``/``None``: in-process.
-        actor_name, num_cpus, num_gpus, timeout, max_restarts, max_wait_ms, namespace,
-            lifetime: the service's settings, see
-            :class:`~torchrl_trl.rewards.service.RewardServiceClient` (only with the
-            service).
-        **kwargs: any other :class:`HFRewardModelWrapper` argument (``tokenizer``,
-            ``policy_tokenizer``, ``max_tokens_per_batch``, ``max_length``,
-            ``truncation``, ``head_index``, ``scale``, ...).
+        actor_name, num_cpus, num_gpus: the service's name and Ray resources (only with
+            ``use_ray_service=True``); for its other settings build the
+            :class:`~torchrl_trl.rewards.service.RewardServiceClient` and pass it.
 
-    The wrapped scorer is :attr:`scorer` (its counters: ``truncated_count``,
-    ``nonfinite_count``, ``padding_efficiency``); with the service it is a
-    :class:`~torchrl_trl.rewards.service.RewardServiceClient` (counters:
-    ``scorer.stats()``).
+    The scorer is :attr:`scorer` (counters: ``truncated_count``, ``nonfinite_count``,
+    ``padding_efficiency``; a service client's: ``scorer.stats()``).
+
+    Examples:
+        A reward model with a batching policy, scoring rollouts when they are written to a
+        buffer-like tensordict, then scaled by TorchRL's ``RewardScaling``:
+
+        >>> import tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.envs import RewardScaling
+        >>> from torchrl_trl import testing
+        >>> from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching
+        >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
+        >>> scorer = HFRewardModelWrapper.from_pretrained(
+        ...     paths.reward_model, inference_mode=True, batching=RewardBatching(max_tokens_per_batch=256))
+        >>> transform = HFRewardTransform(scorer, reward_shape="step")
+        >>> rollouts = TensorDict({"text": {"full": ["a nice answer", "no"]}}, batch_size=[2])
+        >>> rollouts = transform(rollouts)
+        >>> rollouts["next", "reward"].shape
+        torch.Size([2, 1, 1])
+        >>> scaled = RewardScaling(loc=1.0, scale=2.0, in_keys=[("next", "reward")])(rollouts.clone())
+        >>> torch.allclose(scaled["next", "reward"], 2 * rollouts["next", "reward"] + 1)
+        True
     """
 
     def __init__(
         self,
-        model: Any,
+        scorer: Any,
         *,
         reward_key: NestedKey | None = None,
-        reward_shape: str | None = None,
-        accumulate: bool | None = None,
-        inference_mode: bool | None = None,
+        reward_shape: RewardShape = "step",
+        accumulate: bool = False,
         use_ray_service: bool = False,
         service_backend: str | None = None,
-        **kwargs,
+        actor_name: str | None = None,
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
+        **removed,
     ) -> None:
+        if removed:
+            raise _removed_error(removed)
         if service_backend not in (None, "direct", "ray"):
             raise ValueError(f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}")
         if use_ray_service and service_backend == "direct":
             raise ValueError("use_ray_service=True conflicts with service_backend='direct'")
         use_ray_service = bool(use_ray_service) or service_backend == "ray"
-        service_given = sorted(k for k in kwargs if k in SERVICE_ARGS)
-        if service_given and not use_ray_service:
-            raise TypeError(f"{service_given} only apply with use_ray_service=True")
-        if use_ray_service and isinstance(model, HFRewardModelWrapper):
-            raise TypeError(
-                "use_ray_service=True loads the reward model from a local path inside the "
-                "service; pass the path and the wrapper arguments, not a configured "
-                "HFRewardModelWrapper"
-            )
-        if isinstance(model, HFRewardModelWrapper):
-            # a configured scorer is used exactly as configured: any setting given here
-            # too would be ambiguous
-            given = {"reward_key": reward_key, "reward_shape": reward_shape, "accumulate": accumulate,
-                     "inference_mode": inference_mode, **kwargs}  # fmt: skip
-            given = sorted(k for k, v in given.items() if v is not None)
-            if given:
+        service = {"actor_name": actor_name, "num_cpus": num_cpus, "num_gpus": num_gpus}
+        service = {k: v for k, v in service.items() if v is not None}
+        if service and not use_ray_service:
+            raise TypeError(f"{sorted(service)} only apply with use_ray_service=True")
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
+        if use_ray_service:
+            if not isinstance(scorer, (str, os.PathLike)):
                 raise TypeError(
-                    f"pass either a configured HFRewardModelWrapper or wrapper arguments, not both "
-                    f"(got {given}); the wrapper's own settings are used"
+                    "use_ray_service=True serves the reward model from a local path: pass the path, "
+                    f"or a RewardServiceClient itself (without use_ray_service), not a {type(scorer).__name__}"
                 )
-            scorer = model
-            reward_key = _as_tuple(scorer.reward_key)
-            if reward_key[0] == "next" and len(reward_key) > 1:
-                reward_key = reward_key[1:]
-        else:
-            reward_key = "reward" if reward_key is None else reward_key
-            # the service client renders here and scores in the shared actor
-            scorer = (RewardServiceClient if use_ray_service else HFRewardModelWrapper)(
-                model,
-                reward_key=reward_key,
-                reward_shape="step" if reward_shape is None else reward_shape,
-                accumulate=bool(accumulate),
-                inference_mode=True if inference_mode is None else inference_mode,
-                **kwargs,
+            scorer = RewardServiceClient(scorer, **service)
+        elif isinstance(scorer, (str, os.PathLike)) or (
+            isinstance(scorer, nn.Module) and not isinstance(scorer, HFRewardModelWrapper)
+        ):
+            scorer = HFRewardModelWrapper(scorer, inference_mode=True)
+        elif not isinstance(scorer, (HFRewardModelWrapper, RewardServiceClient)):
+            raise TypeError(
+                "scorer must be an HFRewardModelWrapper, a RewardServiceClient, a reward model or a "
+                f"local path, got {type(scorer).__name__}"
             )
+        if reward_key is None:
+            reward_key = strip_next(scorer.reward_key)
+        trailing_dims(reward_shape)  # checks the name
         self._next_reward_key = _as_tuple(reward_key)
+        self.reward_shape, self.accumulate = reward_shape, accumulate
         super().__init__(in_keys=list(scorer.in_keys), out_keys=[("next", *self._next_reward_key)])
         self.scorer = scorer
+
+    def _write(self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey) -> TensorDictBase:
+        return write_rewards(tensordict, rewards, key, self.reward_shape, accumulate=self.accumulate)
 
     # env: the policy output is in the root tensordict, the reward goes to "next"
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         rewards = self.scorer.score(tensordict)
         key = self._next_reward_key
-        return self.scorer.write(next_tensordict, rewards, key[0] if len(key) == 1 else key)
+        return self._write(next_tensordict, rewards, key[0] if len(key) == 1 else key)
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
         return tensordict_reset
@@ -153,7 +180,7 @@ class HFRewardTransform(Transform):
         if tensordict is None:
             return tensordict
         rewards = self.scorer.score(tensordict)
-        return self.scorer.write(tensordict, rewards, ("next", *self._next_reward_key))
+        return self._write(tensordict, rewards, ("next", *self._next_reward_key))
 
     # ... and pass through on sample
     def _call(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -175,9 +202,25 @@ class HFRewardTransform(Transform):
         return output_spec
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        trailing = {"flat": (), "trailing": (1,), "step": (1, 1)}[self.scorer.reward_shape]
         key = self._next_reward_key
         reward_spec[key[0] if len(key) == 1 else key] = Unbounded(
-            reward_spec.shape + trailing, dtype=self.scorer.reward_dtype or torch.get_default_dtype()
+            reward_spec.shape + trailing_dims(self.reward_shape), dtype=torch.get_default_dtype()
         )
         return reward_spec
+
+
+def _removed_error(given: dict) -> TypeError:
+    """Arguments the transform no longer forwards: each named with where it goes now."""
+    from .service import MODEL_SIDE_ARGS, SERVICE_ARGS
+
+    lines = []
+    for name in sorted(given):
+        if name in SERVICE_ARGS:
+            lines.append(f"{name} moved to RewardServiceClient(path, {name}=...): pass the client as the scorer")
+        elif name in MODEL_SIDE_ARGS or name in ("tokenizer", "token_key", "attention_mask_key",
+                                                 "inference_mode", "renderer", "batching"):
+            lines.append(f"{name} moved to the scorer: HFRewardTransform(HFRewardModelWrapper."
+                         f"from_pretrained(path, {name}=...))")
+        else:
+            lines.append(str(moved_arguments_error("HFRewardTransform", {name: None})).split(": ", 1)[1])
+    return TypeError("HFRewardTransform composes a scorer: " + "; ".join(lines))

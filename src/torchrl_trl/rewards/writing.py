@@ -1,0 +1,73 @@
+"""Writing ``[N]`` scores into a tensordict as TorchRL rewards (shape, dtype, device).
+
+One place for the convention every reward-model scorer writes with (the in-process
+:class:`~torchrl_trl.rewards.HFRewardModelWrapper`, the service client and
+:class:`~torchrl_trl.rewards.HFRewardTransform`).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+
+from .. import layouts
+from .shape import RewardShape, trailing_dims
+
+__all__ = ["shape_rewards", "write_rewards"]
+
+
+def shape_rewards(
+    rewards: torch.Tensor,
+    batch_size: torch.Size,
+    reward_shape: RewardShape,
+    *,
+    like: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """``[N]`` -> ``batch_size`` + the trailing dims of ``reward_shape``, in ``like``'s
+    floating dtype (else the default dtype), on ``device``.
+
+    >>> shape_rewards(torch.ones(4), torch.Size([2, 2]), "step").shape
+    torch.Size([2, 2, 1, 1])
+    """
+    dtype = like.dtype if like is not None and like.is_floating_point() else torch.get_default_dtype()
+    out = rewards.reshape(*batch_size, *trailing_dims(reward_shape)).to(dtype)
+    return out.to(device) if device is not None else out
+
+
+def write_rewards(
+    tensordict: TensorDictBase,
+    rewards: torch.Tensor,
+    key: NestedKey,
+    reward_shape: RewardShape,
+    *,
+    accumulate: bool = False,
+) -> TensorDictBase:
+    """Write ``[N]`` rewards into ``tensordict`` at ``key`` (in place), shaped per
+    ``reward_shape``, on the tensordict's device (else the device of a reward already
+    there, else CPU). ``accumulate``: add to a reward already at ``key`` (same shape
+    required) instead of overwriting it.
+
+    >>> from tensordict import TensorDict
+    >>> td = TensorDict({("next", "reward"): torch.ones(2, 1, 1)}, batch_size=[2])
+    >>> write_rewards(td, torch.tensor([1.0, 2.0]), ("next", "reward"), "step", accumulate=True)["next", "reward"].flatten()
+    tensor([2., 3.])
+    """
+    existing = tensordict.get(key, None) if layouts.has_key(tensordict, key) else None
+    if not isinstance(existing, torch.Tensor) or existing.is_nested:
+        existing = None
+    device = tensordict.device
+    if device is None:
+        device = existing.device if existing is not None else torch.device("cpu")
+    out = shape_rewards(rewards, tensordict.batch_size, reward_shape, like=existing, device=device)
+    if accumulate and existing is not None:
+        if existing.shape != out.shape:
+            raise ValueError(
+                f"accumulate=True: the reward already at {key!r} has shape {tuple(existing.shape)}, "
+                f"this scorer writes {tuple(out.shape)} (reward_shape={reward_shape!r}); pass the "
+                "reward_shape of the reward it adds to"
+            )
+        out = existing.to(out.dtype) + out
+    tensordict.set(key, out)
+    return tensordict
