@@ -203,6 +203,12 @@ def test_ray_collector_actor_feeds_grpo_trainer(policy_and_tokenizer, tmp_path):
                          map(tuple, layouts.read_tokens(stored, "response").tolist())))
         trained = {(tuple(p), tuple(c)) for _, _, b in rollout.calls for p, c in zip(b["prompt_ids"], b["completion_ids"])}
         assert len(trained) > 1 and trained <= stored
+        # the collector actor dies: the next call fails within a bounded time, the buffer keeps its data
+        ray.kill(collector._collector, no_restart=True)
+        start = time.monotonic()
+        with pytest.raises(CollectorError, match="cannot be reached"):
+            func.take(1)
+        assert time.monotonic() - start < 30 and len(rb) == len(versions)
         rb.close()
     finally:
         ray.shutdown()

@@ -188,6 +188,7 @@ class LLMCollectorRolloutFunc:
         out: list[tuple[int, TensorDictBase]] = []
         start = time.monotonic()
         while True:
+            running = _is_running(self.collector)  # asked first: what it wrote before stopping counts
             self._read_new()
             while self._pending and len(out) < n:
                 version, group = self._pending.popleft()
@@ -198,7 +199,7 @@ class LLMCollectorRolloutFunc:
             if len(out) == n:
                 self.consumed_groups += n
                 return out
-            if not _is_running(self.collector):
+            if not running:
                 raise CollectorError(
                     f"the collector is not running (it stopped or died); got {len(out)} of {n} groups "
                     f"({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
@@ -295,5 +296,12 @@ def _prompts(items: TensorDictBase) -> list:
 
 
 def _is_running(collector) -> bool:
+    """Whether the collector still collects; a collector that cannot be asked (a dead Ray
+    actor) raises ``CollectorError`` with the reason as its cause."""
     running = getattr(collector, "is_running", None)
-    return bool(running()) if callable(running) else True
+    if not callable(running):
+        return True
+    try:
+        return bool(running())
+    except Exception as err:  # e.g. ray.exceptions.RayActorError: the actor died
+        raise CollectorError(f"the collector cannot be reached: {type(err).__name__}: {err}"[:500]) from err
