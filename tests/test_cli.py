@@ -73,6 +73,22 @@ def test_version_and_help_read_as_plain_text():
     assert "about 75 s on 2 free CPU cores" in demo_help  # measured times, stated
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["export", "buffer", "--format", "sft", "--out", "out", "--batch-size", "0"],
+        ["score", "buffer", "--reward-model", "rm", "--max-tokens-per-batch", "-5"],
+        ["demo", "--iterations", "two"],
+    ],
+    ids=["export", "score", "demo"],
+)
+def test_counts_must_be_positive_integers(args):
+    """Refused by argparse, before any path is looked at or anything heavy is imported."""
+    proc = run(*args)
+    flag, value = args[-2:]
+    _fail(proc, f"argument {flag}: expected a positive integer, got {value!r}")
+
+
 def test_env_reports_versions_and_devices():
     proc = run("env", script=True)
     assert proc.returncode == 0, proc.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from ._checks import positive_int
 
 DESCRIPTION = (
     "Mix TorchRL and Hugging Face TRL: inspect, export and score TorchRL replay buffers saved "
@@ -46,6 +47,14 @@ DEMO_DESCRIPTION = (
     "writes results.json and reward_curve.png, and saves both trained policies (safetensors) "
     "under --output-dir. Tiny built-in models, no downloads."
 )
+
+
+def _positive_int(text: str) -> int:
+    """argparse ``type=``: an integer > 0 (checked by :func:`torchrl_trl._checks.positive_int`)."""
+    try:
+        return positive_int(int(text), "the value")
+    except ValueError as err:  # not an integer, or <= 0
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
 
 
 class CLIError(Exception):
@@ -406,7 +415,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("path", type=Path, help="directory written by save_buffer")
     exp.add_argument("--format", required=True, help="a dataset format, e.g. sft_conversational (see 'inspect')")
     exp.add_argument("--out", required=True, type=Path, help="output directory, or a .parquet file")
-    exp.add_argument("--batch-size", type=int, default=256, help="rows read from the buffer at a time (default: 256)")
+    exp.add_argument("--batch-size", type=_positive_int, default=256, help="rows read from the buffer at a time (default: 256)")
     exp.set_defaults(func=cmd_export)
 
     sco = sub.add_parser(
@@ -421,8 +430,8 @@ def _parser() -> argparse.ArgumentParser:
     sco.add_argument("--reward-model", required=True, help="reward model directory (e.g. trl.RewardTrainer's output)")
     sco.add_argument("--policy-tokenizer", default=None, help="the policy's tokenizer directory, to decode rollouts that hold tokens only")
     sco.add_argument("--reward-key", default="next.reward", help="where the reward goes, dot-separated (default: next.reward)")
-    sco.add_argument("--batch-size", type=int, default=64, help="rollouts scored per step of the progress bar (default: 64)")
-    sco.add_argument("--max-tokens-per-batch", type=int, default=16384, help="padded tokens per forward pass (default: 16384)")
+    sco.add_argument("--batch-size", type=_positive_int, default=64, help="rollouts scored per step of the progress bar (default: 64)")
+    sco.add_argument("--max-tokens-per-batch", type=_positive_int, default=16384, help="padded tokens per forward pass (default: 16384)")
     sco.add_argument("--device", default=None, help="torch device of the reward model (default: where it loads)")
     sco.add_argument("--no-progress", action="store_true", help="no progress bar")
     sco.set_defaults(func=cmd_score)
@@ -431,7 +440,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="end-to-end demo on tiny built-in models (no downloads)", description=DEMO_DESCRIPTION,
     )
     demo.add_argument("--quick", action="store_true", help=f"a short run, as the tests use ({QUICK_TIME})")
-    demo.add_argument("--iterations", type=int, default=25, help=f"GRPO iterations (default: 25, {FULL_TIME}; --quick caps it at 12)")
+    demo.add_argument("--iterations", type=_positive_int, default=25, help=f"GRPO iterations (default: 25, {FULL_TIME}; --quick caps it at 12)")
     demo.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same numbers")
     demo.add_argument("--device", default="cpu", help="torch device for the policy and reward model (default: cpu)")
     demo.add_argument("--policy", default=None, help="causal-LM checkpoint (local directory, or a hub id when online) instead of the tiny built-in policy")

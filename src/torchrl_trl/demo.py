@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from ._checks import positive_int
+
 __all__ = ["DemoConfig", "plot_reward_curve", "run_demo", "run_trl_grpo", "true_score"]
 
 VOWELS = frozenset("aeiouAEIOU")
@@ -73,6 +75,8 @@ class DemoConfig:
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
+        for name in ("iterations", "group_size", "prompts_per_batch", "max_new_tokens", "reward_pairs", "reward_epochs", "sft_steps"):
+            positive_int(getattr(self, name), name)
         if self.quick:
             self.iterations = min(self.iterations, 12)
             self.reward_pairs = min(self.reward_pairs, 400)
