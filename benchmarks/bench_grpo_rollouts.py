@@ -10,6 +10,9 @@ One process, one tiny policy (CPU by default), fixed prompts and seeds; each mod
 4. ``async-reuse``: the same with ``reuse=1``: a step takes stored groups (each trained on
    at most twice, within ``max_staleness=1``) instead of waiting for fresh ones. Its
    samples/s counts trained samples, reuses included; the line also gives how many were fresh.
+5. ``llm-collector``: ``LLMCollectorRolloutFunc`` draining the groups a TorchRL
+   ``LLMCollector`` thread (own weights, ``ChatEnv``) writes through ``MCAdvantage``
+   (``max_staleness=1``; weights through ``collector.update_policy_weights_``).
 
 Prints samples/s, the fraction of the training wall time the trainer waited for rollouts
 (time inside ``GRPOTrainer._generate`` for the synchronous modes; time blocked on the
@@ -60,6 +63,8 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     func = None
+    if mode == "llm-collector":
+        func = _llm_collector_func(ckpt, tok, args)
     if mode == "torchrl":
         func = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=args.max_new_tokens))
     elif mode in ("async", "async-reuse"):
@@ -85,6 +90,28 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     return trainer, func
 
 
+def _llm_collector_func(ckpt, tok, args):
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+    from transformers import AutoModelForCausalLM
+
+    from torchrl_trl import RewardFunctionWrapper
+    from torchrl_trl.online import LLMCollectorRolloutFunc
+    from torchrl_trl.testing import make_chat_env, make_policy_wrapper
+
+    env = make_chat_env([{"query": q} for q in QUESTIONS], batch_size=args.batch, group_size=args.group)
+    reward = RewardFunctionWrapper(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids])
+    env = env.append_transform(reward.as_transform())  # MCAdvantage groups need a reward
+    rb = ReplayBuffer(storage=LazyStackStorage(100_000), transform=MCAdvantage(grpo_size=args.group))
+    generator = AutoModelForCausalLM.from_pretrained(ckpt)
+    collector = LLMCollector(
+        env=env, policy=make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens),
+        dialog_turns_per_batch=args.batch, replay_buffer=rb, track_policy_version=True, total_dialog_turns=-1,
+    )
+    return LLMCollectorRolloutFunc(collector, rb, group_size=args.group, max_staleness=1, timeout=600)
+
+
 def run(mode, ckpt, tok, args):
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -93,17 +120,22 @@ def run(mode, ckpt, tok, args):
         try:
             trainer.train()
         finally:
-            if mode.startswith("async"):
+            if mode.startswith("async") or mode == "llm-collector":
                 func.close()
         wall = time.perf_counter() - start
-    waited = func.collector.wait_s if mode.startswith("async") else trainer.generate_s
+    waited = {"llm-collector": getattr(func, "wait_s", 0.0)}.get(mode)
+    if waited is None:
+        waited = func.collector.wait_s if mode.startswith("async") else trainer.generate_s
     extra = ""
+    if mode == "llm-collector":
+        extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {func.dropped_stale_groups} "
+                 f"of {func.read_groups} groups read")
     if mode.startswith("async"):
         c = func.collector
         extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {c.dropped_stale_groups} "
                  f"of {c.produced_groups} groups, {func.replay.reused} of {len(func.consumed_reuse)} reused")
     samples = args.steps * args.batch
-    print(f"{mode:11s} {wall:7.2f} s  {samples / wall:7.1f} samples/s  waited {100 * waited / wall:5.1f}%{extra}",
+    print(f"{mode:13s} {wall:7.2f} s  {samples / wall:7.1f} samples/s  waited {100 * waited / wall:5.1f}%{extra}",
           flush=True)
     return samples / wall, waited / wall
 
@@ -130,7 +162,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(ckpt)
     print(f"{args.steps} GRPO steps x {args.batch} completions ({args.group}/prompt), "
           f"{args.max_new_tokens} new tokens, {args.threads} thread(s), {args.device}")
-    results = {mode: run(mode, ckpt, tok, args) for mode in ("trl", "torchrl", "async", "async-reuse")}
+    results = {mode: run(mode, ckpt, tok, args) for mode in ("trl", "torchrl", "async", "async-reuse", "llm-collector")}
     base = results["trl"][0]
     print("ratios vs trl (samples/s): " + ", ".join(f"{m} {r[0] / base:.2f}x" for m, r in results.items()))
 

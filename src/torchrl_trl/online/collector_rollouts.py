@@ -78,7 +78,8 @@ class LLMCollectorRolloutFunc:
 
     Attributes:
         read_groups, consumed_groups, dropped_stale_groups, missed_items, weight_pushes:
-            counters; ``consumed_staleness``: the age of every group returned, in order.
+            counters; ``consumed_staleness``: the age of every group returned, in order;
+            ``wait_s``: seconds spent waiting for (and reading) groups.
 
     Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read;
     ``tests/test_collector_rollouts.py`` runs ``GRPOTrainer.train()``, locally and on Ray):
@@ -130,6 +131,7 @@ class LLMCollectorRolloutFunc:
         self.dropped_stale_groups = 0
         self._warnings = WarnOnce()
         self.weight_pushes = 0
+        self.wait_s = 0.0
         self.consumed_staleness: list[int] = []
         self.policy_version = 0
         self.__name__ = type(self).__name__
@@ -187,6 +189,12 @@ class LLMCollectorRolloutFunc:
         """
         out: list[tuple[int, TensorDictBase]] = []
         start = time.monotonic()
+        try:
+            return self._take(n, out, start)
+        finally:
+            self.wait_s += time.monotonic() - start
+
+    def _take(self, n: int, out: list, start: float) -> list[tuple[int, TensorDictBase]]:
         while True:
             running = _is_running(self.collector)  # asked first: what it wrote before stopping counts
             self._read_new()
