@@ -212,3 +212,33 @@ def test_ray_collector_actor_feeds_grpo_trainer(policy_and_tokenizer, tmp_path):
         rb.close()
     finally:
         ray.shutdown()
+
+
+def test_buffer_reading_wraps_and_counts_overwritten_items():
+    """The reading logic alone, on a buffer written by hand (a stand-in collector): groups
+    are read by write_count across the storage's wrap-around, items overwritten before they
+    were read are counted (and warned about once), never returned."""
+    from types import SimpleNamespace
+
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    def groups(first_id, n, version):
+        ids = torch.arange(first_id, first_id + n).repeat_interleave(2)
+        return TensorDict({"query": ids, "policy_version": torch.full((2 * n,), version)}, [2 * n])
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(6))  # 3 groups of 2
+    collector = SimpleNamespace(is_running=lambda: True, policy_version=0)
+    func = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=0, timeout=1, poll_s=0.01)
+    rb.extend(groups(0, 2, version=0))
+    assert [int(g["query"][0]) for _, g in func.take(1)] == [0]  # group 1 stays pending
+    rb.extend(groups(2, 4, version=0))  # 8 items written since: 2 were overwritten before the read
+    with pytest.warns(UserWarning, match="2 items were overwritten"):
+        got = func.take(4)
+    assert [int(g["query"][0]) for _, g in got] == [1, 3, 4, 5] and func.missed_items == 2
+    assert all(torch.equal(g["query"], g["query"][:1].expand(2)) for _, g in got)  # whole groups
+    func.policy_version = 1  # a push happened: version-0 groups are now too old
+    rb.extend(groups(6, 1, version=0))
+    with pytest.raises(CollectorError, match="only 0 of 1 groups"):
+        func.take(1)
+    assert func.dropped_stale_groups == 1 and func.read_groups == 6 and func.missed_items == 2  # group 2 was never read
