@@ -358,6 +358,16 @@ def test_dataset_formats(produced, producer, storage, fmt):
     if fmt == "sft_tokenized":
         assert [r["input_ids"] for r in rows] == [ref_tokens(s, "full") for s in samples]
         assert [sum(r["completion_mask"]) for r in rows] == [len(ref_tokens(s, "response")) for s in samples]
+        # the Hugging Face rows give TRL's collator the very batch plain Python lists give it
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        hf_rows = list(ds.as_hf_dataset())
+        assert sorted(r["input_ids"] for r in hf_rows) == sorted(ref_tokens(s, "full") for s in samples)
+        collate = DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id)
+        got, want = collate(hf_rows), collate([{k: list(v) for k, v in r.items()} for r in hf_rows])
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
     elif fmt == "sft":
         assert [r["prompt"] + r["completion"] for r in rows] == ref_texts(samples, tok, "full")
     else:

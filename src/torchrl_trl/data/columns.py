@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Union
 
+import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
 from tensordict import is_tensor_collection
@@ -19,12 +20,13 @@ from tensordict.utils import NestedKey
 from .. import layouts
 
 __all__ = [
-    "ColumnSpec", "column_name", "missing_key_error", "read_key", "read_key_columnar", "read_token_ids",
+    "ArrayRow", "ColumnSpec", "array_rows", "column_name", "missing_key_error", "read_key", "read_key_columnar", "read_token_ids",
     "to_nested_key", "to_pylist",
 ]
 
 ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
 _PARTS = ("prompt", "response", "full")
+_CPU_DEVICE = np.empty(0).__dlpack_device__()  # (kDLCPU, 0)
 
 
 def to_nested_key(key: NestedKey) -> NestedKey:
@@ -71,14 +73,133 @@ def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tupl
 
 def to_pylist(values: Any) -> list:
     """A column from :func:`read_key_columnar` as one Python value per row (lists for
-    tensors and ragged rows)."""
+    tensors and ragged rows; integer and bool sequences as :class:`ArrayRow` lists).
+
+    >>> import torch
+    >>> to_pylist(torch.tensor([[1, 2], [3, 4]]))
+    [[1, 2], [3, 4]]
+    >>> to_pylist(torch.tensor([0.5, 1.5]))
+    [0.5, 1.5]
+    """
     if type(values) is list:
         return values
+    rows = array_rows(values)
+    if rows is not None:
+        return rows
     if isinstance(values, torch.Tensor) and values.dtype == torch.bfloat16:
         values = values.float()
     if hasattr(values, "tolist"):
         return values.tolist()
     return list(values)
+
+
+class ArrayRow(list):
+    """One row of integers (token ids, a mask) or bools: a plain Python list for everyone
+    (``==``, ``isinstance(row, list)``, ``datasets.Features``, Arrow, JSON) that also
+    hands ``torch.tensor(row)`` its values as one array, through the DLPack protocol.
+
+    TRL's collators call ``torch.tensor`` on every row's ids; from a Python list that
+    converts each int (~70 us for 256 ids), from this row it copies one array (~10 us,
+    about what a tensor row costs). The array is a private copy taken when the row is
+    built (a later write to the replay buffer does not reach it), each export is a fresh
+    copy, and any in-place change of the list (``append``, ``row[i] = ...``) drops the
+    array, so ``torch.tensor(row)`` equals ``torch.tensor(list(row))`` (except that an
+    empty row gives an empty int64 tensor where an empty list gives float32).
+
+    >>> import numpy as np, torch
+    >>> row = ArrayRow.from_array(np.array([5, 6, 7]))
+    >>> row == [5, 6, 7], isinstance(row, list)
+    (True, True)
+    >>> torch.tensor(row)
+    tensor([5, 6, 7])
+    >>> row.append(8)
+    >>> torch.tensor(row)
+    tensor([5, 6, 7, 8])
+    """
+
+    __slots__ = ("_array",)
+
+    @classmethod
+    def from_array(cls, array: np.ndarray, values: list | None = None) -> ArrayRow:
+        """The row of 1-D ``array`` (integers, stored as int64 as ``torch.tensor`` of
+        Python ints gives, or bools); ``values``: ``array.tolist()`` when already made."""
+        row = cls(array.tolist() if values is None else values)
+        row._array = array
+        return row
+
+    def _export(self):
+        array = getattr(self, "_array", None)
+        if array is None:  # built from a list, or changed in place since: torch's own rules
+            return torch.tensor(list(self))
+        return np.array(array)  # a copy: torch.as_tensor(row) must not alias the row's array
+
+    def __dlpack__(self, **kwargs):
+        return self._export().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return _CPU_DEVICE
+
+
+def _dropping_array(name: str):
+    method = getattr(list, name)
+
+    def mutate(self, *args):
+        self._array = None
+        return method(self, *args)
+
+    mutate.__name__ = name
+    mutate.__doc__ = method.__doc__
+    return mutate
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop",
+              "remove", "clear", "sort", "reverse"):
+    setattr(ArrayRow, _name, _dropping_array(_name))
+del _name
+
+
+def _row_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """The numpy dtype of ``torch.tensor`` of such Python values (``None``: not a kind
+    :class:`ArrayRow` holds; floats follow torch's default dtype, so they stay lists)."""
+    if dtype == torch.bool:
+        return np.dtype(np.bool_)
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return np.dtype(np.int64)
+    return None
+
+
+def array_rows(values: Any) -> list[ArrayRow] | None:
+    """A ``[B, T]`` integer/bool tensor or a :class:`~torchrl_trl.layouts.Ragged` of
+    integers/bools as ``B`` :class:`ArrayRow` lists (one copy of the values); ``None`` for
+    anything else.
+
+    >>> import torch
+    >>> from torchrl_trl.layouts import Ragged
+    >>> rows = array_rows(Ragged.from_list([[1, 2, 3], [4]]))
+    >>> rows, torch.tensor(rows[1])
+    ([[1, 2, 3], [4]], tensor([4]))
+    >>> array_rows(torch.zeros(2, 3)) is None  # floats stay plain lists
+    True
+    """
+    if isinstance(values, layouts.Ragged):
+        flat, lengths = values.values, values.lengths
+    elif isinstance(values, torch.Tensor) and values.ndim == 2 and not values.is_nested:
+        flat, lengths = values.reshape(-1), None
+    else:
+        return None
+    dtype = _row_dtype(flat.dtype)
+    if dtype is None:
+        return None
+    array = flat.detach().cpu().numpy().astype(dtype, copy=True)  # private: later buffer writes don't reach it
+    if lengths is None:
+        pieces = array.reshape(values.shape)
+        return [ArrayRow.from_array(a, v) for a, v in zip(pieces, pieces.tolist())]
+    flat_list = array.tolist()
+    rows, start = [], 0
+    for n in lengths.tolist():
+        rows.append(ArrayRow.from_array(array[start:start + n], flat_list[start:start + n]))
+        start += n
+    return rows
 
 
 def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dtype | None]:

@@ -34,7 +34,7 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from . import features as F
-from .columns import read_token_ids
+from .columns import array_rows, read_token_ids
 
 __all__ = [
     "BufferFormat",
@@ -57,6 +57,24 @@ class BufferFormat:
         features: ``features() -> dict[str, datasets feature]`` for the columns
             ``convert`` returns (a callable so ``datasets`` is imported only when used).
         description: one line for docs and ``repr``.
+
+    A format of one's own, read from a TorchRL rollout batch (register it to use it by
+    name, see :func:`register_format`):
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl_trl import layouts
+    >>> from torchrl_trl.data import features
+    >>> n_tokens = BufferFormat(
+    ...     "n_tokens", (layouts.token_key("full"),),
+    ...     convert=lambda td: {"n_tokens": layouts.read_tokens(td, "full").lengths.tolist()},
+    ...     features=lambda: {"n_tokens": features.token_list()},
+    ...     description="how many tokens each rollout holds")
+    >>> batch = TensorDict({"tokens": {"full": torch.ones(2, 3, dtype=torch.long)}}, [2])
+    >>> n_tokens(batch)
+    {'n_tokens': [3, 3]}
+    >>> n_tokens.missing_keys(TensorDict({}, [2]))
+    [('tokens', 'full')]
     """
 
     name: str
@@ -76,7 +94,23 @@ _FORMATS: dict[str, BufferFormat] = {}
 
 
 def register_format(fmt: BufferFormat, *, overwrite: bool = False) -> BufferFormat:
-    """Add ``fmt`` to the registry under ``fmt.name`` (returns it, so usable inline)."""
+    """Add ``fmt`` to the registry under ``fmt.name`` (returns it, so usable inline).
+
+    Raises ``ValueError`` when the name is taken, unless ``overwrite``.
+
+    >>> from torchrl_trl import layouts
+    >>> from torchrl_trl.data import features
+    >>> answers = register_format(BufferFormat(
+    ...     "answers_only", (layouts.text_key("response"),),
+    ...     convert=lambda td: {"completion": layouts.read_text(td, "response")},
+    ...     features=lambda: {"completion": features.string()}), overwrite=True)
+    >>> get_format("answers_only") is answers
+    True
+    >>> register_format(answers)
+    Traceback (most recent call last):
+    ...
+    ValueError: format 'answers_only' is already registered (pass overwrite=True to replace it)
+    """
     if not isinstance(fmt, BufferFormat):
         raise TypeError(f"register_format expects a BufferFormat, got {type(fmt).__name__}")
     if fmt.name in _FORMATS and not overwrite:
@@ -86,7 +120,15 @@ def register_format(fmt: BufferFormat, *, overwrite: bool = False) -> BufferForm
 
 
 def get_format(fmt: str | BufferFormat) -> BufferFormat:
-    """A registered format by name (or ``fmt`` itself)."""
+    """A registered format by name (or ``fmt`` itself); an unknown name raises
+    ``ValueError`` listing the registered ones.
+
+    >>> fmt = get_format("sft_tokenized")
+    >>> fmt.required_keys
+    (('tokens', 'prompt'), ('tokens', 'response'))
+    >>> get_format(fmt) is fmt
+    True
+    """
     if isinstance(fmt, BufferFormat):
         return fmt
     if fmt not in _FORMATS:
@@ -95,6 +137,11 @@ def get_format(fmt: str | BufferFormat) -> BufferFormat:
 
 
 def available_formats() -> list[str]:
+    """The registered format names, sorted.
+
+    >>> {"sft", "sft_tokenized", "grpo", "dpo", "kto"} <= set(available_formats())
+    True
+    """
     return sorted(_FORMATS)
 
 
@@ -115,7 +162,9 @@ def _sft_messages(td: TensorDictBase) -> dict[str, list]:
     return {"messages": layouts.read_history(td, "full")}
 
 
-def _sft_tokenized(td: TensorDictBase) -> dict[str, list]:
+def prompt_response_ids(td: TensorDictBase) -> tuple[layouts.Ragged, layouts.Ragged]:
+    """Each row's prompt then response tokens (padding removed), and a 0/1 int64 mask that
+    is 1 on the response: two :class:`~torchrl_trl.layouts.Ragged` of the same lengths."""
     prompt, response = read_token_ids(td, "prompt"), read_token_ids(td, "response")
     lengths = prompt.lengths + response.lengths
     # interleave prompt and response tokens row by row with index arithmetic
@@ -125,10 +174,13 @@ def _sft_tokenized(td: TensorDictBase) -> dict[str, list]:
     values = torch.empty(int(lengths.sum()), dtype=prompt.values.dtype)
     values[~is_completion] = prompt.values
     values[is_completion] = response.values
-    return {
-        "input_ids": layouts.Ragged(values, lengths).tolist(),
-        "completion_mask": layouts.Ragged(is_completion.long(), lengths).tolist(),
-    }
+    return layouts.Ragged(values, lengths), layouts.Ragged(is_completion.long(), lengths)
+
+
+def _sft_tokenized(td: TensorDictBase) -> dict[str, list]:
+    ids, completion_mask = prompt_response_ids(td)
+    # ArrayRow lists: what TRL's collator turns into tensors fastest (see columns.ArrayRow)
+    return {"input_ids": array_rows(ids), "completion_mask": array_rows(completion_mask)}
 
 
 def _grpo_text(td: TensorDictBase) -> dict[str, list]:

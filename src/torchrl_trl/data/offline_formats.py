@@ -33,8 +33,8 @@ from tensordict import TensorDictBase
 
 from .. import layouts
 from . import features as F
-from .columns import read_token_ids
-from .formats import BufferFormat, get_format, register_format
+from .columns import array_rows
+from .formats import BufferFormat, get_format, prompt_response_ids, register_format
 
 __all__ = ["CHOSEN_KEY", "LABEL_KEY", "MARGIN_KEY", "REJECTED_KEY"]
 
@@ -93,8 +93,7 @@ def _margin(td: TensorDictBase) -> list[float]:
 
 
 def _prompt_response_ids(td: TensorDictBase) -> list[list[int]]:
-    prompt, response = read_token_ids(td, "prompt").split(), read_token_ids(td, "response").split()
-    return [p.tolist() + r.tolist() for p, r in zip(prompt, response)]
+    return array_rows(prompt_response_ids(td)[0])
 
 
 def _reward_tokenized(td: TensorDictBase) -> dict[str, list]:
