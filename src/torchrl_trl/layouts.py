@@ -36,6 +36,7 @@ __all__ = [
     "available_keys",
     "batch_numel",
     "decoded_padding",
+    "first_member",
     "has_key",
     "history_key",
     "padding_text",
@@ -236,12 +237,34 @@ def has_key(td: TensorDictBase, key: NestedKey) -> bool:
         return all(has_key(sample, key) for sample in td.unbind(0))
 
 
+def first_member(td: TensorDictBase) -> TensorDictBase:
+    """The first tensordict a (nested) lazy stack is made of: ``td`` itself when it is not
+    a lazy stack. What listing keys looks at: every member of a rollout stack carries the
+    same keys, and the first one lists them without stacking anything.
+
+    >>> import torch
+    >>> from tensordict import TensorDict, lazy_stack
+    >>> rollouts = lazy_stack([TensorDict({"ids": torch.arange(n)}, []) for n in (2, 3)])
+    >>> first_member(rollouts)["ids"].tolist()
+    [0, 1]
+    >>> dense = TensorDict({"ids": torch.zeros(2, 3)}, [2])
+    >>> first_member(dense) is dense
+    True
+    """
+    while isinstance(td, LazyStackedTensorDict) and td.tensordicts:
+        td = td.tensordicts[0]
+    return td
+
+
 def available_keys(td: TensorDictBase) -> list[str]:
-    """Sorted leaf keys of ``td`` (``"a.b"`` for nested ones), to name in errors."""
-    sample = td
-    while isinstance(sample, LazyStackedTensorDict) and sample.tensordicts:
-        sample = sample.tensordicts[0]
-    keys = sample.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
+    """Sorted leaf keys of ``td`` (``"a.b"`` for nested ones), to name in errors.
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> available_keys(TensorDict({"tokens": {"full": torch.zeros(3)}, "query": "2+2="}, []))
+    ['query', 'tokens.full']
+    """
+    keys = first_member(td).keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
     return sorted(k if isinstance(k, str) else ".".join(k) for k in keys)
 
 

@@ -27,7 +27,17 @@ __all__ = ["Groups", "SkipStats", "SkippedRolloutsWarning", "find_groups", "read
 
 
 class SkippedRolloutsWarning(UserWarning):
-    """Some rollouts or groups could not be used (see the :class:`SkipStats` counts)."""
+    """Some rollouts or groups could not be used (see the :class:`SkipStats` counts).
+
+    >>> import warnings
+    >>> stats = SkipStats(op="my_builder", rollouts=3, rows=2)
+    >>> stats.skip("singleton_group")
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     stats.report()
+    >>> caught[0].category is SkippedRolloutsWarning
+    True
+    """
 
 
 @dataclass
@@ -46,6 +56,14 @@ class SkipStats:
             ``"tied_group"`` (every reward equal), ``"tied_pair"``, ``"below_margin"``
             (pairs), ``"tied_at_cut"``, ``"middle_rollout"``, ``"below_min_reward"``
             (rollouts), ``"group_not_larger_than_k"`` (groups).
+
+    >>> stats = SkipStats(op="my_builder", rollouts=6, groups=2)
+    >>> stats.skip("tied_group")
+    >>> stats.used_groups, stats.rows = 1, 1
+    >>> stats.summary()
+    'my_builder: read 6 rollouts in 2 complete groups, 1 used, 1 rows written; skipped: tied_group=1'
+    >>> stats.as_dict()
+    {'rollouts': 6, 'groups': 2, 'used_groups': 1, 'rows': 1, 'skipped_tied_group': 1}
     """
 
     op: str
@@ -189,6 +207,28 @@ def find_groups(
 
     Returns:
         :class:`Groups`; rollouts with a non-finite reward are left out (counted).
+
+    Scored rollouts as a TorchRL LLM pipeline leaves them (the prompt under ``"query"``,
+    the reward ``[1, 1]`` under ``("next", "reward")``), from two collector batches:
+
+    >>> import torch
+    >>> from tensordict import TensorDict, lazy_stack
+    >>> def scored(prompt, reward):
+    ...     return TensorDict({"query": prompt, "next": {"reward": torch.tensor([[reward]])}}, [])
+    >>> first = lazy_stack([scored("2+2=", 1.0), scored("3+3=", 0.0), scored("5+5=", 1.0)])
+    >>> second = lazy_stack([scored("2+2=", 0.0), scored("3+3=", float("nan"))])
+    >>> groups = find_groups(torch.cat([first, second]))
+    >>> groups.ids, [m.tolist() for m in groups.members], groups.rewards[groups.members[0]].tolist()
+    (['2+2='], [[0, 3]], [1.0, 0.0])
+    >>> dict(groups.stats.skipped)
+    {'nonfinite_reward': 1, 'singleton_group': 2}
+
+    With ``group_size`` (``MCAdvantage(grpo_size=...)``), ids repeat: every ``group_size``
+    rollouts of one id close a group, in arrival order.
+
+    >>> repeated = lazy_stack([scored("q", r) for r in (1.0, 0.0, 0.5, 0.2, 0.9)])
+    >>> [m.tolist() for m in find_groups(repeated, group_size=2).members]
+    [[0, 1], [2, 3]]
     """
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2):
         raise ValueError(f"group_size must be an integer >= 2 or None, got {group_size!r}")

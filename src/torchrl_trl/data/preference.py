@@ -26,6 +26,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 
 from .. import layouts
+from .._checks import positive_int
 from .groups import Groups, SkipStats, find_groups, take_rows
 from .offline_formats import CHOSEN_KEY, LABEL_KEY, MARGIN_KEY, REJECTED_KEY
 
@@ -87,6 +88,28 @@ def preference_pairs(
     Raises:
         KeyError: the rollouts lack ``reward_key`` or ``group_key``.
         ValueError: no pair is left (every group tied, of size one, incomplete, ...).
+
+    Rollouts as ``ChatEnv`` and a reward transform leave them (a TorchRL ``History`` per
+    turn, the prompt under ``"query"``, the reward under ``("next", "reward")``):
+
+    >>> import torch
+    >>> from tensordict import TensorDict, lazy_stack
+    >>> from torchrl.data.llm import History
+    >>> def rollout(prompt, answer, reward):
+    ...     chat = History.from_chats([[{"role": "user", "content": prompt},
+    ...                                 {"role": "assistant", "content": answer}]])[0]
+    ...     return TensorDict({"query": prompt, "history": {"prompt": chat[:1], "response": chat[1:], "full": chat},
+    ...                        "next": {"reward": torch.tensor([[reward]])}}, [])
+    >>> rollouts = lazy_stack([rollout("2+2=", "4", 1.0), rollout("2+2=", "5", 0.0), rollout("2+2=", "22", 0.5)])
+    >>> pairs = preference_pairs(rollouts)
+    >>> len(pairs), pairs[0]["margin"].item(), pairs.build_stats.rows
+    (1, 1.0, 1)
+    >>> from torchrl_trl.data import TorchRLBufferDataset
+    >>> row = next(iter(TorchRLBufferDataset(pairs, 1, format="dpo_conversational", mode="epoch")))
+    >>> row["chosen"], row["rejected"]
+    ([{'role': 'assistant', 'content': '4'}], [{'role': 'assistant', 'content': '5'}])
+    >>> len(preference_pairs(rollouts, strategy="all", margin=0.2))  # 4>22 (0.5), 4>5 (1.0), 22>5 (0.5)
+    3
     """
     if strategy not in ("best_vs_worst", "all"):
         raise ValueError(f"strategy must be 'best_vs_worst' or 'all', got {strategy!r}")
@@ -162,9 +185,22 @@ def kto_rows(
         a new ``ReplayBuffer(LazyStackStorage)`` of the selected rollouts (tensors shared
         with the input), each with a bool ``[]`` ``"label"``; ``.build_stats`` holds the
         :class:`SkipStats`. Read it with the ``"kto"`` / ``"kto_conversational"`` formats.
+
+    Rollouts with text as TorchRL stores it (``("text", "prompt" | "response")``):
+
+    >>> import torch
+    >>> from tensordict import TensorDict, lazy_stack
+    >>> def rollout(answer, reward):
+    ...     return TensorDict({"query": "2+2=", "text": {"prompt": "2+2=", "response": answer},
+    ...                        "next": {"reward": torch.tensor([[reward]])}}, [])
+    >>> rollouts = lazy_stack([rollout("4", 1.0), rollout("5", 0.0), rollout("four", 0.8), rollout("22", 0.1)])
+    >>> ranked = kto_rows(rollouts)  # the 2 best desirable, the 2 worst not
+    >>> [(str(r["text", "response"]), bool(r["label"])) for r in ranked[:]]
+    [('4', True), ('four', True), ('22', False), ('5', False)]
+    >>> [bool(r["label"]) for r in kto_rows(rollouts, threshold=0.5)[:]]  # no grouping
+    [True, False, True, False]
     """
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ValueError(f"k must be a positive integer or None, got {k!r}")
+    positive_int(k, "k", allow_none=True)
     if threshold is not None:
         if k is not None:
             raise ValueError("pass threshold= or k= (rank within groups), not both")
@@ -235,9 +271,22 @@ def best_of_n(
         a new ``ReplayBuffer(LazyStackStorage)`` of the kept rollouts (their tensors shared
         with the input, all their keys kept, so every SFT format reads it);
         ``.build_stats`` holds the :class:`SkipStats`.
+
+    >>> import torch
+    >>> from tensordict import TensorDict, lazy_stack
+    >>> def rollout(prompt, answer, reward):
+    ...     return TensorDict({"query": prompt, "text": {"prompt": prompt, "response": answer},
+    ...                        "next": {"reward": torch.tensor([[reward]])}}, [])
+    >>> rollouts = lazy_stack([rollout("2+2=", "5", 0.0), rollout("2+2=", "4", 1.0),
+    ...                        rollout("3+3=", "6", 0.9), rollout("3+3=", "9", 0.1)])
+    >>> best = best_of_n(rollouts, k=1)
+    >>> [str(r["text", "response"]) for r in best[:]]
+    ['4', '6']
+    >>> from torchrl_trl.data import TorchRLBufferDataset
+    >>> list(TorchRLBufferDataset(best, 2, format="sft", mode="epoch"))
+    [{'prompt': '2+2=', 'completion': '4'}, {'prompt': '3+3=', 'completion': '6'}]
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive integer, got {k!r}")
+    positive_int(k, "k")
     if group_size is not None and isinstance(group_size, int) and not isinstance(group_size, bool) and k >= group_size:
         raise ValueError(f"k={k} keeps every completion of a group of group_size={group_size}; use k < group_size")
     if min_reward is not None:
