@@ -32,12 +32,13 @@ ENV_PACKAGES = ("torch", "torchrl", "tensordict", "trl", "transformers", "datase
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-#: ``torchrl-trl demo`` run times on 2 CPU cores, stated in its help. --quick: 75 s wall with
-#: both cores free (issue 14's measurement); 123 s of CPU time measured here (pytest
-#: tests/test_demo.py -k quick under /usr/bin/time). The full run is estimated from the
-#: --quick phases (GRPO dominates: 25 iterations instead of 12; 6x the reward pairs).
-QUICK_TIME = "about 75 s on 2 free CPU cores, 123 s of CPU time"
-FULL_TIME = "about 3 min on 2 free CPU cores, estimated from the --quick phases"
+#: ``torchrl-trl demo`` run times, stated in its help: ``/usr/bin/time -v torchrl-trl demo
+#: [--quick]`` on this project's 2-core machine while other jobs shared it (1-minute load
+#: averages sampled during each run). Not measured on idle cores: CPU time is the steadier
+#: number; wall time there is lower. --quick, twice: 143 s CPU / 261 s wall (load 1.5-5.8),
+#: 191 s CPU / 393 s wall (load 4.5-7.2); full run: 464 s CPU / 1615 s wall (load 6-12).
+QUICK_TIME = "measured on 2 CPU cores shared with other jobs: 143-191 s of CPU time, 4.4-6.6 min wall"
+FULL_TIME = "measured on 2 CPU cores shared with other jobs: 464 s of CPU time, 27 min wall at load 6-12"
 DEMO_DESCRIPTION = (
     "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
     "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train further "

@@ -17,9 +17,12 @@ vowels. Nobody tells the policy or the reward model; they learn it from data:
 6. a summary table, a reward curve (PNG, both GRPO runs' true score) and a JSON of every
    number in ``output_dir``.
 
-Run it with ``torchrl-trl demo``. Measured on this project's busy 2-core machine (load
-average ~4.3, shared): ``--quick`` took 213 s wall, 192 s of CPU time, of which step 3 took
-132 s and step 5 (TRL GRPO) 61 s; the full run (25 iterations) roughly doubles steps 3 and 5.
+Run it with ``torchrl-trl demo``. Measured with ``/usr/bin/time -v`` on this project's 2-core
+machine while other jobs shared it (not on idle cores; see ``torchrl_trl.cli.QUICK_TIME``):
+``--quick`` took 143-191 s of CPU time (4.4-6.6 min wall, load 1.5-7.2; wall time per step
+of the slower run: reward model 28 s, TorchRL GRPO 256 s, SFT 8 s, TRL GRPO 86 s); the full
+run (25 iterations, 3x the reward pairs, 2 epochs) took 464 s of CPU time (27 min wall at
+load 6-12).
 Both trained policies are saved under ``output_dir`` (``policy_grpo``, ``policy_sft``,
 safetensors). Checkpoints given by path are loaded from safetensors only, with
 ``trust_remote_code=False``.
