@@ -149,6 +149,8 @@ class LLMCollectorRolloutFunc:
         if self.push_weights and step != self._pushed_step:
             self.push(trainer.accelerator.unwrap_model(trainer.model))
             self._pushed_step = step
+        else:  # the caller may push weights itself: staleness is against the collector's version
+            self.policy_version = self._collector_version()
         if not self._started:
             self.collector.start()
             self._started = True
@@ -169,13 +171,16 @@ class LLMCollectorRolloutFunc:
         weights = TensorDict({"model": TensorDict.from_module(model).data.cpu()}, batch_size=[])
         self.collector.update_policy_weights_(weights)
         self.weight_pushes += 1
+        self.policy_version = self._collector_version()
+        return self.policy_version
+
+    def _collector_version(self) -> int:
         version = self.collector.policy_version
-        if not isinstance(version, int):
+        if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(
                 f"collector.policy_version is {version!r}: build the collector with track_policy_version=True "
                 "(an integer PolicyVersion) so the rollouts carry the version that generated them"
             )
-        self.policy_version = version
         return version
 
     # -- reading the buffer --------------------------------------------------------------
