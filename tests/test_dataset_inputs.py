@@ -300,3 +300,27 @@ def test_worker_forked_mid_write_is_refused(monkeypatch):
         t.join()
     assert sorted(_xs(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork"))) == list(range(8))
 
+
+
+# ---------------------------------------------------------------------------
+# Sharding: the one place that knows ranks, workers and shards
+# ---------------------------------------------------------------------------
+
+
+def test_sharding_counts_seeds_and_process():
+    import numpy as np
+    from accelerate import PartialState
+
+    for n in range(0, 23):
+        for k in range(1, 9):  # numpy's array_split as the independent reference
+            assert sharding.split_count(n, k) == [len(p) for p in np.array_split(np.arange(n), k)]
+    seeds = {sharding.stream_seed(0, rank, stream, worker, 1) for rank in range(2) for stream in range(3) for worker in range(2)}
+    assert len(seeds) == 12 and all(0 <= s < 2**63 for s in seeds)
+    assert sharding.stream_seed(5, 0, 1) == sharding.stream_seed(5, 0, 1)
+    state = PartialState()
+    assert sharding.Sharding().process() == (state.process_index, state.num_processes) == (0, 1)
+    assert sharding.Sharding().shards(4) == 4 and sharding.Sharding(num_shards=3).shards(4) == 3
+    order = sharding.epoch_order(10, shuffle=True, seed=2, epoch=1)
+    assert sorted(order.tolist()) == list(range(10)) and order.tolist() != list(range(10))
+    assert order.tolist() == sharding.epoch_order(10, shuffle=True, seed=2, epoch=1).tolist()
+    assert order.tolist() != sharding.epoch_order(10, shuffle=True, seed=2, epoch=2).tolist()
