@@ -14,7 +14,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.online import CollectorError  # noqa: E402
-from torchrl_trl.online.collector_rollouts import LLMCollectorRolloutFunc  # noqa: E402
+from torchrl_trl.online import LLMCollectorRolloutFunc  # noqa: E402
 from test_rollout_func import Recorder  # noqa: E402
 
 ROWS = [{"query": q, "answer": a} for q, a in [("what is two plus two?", "four"), ("hello world", "hi")]]
@@ -37,7 +37,7 @@ def _env(rows=ROWS, batch_size=2):
     return env.append_transform(RewardFunctionWrapper(_length_reward).as_transform())
 
 
-def _trainer(model, tok, func, reward, tmp_path, max_steps):
+def _trainer(model, tok, func, reward, tmp_path, max_steps, cls=None):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -47,8 +47,8 @@ def _trainer(model, tok, func, reward, tmp_path, max_steps):
         shuffle_dataset=False, gradient_checkpointing=False, learning_rate=1e-2, logging_steps=1,
     )
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": r["query"]}] for r in ROWS]})
-    return GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
-                       processing_class=tok, rollout_func=func)
+    return (cls or GRPOTrainer)(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
+                                processing_class=tok, rollout_func=func)
 
 
 def _reward(completions, torchrl_prompt, torchrl_reward, answer, **kwargs):
@@ -111,6 +111,49 @@ def test_local_llm_collector_weights_version_and_staleness(checkpoints, policy_a
     assert len(trained) > 1 and trained <= stored
     versions = [int(v) for v in layouts.read_column(rb[:], ("next", "policy_version"))]
     assert versions == sorted(versions) and max(versions) <= 3
+
+
+def test_local_collector_records_behaviour_logprobs_for_the_correction(checkpoints, policy_and_tokenizer, tmp_path):
+    """BehaviourLogProbsPostproc on the LLMCollector: the log-probs TRL gets are complete (no
+    unknown first token) and, on groups generated after the step's push, equal an
+    independent forward of the trainer's weights; BehaviourLogProbsMixin trains on them."""
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    from test_rollout_func import _reference_logps
+    from torchrl_trl.online import BehaviourLogProbsMixin
+    from torchrl_trl.online import BehaviourLogProbsPostproc
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    policy = make_policy_wrapper(AutoModelForCausalLM.from_pretrained(checkpoints.policy), tok, max_new_tokens=4)
+    rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=MCAdvantage(grpo_size=2))
+    collector = LLMCollector(env=_env(), policy=policy, dialog_turns_per_batch=2, replay_buffer=rb,
+                             track_policy_version=True, total_dialog_turns=-1,
+                             postproc=BehaviourLogProbsPostproc(policy))
+    checked = {"fresh": 0}
+
+    def reward(completions, **kwargs):  # after this step's push and rollout, before its optimizer step
+        batch = rollout.calls[-1][2]
+        ref = _reference_logps(model, batch["prompt_ids"], batch["completion_ids"])
+        for lp, r, age in zip(batch["logprobs"], ref, batch["staleness"]):
+            assert not torch.isnan(torch.tensor(lp)).any()
+            if age == 0:
+                checked["fresh"] += 1
+                torch.testing.assert_close(torch.tensor(lp), r, atol=1e-4, rtol=1e-4)
+        return _reward(completions, **kwargs)
+
+    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
+        rollout = Recorder(func, "rollout")
+        corrected = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})
+        trainer = _trainer(model, tok, rollout, Recorder(reward, "reward"), tmp_path, max_steps=3, cls=corrected)
+        trainer.train()
+    assert trainer.state.global_step == 3 and checked["fresh"] > 0
 
 
 def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer):

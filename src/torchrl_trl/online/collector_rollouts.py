@@ -22,9 +22,12 @@ items overwritten before they were read are counted in ``missed_items``).
 
 Log-probs: TorchRL 0.14.1's ``TransformersWrapper(generate=True)`` writes 0.0 for the first
 generated token; TRL receives NaN there (unknown, which TRL neutralises) and the generated
-values elsewhere. So :class:`~torchrl_trl.online.BehaviourLogProbsMixin` (which refuses
-unknown log-probs on trained tokens) does not apply; a stale group is trained as TRL trains
-any group (ratio 1), or use TRL's ``off_policy_mask_threshold``.
+values elsewhere, unless the collector records the behaviour log-probs with
+``LLMCollector(postproc=BehaviourLogProbsPostproc(policy))`` (in-process collectors): then
+``logprobs`` are those, complete, and :class:`~torchrl_trl.online.BehaviourLogProbsMixin`
+corrects stale groups with them. Without, that mixin refuses the unknown first token; a
+stale group is trained as TRL trains any group (ratio 1), or use TRL's
+``off_policy_mask_threshold``.
 
 TorchRL loads pushed weights while the collector may be generating (its thread, or the Ray
 actor, does not pause): a batch in flight at a push can mix the two weight versions and is
@@ -34,6 +37,7 @@ what they are at worst, one version old.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 
@@ -44,10 +48,60 @@ from .. import layouts
 from .._checks import WarnOnce, positive_int, positive_seconds
 from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD, check_max_staleness
 from .callback import CollectorError
-from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
+from .rollout_func import BEHAVIOUR_KEY, RolloutBatch, TorchRLRolloutFunc, _group_size
 from .staleness import read_policy_version
 
-__all__ = ["LLMCollectorRolloutFunc"]
+__all__ = ["LLMCollectorRolloutFunc", "BehaviourLogProbsPostproc"]
+
+
+class BehaviourLogProbsPostproc:
+    """``LLMCollector(postproc=...)`` that records the behaviour log-probs: each response
+    token's log-prob under the weights that generated it, by TorchRL's scoring path
+    (``generate=False``) on the exact sequence, in the collector's thread right after
+    generation, written at ``"behaviour_log_probs"`` (float ``[n_response_tokens]`` per sample). :class:`LLMCollectorRolloutFunc` returns
+    them as ``logprobs`` (no unknown first token), so
+    :class:`~torchrl_trl.online.BehaviourLogProbsMixin` can correct stale groups.
+
+    Args:
+        policy: the collector's policy (the same object: its model holds the generating
+            weights). In-process collectors only (a Ray actor builds its own policy).
+
+    :attr:`lock` is held while scoring; :meth:`LLMCollectorRolloutFunc.push` holds it while
+    TorchRL loads new weights, so no score mixes two weight versions.
+
+    Example (on one policy call, as the collector calls it after each rollout batch):
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
+    >>> tok = make_tokenizer()
+    >>> policy = make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3, input_mode="text")
+    >>> _ = torch.manual_seed(0)
+    >>> out = BehaviourLogProbsPostproc(policy)(policy(TensorDict({"text": {"prompt": ["hi", "hello"]}}, [2])))
+    >>> generated = out[0]["log_probs", "response"]  # TorchRL 0.14.1: 0.0 for the first token
+    >>> behaviour = out[0]["behaviour_log_probs"]
+    >>> generated[0].item(), behaviour[0].item() < 0, torch.allclose(behaviour[1:], generated[1:], atol=1e-4)
+    (0.0, True, True)
+    """
+
+    def __init__(self, policy):
+        import threading
+
+        self.policy = policy
+        self.lock = threading.Lock()
+        self._scorer = TorchRLRolloutFunc(policy, logprobs="rescore")
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        from .rollout_func import _per_sample
+
+        td = _per_sample(td)
+        prompts = layouts.read_tokens(td, "prompt").tolist()
+        responses = layouts.read_tokens(td, "response").tolist()
+        with self.lock:
+            scored = self._scorer._rescore(self.policy, prompts, responses)
+        for sample, lp in zip(td.tensordicts, scored):
+            sample.set(BEHAVIOUR_KEY, torch.tensor(lp, dtype=torch.float32))
+        return td
 
 
 class LLMCollectorRolloutFunc:
@@ -71,6 +125,11 @@ class LLMCollectorRolloutFunc:
             ``prompt_key``).
         push_weights: push the trainer's weights when ``global_step`` changed (``False``:
             the caller does it).
+
+    Log-probs: give the collector ``postproc=BehaviourLogProbsPostproc(policy)`` (in-process
+    collectors) for complete behaviour log-probs, which
+    :class:`~torchrl_trl.online.BehaviourLogProbsMixin` corrects stale groups with; without
+    it the first token's is unknown (NaN), see the module doc.
 
     Returned rows carry ``"torchrl_prompt"`` (the prompt generated for: reward functions
     must read it, not TRL's ``prompts``), ``"staleness"``, ``"torchrl_reward"`` (the env's
@@ -157,6 +216,8 @@ class LLMCollectorRolloutFunc:
         groups = self.take(len(prompts) // g)
         steps = [_stack([td for _, td in groups])]
         batch = self._converter._to_trl(None, steps)
+        if layouts.has_key(steps[0], BEHAVIOUR_KEY):
+            batch["logprobs"] = [v.tolist() for v in layouts.read_column(steps[0], BEHAVIOUR_KEY)]
         batch[PROMPT_FIELD] = _prompts(steps[0])
         ages = [self.policy_version - v for v, _ in groups]
         batch[STALENESS_FIELD] = [a for a in ages for _ in range(g)]
@@ -169,7 +230,9 @@ class LLMCollectorRolloutFunc:
         """Send ``model``'s weights to the collector's policy through
         ``collector.update_policy_weights_`` and return the collector's new policy version."""
         weights = TensorDict({"model": TensorDict.from_module(model).data.cpu()}, batch_size=[])
-        self.collector.update_policy_weights_(weights)
+        postproc = getattr(self.collector, "postproc", None)
+        with getattr(postproc, "lock", contextlib.nullcontext()):
+            self.collector.update_policy_weights_(weights)
         self.weight_pushes += 1
         self.policy_version = self._collector_version()
         return self.policy_version

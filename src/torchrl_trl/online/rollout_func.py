@@ -79,9 +79,11 @@ TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 GROUP_ID_KEY = "group_id"
 VERSION_KEY = "policy_version"
 TURN_KEY = "turn"
+#: Per-token behaviour log-probs a collector's postproc records (``collector_rollouts``).
+BEHAVIOUR_KEY = "behaviour_log_probs"
 #: Name under which the env's reward (summed over turns) reaches TRL's reward functions.
 TORCHRL_REWARD_FIELD = "torchrl_reward"
-_OWN_KEYS = frozenset({GROUP_ID_KEY, VERSION_KEY, TURN_KEY, "query", "_reset"})
+_OWN_KEYS = frozenset({GROUP_ID_KEY, VERSION_KEY, TURN_KEY, BEHAVIOUR_KEY, "query", "_reset"})
 
 
 class RolloutBatch(dict):
