@@ -192,6 +192,8 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
         LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=-1)
     with pytest.raises(ValueError, match="group_size"):
         LLMCollectorRolloutFunc(collector, rb, group_size=0)
+    with pytest.raises(ValueError, match="poll_s"):
+        LLMCollectorRolloutFunc(collector, rb, group_size=2, poll_s=None)
 
 
 def _ray_env_factory():  # runs in the collector actor

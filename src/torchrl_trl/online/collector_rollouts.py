@@ -58,9 +58,10 @@ class BehaviourLogProbsPostproc:
     """``LLMCollector(postproc=...)`` that records the behaviour log-probs: each response
     token's log-prob under the weights that generated it, by TorchRL's scoring path
     (``generate=False``) on the exact sequence, in the collector's thread right after
-    generation, written at ``"behaviour_log_probs"`` (float ``[n_response_tokens]`` per sample). :class:`LLMCollectorRolloutFunc` returns
-    them as ``logprobs`` (no unknown first token), so
-    :class:`~torchrl_trl.online.BehaviourLogProbsMixin` can correct stale groups.
+    generation, written at ``"behaviour_log_probs"`` (float ``[n_response_tokens]`` per
+    sample). :class:`LLMCollectorRolloutFunc` returns them as ``logprobs`` (no unknown
+    first token), so :class:`~torchrl_trl.online.BehaviourLogProbsMixin` can correct stale
+    groups.
 
     Args:
         policy: the collector's policy (the same object: its model holds the generating
@@ -119,7 +120,8 @@ class LLMCollectorRolloutFunc:
     Keyword Args:
         group_size: completions per prompt (``GRPOConfig.num_generations``).
         max_staleness: largest accepted ``collector.policy_version - group version``.
-        timeout: seconds to wait for enough fresh groups before raising ``CollectorError``.
+        timeout: seconds to wait for enough fresh groups before raising ``CollectorError``
+            (``None``: no limit; a collector that stops still raises at once).
         poll_s: seconds between two reads of the buffer while waiting.
         group_key: the key whose value all items of a group share (``MCAdvantage``'s
             ``prompt_key``).
@@ -183,6 +185,8 @@ class LLMCollectorRolloutFunc:
         self.max_staleness = check_max_staleness(max_staleness)
         self.timeout = positive_seconds(timeout, "timeout")
         self.poll_s = positive_seconds(poll_s, "poll_s")
+        if self.poll_s is None:
+            raise ValueError("poll_s must be a positive number of seconds, got None")
         self.group_key = group_key
         self.push_weights = push_weights
         self.read_groups = 0
@@ -280,7 +284,7 @@ class LLMCollectorRolloutFunc:
                     f"the collector is not running (it stopped or died); got {len(out)} of {n} groups "
                     f"({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
                 )
-            if time.monotonic() - start > self.timeout:
+            if self.timeout is not None and time.monotonic() - start > self.timeout:
                 raise CollectorError(
                     f"only {len(out)} of {n} groups within max_staleness={self.max_staleness} after "
                     f"{self.timeout} s ({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
