@@ -6,6 +6,10 @@ from .async_rollouts import (
     BehaviourLogProbsMixin as BehaviourLogProbsMixin,
     GroupReplay as GroupReplay,
 )
+from .collector_rollouts import (
+    BehaviourLogProbsPostproc as BehaviourLogProbsPostproc,
+    LLMCollectorRolloutFunc as LLMCollectorRolloutFunc,
+)
 from .callback import CollectorCallback as CollectorCallback, CollectorError as CollectorError, wait_for_items as wait_for_items
 from .metrics import CollectorMetricsCallback as CollectorMetricsCallback
 from .checkpoint import (
