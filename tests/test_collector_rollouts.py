@@ -194,6 +194,11 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
         LLMCollectorRolloutFunc(collector, rb, group_size=0)
     with pytest.raises(ValueError, match="poll_s"):
         LLMCollectorRolloutFunc(collector, rb, group_size=2, poll_s=None)
+    from torchrl_trl.online import BehaviourLogProbsPostproc
+
+    _, postproc = BehaviourLogProbsPostproc.for_factory(lambda: None)  # its factory never ran here
+    with pytest.raises(RuntimeError, match="paired factory"):
+        postproc(rb[:])
 
 
 def _ray_env_factory():  # runs in the collector actor
@@ -214,14 +219,18 @@ def _ray_policy_factory():
 def test_ray_collector_actor_feeds_grpo_trainer(policy_and_tokenizer, tmp_path):
     """Local Ray: the LLMCollector runs in a RayLLMCollector actor and writes whole groups
     (MCAdvantage inside the RayReplayBuffer actor); GRPOTrainer.train() drains them within
-    max_staleness, weights go to the actor through update_policy_weights_."""
+    max_staleness, weights go to the actor through update_policy_weights_, the actor records
+    complete behaviour log-probs (BehaviourLogProbsPostproc.for_factory) and
+    BehaviourLogProbsMixin trains on them."""
     import sys
     from functools import partial
 
     ray = pytest.importorskip("ray")
     from torchrl.objectives.llm import MCAdvantage
+    from trl import GRPOTrainer
 
     from torchrl_trl import testing
+    from torchrl_trl.online import BehaviourLogProbsMixin, BehaviourLogProbsPostproc
     from torchrl_trl.online.ray import make_ray_collector, make_ray_replay_buffer
 
     _, tok = policy_and_tokenizer
@@ -229,14 +238,18 @@ def test_ray_collector_actor_feeds_grpo_trainer(policy_and_tokenizer, tmp_path):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the factories live here
     try:
         rb = make_ray_replay_buffer(1024, transform_factory=partial(MCAdvantage, grpo_size=2))
-        collector = make_ray_collector(_ray_env_factory, _ray_policy_factory, rb, dialog_turns_per_batch=2)
+        factory, postproc = BehaviourLogProbsPostproc.for_factory(_ray_policy_factory)
+        collector = make_ray_collector(_ray_env_factory, factory, rb, dialog_turns_per_batch=2, postproc=postproc)
         model = testing.make_policy(tok)  # the same weights as the actor's (seed 0)
         with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=180) as func:
             rollout = Recorder(func, "rollout")
-            trainer = _trainer(model, tok, rollout, Recorder(_reward, "reward"), tmp_path, max_steps=3)
+            corrected = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})
+            trainer = _trainer(model, tok, rollout, Recorder(_reward, "reward"), tmp_path, max_steps=3, cls=corrected)
             trainer.train()
             version = collector.policy_version
         assert trainer.state.global_step == 3 and len(rollout.calls) == 3
+        logprobs = [lp for _, _, b in rollout.calls for lp in b["logprobs"]]  # recorded in the actor
+        assert logprobs and not any(torch.isnan(torch.tensor(lp)).any() for lp in logprobs)
         assert func.weight_pushes == 3 and version == 3  # TorchRL's PolicyVersion, in the actor
         assert len(func.consumed_staleness) == 6 and max(func.consumed_staleness) <= 1
         assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)

@@ -23,7 +23,8 @@ items overwritten before they were read are counted in ``missed_items``).
 Log-probs: TorchRL 0.14.1's ``TransformersWrapper(generate=True)`` writes 0.0 for the first
 generated token; TRL receives NaN there (unknown, which TRL neutralises) and the generated
 values elsewhere, unless the collector records the behaviour log-probs with
-``LLMCollector(postproc=BehaviourLogProbsPostproc(policy))`` (in-process collectors): then
+``LLMCollector(postproc=BehaviourLogProbsPostproc(policy))`` (or, for a Ray actor,
+:meth:`BehaviourLogProbsPostproc.for_factory`): then
 ``logprobs`` are those, complete, and :class:`~torchrl_trl.online.BehaviourLogProbsMixin`
 corrects stale groups with them. Without, that mixin refuses the unknown first token; a
 stale group is trained as TRL trains any group (ratio 1), or use TRL's
@@ -65,7 +66,8 @@ class BehaviourLogProbsPostproc:
 
     Args:
         policy: the collector's policy (the same object: its model holds the generating
-            weights). In-process collectors only (a Ray actor builds its own policy).
+            weights). For a collector that builds its policy (``RayLLMCollector`` with a
+            ``policy_factory``), use :meth:`for_factory` instead.
 
     :attr:`lock` is held while scoring; :meth:`LLMCollectorRolloutFunc.push` holds it while
     TorchRL loads new weights, so no score mixes two weight versions.
@@ -91,6 +93,19 @@ class BehaviourLogProbsPostproc:
         self.policy = policy
         self.lock = threading.Lock()
         self._scorer = TorchRLRolloutFunc(policy, logprobs="rescore")
+
+    @classmethod
+    def for_factory(cls, policy_factory):
+        """``(policy_factory, postproc)`` for a collector that builds its policy where it
+        runs (a Ray actor): the returned factory builds the policy with ``policy_factory``
+        and hands it to the returned postproc, which scores with it. Pass both to the same
+        collector (``make_ray_collector(env_factory, factory, rb, postproc=postproc, ...)``).
+        There, a weight push is not serialised with scoring (no shared lock across the
+        actor's threads): keep ``max_staleness >= 1``."""
+        import uuid
+
+        token = uuid.uuid4().hex
+        return _RecordingFactory(policy_factory, token), _DeferredPostproc(token)
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         from .rollout_func import _per_sample
@@ -355,6 +370,34 @@ class LLMCollectorRolloutFunc:
 
     def __exit__(self, *exc):
         self.close()
+
+
+#: policies built by :meth:`BehaviourLogProbsPostproc.for_factory` factories, in this process
+_BUILT_POLICIES: dict = {}
+
+
+class _RecordingFactory:
+    def __init__(self, factory, token: str):
+        self.factory, self.token = factory, token
+
+    def __call__(self):
+        policy = self.factory()
+        _BUILT_POLICIES[self.token] = BehaviourLogProbsPostproc(policy)
+        return policy
+
+
+class _DeferredPostproc:
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        postproc = _BUILT_POLICIES.get(self.token)
+        if postproc is None:
+            raise RuntimeError(
+                "BehaviourLogProbsPostproc.for_factory: the postproc runs in a process whose collector did not "
+                "build its policy with the paired factory; give both to the same collector"
+            )
+        return postproc(td)
 
 
 def _stack(groups: list[TensorDictBase]) -> TensorDictBase:
