@@ -195,7 +195,15 @@ def _chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
     where a dense tensordict holds a lazily stacked sub-tensordict."""
     if isinstance(td, LazyStackedTensorDict):
         subs = td.tensordicts if td.stack_dim == 0 else td.unbind(0)
-        return [chunk for sub in subs for chunk in _chunks(sub, key)]
+        chunks = []
+        for sub in subs:
+            if sub.batch_dims == 0:  # one sample (a rollout in a LazyStackStorage): the common case, kept short
+                value = sub.get(key)
+                if isinstance(value, torch.Tensor) and value.ndim <= 1 and not value.is_nested:
+                    chunks.append(value.reshape(1, -1))
+                    continue
+            chunks.extend(_chunks(sub, key))
+        return chunks
     value = _get(td, key)
     if isinstance(value, list):  # one tensor per sample
         return [torch.as_tensor(v).reshape(1, -1) for v in value]
@@ -210,13 +218,17 @@ def _get(td: TensorDictBase, key: NestedKey) -> Any:
     """``td.get(key)``; where that cannot stack (a dense tensordict whose ``Tokens`` /
     ``Masks`` are a lazy stack of samples of different lengths, as
     ``TransformersWrapper(pad_output=False)`` with text or history input and
-    ``ReplayBuffer(ListStorage)`` samples give), a flat list with one value per sample."""
+    ``ReplayBuffer(ListStorage)`` samples give), a flat list with one value per sample.
+    ``KeyError`` when ``key`` is not set."""
     try:
-        return td.get(key)
+        value = td.get(key)
     except RuntimeError:
         if isinstance(td, LazyStackedTensorDict) or td.batch_dims == 0:
             raise
         return _flatten_nested_list(td.get(key, as_list=True), td.batch_dims)
+    if value is None:
+        raise KeyError(key)
+    return value
 
 
 def has_key(td: TensorDictBase, key: NestedKey) -> bool:
@@ -224,6 +236,9 @@ def has_key(td: TensorDictBase, key: NestedKey) -> bool:
 
     Looks inside lazy stacks, also those nested in a dense tensordict: a key that is
     present but cannot be stacked counts as present."""
+    if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
+        # ask the members at once: getting the key from the stack would stack it first
+        return all(has_key(sub, key) for sub in td.tensordicts)
     try:
         return td.get(key, None) is not None
     except (KeyError, RuntimeError):
@@ -323,8 +338,11 @@ def read_tokens(
         [[5, 6], [7, 8, 9]]
     """
     key = token_key(part) if key is None else key
-    _require(td, key, "read_tokens")
-    tokens = _chunks(td, key)
+    try:
+        tokens = _chunks(td, key)
+    except KeyError:
+        _require(td, key, "read_tokens")  # raises naming the key and the available ones
+        raise
     masks = (
         _chunks(td, mask_key) if mask_key is not None and has_key(td, mask_key) else None
     )
@@ -349,16 +367,18 @@ def read_tokens(
         # one vectorised pass over everything (dense, or equal-width chunks)
         values, mask = torch.cat(tokens), torch.cat(masks).bool()
         return Ragged(values[mask], mask.sum(-1))
+    if all(m is None and t.shape[0] == 1 for t, m in zip(tokens, masks)):  # one unmasked sample per chunk
+        return Ragged(torch.cat(tokens, dim=1).reshape(-1), torch.tensor([t.shape[-1] for t in tokens]))
     values, lengths = [], []
     for t, m in zip(tokens, masks):
-        if m is None:
+        if m is None:  # every stored token is real: lengths from the shape, no tensor op per sample
             values.append(t.reshape(-1))
-            lengths.append(torch.full((t.shape[0],), t.shape[-1], dtype=torch.long))
+            lengths.extend([t.shape[-1]] * t.shape[0])
         else:
             m = m.bool()
             values.append(t[m])
-            lengths.append(m.sum(-1))
-    return Ragged(torch.cat(values), torch.cat(lengths).long())
+            lengths.extend(m.sum(-1).tolist())
+    return Ragged(torch.cat(values), torch.tensor(lengths, dtype=torch.long))
 
 
 def _rows(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
