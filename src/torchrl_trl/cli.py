@@ -34,11 +34,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 #: ``torchrl-trl demo`` run times, stated in its help: ``/usr/bin/time -v torchrl-trl demo
 #: [--quick]`` on this project's 2-core machine while other jobs shared it (1-minute load
-#: averages sampled during each run). Not measured on idle cores: CPU time is the steadier
-#: number; wall time there is lower. --quick, twice: 143 s CPU / 261 s wall (load 1.5-5.8),
-#: 191 s CPU / 393 s wall (load 4.5-7.2); full run: 464 s CPU / 1615 s wall (load 6-12).
-QUICK_TIME = "measured on 2 CPU cores shared with other jobs: 143-191 s of CPU time, 4.4-6.6 min wall"
-FULL_TIME = "measured on 2 CPU cores shared with other jobs: 464 s of CPU time, 27 min wall at load 6-12"
+#: averages sampled during each run; never measured on idle cores). Contention inflates CPU
+#: time too (threads spin). --quick: 87 s wall / 93 s CPU (load 2.9-3.5), 261 s / 143 s
+#: (load 1.5-5.8), 393 s / 191 s (load 4.5-7.2); full: 426 s wall / 339 s CPU (load 3.0-4.8),
+#: 1615 s / 464 s (load 6-12).
+QUICK_TIME = "87 s wall, 93 s of CPU time, measured on 2 CPU cores at load 3 with other jobs running; up to 6.6 min at load 7"
+FULL_TIME = "7 min wall, 339 s of CPU time, measured on 2 CPU cores at load 3-5 with other jobs running"
 DEMO_DESCRIPTION = (
     "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
     "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train further "
