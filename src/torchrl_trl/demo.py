@@ -497,7 +497,7 @@ def plot_reward_curve(results: dict):
     """
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(6, 4.2))
     ax.plot(results["grpo"]["true_score"], label="true score (hidden rule), TorchRL GRPO")
     if "trl_grpo" in results:
         ax.plot(results["trl_grpo"]["true_score"], color="tab:green", label="true score, TRL GRPO on TorchRL rollouts")
@@ -506,8 +506,9 @@ def plot_reward_curve(results: dict):
     ax.set_xlabel("GRPO iteration")
     ax.set_ylabel("true score")
     ax2.set_ylabel("reward-model score")
-    fig.legend(loc="upper left", bbox_to_anchor=(0.1, 0.97), fontsize=8, framealpha=0.8)
-    fig.tight_layout()
+    # under the axes: inside, it hides the curves' ends
+    fig.legend(loc="lower center", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
     return fig
 
 
