@@ -33,13 +33,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 #: ``torchrl-trl demo`` run times, stated in its help: ``/usr/bin/time -v torchrl-trl demo
-#: [--quick]`` on this project's 2-core machine while other jobs shared it (1-minute load
-#: averages sampled during each run; never measured on idle cores). Contention inflates CPU
-#: time too (threads spin). --quick: 87 s wall / 93 s CPU (load 2.9-3.5), 261 s / 143 s
-#: (load 1.5-5.8), 393 s / 191 s (load 4.5-7.2); full: 426 s wall / 339 s CPU (load 3.0-4.8),
-#: 1615 s / 464 s (load 6-12).
-QUICK_TIME = "87 s wall, 93 s of CPU time, measured on 2 CPU cores at load 3 with other jobs running; up to 6.6 min at load 7"
-FULL_TIME = "7 min wall, 339 s of CPU time, measured on 2 CPU cores at load 3-5 with other jobs running"
+#: [--quick]`` on this project's 2-core machine, 1-minute load averages sampled during each
+#: run. Otherwise idle (load 1.1-1.3, the demo itself): --quick 41 s wall / 55 s CPU, full
+#: 82 s wall / 112 s CPU. With other jobs sharing the cores (contention inflates CPU time
+#: too: threads spin): --quick 87 s / 93 s (load 2.9-3.5), 261 s / 143 s (load 1.5-5.8),
+#: 393 s / 191 s (load 4.5-7.2); full 426 s / 339 s (load 3.0-4.8), 1615 s / 464 s (load 6-12).
+QUICK_TIME = "about 40 s on 2 otherwise idle CPU cores, measured; up to 6.6 min measured with other jobs sharing them"
+FULL_TIME = "about 80 s on 2 otherwise idle CPU cores, measured; 7 to 27 min measured with other jobs sharing them"
 DEMO_DESCRIPTION = (
     "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
     "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train further "

@@ -18,11 +18,11 @@ vowels. Nobody tells the policy or the reward model; they learn it from data:
    number in ``output_dir``.
 
 Run it with ``torchrl-trl demo``. Measured with ``/usr/bin/time -v`` on this project's 2-core
-machine while other jobs shared it (never on idle cores; every run in
-``torchrl_trl.cli.QUICK_TIME``'s comment): ``--quick`` took 87 s wall, 93 s of CPU time at
-load 3 (reward model 6 s, TorchRL GRPO 50 s, SFT 1 s, TRL GRPO 22 s), and up to 6.6 min wall
-at load 7; the full run (25 iterations, 3x the reward pairs, 2 epochs) 7 min wall, 339 s of
-CPU time at load 3-5 (reward model 55 s, TorchRL GRPO 337 s, TRL GRPO 22 s).
+machine, otherwise idle: ``--quick`` 41 s wall, 55 s of CPU time (reward model 2 s, TorchRL
+GRPO 26 s, SFT 1 s, TRL GRPO 5 s); the full run (25 iterations, 3x the reward pairs, 2
+epochs) 82 s wall, 112 s of CPU time (reward model 6 s, TorchRL GRPO 56 s, TRL GRPO 10 s).
+With other jobs sharing the cores it took up to 6.6 min (``--quick``) and 27 min (full):
+every run and its load is in ``torchrl_trl.cli.QUICK_TIME``'s comment.
 Both trained policies are saved under ``output_dir`` (``policy_grpo``, ``policy_sft``,
 safetensors). Checkpoints given by path are loaded from safetensors only, with
 ``trust_remote_code=False``.
