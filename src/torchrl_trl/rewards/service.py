@@ -77,7 +77,17 @@ DEFAULT_START_TIMEOUT = 600.0
 
 
 class RewardServiceError(RuntimeError):
-    """The reward-model service did not answer: it died, or ``timeout`` passed."""
+    """The reward-model service did not answer: it died, or ``timeout`` passed.
+
+    Raised by :class:`RewardServiceClient` calls (``score``, ``stats``, ...) within their
+    ``timeout``, never a hang; catch it to rebuild the client or skip the batch:
+
+    >>> try:
+    ...     raise RewardServiceError("reward service 'rm' died or cannot be reached")
+    ... except RuntimeError as err:
+    ...     print(type(err).__name__, "-", err)
+    RewardServiceError - reward service 'rm' died or cannot be reached
+    """
 
 
 def _require_ray():
@@ -324,12 +334,24 @@ class RewardServiceClient:
             ``on_nonfinite``, ``device``, ``dtype``, ...) in the actor.
 
     Examples:
-        Not run here (it starts a Ray cluster); see ``tests/test_reward_service.py``::
+        Starting the actor needs a Ray cluster (``tests/test_reward_service.py`` runs it)::
 
             client = RewardServiceClient(path, actor_name="rm", num_gpus=1,
                                          batching=RewardBatching(max_tokens_per_batch=32768),
                                          renderer=RewardRenderer(policy_tokenizer=tok))
             env.append_transform(HFRewardTransform(client))
+
+        Arguments are checked before Ray is touched; a flat batching keyword names the
+        object it moved to:
+
+        >>> RewardServiceClient("rm_dir", actor_name="rm", max_tokens_per_batch=4096)
+        Traceback (most recent call last):
+        ...
+        TypeError: RewardServiceClient: max_tokens_per_batch moved to RewardBatching(max_tokens_per_batch=...) (batching=)
+        >>> RewardServiceClient("rm_dir", inference_mode=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: inference_mode=False: a reward-model service returns scores without gradients; use the in-process HFRewardTransform (use_ray_service=False) to keep the graph
     """
 
     def __init__(
