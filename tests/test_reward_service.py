@@ -201,3 +201,20 @@ def test_service_arguments_are_checked(checkpoints, policy_and_tokenizer):
         RewardServiceClient(path, max_tokens_per_batch=3)
     with pytest.raises(TypeError, match="use_ray_service=True serves the reward model from a local path"):
         HFRewardTransform(HFRewardModelWrapper(path), service_backend="ray")
+
+
+@pytest.mark.timeout(90)
+def test_service_killed_while_a_request_is_in_flight_errors_within_bound(ray_session, checkpoints):
+    """The actor dies while it holds a caller's request (waiting up to 3 s for company):
+    the caller gets RewardServiceError well before its 60 s timeout, not a hang."""
+    path = str(checkpoints.reward_model)
+    client = RewardServiceClient(path, num_cpus=0, timeout=60, max_wait_ms=3000)  # private actor
+    assert client.score_texts(["warm"]).shape == (1,)  # started and loaded
+    killer = threading.Timer(0.5, lambda: ray.kill(client.actor, no_restart=True))
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(RewardServiceError, match="died or cannot be reached"):
+        client.score_texts(["hello world", "bye"])  # held by the service when the kill lands
+    elapsed = time.monotonic() - t0
+    killer.join()
+    assert 0.4 < elapsed < 20, elapsed  # failed because of the kill, not at the timeout
