@@ -2,7 +2,7 @@
 
 1. A TorchRL ``LLMCollector`` fills a replay buffer with groups of completions per prompt,
    scored by a TRL-style reward function (the number of digits in the reply), written to
-   ``("next", "reward")`` by ``RewardFunctionWrapper`` on the ``ChatEnv``.
+   ``("next", "reward")`` by ``RewardFunctionWrapper`` (as a transform) on the ``ChatEnv``.
 2. ``preference_pairs`` turns the groups into chosen/rejected pairs and TRL's
    ``RewardTrainer`` learns a reward model from them; it is saved with ``save_model``.
 3. The saved model is loaded BY PATH into ``HFRewardTransform`` (``HFRewardModelWrapper``)
@@ -74,7 +74,7 @@ def run(workdir, *, seed=0, train_prompts=32, heldout_prompts=16, group_size=4, 
 
     # 1. scored groups in a TorchRL buffer
     train = collect(policy, [f"q{i}: say something" for i in range(train_prompts)],
-                    transforms=[RewardFunctionWrapper(digit_count)], group_size=group_size, seed=seed)
+                    transforms=[RewardFunctionWrapper(digit_count).as_transform()], group_size=group_size, seed=seed)
 
     # 2. pairs -> RewardTrainer -> saved reward model
     with warnings.catch_warnings():  # tied pairs are skipped and counted in build_stats
@@ -93,7 +93,7 @@ def run(workdir, *, seed=0, train_prompts=32, heldout_prompts=16, group_size=4, 
     heldout = collect(
         policy, [f"q{1000 + i}: say something" for i in range(heldout_prompts)], group_size=group_size,
         seed=seed + 1,
-        transforms=[RewardFunctionWrapper(digit_count, reward_key=("next", "true_reward")),
+        transforms=[RewardFunctionWrapper(digit_count, reward_key=("next", "true_reward")).as_transform(),
                     HFRewardTransform(str(workdir / "rm_trained"))],
     )
     HFRewardModelWrapper(str(ckpt.reward_model), reward_key=("next", "untrained_reward"), reward_shape="step",

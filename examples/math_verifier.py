@@ -12,7 +12,7 @@ completion gets ``failure_reward`` (default: ``None``, excluded like TRL's ``Non
 The same function, isolated the same way, in both directions::
 
     # TRL: GRPOTrainer(reward_funcs=[as_trl_reward_func(math_accuracy, executor="process", timeout=5)])
-    # TorchRL: env.append_transform(RewardFunctionWrapper(math_accuracy, executor="process", timeout=5))
+    # TorchRL: env.append_transform(RewardFunctionWrapper(math_accuracy, executor="process", timeout=5).as_transform())
 
 Run (``pip install 'torchrl-trl[examples]'`` for math-verify)::
 

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny offline checkpoints, built once per test session."""
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -31,3 +32,19 @@ def policy_and_tokenizer(checkpoints):
     tokenizer = AutoTokenizer.from_pretrained(checkpoints.policy)
     model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     return model.eval(), tokenizer
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_left_running():
+    """A test module that starts Ray shuts it down: the next ``ray.init`` (a docs page, a
+    fixture) would fail. Set up first, torn down last: after the module's own fixtures."""
+    running_before = _ray_running()
+    yield
+    if not running_before and _ray_running():
+        sys.modules["ray"].shutdown()
+        pytest.fail("this module left Ray running (shut down now)")

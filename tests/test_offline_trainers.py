@@ -30,7 +30,7 @@ def rollouts(policy_and_tokenizer):
     is spread over several batches)."""
     model, tok = policy_and_tokenizer
     env = testing.make_chat_env(ROWS, batch_size=2, group_size=GROUP)
-    env = env.append_transform(RewardFunctionWrapper(response_length))
+    env = env.append_transform(RewardFunctionWrapper(response_length).as_transform())
     policy = testing.make_policy_wrapper(model, tok, max_new_tokens=8)
     return testing.collect_rollouts(policy, env, total_turns=len(ROWS) * GROUP)
 

@@ -27,7 +27,6 @@ OUTPUT_SHOWN = {"formats.md"}
 
 # pages not owned by the README/docs work: fragments that need objects the page never builds
 XFAIL = {
-    "reward_functions.md": "fragment: `env`, `fmt_reward`, `GRPOTrainer`, `tok` are never defined on the page",
 }
 
 

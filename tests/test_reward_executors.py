@@ -328,7 +328,7 @@ def test_inside_torchrl_chat_env_and_replay_buffer(policy_and_tokenizer):
     model, tok = policy_and_tokenizer
     wrapper = RewardFunctionWrapper(by_answer, executor="process", timeout=TIMEOUT, max_workers=2, mp_context="fork")
     try:
-        env = make_chat_env(ROWS).append_transform(wrapper)
+        env = make_chat_env(ROWS).append_transform(wrapper.as_transform())
         with pytest.warns(UserWarning, match="ran past its timeout"):
             data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)[:]
         answers = layouts.read_column(data, "answer")
@@ -340,7 +340,7 @@ def test_inside_torchrl_chat_env_and_replay_buffer(policy_and_tokenizer):
         rb = ReplayBuffer(storage=LazyStackStorage(16))
         scorer = RewardFunctionWrapper(by_answer, executor="process", timeout=TIMEOUT, max_workers=2,
                                        mp_context="fork", failure_reward=0.0)
-        rb.append_transform(scorer)
+        rb.append_transform(scorer.as_transform())
         rollouts = data.exclude(("next", "reward"))
         with pytest.warns(UserWarning):
             rb.extend(rollouts)

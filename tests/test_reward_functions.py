@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from torchrl_trl import layouts
+from torchrl_trl.rewards.function_transform import RewardFunctionTransform
 from torchrl_trl.rewards.functions import RewardFunctionWrapper
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
 
@@ -53,7 +54,7 @@ def test_env_sync_async_weighted(policy_and_tokenizer):
     model, tok = policy_and_tokenizer
     sync_f, async_f = Recorder(n_ids, "n_ids"), async_len
     wrapper = RewardFunctionWrapper([sync_f, async_f], weights=[1.0, 0.5], per_function_keys=True)
-    env = make_chat_env(ROWS).append_transform(wrapper)
+    env = make_chat_env(ROWS).append_transform(wrapper.as_transform())
     assert "reward_n_ids" in env.full_reward_spec.keys()
     data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)[:]
     # TRL's argument format: every stored row was passed, as TRL passes it (the collector
@@ -92,7 +93,7 @@ def test_replay_buffer_before_mcadvantage(policy_and_tokenizer):
     wrapper = RewardFunctionWrapper(f)
     rb = ReplayBuffer(storage=LazyStackStorage(16), batch_size=4)
     rb.append_transform(MCAdvantage(grpo_size=2))
-    rb.append_transform(wrapper)  # write transforms run last-to-first: scored first
+    rb.append_transform(RewardFunctionTransform(wrapper))  # write transforms run last-to-first: scored first
     collect_rollouts(make_policy_wrapper(model, tok), make_chat_env(ROWS), total_turns=4, replay_buffer=rb)
     data = rb[:]
     assert len(rb) == 4
@@ -109,7 +110,7 @@ def test_module_text_mode_and_tokenizer_decoding(rollouts, policy_and_tokenizer)
     _, tok = policy_and_tokenizer
     f = Recorder(lambda p, c, i, **kw: [float(len(x)) for x in c], "f")
     td = rollouts.clone()
-    RewardFunctionWrapper(f, input_mode="text", reward_key="score", reward_shape=())(td)
+    RewardFunctionWrapper(f, input_mode="text", reward_key="score", reward_shape="flat")(td)
     assert f.calls[-1]["prompts"] == layouts.read_text(rollouts, "prompt")
     assert f.calls[-1]["completions"] == layouts.read_text(rollouts, "response")
     assert _stack(td, "score").tolist() == [float(len(x)) for x in layouts.read_text(rollouts, "response")]
@@ -186,7 +187,7 @@ def test_completion_ids_of_a_dense_output_with_ragged_tokens(policy_and_tokenize
     assert len({len(r) for r in reference}) > 1
     assert type(out).__name__ == "TensorDict"  # dense at the top, lazily stacked Tokens inside
     f = Recorder(lambda p, c, ids, **kw: [len(i) + i[0] / 1000 for i in ids], "f")
-    RewardFunctionWrapper(f, reward_key="score", reward_shape=())(out)
+    RewardFunctionWrapper(f, reward_key="score", reward_shape="flat")(out)
     assert f.calls[-1]["completion_ids"] == reference
     assert all(len(i) for i in reference)
     assert _stack(out, "score").tolist() == pytest.approx([len(r) + r[0] / 1000 for r in reference])
@@ -273,7 +274,7 @@ def test_async_functions_inside_a_running_event_loop():
         return [float(len(c)) for c in completions]
 
     async def main():  # a notebook or an async server calling the wrapper
-        return RewardFunctionWrapper(length, reward_key="r", reward_shape=())(_text_rollouts())
+        return RewardFunctionWrapper(length, reward_key="r", reward_shape="flat")(_text_rollouts())
 
     assert asyncio.run(main())["r"].tolist() == [8.0, 2.0]
 
@@ -290,3 +291,56 @@ def test_in_keys_are_the_keys_read_and_completion_ids_never_silently_none():
     assert RewardFunctionWrapper(needs_ids).in_keys == history + text + [tokens, mask]
     with pytest.raises(KeyError, match=r"\['needs_ids'\] take completion_ids.*'tokens', 'response'"):
         RewardFunctionWrapper(needs_ids)(_text_rollouts())
+
+
+def test_attached_to_an_env_a_call_still_scores_and_the_old_attachment_says_what_to_use(policy_and_tokenizer):
+    """The old RewardFunctionWrapper returned its input unchanged once attached to an env
+    (a silent no-op); the scorer never does, nor does its transform outside a buffer.
+    Passing the scorer itself to env.append_transform fails naming the transform."""
+    model, tok = policy_and_tokenizer
+    scorer = RewardFunctionWrapper(n_ids)
+    transform = scorer.as_transform()
+    assert isinstance(transform, RewardFunctionTransform) and transform.scorer is scorer
+    env = make_chat_env(ROWS).append_transform(transform)
+    data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=2)[:]
+    expected = torch.tensor(
+        n_ids(None, None, layouts.read_tokens(data, "response").tolist(), layouts.read_column(data, "answer"))
+    )
+    for score in (transform, scorer):  # called directly, while the transform is on the env
+        td = data.exclude(("next", "reward"))
+        assert not layouts.has_key(td, ("next", "reward"))
+        out = score(td)
+        torch.testing.assert_close(_stack(out, ("next", "reward")), expected)
+    with pytest.raises(KeyError, match=r"found no response to score.*RewardFunctionTransform"):
+        make_chat_env(ROWS).append_transform(RewardFunctionWrapper(n_ids)).reset()
+    with pytest.raises(TypeError, match="either a configured RewardFunctionWrapper"):
+        RewardFunctionTransform(scorer, weights=[2.0])
+
+
+def test_a_scorer_in_a_replay_buffer_scores_on_write_with_invert():
+    """TorchRL's own way to run a module on a buffer's write path: append_transform(invert=True)."""
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+
+    calls = []
+
+    def length(prompts, completions, **kw):
+        calls.append(len(completions))
+        return [float(len(c)) for c in completions]
+
+    rb = ReplayBuffer(storage=LazyStackStorage(8), batch_size=2)
+    rb.append_transform(RewardFunctionWrapper(length), invert=True)
+    rb.extend(_text_rollouts())
+    assert calls == [2]
+    assert rb[:]["next", "reward"].reshape(-1).tolist() == [8.0, 2.0]
+    rb.sample()
+    assert calls == [2]  # sampling does not score again
+
+
+def test_reward_shape_names_and_the_old_tuple_form():
+    td = RewardFunctionWrapper(lambda prompts, completions, **kw: [1.0, 2.0], reward_shape="trailing")(_text_rollouts())
+    assert td["next", "reward"].shape == (2, 1)
+    for old, name in (((1, 1), "step"), ((), "flat"), ((1,), "trailing")):
+        with pytest.raises(ValueError, match=f"old tuple form; pass reward_shape='{name}'"):
+            RewardFunctionWrapper(n_ids, reward_shape=old)
+    with pytest.raises(ValueError, match=r"reward_shape must be one of \['flat', 'step', 'trailing'\]"):
+        RewardFunctionWrapper(n_ids, reward_shape="scalar")

@@ -74,7 +74,7 @@ loader = DataLoader(rows, batch_size=2, collate_fn=lambda batch: {k: [r[k] for r
 env = ChatEnv.from_dataloader(dataloader=loader, batch_size=2, repeats=2, input_mode="history")
 env = env.append_transform(StepCounter(max_steps=1))
 env = env.append_transform(
-    RewardFunctionWrapper([vowel_fraction, says_the_answer], weights=[1.0, 0.5], per_function_keys=True)
+    RewardFunctionWrapper([vowel_fraction, says_the_answer], weights=[1.0, 0.5], per_function_keys=True).as_transform()
 )
 wrapper = TransformersWrapper(
     policy, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,

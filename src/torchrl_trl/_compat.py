@@ -152,6 +152,58 @@ def iterable_dataset_from_examples(ex_iterable, features, cls: type | None = Non
 # -- TorchRL reward parsers run outside an env (rewards/trl_funcs.py) ----------------------
 
 
+def has_own_step(transform) -> bool:
+    """Whether ``transform`` is a TorchRL ``Transform`` that overrides ``_step``: a reward
+    parser (``GSM8KRewardParser``...) that reads the step's input and writes ``next``.
+
+    Private use: ``Transform._step`` (checked against torchrl 0.14.1: the per-step hook
+    has no public name; ``TransformedEnv`` calls it).
+
+    >>> from torchrl.envs.llm import GSM8KRewardParser
+    >>> has_own_step(GSM8KRewardParser()), has_own_step(lambda td: td)
+    (True, False)
+    """
+    from torchrl.envs import Transform
+
+    return isinstance(transform, Transform) and type(transform)._step is not Transform._step
+
+
+def transform_step(transform, tensordict, next_tensordict):
+    """Run ``transform``'s per-step hook as ``env.step`` would: ``tensordict`` holds the
+    step's input (the policy output), ``next_tensordict`` the step's result, which the
+    transform fills (a reward parser writes its reward there). Returns the next tensordict.
+
+    Private use: ``Transform._step(tensordict, next_tensordict)`` (checked against torchrl
+    0.14.1; the public path is a ``TransformedEnv`` around a base env, which a TRL reward
+    call has no use for).
+    """
+    return transform._step(tensordict, next_tensordict)
+
+
+def parser_input_mode_unset(parser) -> bool:
+    """Whether a TorchRL reward parser (``GSM8KRewardParser``) was built without
+    ``input_mode`` and would guess it from a parent env it does not have (its public
+    ``input_mode`` property then settles on ``"history"``).
+
+    Private use: the parser's ``_input_mode`` attribute (checked against torchrl 0.14.1).
+
+    >>> from torchrl.envs.llm import GSM8KRewardParser
+    >>> parser_input_mode_unset(GSM8KRewardParser()), parser_input_mode_unset(GSM8KRewardParser(input_mode="text"))
+    (True, False)
+    """
+    return hasattr(parser, "_input_mode") and parser._input_mode is None
+
+
+def set_parser_input_mode(parser, mode: str) -> None:
+    """Set the input mode (``"history"``, ``"text"``, ``"tokens"``) of a reward parser
+    built without one, as its constructor's ``input_mode=`` would (call it on a copy).
+
+    Private use: the parser's ``_input_mode`` attribute; its public ``input_mode`` is a
+    read-only property (checked against torchrl 0.14.1).
+    """
+    parser._input_mode = mode
+
+
 def attn_implementation(config) -> str | None:
     """The attention implementation a transformers config runs with (``"eager"``,
     ``"sdpa"``, ``"flash_attention_2"``, ...), or ``None`` when it says none.

@@ -40,12 +40,13 @@ import threading
 import sys
 import time
 import traceback
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from torchrl_trl._checks import WarnOnce, positive_int
 
 # no torch import here: worker processes import this module, and start faster without it
 
@@ -130,26 +131,37 @@ def _exit_detail(exitcode: int | None) -> str:
 
 
 class FailureCounter:
-    """Counts failed items by function name and kind, and warns once per (name, kind)."""
+    """Counts failed items by function name and kind, and warns once per (name, kind).
+
+    >>> import warnings
+    >>> failures = FailureCounter(["f"], "RewardFunctionWrapper")
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     for _ in range(2):
+    ...         failures.add("f", ItemResult("timeout", detail="no result within timeout=1s"), "it is excluded")
+    >>> failures.counts, len(caught)
+    ({'f': {'error': 0, 'timeout': 2, 'crash': 0}}, 1)
+    """
 
     def __init__(self, names: Sequence[str], owner: str):
         self.owner = owner
-        self.counts: dict[str, dict[str, int]] = {n: dict.fromkeys(FAILURE_KINDS, 0) for n in names}
-        self._warned: set = set()
+        self.names = list(names)
+        self._seen = WarnOnce()  # by (name, kind)
+
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {n: {kind: self._seen.counts[(n, kind)] for kind in FAILURE_KINDS} for n in self.names}
 
     def add(self, name: str, result: ItemResult, value_note: str) -> None:
-        self.counts[name][result.status] += 1
-        if (name, result.status) in self._warned:
-            return
-        self._warned.add((name, result.status))
         what = {
             "error": "raised on",
             "timeout": "ran past its timeout on",
             "crash": "crashed its worker on",
         }[result.status]
-        warnings.warn(
+        self._seen.add(
+            (name, result.status),
             f"reward function {name!r} {what} a completion ({result.detail}); {value_note} "
-            f"(counted in {self.owner}.failure_counts). Warning once per function and kind.",
+            f"(counted in {self.owner}.failure_counts), once per function and kind",
             stacklevel=5,
         )
 
@@ -197,20 +209,48 @@ class ItemExecutor:
 # -- process pool ----------------------------------------------------------------------
 
 
-def _watch_parent() -> None:
-    # the parent is the trainer (spawn, fork) or the fork server, which exits with the
-    # trainer: once orphaned, do not keep running a stuck task
-    parent = os.getppid()
+def _watch_trainer(trainer_pid: int) -> None:
+    # once the trainer is gone, do not keep running a stuck task. Watch the trainer
+    # itself, not the parent: under forkserver the parent is the fork server, which lives
+    # as long as any of its children (a stuck worker included)
+    try:
+        handle = os.pidfd_open(trainer_pid)  # Linux >= 5.3: readable once it exits
+    except (AttributeError, OSError):
+        handle = None
     while True:
+        if handle is not None:
+            if multiprocessing.connection.wait([handle], None):
+                os._exit(1)
+            continue
         time.sleep(1.0)
-        if os.getppid() != parent:
+        try:
+            os.kill(trainer_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:  # the pid was reused by another user's process
             os._exit(1)
 
 
-def _worker_main(conn, payload: bytes) -> None:
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this process when its parent exits (``PR_SET_PDEATHSIG``).
+    Unlike the watcher thread, this also stops a task holding the GIL in C code (a regex
+    that backtracks forever, big-integer arithmetic), where no Python thread runs."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no libc prctl: the watcher thread remains
+        pass
+
+
+def _worker_main(conn, payload: bytes, trainer_pid: int, die_with_parent: bool = False) -> None:
     """A worker process: load the functions, then run tasks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    threading.Thread(target=_watch_parent, daemon=True).start()
+    if die_with_parent:
+        _die_with_parent()
+    threading.Thread(target=_watch_trainer, args=(trainer_pid,), daemon=True).start()
     try:
         funcs = pickle.loads(payload)
     except BaseException as err:
@@ -254,10 +294,12 @@ class _Worker:
         self.shared_version = -1
 
     def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
-        self.conn.close()
+        try:
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join(5)
+        finally:
+            self.conn.close()
 
 
 _LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
@@ -319,8 +361,11 @@ class ProcessItemExecutor(ItemExecutor):
     def _spawn(self) -> _Worker:
         ctx = multiprocessing.get_context(self.mp_context)
         parent_conn, child_conn = ctx.Pipe(duplex=True)
+        # the kernel's parent-death signal fires when the *thread* that started the
+        # worker exits: safe from the fork server or this process's main thread only
+        die_with_parent = self.mp_context == "forkserver" or threading.current_thread() is threading.main_thread()
         process = ctx.Process(
-            target=_worker_main, args=(child_conn, self.payload),
+            target=_worker_main, args=(child_conn, self.payload, os.getpid(), die_with_parent),
             name="torchrl-trl-reward-worker", daemon=True,
         )
         process.start()
@@ -459,16 +504,32 @@ class ProcessItemExecutor(ItemExecutor):
                 worker.state, worker.task, worker.deadline, worker.running = "idle", None, None, False
 
     def shutdown(self) -> None:
-        for worker in list(getattr(self, "_workers", [])):
-            if worker.state == "idle" and worker.process.is_alive():
+        """Stop the workers: idle ones are asked to exit; any still alive 1 s later (and
+        a busy or stuck one at once) is killed, so no worker outlives this call. An error
+        stopping one worker does not leave the others running: the first is re-raised
+        once all were handled."""
+        workers, self._workers = list(getattr(self, "_workers", [])), []
+        for worker in workers:
+            if worker.state == "idle":
                 try:
                     worker.conn.send(("stop",))
-                except OSError:
+                except (OSError, ValueError):  # already dead, or its pipe closed
                     pass
-                worker.process.join(1)
-            self._drop(worker)
+        deadline = time.monotonic() + 1.0
+        first_error = None
+        for worker in workers:
+            try:
+                if worker.state == "idle":
+                    worker.process.join(max(0.0, deadline - time.monotonic()))
+                worker.kill()
+            except Exception as err:  # keep stopping the others
+                first_error = first_error or err
+        if first_error is not None:
+            raise first_error
 
     def __del__(self):
+        # garbage collection / interpreter exit: nothing to report to, but the workers
+        # must not outlive the pool (kill() runs for every worker whatever happens)
         try:
             self.shutdown()
         except Exception:
@@ -696,12 +757,8 @@ def _noop(**kwargs):
 # -- construction ----------------------------------------------------------------------
 
 
-def check_max_workers(max_workers: int | None, default: int) -> int:
-    if max_workers is None:
-        return default
-    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
-        raise ValueError(f"max_workers must be a positive int or None, got {max_workers!r}")
-    return max_workers
+def _workers(max_workers: int | None, default: int) -> int:
+    return default if max_workers is None else positive_int(max_workers, "max_workers")
 
 
 def make_item_executor(
@@ -730,14 +787,14 @@ def make_item_executor(
         raise ValueError(f"mp_context applies to executor='process' only, got executor={executor!r}")
     if executor == "process":
         return ProcessItemExecutor(funcs, names=names, timeout=timeout,
-                                   max_workers=check_max_workers(max_workers, cpus), mp_context=mp_context)
+                                   max_workers=_workers(max_workers, cpus), mp_context=mp_context)
     if executor == "thread":
-        return ThreadItemExecutor(funcs, timeout=timeout, max_workers=check_max_workers(max_workers, min(32, cpus + 4)))
+        return ThreadItemExecutor(funcs, timeout=timeout, max_workers=_workers(max_workers, min(32, cpus + 4)))
     if executor == "ray":
-        return RayItemExecutor(funcs, timeout=timeout, max_workers=check_max_workers(max_workers, cpus))
+        return RayItemExecutor(funcs, timeout=timeout, max_workers=_workers(max_workers, cpus))
     if isinstance(executor, concurrent.futures.Executor):
         default = getattr(executor, "_max_workers", None) or cpus
-        return FuturesItemExecutor(funcs, timeout=timeout, max_workers=check_max_workers(max_workers, default),
+        return FuturesItemExecutor(funcs, timeout=timeout, max_workers=_workers(max_workers, default),
                                    executor=executor)
     raise ValueError(
         f"executor must be None, 'process', 'thread', 'ray' or a concurrent.futures.Executor, "

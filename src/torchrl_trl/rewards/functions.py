@@ -1,270 +1,86 @@
-"""TRL-style reward functions scoring TorchRL LLM rollouts (TRL -> TorchRL).
+"""TRL-style reward functions scoring TorchRL LLM rollouts (TRL -> TorchRL): the scorer.
 
-A TRL reward function is a plain callable (sync or ``async``)::
-
-    f(prompts, completions, completion_ids, **columns) -> list[float | None]
-
-:class:`RewardFunctionWrapper` calls one or more of them on TorchRL rollouts with the
-arguments ``GRPOTrainer._calculate_rewards`` would pass, combines them the way TRL does
-(weighted ``nansum``; ``None`` excluded, not zero) and writes the reward where TorchRL's
-GRPO pipeline reads it (``("next", "reward")``, shaped ``[*B, 1, 1]``).
+:class:`RewardFunctionWrapper` is a TensorDict module: it calls one or more TRL reward
+functions on a tensordict of rollouts with the arguments ``GRPOTrainer._calculate_rewards``
+would pass, combines them the way TRL does (weighted ``nansum``; ``None`` excluded, not
+zero) and writes the reward where TorchRL's GRPO pipeline reads it (``("next",
+"reward")``, shaped ``[*B, 1, 1]``). Use it alone, after a collector, in a
+``TensorDictSequential`` or as a replay-buffer transform; inside an env's step use its
+transform, :class:`~torchrl_trl.rewards.function_transform.RewardFunctionTransform`
+(``wrapper.as_transform()``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import inspect
 import math
-import numbers
-import threading
-import warnings
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
-from torchrl.envs import Transform
 
 from torchrl_trl import layouts
-from torchrl_trl.rewards.executors import FailureCounter, failure_value, make_item_executor, merge_logs
+from torchrl_trl._checks import WarnOnce, positive_seconds, strip_next
 
-__all__ = ["RewardFunctionError", "RewardFunctionWrapper", "callable_name", "is_async_callable"]
+from .calling import (
+    FunctionTimeout,
+    RewardFunctionError,
+    call_function,
+    check_signature,
+    function_names,
+    run_coroutines,
+    split_item_kwargs,
+    to_rewards,
+)
+from .executors import FailureCounter, failure_value, make_item_executor, merge_logs
+from .rollout_arguments import InputMode, as_tuple, input_keys, trl_arguments
+from .shape import RewardShape, trailing_dims
 
-InputMode = Literal["auto", "history", "text"]
+__all__ = ["FunctionTimeout", "RewardFunctionError", "RewardFunctionWrapper", "check_reward_shape"]
 
-#: keyword arguments TRL passes that are not dataset columns
-TRL_EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
-
-
-def callable_name(func: Callable) -> str:
-    """The name TRL logs a reward function under (``__name__``, or the class name)."""
-    while isinstance(func, functools.partial):
-        func = func.func
-    return getattr(func, "__name__", type(func).__name__)
-
-
-def is_async_callable(func: Callable) -> bool:
-    """Whether calling ``func`` returns a coroutine (functions, partials, callable objects)."""
-    while isinstance(func, functools.partial):
-        func = func.func
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-        getattr(type(func), "__call__", None)
-    )
+_OLD_SHAPES = {(): "flat", (1,): "trailing", (1, 1): "step"}
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function raised an exception that cannot be re-raised as its own type
-    with the function's name (the original is the ``__cause__``)."""
+def check_reward_shape(reward_shape: Any) -> RewardShape:
+    """``reward_shape`` if it is ``"flat"``, ``"trailing"`` or ``"step"``; the old tuple
+    form raises a ``ValueError`` naming its new name.
 
-
-def named_error(err: BaseException, name: str) -> BaseException:
-    """``err`` re-created with the reward function's ``name`` in its message, keeping its
-    type where the type takes a message (so ``except KeyError`` still works); raise the
-    result ``from err``."""
-    message = f"reward function {name!r} raised {type(err).__name__}: {err}"
-    try:
-        new = type(err)(message)
-    except Exception:
-        return RewardFunctionError(message)
-    return new if name in str(new) else RewardFunctionError(message)
-
-
-class FunctionTimeout(TimeoutError):
-    """A reward function (or scorer) did not return within its ``timeout``."""
-
-
-def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str, *, thread: bool = False) -> Any:
-    """``fn()``; with ``timeout`` (s) (or ``thread=True``) it runs in a daemon thread and a
-    ``TimeoutError`` naming ``what`` is raised if it has not returned by then (Python
-    cannot stop the thread; it is abandoned). Exceptions of ``fn`` are re-raised as they are."""
-    if timeout is None and not thread:
-        return fn()
-    out: dict[str, Any] = {}
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # per thread
-
-    def run():
-        try:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                out["value"] = fn()
-        except BaseException as err:
-            out["error"] = err
-
-    worker = threading.Thread(target=run, name="torchrl-trl-reward", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise FunctionTimeout(f"{what} did not return within timeout={timeout}s")
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
-def check_timeout(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    return float(timeout)
-
-
-def _unique_names(funcs: Sequence[Callable], names: Sequence[str] | None) -> list[str]:
-    if names is not None:
-        if len(names) != len(funcs):
-            raise ValueError(f"names has {len(names)} entries, expected {len(funcs)} (one per function)")
-        if len(set(names)) != len(names):
-            raise ValueError(f"names must be unique, got {list(names)}")
-        return list(names)
-    out, seen = [], defaultdict(int)
-    for f in funcs:
-        base = callable_name(f)
-        out.append(base if seen[base] == 0 else f"{base}_{seen[base]}")
-        seen[base] += 1
-    return out
-
-
-def to_rewards(output: Any, *, name: str, expected: int) -> list[float]:
-    """Validate one reward function's output: ``expected`` numbers or ``None`` (-> NaN)."""
-    if isinstance(output, torch.Tensor):
-        output = output.reshape(-1).tolist()
-    elif hasattr(output, "tolist") and not isinstance(output, (str, bytes)):
-        output = output.tolist()  # numpy arrays
-    if isinstance(output, (str, bytes, Mapping)) or not isinstance(output, Sequence):
-        raise TypeError(
-            f"reward function {name!r} must return a list of floats (or None), one per "
-            f"completion; got {type(output).__name__}"
-        )
-    if len(output) != expected:
+    >>> check_reward_shape((1, 1))
+    Traceback (most recent call last):
+    ...
+    ValueError: reward_shape=(1, 1) is the old tuple form; pass reward_shape='step' (one of 'flat' [*B], 'trailing' [*B, 1], 'step' [*B, 1, 1])
+    """
+    if isinstance(reward_shape, (tuple, list, torch.Size)):
+        name = _OLD_SHAPES.get(tuple(reward_shape))
+        hint = f"pass reward_shape={name!r}" if name else "no name matches it"
         raise ValueError(
-            f"reward function {name!r} returned {len(output)} rewards, but {expected} were "
-            f"expected (one per prompt-completion pair)"
+            f"reward_shape={reward_shape!r} is the old tuple form; {hint} (one of 'flat' [*B], "
+            "'trailing' [*B, 1], 'step' [*B, 1, 1])"
         )
-    rewards = []
-    for i, value in enumerate(output):
-        if value is None:
-            rewards.append(math.nan)
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        elif hasattr(value, "item") and not isinstance(value, (str, bytes)):
-            value = value.item()  # numpy scalars
-        if not isinstance(value, numbers.Real):
-            raise TypeError(
-                f"reward function {name!r} returned a non-numeric reward at index {i}: "
-                f"{value!r} ({type(value).__name__}); expected a float, an int or None"
-            )
-        rewards.append(float(value))
-    return rewards
-
-
-def _run_coroutines(coros: list, names: list[str], timeout: float | None = None) -> list:
-    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop.
-    With ``timeout`` (s), each must finish in time, else ``TimeoutError`` naming it; an
-    exception raised by one is re-raised with its function's name."""
-
-    async def one(coro, name):
-        task = asyncio.ensure_future(coro)
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        if not done:
-            task.cancel()
-            raise FunctionTimeout(f"reward function {name!r} did not return within timeout={timeout}s")
-        try:
-            return task.result()
-        except Exception as err:  # the function's own exception, TimeoutError included
-            raise named_error(err, name) from err
-
-    async def gather():
-        return await asyncio.gather(*(one(c, n) for c, n in zip(coros, names)))
-
-    try:
-        asyncio.get_running_loop()
-        inside_loop = True
-    except RuntimeError:
-        inside_loop = False
-    if not inside_loop and timeout is None:
-        return asyncio.run(gather())
-    # already inside an event loop (notebooks, async servers), or bounded: a fresh loop in
-    # a thread; the margin covers a coroutine that blocks the loop itself (no await)
-    return run_with_timeout(
-        lambda: asyncio.run(gather()),
-        None if timeout is None else timeout + 1.0,
-        f"the async reward functions {names} (one blocks the event loop without awaiting)",
-        thread=True,
-    )
-
-
-def split_item_kwargs(call_kwargs: dict, n: int) -> tuple[dict, dict]:
-    """``(shared, per_item)``: the arguments holding one value per completion (lists or
-    tuples of length ``n``: prompts, completions, columns...) and the rest
-    (``trainer_state``...). ``log_extra``/``log_metric`` are left out (the executors
-    record them per item)."""
-    shared, per_item = {}, {}
-    for key, value in call_kwargs.items():
-        if key in ("log_extra", "log_metric"):
-            continue
-        if key != "trainer_state" and isinstance(value, (list, tuple)) and len(value) == n:
-            per_item[key] = value
-        else:
-            shared[key] = value
-    return shared, per_item
-
-
-def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
-    """Raise a clear error if ``func`` requires an argument that will not be passed."""
-    try:
-        sig = inspect.signature(func)
-    except (TypeError, ValueError):
-        return
-    params = sig.parameters.values()
-    accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
-    columns = [k for k in provided if k not in ("prompts", "completions", "completion_ids")]
-    columns = [k for k in columns if k not in TRL_EXTRA_KWARGS]
-    for p in params:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
-            continue
-        if p.name not in provided:
-            raise KeyError(
-                f"reward function {name!r} requires the argument {p.name!r}, which is not a "
-                f"column of the rollouts. Columns passed: {columns}. Name the rollout key "
-                f"with columns=[...] (or columns={{{p.name!r}: <key>}})."
-            )
-    if not accepts_kwargs:
-        unexpected = [k for k in provided if k not in sig.parameters]
-        if unexpected:
-            raise TypeError(
-                f"reward function {name!r} does not accept the arguments {unexpected} "
-                f"(TRL passes every column and trainer_state/log_extra/log_metric): add "
-                f"**kwargs to its signature"
-            )
+    trailing_dims(reward_shape)  # a ValueError naming the choices
+    return reward_shape
 
 
 class _Logs:
     """Where ``log_extra``/``log_metric`` calls from reward functions land."""
 
     def __init__(self):
-        self.extra: dict[str, list] = defaultdict(list)
-        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.extra: dict[str, list] = {}
+        self.metrics: dict[str, list[float]] = {}
 
     def log_extra(self, column: str, values: list) -> None:
-        self.extra[column].extend(values)
+        self.extra.setdefault(column, []).extend(values)
 
     def log_metric(self, name: str, value: float) -> None:
-        self.metrics[name].append(value)
+        self.metrics.setdefault(name, []).append(value)
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, (NonTensorData, NonTensorStack)):
-        return value.tolist()
-    return value
-
-
-class RewardFunctionWrapper(Transform):
-    """TRL-style reward functions as a TensorDict module and a TorchRL ``Transform``.
+class RewardFunctionWrapper(TensorDictModuleBase):
+    """TRL-style reward functions as a TensorDict module: ``wrapper(td)`` scores the
+    rollouts in ``td`` (any batch shape, padded or ragged) and writes the reward keys.
 
     Each function is called as TRL's ``GRPOTrainer`` calls it::
 
@@ -291,8 +107,21 @@ class RewardFunctionWrapper(Transform):
     once. A row for which every function returned ``None`` gets ``unscorable_reward`` (NaN
     by default, like TRL) and a warning. Both are counted in :attr:`none_counts` and
     :attr:`unscorable_count`. An exception raised by a function is re-raised (same type
-    where possible, else :class:`RewardFunctionError`) with the function's name, the
-    original chained as ``__cause__``.
+    where possible, else :class:`~torchrl_trl.rewards.calling.RewardFunctionError`) with
+    the function's name, the original chained as ``__cause__``.
+
+    Where to put it:
+
+    - alone, or after a collector: ``wrapper(td)`` (or :meth:`score` for the values);
+    - on a ``ChatEnv``: ``env.append_transform(wrapper.as_transform())`` (a
+      :class:`~torchrl_trl.rewards.function_transform.RewardFunctionTransform`): each
+      ``env.step`` writes ``("next", "reward")``. Passing the wrapper itself to
+      ``append_transform`` raises a ``KeyError`` saying so (TorchRL would call a plain
+      module on the reset and ``next`` tensordicts, which hold no response);
+    - on a replay buffer, scored once when rollouts are written:
+      ``rb.append_transform(wrapper.as_transform())``, appended *after* ``MCAdvantage``
+      (write transforms run last to first), or ``rb.append_transform(wrapper,
+      invert=True)``; ``rb.append_transform(wrapper)`` scores every sample instead.
 
     Args:
         funcs: one reward function or a list of them.
@@ -312,11 +141,12 @@ class RewardFunctionWrapper(Transform):
         per_function_keys: also write each function's raw (unweighted) reward, NaN where it
             returned ``None``: ``True`` for ``("next", "reward_<name>")`` (next to
             ``reward_key``), or a list of keys, one per function.
-        reward_shape: trailing shape of each written reward. Default ``(1, 1)``
-            (``[*B, 1, 1]``, as ``GSM8KRewardParser`` writes and ``MCAdvantage``/``GRPOLoss``
-            read).
+        reward_shape: ``"step"`` (default: ``[*B, 1, 1]``, as ``GSM8KRewardParser`` writes
+            and ``MCAdvantage``/``GRPOLoss`` read), ``"trailing"`` (``[*B, 1]``) or
+            ``"flat"`` (``[*B]``); see :mod:`torchrl_trl.rewards.shape`. The old tuple
+            form raises a ``ValueError`` naming the new one.
         unscorable_reward: the reward of a row every function returned ``None`` for.
-        names: names of the functions (default: their ``__name__``, deduplicated).
+        names: names of the functions (default: TRL's, ``__name__``, deduplicated).
         trainer_state: passed as ``trainer_state`` (TRL passes its ``TrainerState``).
         timeout: seconds (``None``: no limit, as TRL). Without ``executor``: the limit of
             one call of each function on the whole batch; an async function is cancelled
@@ -347,19 +177,10 @@ class RewardFunctionWrapper(Transform):
 
     ``in_keys`` lists every key it may read: the prompt/response keys of ``input_mode``
     (both the history and the text ones for ``"auto"``), ``("tokens", "response")`` and
-    ``("masks", "all_attention_mask")`` (the completion ids), and the named ``columns``.
-    A function that declares a ``completion_ids`` parameter on rollouts without response
-    tokens raises ``KeyError`` instead of receiving ``None``.
-
-    Usage:
-        - as a module: ``wrapper(td)`` scores the rollouts in ``td`` (any batch shape,
-          padded or ragged) and writes the reward keys into it;
-        - on a ``ChatEnv``: ``env.append_transform(wrapper)``; ``env.step`` writes
-          ``("next", "reward")``;
-        - on a replay buffer: ``rb.append_transform(wrapper)``: rollouts are scored when
-          written (``extend``), not again when sampled (once attached to an env or a
-          buffer, calling ``forward`` directly is a no-op). Transforms run in reverse order on
-          write, so append it *after* ``MCAdvantage`` to score before the advantage.
+    ``("masks", "all_attention_mask")`` (the completion ids), and the named ``columns``;
+    ``out_keys`` are ``reward_key`` and the ``per_function_keys``. A function that
+    declares a ``completion_ids`` parameter on rollouts without response tokens raises
+    ``KeyError`` instead of receiving ``None``.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -373,6 +194,12 @@ class RewardFunctionWrapper(Transform):
         >>> wrapper = RewardFunctionWrapper([length_reward, says_hi], weights=[1.0, 10.0])
         >>> wrapper(rollouts)["next", "reward"].flatten().tolist()  # None is excluded, not 0
         [18.0, 2.0]
+        >>> rollouts["next", "reward"].shape
+        torch.Size([2, 1, 1])
+        >>> wrapper.none_counts
+        {'length_reward': 0, 'says_hi': 1}
+        >>> RewardFunctionWrapper(length_reward, reward_key="score", reward_shape="flat")(rollouts)["score"]
+        tensor([8., 2.])
     """
 
     def __init__(
@@ -385,7 +212,7 @@ class RewardFunctionWrapper(Transform):
         tokenizer=None,
         reward_key: NestedKey = layouts.REWARD_KEY,
         per_function_keys: bool | Sequence[NestedKey] = False,
-        reward_shape: Sequence[int] = (1, 1),
+        reward_shape: RewardShape = "step",
         unscorable_reward: float = math.nan,
         names: Sequence[str] | None = None,
         trainer_state: Any = None,
@@ -395,6 +222,7 @@ class RewardFunctionWrapper(Transform):
         failure_reward: float | None = None,
         mp_context: str | None = None,
     ):
+        super().__init__()
         funcs = [funcs] if callable(funcs) else list(funcs)
         if not funcs:
             raise ValueError("funcs must hold at least one reward function")
@@ -403,7 +231,7 @@ class RewardFunctionWrapper(Transform):
                 raise TypeError(f"reward functions must be callable, got {type(f).__name__}")
         if input_mode not in ("auto", "history", "text"):
             raise ValueError(f"input_mode must be 'auto', 'history' or 'text', got {input_mode!r}")
-        self.names = _unique_names(funcs, names)
+        self.names = function_names(funcs, names)
         if weights is None:
             weights = [1.0] * len(funcs)
         if len(weights) != len(funcs):
@@ -411,14 +239,14 @@ class RewardFunctionWrapper(Transform):
                 f"Number of reward weights ({len(weights)}) must match number of reward "
                 f"functions ({len(funcs)})"
             )
-        self.reward_key = _as_tuple(reward_key)
+        self.reward_key = as_tuple(reward_key)
         if per_function_keys is True:
             prefix, leaf = self.reward_key[:-1], self.reward_key[-1]
             per_function_keys = [prefix + (f"{leaf}_{n}",) for n in self.names]
         elif per_function_keys is False or per_function_keys is None:
             per_function_keys = []
         else:
-            per_function_keys = [_as_tuple(k) for k in per_function_keys]
+            per_function_keys = [as_tuple(k) for k in per_function_keys]
             if len(per_function_keys) != len(funcs):
                 raise ValueError(
                     f"per_function_keys has {len(per_function_keys)} keys, expected "
@@ -426,22 +254,21 @@ class RewardFunctionWrapper(Transform):
                 )
         self.per_function_keys = per_function_keys
         if isinstance(columns, Mapping):
-            self.columns = {str(k): _as_tuple(v) for k, v in columns.items()}
+            self.columns = {str(k): as_tuple(v) for k, v in columns.items()}
         elif columns is not None:
-            self.columns = {_as_tuple(k)[-1]: _as_tuple(k) for k in columns}
+            self.columns = {as_tuple(k)[-1]: as_tuple(k) for k in columns}
         else:
             self.columns = None
-        in_keys = _mode_in_keys(input_mode) + [layouts.token_key("response"), layouts.ATTENTION_MASK_KEY]
-        in_keys += [k for k in (self.columns or {}).values() if k not in in_keys]
-        super().__init__(in_keys=in_keys, out_keys=[self.reward_key, *self.per_function_keys])
+        self.in_keys = input_keys(input_mode, self.columns)
+        self.out_keys = [self.reward_key, *self.per_function_keys]
         self.funcs = funcs
         self.weights = torch.tensor([float(w) for w in weights], dtype=torch.float32)
         self.input_mode = input_mode
         self.tokenizer = tokenizer
-        self.reward_shape = tuple(reward_shape)
+        self.reward_shape = check_reward_shape(reward_shape)
         self.unscorable_reward = float(unscorable_reward)
         self.trainer_state = trainer_state
-        self.timeout = check_timeout(timeout)
+        self.timeout = positive_seconds(timeout, "timeout")
         if executor is None and failure_reward is not None:
             raise ValueError("failure_reward applies with an executor (executor='process' | 'thread' | 'ray' | an Executor)")
         self.failure_reward = failure_reward
@@ -450,13 +277,26 @@ class RewardFunctionWrapper(Transform):
         )
         self._failures = FailureCounter(self.names, type(self).__name__)
         self.logs = _Logs()
-        #: how many ``None``/NaN rewards each function returned, by name
-        self.none_counts: dict[str, int] = {n: 0 for n in self.names}
-        #: how many infinite rewards each function returned (excluded like ``None``), by name
-        self.nonfinite_counts: dict[str, int] = {n: 0 for n in self.names}
-        #: how many rows every function returned ``None`` for
-        self.unscorable_count = 0
-        self._warned: set[str] = set()
+        self._none = WarnOnce()  # by function name
+        self._nonfinite = WarnOnce()  # by function name
+        self._unscorable = WarnOnce()
+
+    # -- counters ------------------------------------------------------------------
+
+    @property
+    def none_counts(self) -> dict[str, int]:
+        """How many ``None``/NaN rewards each function returned, by name."""
+        return {n: self._none.counts[n] for n in self.names}
+
+    @property
+    def nonfinite_counts(self) -> dict[str, int]:
+        """How many infinite rewards each function returned (excluded like ``None``)."""
+        return {n: self._nonfinite.counts[n] for n in self.names}
+
+    @property
+    def unscorable_count(self) -> int:
+        """How many rows every function returned ``None`` for (or failed on)."""
+        return self._unscorable.counts["unscorable"]
 
     @property
     def failure_counts(self) -> dict[str, dict[str, int]]:
@@ -469,138 +309,66 @@ class RewardFunctionWrapper(Transform):
         if self.executor is not None:
             self.executor.shutdown()
 
-    # -- TRL arguments -------------------------------------------------------------
+    def as_transform(self):
+        """This scorer as a TorchRL ``Transform`` for an env's step or a replay buffer's
+        write: a :class:`~torchrl_trl.rewards.function_transform.RewardFunctionTransform`
+        sharing this object (and its counters and workers)."""
+        from .function_transform import RewardFunctionTransform
+
+        return RewardFunctionTransform(self)
+
+    # -- scoring -------------------------------------------------------------------
 
     def trl_arguments(self, td: TensorDictBase, columns_td: TensorDictBase | None = None) -> dict:
         """The keyword arguments TRL would pass for the rollouts in ``td`` (flattened
         row-major): ``prompts``, ``completions``, ``completion_ids``, the columns and
         ``trainer_state``/``log_extra``/``log_metric``. Columns missing from ``td`` are
         looked up in ``columns_td`` (the ``next`` tensordict of an env step)."""
-        mode = self._resolve_mode(td)
-        n = layouts.batch_numel(td)
-        ids = (
-            layouts.read_tokens(td, "response").tolist()
-            if layouts.has_key(td, layouts.token_key("response"))
-            else None
+        kwargs = trl_arguments(
+            td, input_mode=self.input_mode, columns=self.columns, tokenizer=self.tokenizer,
+            funcs=self.funcs, names=self.names, columns_td=columns_td,
         )
-        if ids is None:
-            needs = [name for f, name in zip(self.funcs, self.names) if _declares(f, "completion_ids")]
-            if needs:
-                raise KeyError(
-                    f"reward functions {needs} take completion_ids, but the rollouts hold no "
-                    f"{layouts.token_key('response')!r} to read them from. Available keys: "
-                    f"{layouts.available_keys(td)}"
-                )
-        decoded = None
-        if self.tokenizer is not None:
-            if ids is None:
-                raise KeyError(
-                    "RewardFunctionWrapper(tokenizer=...) decodes completions from "
-                    f"{layouts.token_key('response')!r}, which is missing. Available keys: "
-                    f"{layouts.available_keys(td)}"
-                )
-            decoded = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        if mode == "history":
-            prompts = layouts.read_history(td, "prompt")
-            if decoded is not None:
-                completions = [[{"role": "assistant", "content": c}] for c in decoded]
-            else:
-                completions = layouts.read_history(td, "response")
-        else:
-            prompts = layouts.read_text(td, "prompt")
-            completions = decoded if decoded is not None else layouts.read_text(td, "response")
-        kwargs = {
-            "prompts": prompts,
-            "completions": completions,
-            "completion_ids": ids if ids is not None else [None] * n,
-        }
-        for name, key in self._column_keys(td).items():
-            source = td if layouts.has_key(td, key) else columns_td
-            if source is None or not layouts.has_key(source, key):
-                raise KeyError(
-                    f"column {name!r}: key {key!r} not found in the rollouts. Available "
-                    f"keys: {layouts.available_keys(td)}"
-                )
-            kwargs[name] = [_plain(v) for v in layouts.read_column(source, key)]
         kwargs["trainer_state"] = self.trainer_state
         kwargs["log_extra"] = self.logs.log_extra
         kwargs["log_metric"] = self.logs.log_metric
         return kwargs
 
-    def _resolve_mode(self, td: TensorDictBase) -> str:
-        if self.input_mode != "auto":
-            return self.input_mode
-        if layouts.has_key(td, layouts.history_key("response")):
-            return "history"
-        if layouts.has_key(td, layouts.text_key("response")):
-            return "text"
-        raise KeyError(
-            "RewardFunctionWrapper: found neither ('history', 'response') nor ('text', "
-            f"'response') in the rollouts. Available keys: {layouts.available_keys(td)}"
-        )
-
-    def _column_keys(self, td: TensorDictBase) -> dict[str, tuple]:
-        if self.columns is not None:
-            return self.columns
-        sample = td
-        while hasattr(sample, "tensordicts") and sample.tensordicts:
-            sample = sample.tensordicts[0]
-        out = {}
-        for key in sample.keys():
-            if key in layouts.TORCHRL_ROOT_KEYS or key in ("prompt", "completion", "completion_ids"):
-                continue
-            if isinstance(sample.get(key), (NonTensorData, NonTensorStack)):
-                out[key] = (key,)
-        return out
-
-    # -- scoring -------------------------------------------------------------------
-
     def score(
         self, td: TensorDictBase, columns_td: TensorDictBase | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score the rollouts in ``td``.
+        """Score the rollouts in ``td`` without writing anything.
 
         Returns:
             ``(rewards, rewards_per_func)``: float32 ``[N]`` combined rewards and
             ``[N, n_funcs]`` raw rewards (NaN for ``None``), ``N`` the flattened batch.
         """
-        kwargs = self.trl_arguments(td, columns_td)
-        return self.score_arguments(**kwargs)
+        return self.score_arguments(**self.trl_arguments(td, columns_td))
 
     def score_arguments(self, prompts, completions, completion_ids, **kwargs):
         """Score TRL-style arguments directly (see :meth:`score`)."""
+        from trl.trainer.utils import is_async_callable
+
         n = len(prompts)
-        call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids)
-        call_kwargs.update(kwargs)
+        call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         per_func = torch.full((n, len(self.funcs)), math.nan, dtype=torch.float32)
         for func, name in zip(self.funcs, self.names):
             check_signature(func, name, list(call_kwargs))
         failed = None
         if self.executor is not None:
             failed = self._score_items(per_func, call_kwargs)
-        pending = []
-        for i, (func, name) in enumerate(zip(self.funcs, self.names)):
-            if self.executor is not None:
-                continue
-            if is_async_callable(func):
-                pending.append((i, name, func(**call_kwargs)))
-            else:
-                try:
-                    out = run_with_timeout(
-                        functools.partial(func, **call_kwargs), self.timeout, f"reward function {name!r}"
-                    )
-                except FunctionTimeout:
-                    raise
-                except Exception as err:
-                    raise named_error(err, name) from err
-                per_func[:, i] = torch.tensor(to_rewards(out, name=name, expected=n), dtype=torch.float32)
-        if pending:
-            outputs = _run_coroutines([c for _, _, c in pending], [nm for _, nm, _ in pending], self.timeout)
-            for (i, name, _), out in zip(pending, outputs):
-                per_func[:, i] = torch.tensor(
-                    to_rewards(out, name=name, expected=n), dtype=torch.float32
-                )
-        self._count_missing(per_func, prompts, completions, failed)
+        else:
+            pending = []
+            for i, (func, name) in enumerate(zip(self.funcs, self.names)):
+                if is_async_callable(func):
+                    pending.append((i, name, func(**call_kwargs)))
+                else:
+                    out = call_function(func, name, call_kwargs, self.timeout)
+                    per_func[:, i] = torch.tensor(to_rewards(out, name=name, expected=n), dtype=torch.float32)
+            if pending:
+                outputs = run_coroutines([c for _, _, c in pending], [nm for _, nm, _ in pending], self.timeout)
+                for (i, name, _), out in zip(pending, outputs):
+                    per_func[:, i] = torch.tensor(to_rewards(out, name=name, expected=n), dtype=torch.float32)
+        self._count_missing(per_func, failed)
         self._exclude_infinite(per_func)
         rewards = (per_func * self.weights).nansum(dim=1)
         unscorable = per_func.isnan().all(dim=1)
@@ -642,122 +410,68 @@ class RewardFunctionWrapper(Transform):
                 self.logs.log_metric(metric, value)
         return failed
 
-    def _exclude_infinite(self, per_func) -> None:
+    def _exclude_infinite(self, per_func: torch.Tensor) -> None:
         infinite = per_func.isinf()
         for name, count in zip(self.names, infinite.sum(0).tolist()):
-            self.nonfinite_counts[name] += count
-            if count and f"inf:{name}" not in self._warned:
-                self._warned.add(f"inf:{name}")
-                warnings.warn(
-                    f"reward function {name!r} returned an infinite reward for {count} of "
-                    f"{per_func.shape[0]} completions; they are excluded like None (counted in "
-                    "RewardFunctionWrapper.nonfinite_counts). Warning once.",
-                    stacklevel=4,
-                )
+            self._nonfinite.add(
+                name,
+                f"reward function {name!r} returned an infinite reward for {count} of "
+                f"{per_func.shape[0]} completions; they are excluded like None (counted in "
+                f"{type(self).__name__}.nonfinite_counts)",
+                n=count, stacklevel=5,
+            )
         per_func[infinite] = math.nan
 
-    def _count_missing(self, per_func, prompts, completions, failed=None) -> None:
+    def _count_missing(self, per_func: torch.Tensor, failed: torch.Tensor | None) -> None:
         missing = per_func.isnan()
         if failed is not None:  # counted as failures, not as None
             missing &= ~failed
         for name, count in zip(self.names, missing.sum(0).tolist()):
-            self.none_counts[name] += count
-            if count and name not in self._warned:
-                self._warned.add(name)
-                warnings.warn(
-                    f"reward function {name!r} returned None for {count} of {len(prompts)} "
-                    "completions; they are excluded from the weighted sum (counted in "
-                    "RewardFunctionWrapper.none_counts). Warning once.",
-                    stacklevel=4,
-                )
+            self._none.add(
+                name,
+                f"reward function {name!r} returned None for {count} of {per_func.shape[0]} "
+                "completions; they are excluded from the weighted sum (counted in "
+                f"{type(self).__name__}.none_counts)",
+                n=count, stacklevel=5,
+            )
 
-    def _count_unscorable(self, unscorable, prompts, completions) -> None:
-        if unscorable.any():
-            self.unscorable_count += int(unscorable.sum())
+    def _count_unscorable(self, unscorable: torch.Tensor, prompts, completions) -> None:
+        count = int(unscorable.sum())
+        if count:
             row = int(unscorable.nonzero()[0])
-            if "__unscorable__" not in self._warned:
-                self._warned.add("__unscorable__")
-                warnings.warn(
-                    f"All reward functions returned None for {int(unscorable.sum())} "
-                    f"completion(s) (or an infinite value, or failed in the executor), e.g. prompt={prompts[row]!r}, completion="
-                    f"{completions[row]!r}; their reward is {self.unscorable_reward} "
-                    "(counted in RewardFunctionWrapper.unscorable_count). Warning once.",
-                    stacklevel=4,
-                )
+            self._unscorable.add(
+                "unscorable",
+                f"All reward functions returned None for {count} completion(s) (or an "
+                f"infinite value, or failed in the executor), e.g. prompt={prompts[row]!r}, "
+                f"completion={completions[row]!r}; their reward is {self.unscorable_reward} "
+                f"(counted in {type(self).__name__}.unscorable_count)",
+                n=count, stacklevel=5,
+            )
 
-    def _write(self, td: TensorDictBase, rewards, per_func, strip_next: bool) -> TensorDictBase:
-        shape = tuple(td.batch_size) + self.reward_shape
+    def write(
+        self, td: TensorDictBase, rewards: torch.Tensor, per_func: torch.Tensor, *, inside_next: bool = False
+    ) -> TensorDictBase:
+        """Write ``[N]`` rewards (and ``[N, n_funcs]`` per-function rewards, if
+        ``per_function_keys``) into ``td`` shaped ``[*td.batch_size, *reward_shape]``.
+        ``inside_next``: ``td`` is an env step's ``next`` tensordict, so a leading
+        ``"next"`` of the keys is dropped."""
+        shape = tuple(td.batch_size) + trailing_dims(self.reward_shape)
         items = [(self.reward_key, rewards)]
         items += [(k, per_func[:, i]) for i, k in enumerate(self.per_function_keys)]
         for key, value in items:
-            if strip_next and key[0] == "next" and len(key) > 1:
-                key = key[1:]
-            td.set(key, value.reshape(shape))
+            td.set(strip_next(key) if inside_next else key, value.reshape(shape))
         return td
 
-    # -- module / transform entry points --------------------------------------------
-
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Score ``tensordict`` and write the reward keys into it. Inside a replay buffer
-        this is the sampling path: rollouts were scored when written, so it is a no-op."""
-        if self.__dict__.get("_container") is not None:
-            return tensordict
+        """Score ``tensordict`` and write the reward keys into it (always: there is no
+        mode in which a call does nothing)."""
         rewards, per_func = self.score(tensordict)
-        return self._write(tensordict, rewards, per_func, strip_next=False)
-
-    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        # replay-buffer write (``extend``)
-        rewards, per_func = self.score(tensordict)
-        return self._write(tensordict, rewards, per_func, strip_next=False)
-
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        # env.step: the policy's output is in ``tensordict``, the reward goes to ``next``
-        rewards, per_func = self.score(tensordict, next_tensordict)
-        return self._write(next_tensordict, rewards, per_func, strip_next=True)
-
-    def transform_output_spec(self, output_spec):
-        # out_keys are rollout keys ("next", "reward"); specs are relative to "next"
-        output_spec = output_spec.clone()
-        if "full_reward_spec" in output_spec.keys():
-            output_spec["full_reward_spec"] = self.transform_reward_spec(
-                output_spec["full_reward_spec"]
-            )
-        return output_spec
-
-    def transform_reward_spec(self, reward_spec):
-        from torchrl.data import Composite, Unbounded
-
-        shape = reward_spec.shape + self.reward_shape
-        for key in self.out_keys:
-            key = key[1:] if key[0] == "next" and len(key) > 1 else key
-            if len(key) == 1:
-                reward_spec.set(key[0], Unbounded(shape))
-            else:
-                reward_spec.update(Composite({key: Unbounded(shape)}, shape=reward_spec.shape))
-        return reward_spec
+        return self.write(tensordict, rewards, per_func)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(funcs={self.names}, weights={self.weights.tolist()}, "
-            f"reward_key={self.reward_key}, input_mode={self.input_mode!r}"
+            f"reward_key={self.reward_key}, reward_shape={self.reward_shape!r}, input_mode={self.input_mode!r}"
             + (f", executor={self.executor!r}" if self.executor is not None else "")
             + ")"
         )
-
-
-def _as_tuple(key: NestedKey) -> tuple:
-    return (key,) if isinstance(key, str) else tuple(key)
-
-
-def _mode_in_keys(mode: str) -> list[NestedKey]:
-    history = [layouts.history_key("prompt"), layouts.history_key("response")]
-    text = [layouts.text_key("prompt"), layouts.text_key("response")]
-    return {"history": history, "text": text}.get(mode, history + text)
-
-
-def _declares(func: Callable, arg: str) -> bool:
-    """Whether ``func``'s signature names ``arg`` (not just ``**kwargs``)."""
-    try:
-        return arg in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False

@@ -19,122 +19,33 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 import torch
-from tensordict import NonTensorData, TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from torchrl_trl import layouts
-from torchrl_trl.rewards.executors import FailureCounter, make_item_executor, merge_logs
-from torchrl_trl.rewards.functions import (
+from torchrl_trl import _compat, layouts
+from torchrl_trl._checks import WarnOnce, positive_seconds, strip_next
+
+from .calling import (
     TRL_EXTRA_KWARGS,
     FunctionTimeout,
-    _declares,
-    _run_coroutines,
-    callable_name,
+    call_function,
     check_signature,
-    check_timeout,
-    is_async_callable,
+    declares,
     named_error,
+    run_coroutines,
     run_with_timeout,
     split_item_kwargs,
     to_rewards,
 )
+from .executors import FailureCounter, make_item_executor, merge_logs
+from .trl_rollouts import is_conversational, rollouts_from_trl
 
 __all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "is_trl_function", "rollouts_from_trl"]
-
-
-def is_conversational(prompts: Sequence[Any]) -> bool:
-    """TRL's test: the prompt is a list of ``{"role", "content"}`` messages."""
-    if not prompts:
-        return False
-    first = prompts[0]
-    return isinstance(first, list) and bool(first) and isinstance(first[0], dict) and "role" in first[0]
-
-
-def _completion_text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    return "".join(m.get("content") or "" for m in completion)
-
-
-def rollouts_from_trl(
-    prompts: Sequence[Any],
-    completions: Sequence[Any],
-    completion_ids: Sequence[Sequence[int]] | None = None,
-    *,
-    columns: dict[str, Sequence[Any]] | None = None,
-    tokenizer=None,
-) -> TensorDictBase:
-    """Build TorchRL rollouts (a lazy stack of ``N`` per-sample TensorDicts) from TRL's
-    reward-function arguments.
-
-    Keys written, per sample:
-
-    - chat data: ``("history", "prompt" | "response" | "full")`` (``History``);
-    - ``("text", "response")`` (the completion text); ``("text", "prompt")`` and
-      ``("text", "full")`` for text data, or for chat data when ``tokenizer`` is given
-      (the prompt rendered with its chat template and a generation prompt);
-    - ``("tokens", "response")`` from ``completion_ids``; ``("tokens", "prompt" | "full")``
-      when ``tokenizer`` is given;
-    - each column at the top level, e.g. ``"answer"``.
-    """
-    n = len(prompts)
-    if len(completions) != n:
-        raise ValueError(f"got {n} prompts but {len(completions)} completions")
-    if completion_ids is not None and len(completion_ids) != n:
-        raise ValueError(f"got {n} prompts but {len(completion_ids)} completion_ids")
-    columns = columns or {}
-    for name, values in columns.items():
-        if len(values) != n:
-            raise ValueError(f"column {name!r} has {len(values)} values, expected {n} (one per completion)")
-    chat = is_conversational(prompts)
-    if chat:
-        from torchrl.data.llm import History
-
-    rows = []
-    for i in range(n):
-        prompt, completion = prompts[i], completions[i]
-        row: dict[str, Any] = {}
-        response_text = _completion_text(completion)
-        text = {"response": NonTensorData(response_text)}
-        if chat:
-            if isinstance(completion, str):
-                completion = [{"role": "assistant", "content": completion}]
-            row["history"] = {
-                "prompt": History.from_chats([prompt])[0],
-                "response": History.from_chats([completion])[0],
-                "full": History.from_chats([list(prompt) + list(completion)])[0],
-            }
-            if tokenizer is not None:
-                prompt_text = tokenizer.apply_chat_template(
-                    prompt, tokenize=False, add_generation_prompt=True
-                )
-                text["prompt"] = NonTensorData(prompt_text)
-                text["full"] = NonTensorData(prompt_text + response_text)
-        else:
-            text["prompt"] = NonTensorData(prompt)
-            text["full"] = NonTensorData(prompt + response_text)
-        row["text"] = text
-        tokens = {}
-        if completion_ids is not None:
-            tokens["response"] = torch.as_tensor(list(completion_ids[i]), dtype=torch.long)
-        if tokenizer is not None and "prompt" in text:
-            prompt_ids = tokenizer(str(text["prompt"].data), add_special_tokens=False)["input_ids"]
-            tokens["prompt"] = torch.as_tensor(prompt_ids, dtype=torch.long)
-            if "response" in tokens:
-                tokens["full"] = torch.cat([tokens["prompt"], tokens["response"]])
-        if tokens:
-            row["tokens"] = tokens
-        for name, values in columns.items():
-            value = values[i]
-            row[name] = value if isinstance(value, torch.Tensor) else NonTensorData(value)
-        rows.append(TensorDict(row, batch_size=[]))
-    return lazy_stack(rows)
 
 
 def _conversations(prompts, completions) -> list[list[dict]]:
@@ -149,7 +60,7 @@ def _conversations(prompts, completions) -> list[list[dict]]:
 def _default_name(reward: Any) -> str:
     model = getattr(reward, "model", None)
     config = getattr(model, "config", None)
-    path = getattr(config, "_name_or_path", "") if config is not None else ""
+    path = getattr(config, "name_or_path", "") if config is not None else ""
     if path:
         return str(path).rstrip("/").split("/")[-1]
     return type(reward).__name__
@@ -173,12 +84,6 @@ def is_trl_function(reward: Any) -> bool:
         return True
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return not required and any(p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _has_custom_step(reward: Any) -> bool:
-    from torchrl.envs import Transform
-
-    return isinstance(reward, Transform) and type(reward)._step is not Transform._step
 
 
 class TRLRewardFunc:
@@ -216,13 +121,18 @@ class TRLRewardFunc:
         self.reward = reward
         self.tokenizer = tokenizer
         self.is_trl_function = is_trl_function(reward)
-        self.__name__ = name or (callable_name(reward) if self.is_trl_function else _default_name(reward))
+        if name is None and self.is_trl_function:
+            from trl.trainer.utils import get_callable_name
+
+            name = get_callable_name(reward)
+        self.__name__ = name or _default_name(reward)
         self.reward_key = reward_key
         self.columns = list(columns) if columns is not None else None
-        self.timeout = check_timeout(timeout)
+        self.timeout = positive_seconds(timeout, "timeout")
+        #: calls received, and completions scored
         self.calls = 0
         self.scored = 0
-        self.nonfinite = 0
+        self._nonfinite = WarnOnce()
         self._parsers: dict[str, Any] = {}
         if executor is None and failure_reward is not None:
             raise ValueError("failure_reward applies with an executor (executor='process' | 'thread' | 'ray' | an Executor)")
@@ -236,6 +146,11 @@ class TRLRewardFunc:
         self.executor = make_item_executor(
             executor, [work], [self.__name__], timeout=self.timeout, max_workers=max_workers, mp_context=mp_context
         )
+
+    @property
+    def nonfinite(self) -> int:
+        """Non-finite rewards returned as ``None``."""
+        return self._nonfinite.counts["nonfinite"]
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -263,14 +178,13 @@ class TRLRewardFunc:
         self.scored += len(prompts)
         bad = [i for i, r in enumerate(out) if r is not None and not math.isfinite(r)]
         if bad:
-            if not self.nonfinite:
-                warnings.warn(
-                    f"reward function {self.__name__!r} scored {len(bad)} of {len(out)} completions "
-                    f"{[out[i] for i in bad[:3]]}; returned as None, which TRL excludes from the "
-                    "weighted sum (counted in .nonfinite). Warning once.",
-                    stacklevel=2,
-                )
-            self.nonfinite += len(bad)
+            self._nonfinite.add(
+                "nonfinite",
+                f"reward function {self.__name__!r} scored {len(bad)} of {len(out)} completions "
+                f"{[out[i] for i in bad[:3]]}; returned as None, which TRL excludes from the "
+                "weighted sum (counted in .nonfinite)",
+                n=len(bad),
+            )
             for i in bad:
                 out[i] = None
         return out
@@ -282,7 +196,7 @@ class TRLRewardFunc:
             self._select_columns(kwargs)  # a missing column fails here, not once per completion
         call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         if self.is_trl_function and "environments" in call_kwargs and self.executor.kind in ("process", "ray"):
-            if _declares(self.reward, "environments"):
+            if declares(self.reward, "environments"):
                 raise TypeError(
                     f"reward function {self.__name__!r} takes TRL's environments, live objects of "
                     f"the trainer that cannot be sent to executor={self.executor.kind!r}; use "
@@ -352,17 +266,14 @@ class TRLRewardFunc:
 
     def _call_function(self, prompts, completions, completion_ids, kwargs) -> list[float | None]:
         """A plain TRL reward function, called as TRL calls it (``None`` kept)."""
+        from trl.trainer.utils import is_async_callable
+
         func, name = self.reward, self.__name__
         call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         if is_async_callable(func):
-            out = _run_coroutines([func(**call_kwargs)], [name], self.timeout)[0]
+            out = run_coroutines([func(**call_kwargs)], [name], self.timeout)[0]
         else:
-            try:
-                out = run_with_timeout(lambda: func(**call_kwargs), self.timeout, f"reward function {name!r}")
-            except FunctionTimeout:
-                raise
-            except Exception as err:
-                raise named_error(err, name) from err
+            out = call_function(func, name, call_kwargs, self.timeout)
         values = to_rewards(out, name=name, expected=len(prompts))
         returned_none = [r is None for r in (out.tolist() if hasattr(out, "tolist") else out)]
         return [None if none else v for v, none in zip(values, returned_none)]
@@ -389,12 +300,12 @@ class TRLRewardFunc:
         td = rollouts_from_trl(
             prompts, completions, completion_ids, columns=columns, tokenizer=self.tokenizer
         )
-        if _has_custom_step(reward):
+        if _compat.has_own_step(reward):
             # a reward parser (GSM8KRewardParser...): reads the step's input and the
             # columns of "next", writes the reward into "next"
             parser = self._parser_for(reward, chat)
             next_td = td.select(*columns) if columns else td.empty()
-            out = self._call_reward(parser._step, td, next_td)
+            out = self._call_reward(_compat.transform_step, parser, td, next_td)
             return self._read_reward(out if out is not None else next_td, relative=True)
         out = self._call_reward(reward, td)
         return self._read_reward(out if isinstance(out, TensorDictBase) else td, relative=False)
@@ -426,8 +337,8 @@ class TRLRewardFunc:
         if mode in self._parsers:
             return self._parsers[mode]
         in_keys = list(getattr(parser, "in_keys", []) or [])
-        has_mode = hasattr(parser, "_input_mode")
-        if in_keys and (not has_mode or parser._input_mode is not None):
+        unset_mode = _compat.parser_input_mode_unset(parser)
+        if in_keys and not unset_mode:
             self._parsers[mode] = parser
             return parser
         parser = copy.copy(parser)
@@ -435,9 +346,9 @@ class TRLRewardFunc:
             answer = self.columns[0] if self.columns else "answer"
             first = layouts.history_key("full") if chat else layouts.text_key("response")
             parser.in_keys = [first, answer]
-        if has_mode and parser._input_mode is None:
+        if unset_mode:
             first = parser.in_keys[0]
-            parser._input_mode = first[0] if isinstance(first, tuple) else mode
+            _compat.set_parser_input_mode(parser, first[0] if isinstance(first, tuple) else mode)
         self._parsers[mode] = parser
         return parser
 
@@ -445,9 +356,7 @@ class TRLRewardFunc:
         if self.reward_key is not None:
             key = self.reward_key
             key = (key,) if isinstance(key, str) else tuple(key)
-            if relative and key[0] == "next" and len(key) > 1:
-                key = key[1:]
-            candidates = [key]
+            candidates = [strip_next(key) if relative else key]
         elif relative:
             candidates = [("reward",)]
         else:

@@ -1,0 +1,300 @@
+"""Calling TRL reward functions the way TRL calls them: arguments checked before the call,
+outputs validated, exceptions re-raised with the function's name, optional timeouts.
+
+A TRL reward function is a plain callable (sync or ``async``)::
+
+    f(prompts, completions, completion_ids, **columns) -> list[float | None]
+
+Shared by both directions: :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper`
+(TRL functions scoring TorchRL rollouts) and
+:func:`~torchrl_trl.rewards.trl_funcs.as_trl_reward_func` (a TRL function run isolated).
+Names and the sync/async test are TRL's own (``trl.trainer.utils.get_callable_name`` /
+``is_async_callable``), so a function is logged under the name TRL would log it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TRL_EXTRA_KWARGS",
+    "FunctionTimeout",
+    "RewardFunctionError",
+    "call_function",
+    "check_signature",
+    "declares",
+    "function_names",
+    "named_error",
+    "run_coroutines",
+    "run_with_timeout",
+    "split_item_kwargs",
+    "to_rewards",
+]
+
+#: keyword arguments TRL passes that are not dataset columns
+TRL_EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised an exception that cannot be re-raised as its own type
+    with the function's name (the original is the ``__cause__``)."""
+
+
+class FunctionTimeout(TimeoutError):
+    """A reward function (or scorer) did not return within its ``timeout``."""
+
+
+def function_names(funcs: Sequence[Callable], names: Sequence[str] | None = None) -> list[str]:
+    """One unique name per function: ``names`` checked, or TRL's names (``__name__``, the
+    class name of a callable object, through ``functools.partial``) deduplicated with a
+    ``_1``, ``_2``... suffix.
+
+    >>> import functools
+    >>> def acc(prompts, completions, **kw): ...
+    >>> class Judge:
+    ...     def __call__(self, prompts, completions, **kw): ...
+    >>> function_names([acc, functools.partial(acc), Judge()])
+    ['acc', 'acc_1', 'Judge']
+    """
+    if names is not None:
+        if len(names) != len(funcs):
+            raise ValueError(f"names has {len(names)} entries, expected {len(funcs)} (one per function)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must be unique, got {list(names)}")
+        return list(names)
+    from trl.trainer.utils import get_callable_name
+
+    out, seen = [], Counter()
+    for f in funcs:
+        base = get_callable_name(f)
+        out.append(base if not seen[base] else f"{base}_{seen[base]}")
+        seen[base] += 1
+    return out
+
+
+def named_error(err: BaseException, name: str) -> BaseException:
+    """``err`` re-created with the reward function's ``name`` in its message, keeping its
+    type where the type takes a message (so ``except KeyError`` still works); raise the
+    result ``from err``.
+
+    >>> named_error(ValueError("bad row"), "acc")
+    ValueError("reward function 'acc' raised ValueError: bad row")
+    """
+    message = f"reward function {name!r} raised {type(err).__name__}: {err}"
+    try:
+        new = type(err)(message)
+    except Exception:
+        return RewardFunctionError(message)
+    return new if name in str(new) else RewardFunctionError(message)
+
+
+def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str, *, thread: bool = False) -> Any:
+    """``fn()``; with ``timeout`` (s) (or ``thread=True``) it runs in a daemon thread and a
+    :class:`FunctionTimeout` naming ``what`` is raised if it has not returned by then
+    (Python cannot stop the thread; it is abandoned). Exceptions of ``fn`` are re-raised as
+    they are. The caller's grad / inference mode applies in the thread too.
+
+    >>> run_with_timeout(lambda: 3, 1.0, "f")
+    3
+    """
+    if timeout is None and not thread:
+        return fn()
+    out: dict[str, Any] = {}
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # per thread
+
+    def run():
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                out["value"] = fn()
+        except BaseException as err:
+            out["error"] = err
+
+    worker = threading.Thread(target=run, name="torchrl-trl-reward", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise FunctionTimeout(f"{what} did not return within timeout={timeout}s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def run_coroutines(coros: list, names: list[str], timeout: float | None = None) -> list:
+    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop
+    (then in a fresh loop in a helper thread). With ``timeout`` (s), each must finish in
+    time, else :class:`FunctionTimeout` naming it; an exception raised by one is re-raised
+    with its function's name.
+
+    >>> async def one(): return [1.0]
+    >>> run_coroutines([one()], ["one"])
+    [[1.0]]
+    """
+
+    async def one(coro, name):
+        task = asyncio.ensure_future(coro)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            task.cancel()
+            raise FunctionTimeout(f"reward function {name!r} did not return within timeout={timeout}s")
+        try:
+            return task.result()
+        except Exception as err:  # the function's own exception, TimeoutError included
+            raise named_error(err, name) from err
+
+    async def gather():
+        return await asyncio.gather(*(one(c, n) for c, n in zip(coros, names)))
+
+    try:
+        asyncio.get_running_loop()
+        inside_loop = True
+    except RuntimeError:
+        inside_loop = False
+    if not inside_loop and timeout is None:
+        return asyncio.run(gather())
+    # inside an event loop (notebooks, async servers), or bounded: a fresh loop in a
+    # thread; the margin covers a coroutine that blocks the loop itself (no await)
+    return run_with_timeout(
+        lambda: asyncio.run(gather()),
+        None if timeout is None else timeout + 1.0,
+        f"the async reward functions {names} (one blocks the event loop without awaiting)",
+        thread=True,
+    )
+
+
+def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None = None) -> Any:
+    """One sync reward function called on a whole batch, as TRL calls it: its exception
+    re-raised with its ``name`` (:func:`named_error`), bounded by ``timeout`` (s) if given.
+    Returns what the function returned (validate it with :func:`to_rewards`).
+
+    >>> call_function(lambda prompts, **kw: [1.0] * len(prompts), "one", {"prompts": ["a", "b"]})
+    [1.0, 1.0]
+    """
+    try:
+        return run_with_timeout(lambda: func(**kwargs), timeout, f"reward function {name!r}")
+    except FunctionTimeout:
+        raise
+    except Exception as err:
+        raise named_error(err, name) from err
+
+
+def to_rewards(output: Any, *, name: str, expected: int) -> list[float]:
+    """Validate one reward function's output: ``expected`` numbers or ``None`` (-> NaN);
+    a tensor or a numpy array is read as a list. Raises ``TypeError``/``ValueError``
+    naming the function otherwise.
+
+    >>> to_rewards([1, None, 0.5], name="f", expected=3)
+    [1.0, nan, 0.5]
+    >>> to_rewards([1.0], name="f", expected=2)
+    Traceback (most recent call last):
+    ...
+    ValueError: reward function 'f' returned 1 rewards, but 2 were expected (one per prompt-completion pair)
+    """
+    if isinstance(output, torch.Tensor):
+        output = output.reshape(-1).tolist()
+    elif hasattr(output, "tolist") and not isinstance(output, (str, bytes)):
+        output = output.tolist()  # numpy arrays
+    if isinstance(output, (str, bytes, Mapping)) or not isinstance(output, Sequence):
+        raise TypeError(
+            f"reward function {name!r} must return a list of floats (or None), one per "
+            f"completion; got {type(output).__name__}"
+        )
+    if len(output) != expected:
+        raise ValueError(
+            f"reward function {name!r} returned {len(output)} rewards, but {expected} were "
+            f"expected (one per prompt-completion pair)"
+        )
+    rewards = []
+    for i, value in enumerate(output):
+        if value is None:
+            rewards.append(math.nan)
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        elif hasattr(value, "item") and not isinstance(value, (str, bytes)):
+            value = value.item()  # numpy scalars
+        if not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"reward function {name!r} returned a non-numeric reward at index {i}: "
+                f"{value!r} ({type(value).__name__}); expected a float, an int or None"
+            )
+        rewards.append(float(value))
+    return rewards
+
+
+def split_item_kwargs(call_kwargs: dict, n: int) -> tuple[dict, dict]:
+    """``(shared, per_item)``: the arguments holding one value per completion (lists or
+    tuples of length ``n``: prompts, completions, columns...) and the rest
+    (``trainer_state``...). ``log_extra``/``log_metric`` are left out (the executors
+    record them per item).
+
+    >>> split_item_kwargs({"prompts": ["a", "b"], "trainer_state": None, "log_metric": print}, 2)
+    ({'trainer_state': None}, {'prompts': ['a', 'b']})
+    """
+    shared, per_item = {}, {}
+    for key, value in call_kwargs.items():
+        if key in ("log_extra", "log_metric"):
+            continue
+        if key != "trainer_state" and isinstance(value, (list, tuple)) and len(value) == n:
+            per_item[key] = value
+        else:
+            shared[key] = value
+    return shared, per_item
+
+
+def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
+    """Raise a clear error if ``func`` requires an argument that will not be passed
+    (``KeyError``), or does not accept one that will (``TypeError``: TRL passes every
+    column and ``trainer_state``/``log_extra``/``log_metric``).
+
+    >>> def needs_solution(prompts, completions, solution, **kw): ...
+    >>> check_signature(needs_solution, "needs_solution", ["prompts", "completions", "answer"])
+    Traceback (most recent call last):
+    ...
+    KeyError: "reward function 'needs_solution' requires the argument 'solution', which is not a column of the rollouts. Columns passed: ['answer']. Name the rollout key with columns=[...] (or columns={'solution': <key>})."
+    """
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return
+    params = sig.parameters.values()
+    accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    columns = [k for k in provided if k not in ("prompts", "completions", "completion_ids")]
+    columns = [k for k in columns if k not in TRL_EXTRA_KWARGS]
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if p.name not in provided:
+            raise KeyError(
+                f"reward function {name!r} requires the argument {p.name!r}, which is not a "
+                f"column of the rollouts. Columns passed: {columns}. Name the rollout key "
+                f"with columns=[...] (or columns={{{p.name!r}: <key>}})."
+            )
+    if not accepts_kwargs:
+        unexpected = [k for k in provided if k not in sig.parameters]
+        if unexpected:
+            raise TypeError(
+                f"reward function {name!r} does not accept the arguments {unexpected} "
+                f"(TRL passes every column and trainer_state/log_extra/log_metric): add "
+                f"**kwargs to its signature"
+            )
+
+
+def declares(func: Callable, arg: str) -> bool:
+    """Whether ``func``'s signature names ``arg`` (not just ``**kwargs``).
+
+    >>> declares(lambda prompts, completion_ids, **kw: None, "completion_ids")
+    True
+    """
+    try:
+        return arg in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False

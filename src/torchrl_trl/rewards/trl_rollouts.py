@@ -1,0 +1,117 @@
+"""TRL reward-function arguments -> TorchRL rollouts (the inverse of the layout reader).
+
+:func:`rollouts_from_trl` builds the tensordict a TorchRL reward module or parser reads
+from what TRL passes a reward function (``prompts``, ``completions``, ``completion_ids``,
+columns), so TorchRL rewards can run as TRL ``reward_funcs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, TensorDict, TensorDictBase, lazy_stack
+
+__all__ = ["is_conversational", "rollouts_from_trl"]
+
+
+def is_conversational(prompts: Sequence[Any]) -> bool:
+    """Whether TRL reads these prompts as chat (lists of ``{"role", "content"}``
+    messages): ``trl.data_utils.is_conversational`` on the first prompt.
+
+    >>> is_conversational([[{"role": "user", "content": "hi"}]]), is_conversational(["hi"])
+    (True, False)
+    """
+    from trl.data_utils import is_conversational as trl_is_conversational
+
+    if not prompts or (isinstance(prompts[0], list) and not prompts[0]):
+        return False
+    return trl_is_conversational({"prompt": prompts[0]})
+
+
+def _completion_text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion)
+
+
+def rollouts_from_trl(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    *,
+    columns: dict[str, Sequence[Any]] | None = None,
+    tokenizer=None,
+) -> TensorDictBase:
+    """Build TorchRL rollouts (a lazy stack of ``N`` per-sample TensorDicts) from TRL's
+    reward-function arguments.
+
+    Keys written, per sample:
+
+    - chat data: ``("history", "prompt" | "response" | "full")`` (``History``);
+    - ``("text", "response")`` (the completion text); ``("text", "prompt")`` and
+      ``("text", "full")`` for text data, or for chat data when ``tokenizer`` is given
+      (the prompt rendered with its chat template and a generation prompt);
+    - ``("tokens", "response")`` from ``completion_ids``; ``("tokens", "prompt" | "full")``
+      when ``tokenizer`` is given;
+    - each column at the top level, e.g. ``"answer"``.
+
+    The inverse of :func:`torchrl_trl.rewards.rollout_arguments.trl_arguments`.
+
+    >>> td = rollouts_from_trl(["2+2="], ["4"], [[19]], columns={"answer": ["4"]})
+    >>> list(td["text", "full"]), td["tokens", "response"][0].tolist(), list(td["answer"])
+    (['2+2=4'], [19], ['4'])
+    """
+    n = len(prompts)
+    if len(completions) != n:
+        raise ValueError(f"got {n} prompts but {len(completions)} completions")
+    if completion_ids is not None and len(completion_ids) != n:
+        raise ValueError(f"got {n} prompts but {len(completion_ids)} completion_ids")
+    columns = columns or {}
+    for name, values in columns.items():
+        if len(values) != n:
+            raise ValueError(f"column {name!r} has {len(values)} values, expected {n} (one per completion)")
+    chat = is_conversational(prompts)
+    if chat:
+        from torchrl.data.llm import History
+
+    rows = []
+    for i in range(n):
+        prompt, completion = prompts[i], completions[i]
+        row: dict[str, Any] = {}
+        response_text = _completion_text(completion)
+        text = {"response": NonTensorData(response_text)}
+        if chat:
+            if isinstance(completion, str):
+                completion = [{"role": "assistant", "content": completion}]
+            row["history"] = {
+                "prompt": History.from_chats([prompt])[0],
+                "response": History.from_chats([completion])[0],
+                "full": History.from_chats([list(prompt) + list(completion)])[0],
+            }
+            if tokenizer is not None:
+                prompt_text = tokenizer.apply_chat_template(
+                    prompt, tokenize=False, add_generation_prompt=True
+                )
+                text["prompt"] = NonTensorData(prompt_text)
+                text["full"] = NonTensorData(prompt_text + response_text)
+        else:
+            text["prompt"] = NonTensorData(prompt)
+            text["full"] = NonTensorData(prompt + response_text)
+        row["text"] = text
+        tokens = {}
+        if completion_ids is not None:
+            tokens["response"] = torch.as_tensor(list(completion_ids[i]), dtype=torch.long)
+        if tokenizer is not None and "prompt" in text:
+            prompt_ids = tokenizer(str(text["prompt"].data), add_special_tokens=False)["input_ids"]
+            tokens["prompt"] = torch.as_tensor(prompt_ids, dtype=torch.long)
+            if "response" in tokens:
+                tokens["full"] = torch.cat([tokens["prompt"], tokens["response"]])
+        if tokens:
+            row["tokens"] = tokens
+        for name, values in columns.items():
+            value = values[i]
+            row[name] = value if isinstance(value, torch.Tensor) else NonTensorData(value)
+        rows.append(TensorDict(row, batch_size=[]))
+    return lazy_stack(rows)
