@@ -1,5 +1,6 @@
 """Shared fixtures: tiny offline checkpoints, built once per test session."""
 
+import gc
 import os
 import sys
 
@@ -45,6 +46,9 @@ def _ray_left_running():
     fixture) would fail. Set up first, torn down last: after the module's own fixtures."""
     running_before = _ray_running()
     yield
+    gc.collect()  # a Ray handle freed later (a collector's __del__) would start Ray again
     if not running_before and _ray_running():
         sys.modules["ray"].shutdown()
         pytest.fail("this module left Ray running (shut down now)")
+
+

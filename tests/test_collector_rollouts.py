@@ -4,7 +4,9 @@ LLMCollector writes (MCAdvantage on the buffer), weights pushed through
 collector's background thread) and with the collector in a Ray actor writing into a
 RayReplayBuffer."""
 
+import gc
 import os
+import sys
 import time
 
 import pytest
@@ -215,17 +217,26 @@ def _ray_policy_factory():
     return testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=4)
 
 
+@pytest.fixture
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the factories live here
+    yield ray
+    gc.collect()  # first free the test's collector: a freed RayLLMCollector's __del__ calls its actor (restarts Ray)
+    ray.shutdown()
+
+
 @pytest.mark.timeout(300)
-def test_ray_collector_actor_feeds_grpo_trainer(policy_and_tokenizer, tmp_path):
+def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenizer, tmp_path):
     """Local Ray: the LLMCollector runs in a RayLLMCollector actor and writes whole groups
     (MCAdvantage inside the RayReplayBuffer actor); GRPOTrainer.train() drains them within
     max_staleness, weights go to the actor through update_policy_weights_, the actor records
     complete behaviour log-probs (BehaviourLogProbsPostproc.for_factory) and
     BehaviourLogProbsMixin trains on them."""
-    import sys
     from functools import partial
 
-    ray = pytest.importorskip("ray")
+    ray = ray_session
     from torchrl.objectives.llm import MCAdvantage
     from trl import GRPOTrainer
 
@@ -234,42 +245,37 @@ def test_ray_collector_actor_feeds_grpo_trainer(policy_and_tokenizer, tmp_path):
     from torchrl_trl.online.ray import make_ray_collector, make_ray_replay_buffer
 
     _, tok = policy_and_tokenizer
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the factories live here
-    try:
-        rb = make_ray_replay_buffer(1024, transform_factory=partial(MCAdvantage, grpo_size=2))
-        factory, postproc = BehaviourLogProbsPostproc.for_factory(_ray_policy_factory)
-        collector = make_ray_collector(_ray_env_factory, factory, rb, dialog_turns_per_batch=2, postproc=postproc)
-        model = testing.make_policy(tok)  # the same weights as the actor's (seed 0)
-        with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=180) as func:
-            rollout = Recorder(func, "rollout")
-            corrected = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})
-            trainer = _trainer(model, tok, rollout, Recorder(_reward, "reward"), tmp_path, max_steps=3, cls=corrected)
-            trainer.train()
-            version = collector.policy_version
-        assert trainer.state.global_step == 3 and len(rollout.calls) == 3
-        logprobs = [lp for _, _, b in rollout.calls for lp in b["logprobs"]]  # recorded in the actor
-        assert logprobs and not any(torch.isnan(torch.tensor(lp)).any() for lp in logprobs)
-        assert func.weight_pushes == 3 and version == 3  # TorchRL's PolicyVersion, in the actor
-        assert len(func.consumed_staleness) == 6 and max(func.consumed_staleness) <= 1
-        assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
-        stored = rb[:]
-        assert len(rb) == rb.write_count >= 2 * func.read_groups and func.missed_items == 0
-        versions = [int(v) for v in layouts.read_column(stored, ("next", "policy_version"))]
-        assert versions == sorted(versions) and max(versions) <= 3
-        stored = set(zip(map(tuple, layouts.read_tokens(stored, "prompt").tolist()),
-                         map(tuple, layouts.read_tokens(stored, "response").tolist())))
-        trained = {(tuple(p), tuple(c)) for _, _, b in rollout.calls for p, c in zip(b["prompt_ids"], b["completion_ids"])}
-        assert len(trained) > 1 and trained <= stored
-        # the collector actor dies: the next call fails within a bounded time, the buffer keeps its data
-        ray.kill(collector._collector, no_restart=True)
-        start = time.monotonic()
-        with pytest.raises(CollectorError, match="cannot be reached"):
-            func.take(1)
-        assert time.monotonic() - start < 30 and len(rb) == len(versions)
-        rb.close()
-    finally:
-        ray.shutdown()
+    rb = make_ray_replay_buffer(1024, transform_factory=partial(MCAdvantage, grpo_size=2))
+    factory, postproc = BehaviourLogProbsPostproc.for_factory(_ray_policy_factory)
+    collector = make_ray_collector(_ray_env_factory, factory, rb, dialog_turns_per_batch=2, postproc=postproc)
+    model = testing.make_policy(tok)  # the same weights as the actor's (seed 0)
+    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=180) as func:
+        rollout = Recorder(func, "rollout")
+        corrected = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})
+        trainer = _trainer(model, tok, rollout, Recorder(_reward, "reward"), tmp_path, max_steps=3, cls=corrected)
+        trainer.train()
+        version = collector.policy_version
+    assert trainer.state.global_step == 3 and len(rollout.calls) == 3
+    logprobs = [lp for _, _, b in rollout.calls for lp in b["logprobs"]]  # recorded in the actor
+    assert logprobs and not any(torch.isnan(torch.tensor(lp)).any() for lp in logprobs)
+    assert func.weight_pushes == 3 and version == 3  # TorchRL's PolicyVersion, in the actor
+    assert len(func.consumed_staleness) == 6 and max(func.consumed_staleness) <= 1
+    assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
+    stored = rb[:]
+    assert len(rb) == rb.write_count >= 2 * func.read_groups and func.missed_items == 0
+    versions = [int(v) for v in layouts.read_column(stored, ("next", "policy_version"))]
+    assert versions == sorted(versions) and max(versions) <= 3
+    stored = set(zip(map(tuple, layouts.read_tokens(stored, "prompt").tolist()),
+                     map(tuple, layouts.read_tokens(stored, "response").tolist())))
+    trained = {(tuple(p), tuple(c)) for _, _, b in rollout.calls for p, c in zip(b["prompt_ids"], b["completion_ids"])}
+    assert len(trained) > 1 and trained <= stored
+    # the collector actor dies: the next call fails within a bounded time, the buffer keeps its data
+    ray.kill(collector._collector, no_restart=True)
+    start = time.monotonic()
+    with pytest.raises(CollectorError, match="cannot be reached"):
+        func.take(1)
+    assert time.monotonic() - start < 30 and len(rb) == len(versions)
+    rb.close()
 
 
 def test_buffer_reading_wraps_and_counts_overwritten_items():

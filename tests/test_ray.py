@@ -2,6 +2,7 @@
 from it; weights pushed to the actor; a killed collector actor and a killed buffer actor
 give clear errors, never a hang."""
 
+import gc
 import time
 
 import pytest
@@ -26,6 +27,7 @@ def ray_session():
     # the actor's factories live in this test module, which Ray workers cannot import
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
+    gc.collect()  # first free collectors: a freed RayLLMCollector's __del__ calls its actor (restarts Ray)
     ray.shutdown()
 
 

@@ -2,15 +2,17 @@
 
 One test per page. A page's blocks run in order in one namespace (a page may build its
 models once and use them in later blocks, as a reader does); each page starts from a fresh
-namespace. A block can opt out only when it needs what a test machine lacks, with a first
-line ``# docs-test: skip (needs a GPU)`` (the reason must name a GPU, the network or a
-cluster). Pages another engineer is rewriting are expected failures (strict: the test
-says so as soon as they run).
+namespace, and ends as its script's process would (its objects freed, the Ray runtime it
+left stopped). A block can opt out only when it needs what a test machine lacks, with a
+first line ``# docs-test: skip (needs a GPU)`` (the reason must name a GPU, the network or
+a cluster).
 """
 
 from __future__ import annotations
 
+import gc
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,10 +27,6 @@ TEXT_FENCE = re.compile(r"^```text\n(.*?)^```[ \t]*$", re.S | re.M)
 # pages whose ```text block shows what their python blocks print: it must be what they print
 OUTPUT_SHOWN = {"formats.md"}
 
-# pages not owned by the README/docs work: fragments that need objects the page never builds
-XFAIL = {
-}
-
 
 def python_blocks(page: Path) -> list[tuple[int, str]]:
     """``(first line number, code)`` of each ```python block of ``page``."""
@@ -36,10 +34,15 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
     return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in FENCE.finditer(text)]
 
 
-def _param(page: Path):
-    reason = XFAIL.get(page.name)
-    marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-    return pytest.param(page, id=str(page.relative_to(ROOT)), marks=marks)
+def _end_like_a_script(namespace: dict) -> None:
+    """What the page's process exit would do: free its objects (a ``RayLLMCollector``'s
+    ``__del__`` calls its actor, which starts Ray again after the page's
+    ``ray.shutdown()``) and stop the Ray runtime it leaves behind."""
+    namespace.clear()
+    gc.collect()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def test_blocks_are_found():
@@ -51,20 +54,23 @@ def test_blocks_are_found():
     assert not any("pip install" in code for _, code in readme)
 
 
-@pytest.mark.parametrize("page", [_param(p) for p in PAGES if python_blocks(p)])
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_runs(page: Path, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # and tempfile.mkdtemp() too
     namespace: dict = {"__name__": "__docs_test__"}
-    for line, code in python_blocks(page):
-        skip = SKIP.search(code.splitlines()[0]) if code.strip() else None
-        if skip:
-            assert any(word in skip.group(1).lower() for word in SKIP_REASONS), (
-                f"{page.name}:{line}: a block may skip only for a GPU, the network or a cluster"
-            )
-            continue
-        # padded so that a traceback names the page and its real line number
-        exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+    try:
+        for line, code in python_blocks(page):
+            skip = SKIP.search(code.splitlines()[0]) if code.strip() else None
+            if skip:
+                assert any(word in skip.group(1).lower() for word in SKIP_REASONS), (
+                    f"{page.name}:{line}: a block may skip only for a GPU, the network or a cluster"
+                )
+                continue
+            # padded so that a traceback names the page and its real line number
+            exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+    finally:
+        _end_like_a_script(namespace)
     if page.name in OUTPUT_SHOWN:
         (shown,) = TEXT_FENCE.findall(page.read_text())
         assert capsys.readouterr().out == shown, f"{page.name}: the output shown is not what the blocks print"
