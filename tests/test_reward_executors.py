@@ -107,10 +107,12 @@ def test_process_pool_survives_loop_raise_segfault_exit():
         _same(_rewards(td), _expected(texts))
         assert wrapper.failure_counts == {"by_text": {"error": 1, "timeout": 1, "crash": 2}}
         assert wrapper.none_counts == {"by_text": 0} and wrapper.unscorable_count == 4
-        messages = " ".join(str(w.message) for w in record)
+        ours = [str(w.message) for w in record if "RewardFunctionWrapper" in str(w.message)]
         for part in ("ran past its timeout", "worker killed", "ValueError: cannot parse", "killed by SIGSEGV"):
-            assert part in messages
-        assert len(record) == 4  # once per kind (the exit is a second crash) + the unscorable rows
+            assert part in " ".join(ours)
+        # once per kind (the exit is a second crash) + the unscorable rows; other libraries'
+        # warnings (they vary by machine) are not counted
+        assert len(ours) == 4, [str(w.message) for w in record]
         # the loop holds one of 2 workers for TIMEOUT; the rest run on the other meanwhile
         assert wall < TIMEOUT + 10, wall
         assert wrapper.executor.replaced == 3 and len(set(wrapper.executor.worker_pids) - pids) >= 1
@@ -118,7 +120,7 @@ def test_process_pool_survives_loop_raise_segfault_exit():
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             _same(_rewards(wrapper(_text_rollouts(["loop", "okay"]))), [math.nan, 4.0])
-        assert [str(w.message) for w in record] == []
+        assert [str(w.message) for w in record if "RewardFunctionWrapper" in str(w.message)] == []
         assert wrapper.failure_counts["by_text"]["timeout"] == 2
     finally:
         wrapper.shutdown()
