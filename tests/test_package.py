@@ -17,10 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("data", "rewards", "online")
 PUBLIC = sorted(set(torchrl_trl.__all__) - {"__version__"})
 
-# Exported names whose docstring has no ``>>>`` example yet. Each module's owner is adding
-# one (issue 12); strict, so the test says so as soon as one lands.
-NO_EXAMPLE_YET: set[str] = set()
-
 
 def _imported_after(code: str) -> set[str]:
     out = subprocess.run(
@@ -82,18 +78,7 @@ def test_api_reference_lists_every_export():
     assert not missing, f"exported but not in docs/source/api.rst: {missing}"
 
 
-def test_no_example_list_names_exports_only():
-    assert NO_EXAMPLE_YET <= set(PUBLIC), sorted(NO_EXAMPLE_YET - set(PUBLIC))
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason="no >>> example yet (its module's owner adds it)", strict=True))
-        if n in NO_EXAMPLE_YET else n
-        for n in PUBLIC
-    ],
-)
+@pytest.mark.parametrize("name", PUBLIC)
 def test_public_name_has_a_runnable_example(name):
     """A ``>>>`` example in the name's own docstring (pytest --doctest-modules runs it)."""
     doc = inspect.getdoc(getattr(torchrl_trl, name)) or ""
