@@ -269,12 +269,16 @@ def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenize
                      map(tuple, layouts.read_tokens(stored, "response").tolist())))
     trained = {(tuple(p), tuple(c)) for _, _, b in rollout.calls for p, c in zip(b["prompt_ids"], b["completion_ids"])}
     assert len(trained) > 1 and trained <= stored
-    # the collector actor dies: the next call fails within a bounded time, the buffer keeps its data
+    # the collector actor dies: calls fail within a bounded time (ray.kill is asynchronous: until
+    # the actor is gone, groups it already wrote may still be served), the buffer keeps its data
     ray.kill(collector._collector, no_restart=True)
-    start = time.monotonic()
+    start, served = time.monotonic(), 0
     with pytest.raises(CollectorError, match="cannot be reached"):
-        func.take(1)
-    assert time.monotonic() - start < 30 and len(rb) == len(versions)
+        while time.monotonic() - start < 60:
+            func.take(1)
+            served += 1
+    assert time.monotonic() - start < 30 and served <= rb.write_count // 2
+    assert len(rb) >= len(versions)
     rb.close()
 
 
