@@ -190,6 +190,20 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
         with pytest.raises(CollectorError, match="not running"):
             func(prompts * 4, trainer)
         assert time.monotonic() - start < 30
+    # a two-turn ChatEnv: MCAdvantage writes each episode's two steps, which would pass for
+    # a group of 2; reading them is an error naming the multi-turn episodes
+    from torchrl.objectives.llm import MCAdvantage
+
+    from torchrl_trl import RewardFunctionWrapper, testing
+
+    env = testing.make_chat_env(ROWS, max_turns=2).append_transform(RewardFunctionWrapper(_length_reward).as_transform())
+    rb = ReplayBuffer(storage=LazyStackStorage(64), transform=MCAdvantage(grpo_size=2))
+    collector = LLMCollector(env=env, policy=make_policy_wrapper(model, tok, max_new_tokens=2),
+                             dialog_turns_per_batch=4, replay_buffer=rb, track_policy_version=True,
+                             total_dialog_turns=-1)
+    with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, timeout=60) as func:
+        with pytest.raises(ValueError, match=r"multi-turn episodes.*TorchRLRolloutFunc"):
+            func(prompts * 2, trainer)
     with pytest.raises(ValueError, match="max_staleness"):
         LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=-1)
     with pytest.raises(ValueError, match="group_size"):

@@ -48,6 +48,7 @@ __all__ = [
     "text_key",
     "token_key",
     "ATTENTION_MASK_KEY",
+    "DONE_KEY",
     "TORCHRL_ROOT_KEYS",
     "to_messages",
 ]
@@ -64,6 +65,9 @@ TORCHRL_ROOT_KEYS = frozenset({
 })  # fmt: skip
 #: Where TorchRL's GRPO pipeline (``MCAdvantage``, reward parsers) reads the reward.
 REWARD_KEY: NestedKey = ("next", "reward")
+#: Whether a step ended its episode (``[*B, 1]`` bool); ``False`` on the inner turns of a
+#: multi-turn ``ChatEnv`` episode.
+DONE_KEY: NestedKey = ("next", "done")
 
 
 def token_key(part: Part) -> NestedKey:

@@ -128,7 +128,8 @@ class LLMCollectorRolloutFunc:
         collector: a TorchRL ``LLMCollector`` or ``RayLLMCollector`` built with
             ``replay_buffer=`` (or its Ray ``client()``), ``track_policy_version=True`` and a
             policy holding its *own* copy of the weights (single-turn episodes: one step
-            each). Started on the first call (``collector.start()``).
+            each; the steps of multi-turn episodes raise a ``ValueError`` when read).
+            Started on the first call (``collector.start()``).
         replay_buffer: the buffer it writes into, with ``MCAdvantage(grpo_size=group_size)``
             as a write transform (so groups arrive whole), local or ``RayReplayBuffer``.
 
@@ -345,6 +346,16 @@ class LLMCollectorRolloutFunc:
 
     def _split(self, items: TensorDictBase) -> None:
         g = self.group_size
+        if layouts.has_key(items, layouts.DONE_KEY):
+            done = [bool(d.all()) for d in layouts.read_column(items, layouts.DONE_KEY)]
+            if not all(done):
+                raise ValueError(
+                    f"item {done.index(False)} of the new writes is not the last step of its episode "
+                    f"({layouts.DONE_KEY!r} is False): the collector runs multi-turn episodes, whose "
+                    "steps MCAdvantage writes one item each, so a 'group' would be one episode's turns. "
+                    "LLMCollectorRolloutFunc trains on single-turn episodes; for multi-turn ChatEnvs use "
+                    "TorchRLRolloutFunc(policy, env=..., max_turns=...)"
+                )
         versions = read_policy_version(items)
         keys = layouts.read_column(items, self.group_key)
         for start in range(0, len(keys), g):

@@ -349,7 +349,7 @@ class TorchRLRolloutFunc:
                 step, td = env.step_and_maybe_reset(td)
             step = _per_sample(step)
             steps.append(step)
-            done = step.get(("next", "done")).reshape(-1)
+            done = step.get(layouts.DONE_KEY).reshape(-1)
             if done.all():
                 break
             if done.any():
