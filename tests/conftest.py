@@ -50,5 +50,3 @@ def _ray_left_running():
     if not running_before and _ray_running():
         sys.modules["ray"].shutdown()
         pytest.fail("this module left Ray running (shut down now)")
-
-
