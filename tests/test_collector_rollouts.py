@@ -16,7 +16,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.online import CollectorError  # noqa: E402
-from torchrl_trl.online import LLMCollectorRolloutFunc  # noqa: E402
+from torchrl_trl.online import LLMCollectorRolloutFunc, read_policy_version  # noqa: E402
 from test_rollout_func import Recorder  # noqa: E402
 
 ROWS = [{"query": q, "answer": a} for q, a in [("what is two plus two?", "four"), ("hello world", "hi")]]
@@ -156,6 +156,41 @@ def test_local_collector_records_behaviour_logprobs_for_the_correction(checkpoin
         trainer = _trainer(model, tok, rollout, Recorder(reward, "reward"), tmp_path, max_steps=3, cls=corrected)
         trainer.train()
     assert trainer.state.global_step == 3 and checked["fresh"] > 0
+
+
+def test_caller_pushes_weights_staleness_against_the_collectors_version(policy_and_tokenizer):
+    """push_weights=False: the caller moves the collector's PolicyVersion itself; every call
+    measures staleness against that version, so groups from before the caller's push are
+    dropped with max_staleness=0."""
+    import copy
+    from types import SimpleNamespace
+
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+
+    from torchrl_trl.testing import make_policy_wrapper
+
+    model, tok = policy_and_tokenizer
+    trainer = SimpleNamespace(
+        num_generations=2, num_generations_eval=2, model=model, state=SimpleNamespace(global_step=0),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )
+    prompts = [[{"role": "user", "content": "x"}]] * 2
+    rb = ReplayBuffer(storage=LazyStackStorage(256), transform=MCAdvantage(grpo_size=2))
+    collector = LLMCollector(env=_env(), policy=make_policy_wrapper(copy.deepcopy(model), tok, max_new_tokens=2),
+                             dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
+                             total_dialog_turns=-1)
+    with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, max_staleness=0, timeout=60) as func:
+        func(prompts * 2, trainer)
+        assert func.policy_version == collector.policy_version == 0 and func.weight_pushes == 0
+        collector.increment_version()  # the caller's own push, outside the rollout function
+        batch = func(prompts * 2, trainer)
+        assert func.policy_version == collector.policy_version == 1 and func.weight_pushes == 0
+        assert func.consumed_staleness == [0, 0, 0, 0] and batch["staleness"] == [0] * 4
+        # only groups holding an item written before the push can be dropped
+        assert func.dropped_stale_groups <= int((read_policy_version(rb[:]) == 0).sum())
+        assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
 
 
 def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer):
