@@ -8,7 +8,7 @@ import numbers
 import warnings
 from collections import Counter
 
-__all__ = ["WarnOnce", "non_negative_int", "positive_int", "positive_seconds", "strip_next"]
+__all__ = ["WarnOnce", "key_tuple", "non_negative_int", "positive_int", "positive_seconds", "strip_next"]
 
 
 def positive_int(value, name: str, *, allow_none: bool = False):
@@ -59,6 +59,16 @@ def positive_seconds(value, name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
     return float(value)
+
+
+def key_tuple(key) -> tuple:
+    """A nested key as a tuple (``"reward"`` -> ``("reward",)``), so keys compare and
+    concatenate alike.
+
+    >>> key_tuple("reward"), key_tuple(("next", "reward"))
+    (('reward',), ('next', 'reward'))
+    """
+    return (key,) if isinstance(key, str) else tuple(key)
 
 
 def strip_next(key):

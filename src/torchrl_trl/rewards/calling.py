@@ -34,9 +34,9 @@ __all__ = [
     "declares",
     "function_names",
     "named_error",
+    "per_completion_items",
     "run_coroutines",
     "run_with_timeout",
-    "split_item_kwargs",
     "to_rewards",
 ]
 
@@ -230,14 +230,16 @@ def to_rewards(output: Any, *, name: str, expected: int) -> list[float]:
     return rewards
 
 
-def split_item_kwargs(call_kwargs: dict, n: int) -> tuple[dict, dict]:
-    """``(shared, per_item)``: the arguments holding one value per completion (lists or
-    tuples of length ``n``: prompts, completions, columns...) and the rest
-    (``trainer_state``...). ``log_extra``/``log_metric`` are left out (the executors
-    record them per item).
+def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[list[tuple[int, dict]], dict]:
+    """``(items, shared)`` for an item executor: one ``(function index, kwargs)`` item per
+    function and completion (function-major), each argument holding one value per
+    completion (prompts, completions, columns...) cut to a one-element list; ``shared``
+    holds the rest (``trainer_state``...). ``log_extra``/``log_metric`` are set per item by
+    the executor, which records the calls (replay them with ``executors.replay_logs``).
 
-    >>> split_item_kwargs({"prompts": ["a", "b"], "trainer_state": None, "log_metric": print}, 2)
-    ({'trainer_state': None}, {'prompts': ['a', 'b']})
+    >>> items, shared = per_completion_items({"prompts": ["a", "b"], "trainer_state": None, "log_metric": print}, 2)
+    >>> items, shared
+    ([(0, {'prompts': ['a'], 'log_metric': None}), (0, {'prompts': ['b'], 'log_metric': None})], {'trainer_state': None})
     """
     shared, per_item = {}, {}
     for key, value in call_kwargs.items():
@@ -247,7 +249,13 @@ def split_item_kwargs(call_kwargs: dict, n: int) -> tuple[dict, dict]:
             per_item[key] = value
         else:
             shared[key] = value
-    return shared, per_item
+    loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}
+    items = [
+        (i, {**{k: [v[row]] for k, v in per_item.items()}, **loggers})
+        for i in range(n_funcs)
+        for row in range(n)
+    ]
+    return items, shared
 
 
 def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:

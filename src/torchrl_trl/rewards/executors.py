@@ -802,10 +802,11 @@ def make_item_executor(
     )
 
 
-def merge_logs(results: Sequence[ItemResult]) -> tuple[dict[str, list], list[tuple[str, Any]]]:
-    """Per-item ``log_extra`` columns joined in item order (``None`` for an item that did
-    not log the column, e.g. a failed one, so columns stay aligned with the completions)
-    and the ``log_metric`` calls in order."""
+def replay_logs(results: Sequence[ItemResult], log_extra: Callable | None, log_metric: Callable | None) -> None:
+    """Replay the ``log_extra``/``log_metric`` calls the items' functions made in their
+    workers, in item order: each ``log_extra`` column once, joined over the items (``None``
+    for an item that did not log it, e.g. a failed one, so the column stays aligned with the
+    completions), then every ``log_metric`` call. A target that is not callable is skipped."""
     columns: dict[str, list] = {}
     metrics: list[tuple[str, Any]] = []
     for result in results:
@@ -814,11 +815,15 @@ def merge_logs(results: Sequence[ItemResult]) -> tuple[dict[str, list], list[tup
                 columns.setdefault(entry[1], [])
             else:
                 metrics.append((entry[1], entry[2]))
-    for column, values in columns.items():
-        for result in results:
-            logged = [e[2] for e in result.logs if e[0] == "extra" and e[1] == column]
-            values.extend(logged[0] if logged else [None])
-    return columns, metrics
+    if callable(log_extra):
+        for column, values in columns.items():
+            for result in results:
+                logged = [e[2] for e in result.logs if e[0] == "extra" and e[1] == column]
+                values.extend(logged[0] if logged else [None])
+            log_extra(column, values)
+    if callable(log_metric):
+        for metric, value in metrics:
+            log_metric(metric, value)
 
 
 def failure_value(failure_reward: float | None) -> float:

@@ -23,7 +23,7 @@ from tensordict import TensorDictBase
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 
-from torchrl_trl._checks import strip_next
+from torchrl_trl._checks import key_tuple, strip_next
 
 from .functions import RewardFunctionWrapper
 from .shape import trailing_dims
@@ -132,7 +132,7 @@ class RewardFunctionTransform(Transform):
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
         shape = reward_spec.shape + trailing_dims(self.scorer.reward_shape)
         for key in self.out_keys:
-            key = strip_next(key if isinstance(key, tuple) else (key,))
+            key = strip_next(key_tuple(key))
             if len(key) == 1:
                 reward_spec.set(key[0], Unbounded(shape))
             else:

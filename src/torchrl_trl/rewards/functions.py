@@ -23,7 +23,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from torchrl_trl import layouts
-from torchrl_trl._checks import WarnOnce, positive_seconds, strip_next
+from torchrl_trl._checks import WarnOnce, key_tuple, positive_seconds, strip_next
 
 from .calling import (
     FunctionTimeout,
@@ -31,12 +31,12 @@ from .calling import (
     call_function,
     check_signature,
     function_names,
+    per_completion_items,
     run_coroutines,
-    split_item_kwargs,
     to_rewards,
 )
-from .executors import FailureCounter, failure_value, make_item_executor, merge_logs
-from .rollout_arguments import InputMode, as_tuple, input_keys, trl_arguments
+from .executors import FailureCounter, failure_value, make_item_executor, replay_logs
+from .rollout_arguments import InputMode, input_keys, trl_arguments
 from .shape import RewardShape, trailing_dims
 
 __all__ = ["FunctionTimeout", "RewardFunctionError", "RewardFunctionWrapper", "check_reward_shape"]
@@ -239,14 +239,14 @@ class RewardFunctionWrapper(TensorDictModuleBase):
                 f"Number of reward weights ({len(weights)}) must match number of reward "
                 f"functions ({len(funcs)})"
             )
-        self.reward_key = as_tuple(reward_key)
+        self.reward_key = key_tuple(reward_key)
         if per_function_keys is True:
             prefix, leaf = self.reward_key[:-1], self.reward_key[-1]
             per_function_keys = [prefix + (f"{leaf}_{n}",) for n in self.names]
         elif per_function_keys is False or per_function_keys is None:
             per_function_keys = []
         else:
-            per_function_keys = [as_tuple(k) for k in per_function_keys]
+            per_function_keys = [key_tuple(k) for k in per_function_keys]
             if len(per_function_keys) != len(funcs):
                 raise ValueError(
                     f"per_function_keys has {len(per_function_keys)} keys, expected "
@@ -254,9 +254,9 @@ class RewardFunctionWrapper(TensorDictModuleBase):
                 )
         self.per_function_keys = per_function_keys
         if isinstance(columns, Mapping):
-            self.columns = {str(k): as_tuple(v) for k, v in columns.items()}
+            self.columns = {str(k): key_tuple(v) for k, v in columns.items()}
         elif columns is not None:
-            self.columns = {as_tuple(k)[-1]: as_tuple(k) for k in columns}
+            self.columns = {key_tuple(k)[-1]: key_tuple(k) for k in columns}
         else:
             self.columns = None
         self.in_keys = input_keys(input_mode, self.columns)
@@ -380,14 +380,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         """Executor modes: each function on each completion alone; fills ``per_func`` and
         returns the ``[N, n_funcs]`` mask of failed items."""
         n = per_func.shape[0]
-        shared, per_item = split_item_kwargs(call_kwargs, n)
-        loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}  # set per item
-        items = [
-            (i, {**{k: [v[row]] for k, v in per_item.items()}, **loggers})
-            for i in range(len(self.funcs))
-            for row in range(n)
-        ]
-        results = self.executor.run(items, shared)
+        results = self.executor.run(*per_completion_items(call_kwargs, n, len(self.funcs)))
         failed = torch.zeros(per_func.shape, dtype=torch.bool)
         note = (
             "it is excluded like None"
@@ -403,11 +396,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
                     failed[row, i] = True
                     per_func[row, i] = failure_value(self.failure_reward)
                     self._failures.add(name, result, note)
-            columns, metrics = merge_logs(mine)
-            for column, values in columns.items():
-                self.logs.log_extra(column, values)
-            for metric, value in metrics:
-                self.logs.log_metric(metric, value)
+            replay_logs(mine, self.logs.log_extra, self.logs.log_metric)
         return failed
 
     def _exclude_infinite(self, per_func: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from .. import layouts
+from .._checks import key_tuple
 from ..layouts import Ragged
 
 __all__ = ["RewardRenderer", "check_ids", "same_tokenizer"]
@@ -151,7 +152,7 @@ class RewardRenderer:
                 "(or load the model by path, which loads its tokenizer)"
             )
         part = self.part
-        if token_key is not None and part != "full" and _as_tuple(token_key) == layouts.token_key("full"):
+        if token_key is not None and part != "full" and key_tuple(token_key) == layouts.token_key("full"):
             raise ValueError(
                 f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot "
                 f"score the {part}; leave token_key unset (it then reads "
@@ -382,9 +383,6 @@ class RewardRenderer:
                 }
         return self._whitespace_ids
 
-
-def _as_tuple(key: NestedKey) -> tuple:
-    return (key,) if isinstance(key, str) else tuple(key)
 
 
 def check_ids(ids: Ragged, where: str) -> None:

@@ -27,10 +27,6 @@ InputMode = Literal["auto", "history", "text"]
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids")
 
 
-def as_tuple(key: NestedKey) -> tuple:
-    return (key,) if isinstance(key, str) else tuple(key)
-
-
 def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None) -> list[NestedKey]:
     """Every key the arguments may be read from: the prompt/response keys of ``input_mode``
     (history and text for ``"auto"``), the response tokens and mask, and ``columns``.

@@ -46,16 +46,13 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 from torch import nn
 
-from .._checks import strip_next
+from .._checks import key_tuple, strip_next
 from .model import HFRewardModelWrapper, moved_arguments_error
 from .service import RewardServiceClient
 from .shape import RewardShape, trailing_dims
 from .writing import write_rewards
 
 __all__ = ["HFRewardTransform"]
-
-def _as_tuple(key: NestedKey) -> tuple:
-    return (key,) if isinstance(key, str) else tuple(key)
 
 
 class HFRewardTransform(Transform):
@@ -158,7 +155,7 @@ class HFRewardTransform(Transform):
         if reward_key is None:
             reward_key = strip_next(scorer.reward_key)
         trailing_dims(reward_shape)  # checks the name
-        self._next_reward_key = _as_tuple(reward_key)
+        self._next_reward_key = key_tuple(reward_key)
         self.reward_shape, self.accumulate = reward_shape, accumulate
         super().__init__(in_keys=list(scorer.in_keys), out_keys=[("next", *self._next_reward_key)])
         self.scorer = scorer

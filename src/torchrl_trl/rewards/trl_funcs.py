@@ -28,7 +28,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from torchrl_trl import _compat, layouts
-from torchrl_trl._checks import WarnOnce, positive_seconds, strip_next
+from torchrl_trl._checks import WarnOnce, key_tuple, positive_seconds, strip_next
 
 from .calling import (
     TRL_EXTRA_KWARGS,
@@ -37,12 +37,12 @@ from .calling import (
     check_signature,
     declares,
     named_error,
+    per_completion_items,
     run_coroutines,
     run_with_timeout,
-    split_item_kwargs,
     to_rewards,
 )
-from .executors import FailureCounter, make_item_executor, merge_logs
+from .executors import FailureCounter, make_item_executor, replay_logs
 from .trl_rollouts import is_conversational, rollouts_from_trl
 
 __all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "is_trl_function", "rollouts_from_trl"]
@@ -205,10 +205,7 @@ class TRLRewardFunc:
             call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
         if self.is_trl_function:  # as TRL would fail, but once here rather than per completion
             check_signature(self.reward, self.__name__, list(call_kwargs))
-        shared, per_item = split_item_kwargs(call_kwargs, n)
-        loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}
-        items = [(0, {**{k: [v[row]] for k, v in per_item.items()}, **loggers}) for row in range(n)]
-        results = self.executor.run(items, shared)
+        results = self.executor.run(*per_completion_items(call_kwargs, n))
         note = (
             "it is returned as None (excluded by TRL)"
             if self.failure_reward is None
@@ -223,13 +220,7 @@ class TRLRewardFunc:
             else:
                 self._failures.add(self.__name__, result, note)
                 out.append(self.failure_reward)
-        columns, metrics = merge_logs(results)
-        if columns and callable(kwargs.get("log_extra")):
-            for column, values in columns.items():
-                kwargs["log_extra"](column, values)
-        if metrics and callable(kwargs.get("log_metric")):
-            for metric, value in metrics:
-                kwargs["log_metric"](metric, value)
+        replay_logs(results, kwargs.get("log_extra"), kwargs.get("log_metric"))
         return out
 
     def raw_rewards(self, prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
@@ -354,8 +345,7 @@ class TRLRewardFunc:
 
     def _read_reward(self, td: TensorDictBase, *, relative: bool) -> torch.Tensor:
         if self.reward_key is not None:
-            key = self.reward_key
-            key = (key,) if isinstance(key, str) else tuple(key)
+            key = key_tuple(self.reward_key)
             candidates = [strip_next(key) if relative else key]
         elif relative:
             candidates = [("reward",)]
