@@ -20,6 +20,7 @@ in one buffer) or nested tensors. Padding is removed with the attention mask.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -35,6 +36,7 @@ __all__ = [
     "Ragged",
     "available_keys",
     "batch_numel",
+    "check_strings_kept",
     "decoded_padding",
     "first_member",
     "has_key",
@@ -409,6 +411,7 @@ def read_column(td: TensorDictBase, key: NestedKey) -> list[Any]:
     if isinstance(value, list) and not isinstance(td, LazyStackedTensorDict):
         return value  # one value per sample already
     if isinstance(value, (NonTensorData, NonTensorStack)):
+        _refuse_memmap_strings(td, key)
         value = value.tolist()
         return _flatten_nested_list(value, td.batch_dims) if td.batch_dims else [value]
     if isinstance(value, torch.Tensor) and not value.is_nested:
@@ -433,12 +436,14 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
 
     Raises:
         TypeError: a sample's text is not a string.
+        ValueError: the strings were lost in storage (see :func:`check_strings_kept`).
     """
     key = text_key(part)
     if part == "full" and not has_key(td, key) and has_key(td, text_key("prompt")):
         prompts, responses = read_text(td, "prompt"), read_text(td, "response")
         return [p + r for p, r in zip(prompts, responses)]
     texts = _strings(read_column(td, key), key)
+    check_strings_kept(td, part, texts)
     if part == "prompt" or not _padded_text_possible(td):
         return texts
     full = texts if part == "full" else _strings(read_column(td, text_key("full")), key)
@@ -456,6 +461,76 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
         else:
             raise ValueError(f"sample {i}: the unpadded text.full does not start with text.prompt")
     return out
+
+
+# ---------------------------------------------------------------------------
+# Strings a storage lost
+# ---------------------------------------------------------------------------
+
+_KEEPING_STORAGES = "LazyStackStorage, ListStorage or LazyTensorStorage"
+
+
+def check_strings_kept(td: TensorDictBase, part: Part = "full", strings: list[str] | None = None) -> None:
+    """Refuse text and chat that cannot be the ones TorchRL wrote.
+
+    TorchRL 0.14.1's ``LazyMemmapStorage`` keeps only the first string of a non-tensor
+    column: ``rb[:]`` and ``rb.sample()`` read every row's text, chat and string columns
+    back as the first row's, while the tokens survive. Caught two ways:
+
+    - ``td`` is memory-mapped (``rb[:]`` of such a storage) and this TorchRL loses
+      strings there;
+    - a sample of it (``rb.sample()`` copies into ordinary tensors, leaving no trace of
+      the storage): every row holds the same ``("text", part)`` while the rows' real
+      ``("tokens", part)`` differ, which TorchRL's decoding of each row's own tokens does
+      not produce.
+
+    Args:
+        part: the text part to compare with its tokens (skipped when either is missing).
+        strings: that part's strings when the caller has read them already.
+
+    Raises:
+        ValueError: naming the key, with the storages that keep strings.
+    """
+    key, ids_key = text_key(part), token_key(part)
+    _refuse_memmap_strings(td, key)
+    if batch_numel(td) < 2 or not has_key(td, ids_key) or (strings is None and not has_key(td, key)):
+        return
+    first, *rest = strings if strings is not None else read_column(td, key)
+    if any(v != first for v in rest):
+        return
+    ids = read_tokens(td, part).tolist()
+    if any(row != ids[0] for row in ids[1:]):
+        raise ValueError(
+            f"every sample's {key!r} reads {str(first)!r:.60} while their {ids_key!r} differ: "
+            "the strings were lost in storage (TorchRL 0.14.1's LazyMemmapStorage reads every "
+            f"stored string back as the first one). Store LLM rollouts in a {_KEEPING_STORAGES}, "
+            "or read only their tokens"
+        )
+
+
+def _refuse_memmap_strings(td: TensorDictBase, key: NestedKey | None) -> None:
+    if td.is_memmap() and not memmap_keeps_strings():
+        where = f"key {key!r}: " if key is not None else ""
+        raise ValueError(
+            f"{where}these rollouts are memory-mapped, and this TorchRL's LazyMemmapStorage "
+            "reads every stored string (text, chat, string columns) back as the first one "
+            f"written. Store LLM rollouts in a {_KEEPING_STORAGES}, or read only their tokens"
+        )
+
+
+@functools.cache
+def memmap_keeps_strings() -> bool:
+    """Whether this TorchRL's ``LazyMemmapStorage`` reads strings back as written (0.14.1
+    returns the first row's string for every row); probed once in a temporary directory."""
+    import tempfile
+
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rb = ReplayBuffer(storage=LazyMemmapStorage(2, scratch_dir=tmp))
+        rb.extend(TensorDict({"s": ["a", "b"]}, batch_size=[2]))
+        return [str(s) for s in rb[:].get("s")] == ["a", "b"]
 
 
 def _strings(values: list, key: NestedKey) -> list[str]:
@@ -635,6 +710,7 @@ def read_history(
     """
     key = history_key(part)
     _require(td, key, "read_history")
+    check_strings_kept(td)  # chat content is no witness: two token rows can parse to one chat
     raw = []
     for sub in _leaf_tds(td):
         history = sub.get(key)

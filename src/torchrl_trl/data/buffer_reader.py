@@ -8,14 +8,13 @@ buffer's own sampler; and how many items an epoch pass may read beside a live wr
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensor_collection
 
-from .. import _compat
+from .. import _compat, layouts
 from . import sharding
 
 __all__ = ["BufferReader"]
@@ -240,7 +239,7 @@ def check_strings_survive(replay_buffer, cols: dict[str, list]) -> None:
     from torchrl.data import LazyMemmapStorage
 
     storage = sharding.local_storage(replay_buffer)
-    if not isinstance(storage, LazyMemmapStorage) or _memmap_keeps_strings():
+    if not isinstance(storage, LazyMemmapStorage) or layouts.memmap_keeps_strings():
         return
     text = [name for name, values in cols.items() if values and _is_text(values[0])]
     if text:
@@ -255,17 +254,3 @@ def check_strings_survive(replay_buffer, cols: dict[str, list]) -> None:
 def _is_text(value: Any) -> bool:
     """A string, or chat messages (a list of role/content dicts)."""
     return isinstance(value, str) or (isinstance(value, list) and bool(value) and isinstance(value[0], dict))
-
-
-@functools.cache
-def _memmap_keeps_strings() -> bool:
-    """Whether this TorchRL's ``LazyMemmapStorage`` reads strings back as written (0.14.1
-    returns the first row's string for every row); probed once in a temporary directory."""
-    import tempfile
-
-    from torchrl.data import LazyMemmapStorage, ReplayBuffer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        rb = ReplayBuffer(storage=LazyMemmapStorage(2, scratch_dir=tmp))
-        rb.extend(TensorDict({"s": ["a", "b"]}, batch_size=[2]))
-        return [str(s) for s in rb[:].get("s")] == ["a", "b"]
