@@ -1,6 +1,6 @@
 """TRL's offline trainers (Reward, DPO, KTO, SFT best-of-n) and RLOO trained from buffers a
-real LLMCollector filled and a TRL-style reward function scored: the first batch each
-trainer's dataloader yields is checked against the buffer's rollouts."""
+real LLMCollector filled and a TRL-style reward function scored: every batch of one epoch of
+each trainer's dataloader is checked against the buffer's rows (each row exactly once)."""
 
 import warnings
 
@@ -54,6 +54,11 @@ def _decode_rows(tok, batch, key="input_ids", mask="attention_mask"):
     return [tok.decode(ids[m.bool()]) for ids, m in zip(batch[key], batch[mask])]
 
 
+def _epoch(trainer) -> list[dict]:
+    """Every batch of one pass of the trainer's own (shuffled) train dataloader."""
+    return list(trainer.get_train_dataloader())
+
+
 def test_groups_span_collector_batches(rollouts):
     groups = find_groups(rollouts, group_size=GROUP)
     assert len(groups) == len(ROWS) and not groups.stats.skipped
@@ -75,24 +80,31 @@ def test_reward_trainer_from_pairs(rollouts, checkpoints, tmp_path, fmt):
     ds = TorchRLBufferDataset(pairs, 4, format=fmt, mode="epoch")
     args = RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **TRAIN)
     trainer = RewardTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
-    batch = next(iter(trainer.get_train_dataloader()))
-    td = pairs[:4]
+    td = pairs[:]
+    eos = "" if fmt == "reward_tokenized" else tok.eos_token  # TRL adds EOS to text only if missing
     prompts = layouts.read_text(td.get("chosen"), "prompt")
-    texts = _decode_rows(tok, batch)
-    n = len(prompts)
-    for i, side in enumerate(["chosen", "rejected"]):
-        responses = layouts.read_text(td.get(side), "response")
-        eos = "" if fmt == "reward_tokenized" else tok.eos_token  # TRL adds EOS to text only if missing
-        expected = [p + r + ("" if r.endswith(tok.eos_token) else eos) for p, r in zip(prompts, responses)]
-        assert texts[i * n : (i + 1) * n] == expected
-    if fmt == "reward_tokenized":
-        for i in range(n):  # the ids are the buffer's own tokens, not re-tokenized text
-            ids = torch.cat([layouts.read_tokens(td.get("chosen"), p)[i] for p in ("prompt", "response")])
-            torch.testing.assert_close(batch["input_ids"][i][: len(ids)], ids)
-    # chosen = the longest reply of its prompt, rejected = the shortest; margin = the reward gap
+    sides = {
+        side: [p + r + ("" if r.endswith(tok.eos_token) else eos) for p, r in zip(prompts, layouts.read_text(td.get(side), "response"))]
+        for side in ("chosen", "rejected")
+    }
     chosen_rewards = td.get("chosen").get(("next", "reward")).reshape(-1)
     rejected_rewards = td.get("rejected").get(("next", "reward")).reshape(-1)
-    torch.testing.assert_close(batch["margin"], chosen_rewards - rejected_rewards)
+    # the ids of tokenized pairs are the buffer's own tokens, not re-tokenized text
+    chosen_ids = [tuple(torch.cat([layouts.read_tokens(td.get("chosen"), p)[i] for p in ("prompt", "response")]).tolist())
+                  for i in range(len(td))]
+    want = sorted(zip(sides["chosen"], sides["rejected"], (chosen_rewards - rejected_rewards).tolist(), chosen_ids))
+    got = []
+    for batch in _epoch(trainer):
+        texts, n = _decode_rows(tok, batch), len(batch["margin"])
+        ids = [tuple(i[m.bool()].tolist()) for i, m in zip(batch["input_ids"][:n], batch["attention_mask"][:n])]
+        got.extend(zip(texts[:n], texts[n:], batch["margin"].tolist(), ids))
+    assert len(got) == len(want) == len(td)
+    for g, w in zip(sorted(got), want):
+        assert g[:2] == w[:2]
+        assert g[2] == pytest.approx(w[2], abs=1e-5)
+        if fmt == "reward_tokenized":
+            assert g[3] == w[3]
+    # chosen = the longest reply of its prompt, rejected = the shortest; margin = the reward gap
     queries = layouts.read_column(td.get("chosen"), "query")
     for q, c, r in zip(queries, chosen_rewards.tolist(), rejected_rewards.tolist()):
         group = [rw for qq, _, rw in ref if qq == q]
@@ -112,17 +124,19 @@ def test_dpo_trainer_from_pairs(rollouts, checkpoints, tmp_path):
     args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_length=128, **TRAIN)
     trainer = DPOTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
     assert trainer.ref_model is not None
-    batch = next(iter(trainer.get_train_dataloader()))
-    td = pairs[:2]
+    td = pairs[:]
     prompts = layouts.read_history(td.get("chosen"), "prompt")
-    texts = _decode_rows(tok, batch)
-    completions = _decode_rows(tok, batch, mask="completion_mask")
-    for i, side in enumerate(["chosen", "rejected"]):
-        for j, (prompt, reply) in enumerate(zip(prompts, layouts.read_history(td.get(side), "response"))):
-            full = tok.apply_chat_template(prompt + reply, tokenize=False)
-            head = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            assert texts[i * 2 + j] == full
-            assert completions[i * 2 + j] == full[len(head) :]
+    want = []  # per pair: (chosen chat, rejected chat, chosen completion, rejected completion)
+    for prompt, chosen, rejected in zip(prompts, *(layouts.read_history(td.get(s), "response") for s in ("chosen", "rejected"))):
+        head = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        full = [tok.apply_chat_template(prompt + reply, tokenize=False) for reply in (chosen, rejected)]
+        want.append((*full, *(f[len(head) :] for f in full)))
+    got = []
+    for batch in _epoch(trainer):
+        texts, completions = _decode_rows(tok, batch), _decode_rows(tok, batch, mask="completion_mask")
+        n = len(texts) // 2
+        got.extend(zip(texts[:n], texts[n:], completions[:n], completions[n:]))
+    assert len(got) == len(td) and sorted(got) == sorted(want)
     trainer.train()
     assert trainer.state.global_step == 2
 
@@ -137,19 +151,19 @@ def test_kto_trainer_from_ranked_rows(rollouts, checkpoints, tmp_path):
     ds = TorchRLBufferDataset(rows, 4, format="kto", mode="epoch")
     args = KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_length=128, **TRAIN)
     trainer = KTOTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
-    batch = next(iter(trainer.get_train_dataloader()))
-    td = rows[:4]
+    td = rows[:]
     prompts, responses = layouts.read_text(td, "prompt"), layouts.read_text(td, "response")
-    expected = [p + r + ("" if r.endswith(tok.eos_token) else tok.eos_token) for p, r in zip(prompts, responses)]
-    assert _decode_rows(tok, batch) == expected
-    assert batch["label"].tolist() == td.get("label").tolist()
+    texts = [p + r + ("" if r.endswith(tok.eos_token) else tok.eos_token) for p, r in zip(prompts, responses)]
+    want = sorted(zip(texts, td.get("label").tolist()))
+    got = sorted(pair for batch in _epoch(trainer) for pair in zip(_decode_rows(tok, batch), batch["label"].tolist()))
+    assert len(got) == len(td) and got == want
     # labels follow the rank in each group: desirable rows out-score undesirable ones of their prompt
     rewards = td.get(("next", "reward")).reshape(-1)
     queries = layouts.read_column(td, "query")
     for q in set(queries):
-        good = [float(r) for r, qq, lab in zip(rewards, queries, batch["label"]) if qq == q and lab]
-        bad = [float(r) for r, qq, lab in zip(rewards, queries, batch["label"]) if qq == q and not lab]
-        assert not good or not bad or min(good) > max(bad)
+        good = [float(r) for r, qq, lab in zip(rewards, queries, td.get("label")) if qq == q and lab]
+        bad = [float(r) for r, qq, lab in zip(rewards, queries, td.get("label")) if qq == q and not lab]
+        assert good and bad and min(good) > max(bad)
     trainer.train()
     assert trainer.state.global_step == 2
 
@@ -165,11 +179,10 @@ def test_sft_trainer_best_of_n(rollouts, checkpoints, tmp_path):
     ds = TorchRLBufferDataset(best, 4, format="sft_conversational", mode="epoch")
     args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **TRAIN)
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
-    batch = next(iter(trainer.get_train_dataloader()))
     td = best[:]
     assert len(td) == len(ROWS)
     expected = [tok.apply_chat_template(h, tokenize=False) for h in layouts.read_history(td, "full")]
-    assert _decode_rows(tok, batch) == expected
+    assert sorted(text for batch in _epoch(trainer) for text in _decode_rows(tok, batch)) == sorted(expected)
     # each kept reply is (the first of) its prompt's longest
     for q, reply in zip(layouts.read_column(td, "query"), layouts.read_history(td, "response")):
         group = [(rw, text) for qq, text, rw in ref if qq == q]
