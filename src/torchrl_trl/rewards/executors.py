@@ -8,8 +8,10 @@ must not stop training. :func:`make_item_executor` builds an executor that calls
 - ``"process"``: a small pool of worker processes of our own (``multiprocessing``; the
   standard ``ProcessPoolExecutor`` cannot stop a running task). A task past its deadline
   has its worker killed (SIGKILL) and replaced; a worker that dies (segfault,
-  ``os._exit``) fails only its own item and is replaced. Functions are pickled once per
-  worker (they must be importable top-level functions), arguments once per item.
+  ``os._exit``) fails only its own item and is replaced. Workers are fresh interpreters
+  that never import the trainer's ``__main__``; the functions are sent once per worker
+  with cloudpickle (by value for those of ``__main__``, a notebook or a lambda; by
+  reference for those of an importable module), arguments once per item.
 - ``"thread"``: daemon threads; a timed-out thread cannot be stopped, it is abandoned
   (and keeps its CPU) and a fresh thread takes its place.
 - ``"ray"``: one Ray task per item; a timed-out task is cancelled with ``force=True``
@@ -36,8 +38,9 @@ import os
 import pickle
 import queue
 import signal
-import threading
+import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -45,6 +48,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import cloudpickle
 
 from torchrl_trl._checks import WarnOnce, positive_int
 
@@ -209,14 +214,18 @@ class ItemExecutor:
 # -- process pool ----------------------------------------------------------------------
 
 
-def _watch_trainer(trainer_pid: int) -> None:
-    # once the trainer is gone, do not keep running a stuck task. Watch the trainer
-    # itself, not the parent: under forkserver the parent is the fork server, which lives
-    # as long as any of its children (a stuck worker included)
+def _pidfd(pid: int) -> int | None:
+    """A descriptor readable once process ``pid`` exits (Linux >= 5.3), else ``None``."""
     try:
-        handle = os.pidfd_open(trainer_pid)  # Linux >= 5.3: readable once it exits
+        return os.pidfd_open(pid)
     except (AttributeError, OSError):
-        handle = None
+        return None
+
+
+def _watch_trainer(trainer_pid: int) -> None:
+    # once the trainer is gone, do not keep running a stuck task (the parent-death signal
+    # covers workers started by the main thread on Linux only)
+    handle = _pidfd(trainer_pid)
     while True:
         if handle is not None:
             if multiprocessing.connection.wait([handle], None):
@@ -245,14 +254,25 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(conn, payload: bytes, trainer_pid: int, die_with_parent: bool = False) -> None:
-    """A worker process: load the functions, then run tasks until told to stop."""
+# a worker's command line: a fresh interpreter with the trainer's sys.path, which imports
+# this module and neither the trainer's __main__ nor torch (multiprocessing's spawn and
+# forkserver re-run an unguarded main script in the child)
+_WORKER_COMMAND = ("import sys; sys.path[:] = sys.argv[4:]; from torchrl_trl.rewards.executors import "
+                   "_worker_main; _worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == '1')")
+
+
+def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
+    """A worker process: load the functions (the first message of ``conn``, a
+    connection or its file descriptor), then run tasks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if die_with_parent:
         _die_with_parent()
     threading.Thread(target=_watch_trainer, args=(trainer_pid,), daemon=True).start()
+    if isinstance(conn, int):
+        conn = multiprocessing.connection.Connection(conn)
     try:
-        funcs = pickle.loads(payload)
+        # our parent's cloudpickle output, over a pipe only the two of us hold
+        funcs = pickle.loads(conn.recv_bytes())
     except BaseException as err:
         conn.send(("init_error", _describe(err)))
         return
@@ -284,8 +304,13 @@ def _worker_main(conn, payload: bytes, trainer_pid: int, die_with_parent: bool =
 
 
 class _Worker:
+    """A worker process (a ``subprocess.Popen``, or a forked ``multiprocessing.Process``)
+    and our end of its pipe."""
+
     def __init__(self, process, conn):
         self.process, self.conn = process, conn
+        popen = isinstance(process, subprocess.Popen)
+        self.sentinel = _pidfd(process.pid) if popen else process.sentinel
         self.state = "starting"
         self.started = time.monotonic()
         self.task: int | None = None
@@ -293,13 +318,31 @@ class _Worker:
         self.running = False  # the task's function has started
         self.shared_version = -1
 
+    def exitcode(self) -> int | None:
+        """``None`` while it runs; negative: the signal that killed it."""
+        if isinstance(self.process, subprocess.Popen):
+            return self.process.poll()
+        return self.process.exitcode
+
+    def join(self, timeout: float) -> None:
+        if isinstance(self.process, subprocess.Popen):
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            self.process.join(timeout)
+
     def kill(self) -> None:
         try:
-            if self.process.is_alive():
+            if self.exitcode() is None:
                 self.process.kill()
-            self.process.join(5)
+            self.join(5)
         finally:
             self.conn.close()
+            if isinstance(self.process, subprocess.Popen) and self.sentinel is not None:
+                os.close(self.sentinel)
+                self.sentinel = None
 
 
 _LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
@@ -311,18 +354,14 @@ def _shutdown_all() -> None:
         pool.shutdown()
 
 
-def default_mp_context() -> str:
-    """``"forkserver"`` where available (Python 3.14's default on Linux): workers do not
-    inherit the trainer's threads, locks or CUDA state; else ``"spawn"``."""
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-
-
 class ProcessItemExecutor(ItemExecutor):
     """A pool of ``max_workers`` processes with a deadline per task (see the module doc).
 
-    ``mp_context``: ``"forkserver"`` (default where available), ``"spawn"`` or ``"fork"``
-    (fastest start, but the worker inherits the trainer's state: threads, locks, CUDA).
-    With spawn/forkserver the main script must be guarded by ``if __name__ == "__main__"``.
+    ``mp_context``: ``"spawn"`` (default; ``"forkserver"`` means the same): each worker
+    is a fresh interpreter (``subprocess``) that inherits no threads, locks or CUDA state
+    and does not import the trainer's ``__main__``, so an unguarded script, code piped to
+    ``python -`` and a notebook work. ``"fork"``: a forked ``multiprocessing.Process``,
+    fastest to start but it inherits the trainer's state.
     """
 
     kind = "process"
@@ -331,9 +370,10 @@ class ProcessItemExecutor(ItemExecutor):
                  startup_timeout: float = STARTUP_TIMEOUT):
         super().__init__(funcs, timeout=timeout, max_workers=max_workers)
         self.names = list(names) if names is not None else [getattr(f, "__name__", repr(f)) for f in funcs]
-        self.mp_context = mp_context or default_mp_context()
+        if mp_context not in (None, "spawn", "forkserver", "fork"):
+            raise ValueError(f"mp_context must be 'spawn', 'forkserver' or 'fork', got {mp_context!r}")
+        self.mp_context = "fork" if mp_context == "fork" else "spawn"
         self.startup_timeout = startup_timeout
-        multiprocessing.get_context(self.mp_context)  # a bad name fails here
         self.payload = self._pickle_funcs()
         #: how many worker processes were killed (timeout) or found dead (crash) and replaced
         self.replaced = 0
@@ -342,15 +382,15 @@ class ProcessItemExecutor(ItemExecutor):
     def _pickle_funcs(self) -> bytes:
         for f, name in zip(self.funcs, self.names):
             try:
-                pickle.dumps(f)
+                cloudpickle.dumps(f)
             except Exception as err:
                 raise TypeError(
-                    f"executor='process' sends reward function {name!r} to worker processes by "
-                    f"pickling, which failed ({_describe(err)}). Use a top-level function of an "
-                    "importable module (not a lambda, closure or local function), or "
+                    f"executor='process' sends reward function {name!r} to worker processes "
+                    f"with cloudpickle, which failed ({_describe(err)}). The function and "
+                    "what it uses (globals, closure variables) must be picklable; or use "
                     "executor='thread'."
                 ) from err
-        return pickle.dumps(self.funcs)
+        return cloudpickle.dumps(self.funcs)
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
@@ -359,19 +399,32 @@ class ProcessItemExecutor(ItemExecutor):
         _LIVE_POOLS.add(self)
 
     def _spawn(self) -> _Worker:
-        ctx = multiprocessing.get_context(self.mp_context)
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
         # the kernel's parent-death signal fires when the *thread* that started the
-        # worker exits: safe from the fork server or this process's main thread only
-        die_with_parent = self.mp_context == "forkserver" or threading.current_thread() is threading.main_thread()
-        process = ctx.Process(
-            target=_worker_main, args=(child_conn, self.payload, os.getpid(), die_with_parent),
-            name="torchrl-trl-reward-worker", daemon=True,
-        )
-        process.start()
-        child_conn.close()
+        # worker exits: safe from this process's main thread only
+        die_with_parent = threading.current_thread() is threading.main_thread()
+        try:
+            if self.mp_context == "fork":
+                process = multiprocessing.get_context("fork").Process(
+                    target=_worker_main, args=(child_conn, os.getpid(), die_with_parent),
+                    name="torchrl-trl-reward-worker", daemon=True,
+                )
+                process.start()
+            else:
+                fd = child_conn.fileno()
+                process = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_COMMAND, str(fd), str(os.getpid()), str(int(die_with_parent)),
+                     *map(str, sys.path)],
+                    pass_fds=[fd], stdin=subprocess.DEVNULL,
+                )
+        finally:
+            child_conn.close()
         worker = _Worker(process, parent_conn)
         self._workers.append(worker)
+        try:
+            parent_conn.send_bytes(self.payload)
+        except OSError:  # it died at once: _wait_and_collect says so
+            pass
         return worker
 
     def _drop(self, worker: _Worker) -> None:
@@ -440,7 +493,9 @@ class ProcessItemExecutor(ItemExecutor):
         deadlines = [w.deadline for w in watched if w.deadline is not None]
         deadlines += [w.started + self.startup_timeout for w in watched if w.state == "starting"]
         wait_for = max(0.0, min(deadlines) - now) if deadlines else None
-        handles = [w.conn for w in watched] + [w.process.sentinel for w in watched]
+        handles = [w.conn for w in watched] + [w.sentinel for w in watched if w.sentinel is not None]
+        if len(handles) < 2 * len(watched):  # no pidfd: a worker's pipe may outlive it (a fork of its own)
+            wait_for = 1.0 if wait_for is None else min(wait_for, 1.0)
         multiprocessing.connection.wait(handles, wait_for)
         for worker in list(watched):
             dead = False
@@ -451,11 +506,11 @@ class ProcessItemExecutor(ItemExecutor):
                 dead = True
             if worker not in self._workers:
                 continue
-            dead = dead or not worker.process.is_alive()
+            dead = dead or worker.exitcode() is not None
             now = time.monotonic()
             if dead:
-                worker.process.join(5)
-                detail = _exit_detail(worker.process.exitcode)
+                worker.join(5)
+                detail = _exit_detail(worker.exitcode())
                 if worker.state == "starting":
                     self._drop(worker)
                     raise RuntimeError(
@@ -493,9 +548,9 @@ class ProcessItemExecutor(ItemExecutor):
             self._drop(worker)
             raise RuntimeError(
                 f"executor='process': a worker process could not load the reward functions "
-                f"{self.names}: {msg[1]}. They must be importable top-level functions; a "
-                "function defined in __main__ of a notebook or an unguarded script needs "
-                "mp_context='fork' (or move it to a module)."
+                f"{self.names}: {msg[1]}. A function of an importable module is sent by "
+                "reference: the worker (a fresh interpreter with the trainer's sys.path) must "
+                "be able to import that module."
             )
         else:
             task_id, status, value, detail, logs = msg
@@ -520,7 +575,7 @@ class ProcessItemExecutor(ItemExecutor):
         for worker in workers:
             try:
                 if worker.state == "idle":
-                    worker.process.join(max(0.0, deadline - time.monotonic()))
+                    worker.join(max(0.0, deadline - time.monotonic()))
                 worker.kill()
             except Exception as err:  # keep stopping the others
                 first_error = first_error or err

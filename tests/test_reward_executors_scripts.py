@@ -1,0 +1,109 @@
+"""executor="process" with reward functions where TRL users write them: at the top of a
+script without an ``if __name__ == "__main__":`` guard, or in code piped to ``python -``
+(as a notebook cell: a ``__main__`` with no file). Real interpreters run real code; the
+script's top level must run once (workers never import ``__main__``), and the rewards
+must be right."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+# top level, no guard: a reward function reading a global of the script, a wrapper over it
+SCRIPT = """
+import os
+from tensordict import TensorDict
+from torchrl_trl.rewards.functions import RewardFunctionWrapper
+
+with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
+    log.write("top level ran\\n")
+
+BONUS = 100.0
+
+def length_plus_bonus(prompts, completions, **kwargs):
+    return [BONUS + len(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
+
+wrapper = RewardFunctionWrapper([length_plus_bonus], executor="process", timeout=60, max_workers=2)
+texts = ["a", "bb", "cccc"]
+td = TensorDict({"text": {"prompt": ["q"] * 3, "response": texts}}, batch_size=[3])
+print("REWARDS", wrapper(td)["next", "reward"].reshape(-1).tolist(), flush=True)
+print("FAILURES", wrapper.failure_counts, flush=True)
+wrapper.shutdown()
+"""
+
+
+def _run(tmp_path, code: str, *, from_stdin: bool) -> tuple[str, int]:
+    """Run ``code`` as a script file or piped to ``python -``; its stdout and how many
+    times its top level ran."""
+    log = tmp_path / "top_level.log"
+    env = {**os.environ, "TOP_LEVEL_LOG": str(log), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if from_stdin:
+        cmd, stdin = [sys.executable, "-"], code
+    else:
+        (tmp_path / "train.py").write_text(code)
+        cmd, stdin = [sys.executable, str(tmp_path / "train.py")], None
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=240, env=env,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout, len(log.read_text().splitlines()) if log.exists() else 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("from_stdin", [False, True], ids=["unguarded_script", "stdin"])
+def test_reward_function_of_main_in_process_workers(tmp_path, from_stdin):
+    out, top_level_runs = _run(tmp_path, SCRIPT, from_stdin=from_stdin)
+    assert "REWARDS [101.0, 102.0, 104.0]" in out, out
+    assert "FAILURES {'length_plus_bonus': {'error': 0, 'timeout': 0, 'crash': 0}}" in out, out
+    assert top_level_runs == 1
+
+
+# the same inside GRPOTrainer.train(): a TRL reward function of an unguarded script
+TRAIN_SCRIPT = """
+import os
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+from torchrl_trl.rewards.trl_funcs import as_trl_reward_func
+
+with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
+    log.write("top level ran\\n")
+
+def length_reward(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+reward = as_trl_reward_func(length_reward, executor="process", timeout=60, max_workers=1)
+seen = []
+
+def recorded(prompts, completions, **kwargs):
+    out = reward(prompts, completions, **kwargs)
+    seen.append(out == [float(len(c)) for c in completions])
+    return out
+
+recorded.__name__ = "length_reward"
+args = GRPOConfig(
+    output_dir=os.environ["OUTPUT_DIR"], max_steps=2, per_device_train_batch_size=4, num_generations=2,
+    max_completion_length=8, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+    logging_steps=1, shuffle_dataset=False,
+)
+trainer = GRPOTrainer(
+    model=os.environ["POLICY"], reward_funcs=[recorded], args=args,
+    train_dataset=Dataset.from_dict({"prompt": [f"question {i}" for i in range(4)]}),
+)
+trainer.train()
+reward.shutdown()
+print("STEPS", trainer.state.global_step, "CALLS", seen, "SCORED", reward.scored, flush=True)
+print("FAILURES", reward.failure_counts, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_grpo_trainer_train_with_a_reward_function_of_an_unguarded_script(tmp_path, checkpoints, monkeypatch):
+    monkeypatch.setenv("POLICY", str(checkpoints.policy))
+    monkeypatch.setenv("OUTPUT_DIR", str(tmp_path / "out"))
+    out, top_level_runs = _run(tmp_path, TRAIN_SCRIPT, from_stdin=False)
+    assert "STEPS 2 CALLS [True, True] SCORED 8" in out, out
+    assert "FAILURES {'error': 0, 'timeout': 0, 'crash': 0}" in out, out
+    assert top_level_runs == 1
