@@ -90,7 +90,7 @@ def run(timeout: float = 5.0, max_workers: int = 2) -> dict:
     return {"rewards": rewards, "failure_counts": dict(reward_func.failure_counts), "wall_s": wall}
 
 
-if __name__ == "__main__":  # needed: worker processes import this module
+if __name__ == "__main__":  # for the tests, which import run(); workers never import __main__
     result = run()
     for (question, completion, solution), reward in zip(EXAMPLES, result["rewards"]):
         print(f"{reward!s:>5}  {completion!r} (solution {solution!r})")

@@ -162,8 +162,9 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             ``concurrent.futures.Executor`` (timeout from submission). Each function is
             then called with one-element lists (``prompts=[p]``, ``completions=[c]``,
             ``completion_ids=[ids]``, each column ``[v]``) and must return one reward.
-            For ``"process"`` functions must be picklable (importable top-level
-            functions) and so must the arguments; ``log_extra``/``log_metric`` calls are
+            For ``"process"`` the functions are sent with cloudpickle (by value when
+            defined in ``__main__``: a script, guarded or not, a notebook, ``python -``)
+            and the arguments with pickle; ``log_extra``/``log_metric`` calls are
             recorded in the worker and replayed here in completion order (a failed item
             logs ``None`` in each column). See :mod:`torchrl_trl.rewards.executors`.
         max_workers: how many completions run at once (default: the CPU count for
@@ -172,8 +173,8 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             worker (executor modes only). ``None`` (default): excluded like TRL's
             ``None``. Failures are counted in :attr:`failure_counts` (by function and
             ``"error" | "timeout" | "crash"``) and warned about once per function and kind.
-        mp_context: ``"forkserver"`` (default where available), ``"spawn"`` or ``"fork"``
-            for ``executor="process"``.
+        mp_context: ``"spawn"`` (default: fresh interpreters; ``"forkserver"`` means the
+            same) or ``"fork"`` for ``executor="process"``.
 
     ``in_keys`` lists every key it may read: the prompt/response keys of ``input_mode``
     (both the history and the text ones for ``"auto"``), ``("tokens", "response")`` and

@@ -418,13 +418,14 @@ def as_trl_reward_func(
             ``"thread"``, ``"ray"`` or a ``concurrent.futures.Executor``; as
             :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` (``executor=``).
             The function (or the TorchRL reward) gets one-element lists; for
-            ``"process"`` it must be picklable (an importable top-level function), and
+            ``"process"`` it is sent with cloudpickle (by value from ``__main__``), and
             TRL's ``environments`` are not passed (live objects).
         max_workers: completions scored at once (default: the CPU count for process/Ray).
         failure_reward: the reward of a completion that raised, timed out or crashed
             (executor modes); ``None`` (default): returned as ``None``, which TRL
             excludes. Counted in :attr:`TRLRewardFunc.failure_counts`, warned once per kind.
-        mp_context: ``"forkserver"`` (default where available), ``"spawn"`` or ``"fork"``.
+        mp_context: ``"spawn"`` (default: fresh interpreters; ``"forkserver"`` means the
+            same) or ``"fork"``.
 
     An exception raised by ``reward`` is re-raised with the function's name (same type
     where possible, the original as ``__cause__``). Non-finite rewards come back as
