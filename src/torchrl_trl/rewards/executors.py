@@ -214,18 +214,13 @@ class ItemExecutor:
 # -- process pool ----------------------------------------------------------------------
 
 
-def _pidfd(pid: int) -> int | None:
-    """A descriptor readable once process ``pid`` exits (Linux >= 5.3), else ``None``."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
-
-
 def _watch_trainer(trainer_pid: int) -> None:
     # once the trainer is gone, do not keep running a stuck task (the parent-death signal
     # covers workers started by the main thread on Linux only)
-    handle = _pidfd(trainer_pid)
+    try:
+        handle = os.pidfd_open(trainer_pid)  # Linux >= 5.3: readable once it exits
+    except (AttributeError, OSError):
+        handle = None
     while True:
         if handle is not None:
             if multiprocessing.connection.wait([handle], None):
@@ -309,8 +304,6 @@ class _Worker:
 
     def __init__(self, process, conn):
         self.process, self.conn = process, conn
-        popen = isinstance(process, subprocess.Popen)
-        self.sentinel = _pidfd(process.pid) if popen else process.sentinel
         self.state = "starting"
         self.started = time.monotonic()
         self.task: int | None = None
@@ -340,9 +333,6 @@ class _Worker:
             self.join(5)
         finally:
             self.conn.close()
-            if isinstance(self.process, subprocess.Popen) and self.sentinel is not None:
-                os.close(self.sentinel)
-                self.sentinel = None
 
 
 _LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
@@ -492,11 +482,10 @@ class ProcessItemExecutor(ItemExecutor):
             return
         deadlines = [w.deadline for w in watched if w.deadline is not None]
         deadlines += [w.started + self.startup_timeout for w in watched if w.state == "starting"]
-        wait_for = max(0.0, min(deadlines) - now) if deadlines else None
-        handles = [w.conn for w in watched] + [w.sentinel for w in watched if w.sentinel is not None]
-        if len(handles) < 2 * len(watched):  # no pidfd: a worker's pipe may outlive it (a fork of its own)
-            wait_for = 1.0 if wait_for is None else min(wait_for, 1.0)
-        multiprocessing.connection.wait(handles, wait_for)
+        # a worker's death closes its pipe, unless a process it forked holds it: look at
+        # least once a second
+        wait_for = min(1.0, max(0.0, min(deadlines) - now)) if deadlines else 1.0
+        multiprocessing.connection.wait([w.conn for w in watched], wait_for)
         for worker in list(watched):
             dead = False
             try:
