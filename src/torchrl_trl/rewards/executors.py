@@ -5,13 +5,13 @@ must not stop training. :func:`make_item_executor` builds an executor that calls
 ``funcs[i](**shared, **item_kwargs)`` for a list of items and returns one
 :class:`ItemResult` per item, never raising for a single bad item:
 
-- ``"process"``: a small pool of worker processes of our own (``multiprocessing``; the
-  standard ``ProcessPoolExecutor`` cannot stop a running task). A task past its deadline
-  has its worker killed (SIGKILL) and replaced; a worker that dies (segfault,
-  ``os._exit``) fails only its own item and is replaced. Workers are fresh interpreters
-  that never import the trainer's ``__main__``; the functions are sent once per worker
-  with cloudpickle (by value for those of ``__main__``, a notebook or a lambda; by
-  reference for those of an importable module), arguments once per item.
+- ``"process"``: a small pool of worker processes of our own (the standard
+  ``ProcessPoolExecutor`` cannot stop a running task). A task past its deadline has its
+  worker killed (SIGKILL) and replaced; a worker that dies (segfault, ``os._exit``) fails
+  only its own item and is replaced. Workers are fresh interpreters that never import
+  the trainer's ``__main__``; the functions are sent once per worker with cloudpickle (by
+  value those of ``__main__``, a notebook or a lambda; by reference those of an
+  importable module), arguments once per item.
 - ``"thread"``: daemon threads; a timed-out thread cannot be stopped, it is abandoned
   (and keeps its CPU) and a fresh thread takes its place.
 - ``"ray"``: one Ray task per item; a timed-out task is cancelled with ``force=True``
