@@ -12,11 +12,19 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
+# a module next to the script: its function goes to the workers by reference (they get
+# the script's sys.path: its folder, or '' for python -)
+MODULE = """
+def length(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+"""
+
 # top level, no guard: a reward function reading a global of the script, a wrapper over it
 SCRIPT = """
 import os
 from tensordict import TensorDict
 from torchrl_trl.rewards.functions import RewardFunctionWrapper
+from next_to_the_script import length
 
 with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
     log.write("top level ran\\n")
@@ -26,7 +34,8 @@ BONUS = 100.0
 def length_plus_bonus(prompts, completions, **kwargs):
     return [BONUS + len(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
 
-wrapper = RewardFunctionWrapper([length_plus_bonus], executor="process", timeout=60, max_workers=2)
+wrapper = RewardFunctionWrapper([length_plus_bonus, length], weights=[1.0, 1000.0], executor="process",
+                                timeout=60, max_workers=2)
 texts = ["a", "bb", "cccc"]
 td = TensorDict({"text": {"prompt": ["q"] * 3, "response": texts}}, batch_size=[3])
 print("REWARDS", wrapper(td)["next", "reward"].reshape(-1).tolist(), flush=True)
@@ -36,8 +45,10 @@ wrapper.shutdown()
 
 
 def _run(tmp_path, code: str, *, from_stdin: bool) -> tuple[str, int]:
-    """Run ``code`` as a script file or piped to ``python -``; its stdout and how many
-    times its top level ran."""
+    """Run ``code`` as a script file (from another folder) or piped to ``python -`` (in
+    the script's folder); its stdout and how many times its top level ran."""
+    (tmp_path / "next_to_the_script.py").write_text(MODULE)
+    (tmp_path / "elsewhere").mkdir()
     log = tmp_path / "top_level.log"
     env = {**os.environ, "TOP_LEVEL_LOG": str(log), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     if from_stdin:
@@ -46,7 +57,7 @@ def _run(tmp_path, code: str, *, from_stdin: bool) -> tuple[str, int]:
         (tmp_path / "train.py").write_text(code)
         cmd, stdin = [sys.executable, str(tmp_path / "train.py")], None
     proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=240, env=env,
-                          cwd=str(tmp_path))
+                          cwd=str(tmp_path if from_stdin else tmp_path / "elsewhere"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout, len(log.read_text().splitlines()) if log.exists() else 0
 
@@ -55,8 +66,9 @@ def _run(tmp_path, code: str, *, from_stdin: bool) -> tuple[str, int]:
 @pytest.mark.parametrize("from_stdin", [False, True], ids=["unguarded_script", "stdin"])
 def test_reward_function_of_main_in_process_workers(tmp_path, from_stdin):
     out, top_level_runs = _run(tmp_path, SCRIPT, from_stdin=from_stdin)
-    assert "REWARDS [101.0, 102.0, 104.0]" in out, out
-    assert "FAILURES {'length_plus_bonus': {'error': 0, 'timeout': 0, 'crash': 0}}" in out, out
+    assert "REWARDS [1101.0, 2102.0, 4104.0]" in out, out
+    none = {"error": 0, "timeout": 0, "crash": 0}
+    assert f"FAILURES {({'length_plus_bonus': none, 'length': none})}" in out, out
     assert top_level_runs == 1
 
 
