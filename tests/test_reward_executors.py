@@ -139,7 +139,7 @@ def test_default_context_and_failure_reward_and_copy():
     wrapper = RewardFunctionWrapper(by_text, executor="process", timeout=TIMEOUT, max_workers=2, failure_reward=-1.0)
     clone = None
     try:
-        assert wrapper.executor.mp_context in ("forkserver", "spawn")
+        assert wrapper.executor.mp_context == "spawn"
         wrapper(_text_rollouts(["warm", "up"]))
         with pytest.warns(UserWarning, match="failure_reward=-1.0"):
             _same(_rewards(wrapper(_text_rollouts(["ab", "segv", "loop", "raise", "abc"]))), [2.0, -1.0, -1.0, -1.0, 3.0])
@@ -232,6 +232,9 @@ def test_bad_arguments_raise_naming_them():
         as_trl_reward_func(by_text, failure_reward=0.0)
     with pytest.raises(ValueError, match="mp_context applies to executor='process'"):
         RewardFunctionWrapper(by_text, executor="thread", mp_context="fork")
+    with pytest.raises(ValueError, match="mp_context must be 'spawn', 'forkserver' or 'fork', got 'forks'"):
+        RewardFunctionWrapper(by_text, executor="process", mp_context="forks")
+    assert RewardFunctionWrapper(by_text, executor="process", mp_context="forkserver").executor.mp_context == "spawn"
     # an argument that cannot cross a process: a clear error, and the pool is reusable
     wrapper = RewardFunctionWrapper(by_text, executor="process", mp_context="fork", max_workers=1,
                                     trainer_state=lambda: None)
