@@ -7,7 +7,6 @@ RayReplayBuffer."""
 import gc
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -215,16 +214,14 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
     with LLMCollectorRolloutFunc(collector, rb, group_size=3, push_weights=False) as func:
         with pytest.raises(ValueError, match=r"MCAdvantage\(grpo_size=3"):
             func(prompts[:1] * 3, SimpleNamespace(**{**vars(trainer), "num_generations": 3, "num_generations_eval": 3}))
-    # a collector that stops (total_dialog_turns reached) surfaces within a bounded time
+    # a collector that stops (total_dialog_turns reached) surfaces as an error, never a hang
     rb = ReplayBuffer(storage=LazyStackStorage(64))
     collector = LLMCollector(env=_env(), policy=make_policy_wrapper(model, tok, max_new_tokens=2),
                              dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
                              total_dialog_turns=2)
     with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, timeout=60) as func:
-        start = time.monotonic()
         with pytest.raises(CollectorError, match="not running"):
             func(prompts * 4, trainer)
-        assert time.monotonic() - start < 30
     # a two-turn ChatEnv: MCAdvantage writes each episode's two steps, which would pass for
     # a group of 2; reading them is an error naming the multi-turn episodes
     from torchrl.objectives.llm import MCAdvantage
@@ -318,15 +315,14 @@ def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenize
                      map(tuple, layouts.read_tokens(stored, "response").tolist())))
     trained = {(tuple(p), tuple(c)) for _, _, b in rollout.calls for p, c in zip(b["prompt_ids"], b["completion_ids"])}
     assert len(trained) > 1 and trained <= stored
-    # the collector actor dies: calls fail within a bounded time (ray.kill is asynchronous: until
-    # the actor is gone, groups it already wrote may still be served), the buffer keeps its data
+    # the collector actor dies: calls fail (ray.kill is asynchronous: until the actor is gone,
+    # groups it already wrote may still be served, at most all of them), the buffer keeps its data
     ray.kill(collector._collector, no_restart=True)
-    start, served = time.monotonic(), 0
+    served = 0
     with pytest.raises(CollectorError, match="cannot be reached"):
-        while time.monotonic() - start < 60:
+        while served <= rb.write_count // 2:
             func.take(1)
             served += 1
-    assert time.monotonic() - start < 30 and served <= rb.write_count // 2
     assert len(rb) >= len(versions)
     rb.close()
 

@@ -202,17 +202,33 @@ class _Writer(threading.Thread):
     def __init__(self, rb, pause=0.0005):
         super().__init__(daemon=True)
         self.rb, self.pause, self.stop = rb, pause, threading.Event()
+        self.writes, self._wrote = 0, threading.Condition()
 
     def run(self):
         i = int(self.rb[len(self.rb) - 1]["x"]) + 1
         while not self.stop.is_set():
             self.rb.extend(TensorDict({"x": torch.tensor([i])}, [1]))
             i += 1
+            with self._wrote:
+                self.writes += 1
+                self._wrote.notify_all()
             time.sleep(self.pause)
+
+    def wait_for_a_write(self):
+        """Return once the writer has added another item."""
+        with self._wrote:
+            n = self.writes
+            assert self._wrote.wait_for(lambda: self.writes > n, timeout=30), "the writer stopped writing"
+
+    def interleave(self, rows):
+        """``rows``, each yielded after one more write: the pass is read while writes land."""
+        for row in rows:
+            self.wait_for_a_write()
+            yield row
 
     def __enter__(self):
         self.start()
-        time.sleep(0.02)
+        self.wait_for_a_write()  # writing has begun
         return self
 
     def __exit__(self, *exc):
@@ -221,7 +237,8 @@ class _Writer(threading.Thread):
 
 
 def _slow(batch):
-    time.sleep(0.003)  # so that the writer adds items while the pass runs
+    # forked workers have no writer thread to wait for: pace the pass, the parent writes on
+    time.sleep(0.003)
     return [0] * batch.numel()
 
 
@@ -236,11 +253,11 @@ def _assert_one_pass(xs, before, after):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_epoch_pass_beside_writer_thread(storage, shuffle):
     rb = _ids_buffer(40, storage)
-    ds = TorchRLBufferDataset(rb, 2, mode="epoch", shuffle=shuffle, keys=["x"], columns={"slow": _slow})
-    with _Writer(rb):
-        for read in (lambda: list(ds.as_hf_dataset()), lambda: list(ds)):
+    ds = TorchRLBufferDataset(rb, 2, mode="epoch", shuffle=shuffle, keys=["x"])
+    with _Writer(rb) as writer:
+        for read in (lambda: ds.as_hf_dataset(), lambda: ds):
             before = len(rb)
-            xs = _xs(read())
+            xs = _xs(list(writer.interleave(read())))
             _assert_one_pass(xs, before, len(rb))
 
 
@@ -251,12 +268,13 @@ def test_epoch_pass_beside_writer_with_forked_workers(hf):
     for the write in progress), and every worker reads the same items."""
     rb = _ids_buffer(40)
     ds = TorchRLBufferDataset(rb, 2, mode="epoch", shuffle=True, keys=["x"], columns={"slow": _slow})
-    with _Writer(rb, pause=0):
+    with _Writer(rb, pause=0) as writer:
         for _ in range(2):
             loader = DataLoader(ds.as_hf_dataset() if hf else ds, batch_size=None, num_workers=2,
                                 multiprocessing_context="fork")
             before = len(rb)
             xs = _xs(loader)
+            writer.wait_for_a_write()  # at least one write the pass must not hold
             _assert_one_pass(xs, before, len(rb))
 
 

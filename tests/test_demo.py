@@ -17,6 +17,10 @@ MIN_TRUE_SCORE_GAIN = 0.1
 # +0.288, +0.158, +0.266; with lr=0 (sampling noise, seeds 0-1): -0.040, -0.008, every
 # iteration within 0.145-0.182. Fresh samples before -> after: +0.30, +0.14, +0.26 (lr=0: 0).
 MIN_TRL_GRPO_GAIN = 0.08
+# Phase 4, SFTTrainer on the best-of-n rollouts of phase 3 from the initial policy, --quick,
+# fresh samples before -> after, seeds 0-3: +0.095, +0.063, +0.086, +0.113. The samples are
+# drawn with a fixed seed, so without learning the two are equal (a gain of 0).
+MIN_SFT_GAIN = 0.03
 
 
 @pytest.mark.slow
@@ -41,10 +45,10 @@ def test_demo_quick_learns_the_hidden_rule(tmp_path):
     # GRPO with the reward model raised both its score and the hidden rule's true score
     assert grpo["rm_score"][-1] > grpo["rm_score"][0]
     assert grpo["true_score"][-1] - grpo["true_score"][0] > MIN_TRUE_SCORE_GAIN
-    # step 4 trained from best-of-n rows read out of the TorchRL buffer
+    # step 4: best-of-n rows read out of the TorchRL buffer taught the initial policy the rule
     sft = results["sft_best_of_n"]
     assert sft["rows"] > 0
-    assert 0.0 <= sft["true_score_after"] <= 1.0
+    assert sft["true_score_after"] - sft["true_score_before"] > MIN_SFT_GAIN
 
     # TRL's GRPOTrainer fed by TorchRL rollouts learned the hidden rule too
     trl = results["trl_grpo"]

@@ -42,9 +42,9 @@ QUICK_TIME = "about 40 s on 2 otherwise idle CPU cores, measured; up to 6.6 min 
 FULL_TIME = "about 80 s on 2 otherwise idle CPU cores, measured; 7 to 27 min measured with other jobs sharing them"
 DEMO_DESCRIPTION = (
     "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
-    "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train further "
-    "with trl.SFTTrainer on best-of-n rollouts read from the TorchRL buffer, and train the same "
-    "initial policy with TRL's GRPOTrainer generating through TorchRL (TorchRLRolloutFunc). "
+    "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the "
+    "initial policy with trl.SFTTrainer on the best-of-n rollouts read from the TorchRL buffer, and train it "
+    "again with TRL's GRPOTrainer generating through TorchRL (TorchRLRolloutFunc). "
     "Prints a table, "
     "writes results.json and reward_curve.png, and saves both trained policies (safetensors) "
     "under --output-dir. Tiny built-in models, no downloads."

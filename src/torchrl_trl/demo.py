@@ -9,8 +9,9 @@ vowels. Nobody tells the policy or the reward model; they learn it from data:
 3. TorchRL GRPO with that reward model: ``LLMCollector`` over a ``ChatEnv`` carrying
    ``HFRewardTransform`` -> replay buffer with ``MCAdvantage`` -> ``GRPOLoss``, reporting
    the reward-model score and the hidden rule's true score per iteration;
-4. TorchRL -> TRL: the best-scored rollouts kept in a TorchRL buffer train the policy
-   further with ``trl.SFTTrainer`` (best-of-n), reporting the true score before and after;
+4. TorchRL -> TRL: the best-scored rollouts of step 3, kept in a TorchRL buffer, train the
+   *initial* policy with ``trl.SFTTrainer`` (best-of-n distillation), reporting its true
+   score before and after;
 5. TRL's ``GRPOTrainer`` with TorchRL as its rollout engine (:class:`TorchRLRolloutFunc`
    around a ``TransformersWrapper``), the same reward model as a TRL reward function
    (:func:`as_trl_reward_func`), from the same initial policy (``trl_grpo=False`` skips it);
@@ -137,12 +138,13 @@ def run_demo(cfg: DemoConfig) -> dict:
     )
 
     t0 = time.perf_counter()
-    sft = run_best_of_n_sft(grpo["model"], grpo["tokenizer"], grpo["archive"], cfg)
+    sft = run_best_of_n_sft(policy_path, grpo["archive"], cfg)
     timings["sft"] = time.perf_counter() - t0
+    sft_model = sft.pop("model")
     results["sft_best_of_n"] = sft
-    sft["policy_path"] = str(_save_policy(grpo["model"], grpo["tokenizer"], cfg.output_dir / "policy_sft"))
+    sft["policy_path"] = str(_save_policy(sft_model, grpo["tokenizer"], cfg.output_dir / "policy_sft"))
     _say(
-        f"[4/{n_steps}] SFTTrainer on best-of-n from the TorchRL buffer: true score "
+        f"[4/{n_steps}] SFTTrainer on best-of-n from the TorchRL buffer, initial policy: true score "
         f"{sft['true_score_before']:.3f} -> {sft['true_score_after']:.3f}"
     )
 
@@ -385,13 +387,19 @@ def _mean_true_score(texts: list[str]) -> float:
 # ---------------------------------------------------------------------------
 
 
-def run_best_of_n_sft(model, tokenizer, archive, cfg: DemoConfig) -> dict:
-    """Best-of-n rows from the scored rollouts in ``archive`` train ``model`` with
-    ``trl.SFTTrainer``; the true score of fresh samples is measured before and after."""
+def run_best_of_n_sft(policy_path: Path, archive, cfg: DemoConfig) -> dict:
+    """Best-of-n rows from the scored rollouts in ``archive`` (each prompt group's
+    best-rewarded reply) train the initial policy at ``policy_path`` with
+    ``trl.SFTTrainer``; the true score of fresh samples is measured before and after.
+    Returns those scores, the number of rows and the trained ``model``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from torchrl_trl import TorchRLBufferDataset, best_of_n
 
+    tokenizer = AutoTokenizer.from_pretrained(policy_path, **SAFE_LOADING)
+    model = AutoModelForCausalLM.from_pretrained(policy_path, use_safetensors=True, **SAFE_LOADING)
+    model = model.to(cfg.device).eval()
     best = best_of_n(archive, k=1)
     # MCAdvantage's regrouping keeps ("history", "full") but not the prompt/response
     # split, so train on whole chats and let the template's generation tags mask the prompt
@@ -410,7 +418,7 @@ def run_best_of_n_sft(model, tokenizer, archive, cfg: DemoConfig) -> dict:
     _train_quietly(trainer)
     model.eval()
     after = measure_true_score(model, tokenizer, cfg)
-    return {"rows": len(best), "true_score_before": before, "true_score_after": after}
+    return {"rows": len(best), "true_score_before": before, "true_score_after": after, "model": model}
 
 
 def measure_true_score(model, tokenizer, cfg: DemoConfig, samples_per_prompt: int = 4) -> float:
