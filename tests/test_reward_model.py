@@ -102,13 +102,17 @@ def test_same_rewards_across_layouts(checkpoints, tok, rm):
     assert ref.std() > 1e-4
 
 
-def test_micro_batched_equals_unbatched_and_order_restored(checkpoints, tok):
+def test_micro_batched_equals_unbatched_and_order_restored(checkpoints, tok, rm):
     ids = _ids(tok) * 3
     td = _ragged_td(ids)
     one = HFRewardModelWrapper(checkpoints.reward_model, batching=RewardBatching(max_tokens_per_batch=None), inference_mode=True)
     small = HFRewardModelWrapper(checkpoints.reward_model, batching=RewardBatching(max_tokens_per_batch=60), inference_mode=True)
     r_one = one(td.clone())["reward"]
     r_small = small(td.clone())["reward"]
+    # both against the independent reference: the model on each sequence alone, unpadded
+    ref = torch.stack([_alone(rm, i) for i in ids])
+    torch.testing.assert_close(r_one, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(r_small, ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(r_small, r_one, atol=1e-5, rtol=0)
     torch.testing.assert_close(r_small[:4], r_small[4:8], atol=1e-6, rtol=0)
     # several micro-batches ran, each within the budget (or a single over-long row)
@@ -281,7 +285,9 @@ def test_bad_input_errors(checkpoints, tok, rm):
         HFRewardModelWrapper(nopad, batching=RewardBatching(min_fill=None))(two.clone())
     one_by_one = HFRewardModelWrapper(nopad, batching=RewardBatching(max_batch_size=1), inference_mode=True)(two.clone())["reward"]
     padded = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, batching=RewardBatching(min_fill=None), inference_mode=True)(two.clone())
-    torch.testing.assert_close(padded["reward"], one_by_one, atol=1e-5, rtol=0)
+    ref = torch.stack([_alone(nopad, i) for i in _ids(tok)[:2]])  # each alone, unpadded
+    torch.testing.assert_close(one_by_one, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded["reward"], ref, atol=1e-5, rtol=0)
 
 
 class _NaNModel(torch.nn.Module):
@@ -513,7 +519,7 @@ def test_part_response_scores_the_response_tokens(checkpoints, policy_and_tokeni
         HFRewardModelWrapper(rm, renderer=RewardRenderer(part="response"), token_key=("tokens", "full"))
 
 
-def test_in_keys_are_the_keys_read(checkpoints, tok):
+def test_in_keys_are_the_keys_read(checkpoints, tok, rm):
     other = checkpoints.reward_model_other_tokenizer
     history = HFRewardModelWrapper(other, renderer=RewardRenderer(policy_tokenizer=tok), inference_mode=True)
     assert history.in_keys == [("history", "full")]
@@ -530,6 +536,15 @@ def test_in_keys_are_the_keys_read(checkpoints, tok):
     torch.testing.assert_close(
         same(td.select(*same.in_keys))["reward"], same(td.clone())["reward"], atol=0, rtol=0
     )
+    # and what they read gives the reward of each conversation alone, unpadded (the other
+    # model on its own template's rendering; the same-tokenizer model on the policy's ids)
+    other_tok = AutoTokenizer.from_pretrained(other)
+    other_model = AutoModelForSequenceClassification.from_pretrained(other).eval()
+    rendered = [other_tok.apply_chat_template(c, tokenize=False) for c in CONVS]
+    ref_history = torch.stack([_alone(other_model, other_tok(t, add_special_tokens=False)["input_ids"]) for t in rendered])
+    torch.testing.assert_close(history(td.select(*history.in_keys))["reward"], ref_history, atol=1e-5, rtol=0)
+    ref_tokens = torch.stack([_alone(rm, i) for i in _ids(tok)])
+    torch.testing.assert_close(same(td.select(*same.in_keys))["reward"], ref_tokens, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("is_causal", [True, False])

@@ -58,10 +58,12 @@ def test_packed_equals_each_sequence_alone(rollouts, policy_and_tokenizer, kind,
     packs = plan_packs(torch.tensor([len(s) for s in seqs]), max_tokens_per_batch=budget)
     assert 1 < len(packs) < len(seqs)
 
-    # the default EOS rule too: the same rewards as padded micro-batches
+    # the default EOS rule too (a model object without its tokenizer: tokens kept as they
+    # are): packed and padded micro-batches both give each sequence's reward alone
     padded = HFRewardModelWrapper(rm, inference_mode=True)(rollouts.clone())["reward"]
     packed = HFRewardModelWrapper(rm, batching=RewardBatching(packing=True), inference_mode=True)(rollouts.clone())["reward"]
-    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed, ref, atol=1e-5, rtol=0)
 
 
 def test_restarting_positions_are_what_keeps_sequences_apart(policy_and_tokenizer):
@@ -97,7 +99,12 @@ def test_pooling_follows_the_pad_rule_and_gradients(policy_and_tokenizer):
     packed_grad = rm.score.weight.grad.clone()
     rm.zero_grad()
     HFRewardModelWrapper(rm, renderer=RewardRenderer(add_eos="never"), batching=RewardBatching(max_batch_size=1)).score_ids(Ragged.from_list(seqs)).sum().backward()
+    one_by_one_grad = rm.score.weight.grad.clone()
+    # the independent reference: the gradient of the plain model calls, each sequence alone
+    rm.zero_grad()
+    torch.stack([rm(input_ids=s[None]).logits[0, 0] for s in seqs]).sum().backward()
     torch.testing.assert_close(packed_grad, rm.score.weight.grad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(one_by_one_grad, rm.score.weight.grad, atol=1e-5, rtol=0)
 
 
 def test_packing_refused_where_it_cannot_be_exact(policy_and_tokenizer):

@@ -170,7 +170,12 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
 def test_restart_if_configured_then_killed_service_errors_within_bound(ray_session, checkpoints):
     path = str(checkpoints.reward_model)
     texts = ["hello world", "bye"]
-    ref = HFRewardModelWrapper(path, inference_mode=True).score_texts(texts)
+    # the independent reference: plain transformers on each text alone, tokenised as
+    # RewardTrainer does (special tokens, the reward model's EOS appended)
+    tok = AutoTokenizer.from_pretrained(path)
+    ref = _reference(path, [tok(t + tok.eos_token)["input_ids"] for t in texts])
+    assert ref[0] != ref[1]
+    torch.testing.assert_close(HFRewardModelWrapper(path, inference_mode=True).score_texts(texts), ref, atol=1e-5, rtol=0)
     client = RewardServiceClient(path, actor_name="rm-faults", num_cpus=0, timeout=60, max_restarts=1)
     torch.testing.assert_close(client.score_texts(texts), ref, atol=1e-5, rtol=0)
     pid = client.info()["pid"]
