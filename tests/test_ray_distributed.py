@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -56,7 +55,6 @@ def test_two_trainer_ranks_read_one_named_ray_buffer(ray_cluster, tmp_path):
         script = Path(__file__).with_name("online_dist_ray.py")
         torchrun = Path(sys.executable).with_name("torchrun")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        t0 = time.monotonic()
         proc = subprocess.run(
             [str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), ray_cluster, namespace, name,
              str(tmp_path / "out")],
@@ -72,6 +70,6 @@ def test_two_trainer_ranks_read_one_named_ray_buffer(ray_cluster, tmp_path):
         assert seen == stored  # each item once across the two trainers
         assert all(r["seen"] for r in ranks)
         # the ranks detached: the actor still serves its owner
-        assert len(rb) == n, f"buffer lost items after the ranks left ({time.monotonic() - t0:.0f}s run)"
+        assert len(rb) == n, "buffer lost items after the ranks left"
     finally:
         rb.close()

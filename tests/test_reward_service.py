@@ -113,8 +113,9 @@ def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_t
 @pytest.mark.timeout(60)
 def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoints):
     path = str(checkpoints.reward_model_other_tokenizer)
-    # 1 s of bounded wait: four threads' requests surely meet in one flush on a busy machine
-    client = RewardServiceClient(path, actor_name="rm-batching", batching=RewardBatching(max_tokens_per_batch=64), max_wait_ms=1000,
+    # 3 s of bounded wait: five threads released by one barrier meet in one flush even on
+    # a busy machine
+    client = RewardServiceClient(path, actor_name="rm-batching", batching=RewardBatching(max_tokens_per_batch=64), max_wait_ms=3000,
                                  num_cpus=0, timeout=60)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
 
@@ -157,12 +158,10 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
     assert stats["forwards"] < len(calls), (stats, len(calls))  # coalescing saved forwards
 
     # a caller whose timeout is shorter than the service takes (here: it holds a lone
-    # request up to 1 s for company) gets a clear error at its timeout, not a hang
+    # request up to 3 s for company) gets the error naming its timeout, not a hang
     impatient = RewardServiceClient(path, actor_name="rm-batching", batching=RewardBatching(max_tokens_per_batch=64), timeout=0.3)
-    t0 = time.monotonic()
     with pytest.raises(RewardServiceError, match=r"'rm-batching' did not answer score\(\) within timeout=0\.3s"):
         impatient.score_ids(Ragged.from_list(seqs([5])))
-    assert time.monotonic() - t0 < 1
     client.shutdown()
 
 
@@ -176,19 +175,19 @@ def test_restart_if_configured_then_killed_service_errors_within_bound(ray_sessi
     ref = _reference(path, [tok(t + tok.eos_token)["input_ids"] for t in texts])
     assert ref[0] != ref[1]
     torch.testing.assert_close(HFRewardModelWrapper(path, inference_mode=True).score_texts(texts), ref, atol=1e-5, rtol=0)
-    client = RewardServiceClient(path, actor_name="rm-faults", num_cpus=0, timeout=60, max_restarts=1)
+    # the caller's timeout outlasts the test's: an error by the timeout could not pass
+    client = RewardServiceClient(path, actor_name="rm-faults", num_cpus=0, timeout=600, max_restarts=1)
     torch.testing.assert_close(client.score_texts(texts), ref, atol=1e-5, rtol=0)
     pid = client.info()["pid"]
     # max_restarts=1: Ray restarts the killed actor (weights reloaded) and the call goes through
     ray.kill(client.actor, no_restart=False)
     torch.testing.assert_close(client.score_texts(texts), ref, atol=1e-5, rtol=0)
     assert client.info()["pid"] != pid
-    # killed for good: the next call fails at once with a clear error, never hangs
+    # killed for good: the next call fails with the error naming the death, not the
+    # timeout (600 s: the test's 90 s timeout would end a wait for it first)
     ray.kill(client.actor, no_restart=True)
-    t0 = time.monotonic()
     with pytest.raises(RewardServiceError, match="'rm-faults' died or cannot be reached"):
         client.score_texts(texts)
-    assert time.monotonic() - t0 < 20
 
 
 def test_service_arguments_are_checked(checkpoints, policy_and_tokenizer):
@@ -210,16 +209,31 @@ def test_service_arguments_are_checked(checkpoints, policy_and_tokenizer):
 
 @pytest.mark.timeout(90)
 def test_service_killed_while_a_request_is_in_flight_errors_within_bound(ray_session, checkpoints):
-    """The actor dies while it holds a caller's request (waiting up to 3 s for company):
-    the caller gets RewardServiceError well before its 60 s timeout, not a hang."""
+    """The actor dies while it holds a caller's request (waiting up to 60 s for company):
+    the caller gets RewardServiceError naming the death, not its timeout (600 s, longer
+    than the test may run), and no hang."""
     path = str(checkpoints.reward_model)
-    client = RewardServiceClient(path, num_cpus=0, timeout=60, max_wait_ms=3000)  # private actor
-    assert client.score_texts(["warm"]).shape == (1,)  # started and loaded
-    killer = threading.Timer(0.5, lambda: ray.kill(client.actor, no_restart=True))
-    killer.start()
-    t0 = time.monotonic()
-    with pytest.raises(RewardServiceError, match="died or cannot be reached"):
-        client.score_texts(["hello world", "bye"])  # held by the service when the kill lands
-    elapsed = time.monotonic() - t0
-    killer.join()
-    assert 0.4 < elapsed < 20, elapsed  # failed because of the kill, not at the timeout
+    client = RewardServiceClient(path, num_cpus=0, timeout=600, max_wait_ms=60_000)  # private actor
+    assert client.stats()["pending"] == 0  # started and loaded
+    outcome = {}
+
+    def call():
+        try:
+            outcome["result"] = client.score_texts(["hello world", "bye"])
+        except Exception as e:
+            outcome["error"] = e
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    # the service holds the request (pending) before it is killed; polling only bounds the
+    # wait, the test's timeout ends a hang
+    deadline = time.monotonic() + 60
+    while client.stats()["pending"] == 0:
+        assert caller.is_alive() and time.monotonic() < deadline, outcome
+        time.sleep(0.05)
+    ray.kill(client.actor, no_restart=True)
+    caller.join(timeout=80)
+    assert not caller.is_alive()
+    assert "result" not in outcome, outcome
+    assert isinstance(outcome["error"], RewardServiceError), outcome
+    assert "died or cannot be reached" in str(outcome["error"]), outcome

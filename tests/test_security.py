@@ -7,7 +7,6 @@ import os
 import pickle
 import shutil
 import threading
-import time
 
 import pytest
 import torch
@@ -293,15 +292,14 @@ def test_sync_collect_on_a_blocking_collector_times_out():
     collector = _BlockingCollector()
     cb = CollectorCallback(collector, wait_timeout=1.0)
     assert cb.collect(2) == 2
-    t0 = time.monotonic()
-    with pytest.raises(CollectorError, match=r"wait_timeout=1.0s") as info:
+    # the blocked batch never returns: only wait_timeout can end this call (the test's
+    # timeout ends a hang)
+    with pytest.raises(CollectorError, match=r"did not finish within wait_timeout=1.0s") as info:
         cb.collect(2)
-    assert time.monotonic() - t0 < 10
     assert isinstance(info.value.__cause__, TimeoutError)
-    t0 = time.monotonic()
-    with pytest.raises(CollectorError, match="still running"):
-        cb.collect(2)  # refused at once: the stuck batch still owns the iterator
-    assert time.monotonic() - t0 < 1
+    with pytest.raises(CollectorError, match="still running") as info:
+        cb.collect(2)  # refused without waiting again: the stuck batch still owns the iterator
+    assert "a previous collector batch" in str(info.value.__cause__)
     assert len(collector.replay_buffer) == 2  # what was stored is kept
     collector.release.set()
     with pytest.raises(ValueError, match="wait_timeout"):

@@ -181,10 +181,12 @@ class RewardModelService:
         """Counters since the actor started: requests, sequences, flushes (coalesced
         batches), forwards, real/processed tokens, padding efficiency, truncations,
         non-finite rewards, the largest forward (rows x width), peak RSS (MiB), the
-        process's CPU seconds and torch threads."""
+        process's CPU seconds and torch threads; and ``pending``, the requests held now
+        for others to join them (not yet flushed)."""
         w = self.wrapper
         out = dict(self._stats)
         out.update(
+            pending=len(self._pending),
             real_tokens=w.real_tokens,
             processed_tokens=w.processed_tokens,
             padding_efficiency=w.padding_efficiency,
