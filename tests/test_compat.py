@@ -37,6 +37,7 @@ def ray_session():
         ray.shutdown()
 
 
+@pytest.mark.distributed  # starts Ray: a buffer actor
 @pytest.mark.timeout(120)
 def test_bind_ray_replay_buffer_reads_and_writes_the_owners_actor(ray_session):
     from torchrl.data import RayReplayBuffer
@@ -67,6 +68,7 @@ def test_bind_ray_replay_buffer_reads_and_writes_the_owners_actor(ray_session):
         owner.close()
 
 
+@pytest.mark.distributed  # starts Ray (ray_session)
 def test_ray_runtime_lease_shares_an_initialised_runtime(ray_session):
     ray = ray_session
     lease = _compat.ray_runtime_lease({"num_cpus": 1})

@@ -13,6 +13,9 @@ from torch.utils.data import DataLoader
 from torchrl_trl.data import TorchRLBufferDataset
 from test_dataset_inputs import _Writer, _assert_one_pass, _ids_buffer, _slow, _xs
 
+# torchrun ranks and spawned DataLoader worker processes
+pytestmark = pytest.mark.distributed
+
 
 def test_two_processes_read_each_item_once(tmp_path):
     script = Path(__file__).with_name("dist_sft_epoch.py")

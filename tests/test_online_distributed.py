@@ -14,6 +14,9 @@ from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
 from torchrl_trl.online import save_buffer
 
+# a torchrun launch of two trainer processes
+pytestmark = pytest.mark.distributed
+
 
 @pytest.mark.timeout(300)
 def test_two_trainer_processes_share_a_memmap_buffer(tmp_path):

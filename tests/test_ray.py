@@ -17,6 +17,9 @@ from torchrl_trl.online.ray import is_ray_collector, make_ray_collector, make_ra
 
 ROWS = [{"query": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
 
+# every test starts Ray (worker processes, actors)
+pytestmark = pytest.mark.distributed
+
 
 @pytest.fixture(scope="module")
 def ray_session():

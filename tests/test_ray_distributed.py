@@ -18,6 +18,9 @@ from torchrl.data import LazyTensorStorage  # noqa: E402
 
 from torchrl_trl.online.ray import connect_ray_replay_buffer, make_ray_replay_buffer  # noqa: E402
 
+# Ray actors and a torchrun launch of two trainer processes
+pytestmark = pytest.mark.distributed
+
 
 @pytest.fixture
 def ray_cluster():

@@ -72,6 +72,7 @@ def _collect_in_worker(path, policy_path, actor_name):
     return _rewards(rb), layouts.read_history(rb[:], "full"), tf.scorer.info()["pid"], os.getpid()
 
 
+@pytest.mark.distributed  # starts Ray: a reward-model service actor
 @pytest.mark.timeout(120)
 def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_tokenizer):
     model, tok = policy_and_tokenizer
@@ -110,6 +111,7 @@ def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_t
                                atol=1e-5, rtol=0)  # fmt: skip
 
 
+@pytest.mark.distributed  # starts Ray: a reward-model service actor
 @pytest.mark.timeout(60)
 def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoints):
     path = str(checkpoints.reward_model_other_tokenizer)
@@ -165,6 +167,7 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
     client.shutdown()
 
 
+@pytest.mark.distributed  # starts Ray: a reward-model service actor
 @pytest.mark.timeout(90)
 def test_restart_if_configured_then_killed_service_errors_within_bound(ray_session, checkpoints):
     path = str(checkpoints.reward_model)
@@ -207,6 +210,7 @@ def test_service_arguments_are_checked(checkpoints, policy_and_tokenizer):
         HFRewardTransform(HFRewardModelWrapper(path), service_backend="ray")
 
 
+@pytest.mark.distributed  # starts Ray: a reward-model service actor
 @pytest.mark.timeout(90)
 def test_service_killed_while_a_request_is_in_flight_errors_within_bound(ray_session, checkpoints):
     """The actor dies while it holds a caller's request (waiting up to 60 s for company):
