@@ -40,6 +40,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 QUESTIONS = [f"what is {a} plus {b}?" for a in range(4) for b in range(4)]
+#: ``make_policy`` config overrides per ``--policy-size`` (tiny: the suite's own)
+POLICY_SIZES = {
+    "tiny": {},
+    "25m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+            "num_attention_heads": 8, "num_key_value_heads": 4},
+}
+MODES = ("trl", "torchrl", "async", "async-reuse", "llm-collector")
 
 
 def make_trainer(mode, ckpt, tok, args, out_dir):
@@ -112,6 +119,19 @@ def _llm_collector_func(ckpt, tok, args):
     return LLMCollectorRolloutFunc(collector, rb, group_size=args.group, max_staleness=1, timeout=600)
 
 
+def _bigger_policy(tok, root, config: dict) -> str:
+    """A randomly initialised policy of the given size for the suite's tokenizer, saved
+    and loaded back like the tiny one."""
+    from torchrl_trl.testing import make_policy
+
+    path = os.path.join(root, "policy_" + "_".join(f"{k}{v}" for k, v in config.items()))
+    model = make_policy(tok, **config)
+    print(f"policy: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def run(mode, ckpt, tok, args):
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -148,6 +168,9 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--policy-size", choices=sorted(POLICY_SIZES), default="tiny",
+                   help="tiny: the test suite's policy; 25m: about 25M parameters, where generation dominates")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -160,11 +183,17 @@ def main():
     root = tempfile.mkdtemp(prefix="bench_grpo_")
     ckpt = tiny_checkpoints(root).policy
     tok = AutoTokenizer.from_pretrained(ckpt)
+    if POLICY_SIZES[args.policy_size]:
+        ckpt = _bigger_policy(tok, root, POLICY_SIZES[args.policy_size])
     print(f"{args.steps} GRPO steps x {args.batch} completions ({args.group}/prompt), "
           f"{args.max_new_tokens} new tokens, {args.threads} thread(s), {args.device}")
-    results = {mode: run(mode, ckpt, tok, args) for mode in ("trl", "torchrl", "async", "async-reuse", "llm-collector")}
+    modes = ["trl", *(m for m in args.modes.split(",") if m != "trl")]
+    results = {mode: run(mode, ckpt, tok, args) for mode in modes}
     base = results["trl"][0]
     print("ratios vs trl (samples/s): " + ", ".join(f"{m} {r[0] / base:.2f}x" for m, r in results.items()))
+    ratio = {m: f"{results[m][0] / base:.2f}" if m in results else "n/a" for m in ("async", "torchrl")}
+    idle = f"{results['async'][1]:.2f}" if "async" in results else "n/a"
+    print(f"ratio async/trl={ratio['async']} sync/trl={ratio['torchrl']} idle={idle}")
 
 
 if __name__ == "__main__":

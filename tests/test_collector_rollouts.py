@@ -273,6 +273,7 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenizer, tmp_path):
     """Local Ray: the LLMCollector runs in a RayLLMCollector actor and writes whole groups

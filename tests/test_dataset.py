@@ -128,6 +128,7 @@ def test_epoch_shuffle_seed_and_set_epoch():
     assert ds.epoch == 1 and _ids(hf) != a and sorted(_ids(hf)) == sorted(a)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("hf", [False, True], ids=["torch", "hf"])
 def test_epoch_exactly_once_two_workers(hf):
     rb, ids = _dense(22)
@@ -150,6 +151,7 @@ def test_epoch_rank_split_exactly_once():
     assert sorted(seen) == sorted(tuple(r) for r in ids.tolist())
 
 
+@pytest.mark.distributed
 def test_online_streams_differ_per_worker_and_shard():
     rb, _ = _dense(32)
     ds = TorchRLBufferDataset(rb, 8, num_batches=2, seed=0)

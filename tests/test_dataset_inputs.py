@@ -30,6 +30,7 @@ def _xs(rows):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("n,num_shards", [(1, None), (3, None), (5, 8)])
 def test_epoch_with_fewer_items_than_shards(n, num_shards):
     rb = _ids_buffer(n)
@@ -261,6 +262,7 @@ def test_epoch_pass_beside_writer_thread(storage, shuffle):
             _assert_one_pass(xs, before, len(rb))
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("hf", [True, False], ids=["hf", "torch"])
 def test_epoch_pass_beside_writer_with_forked_workers(hf):
@@ -278,6 +280,7 @@ def test_epoch_pass_beside_writer_with_forked_workers(hf):
             _assert_one_pass(xs, before, len(rb))
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_online_sampling_beside_writer_with_forked_workers():
     """A forked worker's copy of an in-memory tensor storage stops at the fork: its
@@ -291,6 +294,7 @@ def test_online_sampling_beside_writer_with_forked_workers():
     assert len(xs) == 2 * 30 * 8 and min(xs) > 0
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_worker_forked_mid_write_is_refused(monkeypatch):
     """A buffer whose lock another thread holds past the fork wait is refused in the

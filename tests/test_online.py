@@ -2,6 +2,7 @@
 trainer, staleness, priority feedback, checkpoint/resume, faults, concurrent reads."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -125,7 +126,7 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
     ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
 
     class CheckPushes(TrainerCallback):  # runs after cb's push, in the trainer's thread
-        versions, writes = [], []
+        writes = []
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             assert cb.policy_version == collector.policy_version == state.global_step
@@ -133,7 +134,7 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
                 torch.testing.assert_close(collector_model.get_parameter(name), p, rtol=0, atol=0, msg=name)
             pushed.append(_fingerprint(model))
             # the collector keeps writing while the trainer trains: wait for its next batch
-            self.writes.append(wait_for_items(rb, len(rb) + 1, timeout=120, check=cb.check))
+            self.writes.append(_next_write(rb, cb))
 
     steps = 4
     with cb:
@@ -148,6 +149,17 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
     versions = {int(v) for v in layouts.read_column(rb[:], ("next", "policy_version"))}
     assert max(versions) >= steps - 1 and len(versions) >= 3  # rollouts from weights pushed in training
     assert CheckPushes.writes == sorted(CheckPushes.writes)
+
+
+def _next_write(rb, cb, timeout=120.0) -> int:
+    """Wait for the collector's next write into ``rb`` (its ``write_count`` grows, also
+    once it is full); the timeout only stops a hang."""
+    start, deadline = rb.write_count, time.monotonic() + timeout
+    while rb.write_count == start:
+        cb.check()
+        assert time.monotonic() < deadline, "the background collector wrote nothing"
+        time.sleep(0.01)
+    return rb.write_count
 
 
 @pytest.mark.timeout(120)

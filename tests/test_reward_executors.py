@@ -103,6 +103,7 @@ def _same(a, b):
     assert len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b)), (a, b)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_process_pool_survives_loop_raise_segfault_exit():
     texts = ["ab", "loop", "raise", "segv", "abc", "exit", "x", "four"]
@@ -132,6 +133,7 @@ def test_process_pool_survives_loop_raise_segfault_exit():
         wrapper.shutdown()
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_default_context_and_failure_reward_and_copy():
     """The default start method (fresh interpreters): workers import this module; a failed
@@ -155,6 +157,7 @@ def test_default_context_and_failure_reward_and_copy():
             clone.shutdown()
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_thread_and_user_executor():
     """A stalled item times out while its thread still waits (RELEASE is set only after
@@ -247,6 +250,7 @@ def test_bad_arguments_raise_naming_them():
         wrapper.shutdown()
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_functions_a_worker_cannot_import_raise(tmp_path, monkeypatch):
     """A function the worker processes cannot load (it is sent by reference, and its
@@ -265,6 +269,7 @@ def test_functions_a_worker_cannot_import_raise(tmp_path, monkeypatch):
         wrapper.shutdown()
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_trl_function_per_completion_with_logs():
     """as_trl_reward_func(plain TRL function, executor="process"): TRL's call, one
@@ -301,6 +306,7 @@ def test_trl_function_per_completion_with_logs():
         func.shutdown()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_grpo_trainer_train_continues_past_hangs_and_crashes(checkpoints, tmp_path):
@@ -349,6 +355,7 @@ def by_answer(prompts, completions, answer, **kwargs):
     return [float(len(_text(completions[0])))]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_inside_torchrl_chat_env_and_replay_buffer(policy_and_tokenizer):
     from torchrl.data import LazyStackStorage, ReplayBuffer

@@ -151,8 +151,10 @@ def test_grpo_single_turn_trains_on_torchrl_rollouts(fresh_model, policy_and_tok
         order = _match_rows(cap, prompt_ids, response_ids)
         for j, i in enumerate(order):
             got, ref = cap["sampling_logps"][j], cap["reference"][j]
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)  # on-policy == independent reference
-            # TorchRL's generated log-probs (position 0 excepted: TorchRL 0.14.1 writes 0 there)
+            # logprobs="auto": this trainer does not read them, so TorchRL's generated values are
+            # returned unrescored: the first is unknown (TorchRL 0.14.1 writes 0 there), NaN
+            assert torch.isnan(got[0]) and not torch.isnan(got[1:]).any()
+            torch.testing.assert_close(got[1:], ref[1:], atol=1e-4, rtol=1e-4)  # == independent reference
             torch.testing.assert_close(got[1:], generated[i][1:], atol=1e-4, rtol=1e-4)
         assert [int(v) for v in layouts.read_column(step, "policy_version")] == [call] * 4
         assert [int(v) for v in layouts.read_column(step, "group_id")] == [2 * call, 2 * call, 2 * call + 1, 2 * call + 1]
@@ -161,9 +163,14 @@ def test_grpo_single_turn_trains_on_torchrl_rollouts(fresh_model, policy_and_tok
 
 
 def _assert_on_policy(captured):
+    """The log-probs the rollout func returned equal the trainer's weights scoring each
+    sequence alone, where known (``logprobs="generate"``/``"auto"`` leaves each turn's
+    first token unknown: NaN)."""
     for cap in captured:
         for got, ref in zip(cap["sampling_logps"], cap["reference"]):
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+            known = ~torch.isnan(got)
+            assert known.sum() >= len(got) // 2
+            torch.testing.assert_close(got[known], ref[known], atol=1e-4, rtol=1e-4)
 
 
 def test_policy_built_around_the_trainers_model_text_prompts(fresh_model, policy_and_tokenizer, tmp_path):
@@ -171,7 +178,7 @@ def test_policy_built_around_the_trainers_model_text_prompts(fresh_model, policy
     trainer's own model, with TRL's generation settings."""
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
-    func = TorchRLRolloutFunc()
+    func = TorchRLRolloutFunc(logprobs="rescore")  # every log-prob known: all compared below
     reward = Recorder(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids], "reward")
     # two steps: the second generation runs after the first rescoring (which, built naively,
     # turns the text-mode policy's padding off and breaks prompts of different lengths)
@@ -206,6 +213,29 @@ def test_separate_policy_receives_the_trainers_weights(checkpoints, fresh_model,
     assert same == [True, True, True] and func.policy_version == 2
     assert not all(torch.equal(a, b) for a, b in zip(generator.parameters(), fresh_model.parameters()))
     _assert_on_policy(type(trainer).captured)
+
+
+@pytest.mark.parametrize("reader", ["mixin", "off_policy_mask"])
+def test_auto_logprobs_are_exact_for_a_trainer_that_reads_them(fresh_model, policy_and_tokenizer, tmp_path, reader):
+    """logprobs="auto" rescores (every log-prob known, equal to the weights scoring each
+    sequence alone) for a trainer that reads them: BehaviourLogProbsMixin (which refuses
+    unknown ones) or TRL's off_policy_mask_threshold."""
+    from torchrl_trl.online import BehaviourLogProbsMixin
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    func = TorchRLRolloutFunc(make_policy_wrapper(fresh_model, tok, max_new_tokens=6))
+    mixins = (BehaviourLogProbsMixin,) if reader == "mixin" else ()
+    trainer = _make_trainer(fresh_model, tok, func, lambda completion_ids, **kw: [float(len(c)) for c in completion_ids],
+                            tmp_path, max_steps=1, mixins=mixins)
+    if reader == "off_policy_mask":
+        trainer.off_policy_mask_threshold = 1e6  # GRPOConfig(off_policy_mask_threshold=...): reads, masks nothing
+    trainer.train()
+    (cap,) = type(trainer).captured
+    for got, ref in zip(cap["sampling_logps"], cap["reference"]):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_generate_logprobs_mark_first_token_unknown(policy_and_tokenizer):
@@ -321,7 +351,8 @@ def test_grpo_two_turn_chat_env(tmp_path):
         order = _match_rows(cap, p0, completions)
         assert cap["env_mask"] == [masks[i] for i in order]
         for got, ref in zip(cap["sampling_logps"], cap["reference"]):
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+            known = ~torch.isnan(got)
+            torch.testing.assert_close(got[known], ref[known], atol=1e-4, rtol=1e-4)
         # TorchRL fields reach TRL's reward functions: the env's reward summed over turns, the answer
         env_rewards = [
             float(a) + float(b)

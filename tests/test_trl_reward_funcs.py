@@ -150,7 +150,7 @@ def test_gsm8k_parser_right_wrong_unformatted():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("executor", ["process", "thread"])
+@pytest.mark.parametrize("executor", [pytest.param("process", marks=pytest.mark.distributed), "thread"])
 def test_gsm8k_parser_per_completion_in_an_executor(executor):
     """A TorchRL reward parser through executor=: one completion per call, in worker
     processes (the parser is pickled once per worker) or threads; the same rewards as

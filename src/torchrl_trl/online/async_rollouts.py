@@ -559,6 +559,9 @@ class BehaviourLogProbsMixin:
     tensor([[-0.5000, -1.0000,  0.0000]])
     """
 
+    #: tells ``TorchRLRolloutFunc(logprobs="auto")`` to return exact log-probs
+    reads_rollout_logprobs = True
+
     def compute_loss(self, model, inputs, *args, **kwargs):
         behaviour = inputs.get("sampling_per_token_logps")
         corrected_by_trl = getattr(self, "use_vllm", False) and getattr(

@@ -40,12 +40,16 @@ What TorchRL 0.14.1 does that matters here:
 
 - ``TransformersWrapper(generate=True, return_log_probs=True)`` writes ``0.0`` as the
   log-prob of the *first* generated token (``_log_probs_generate``: ``td["log_probs"][:, 0] = 0``),
-  the other positions equal a forward pass. With ``logprobs="rescore"`` (default) the
-  log-probs are recomputed by TorchRL's own scoring path
+  the other positions equal a forward pass. With ``logprobs="rescore"`` the log-probs are
+  recomputed by TorchRL's own scoring path
   (``policy.get_new_version(generate=False, input_mode="tokens")``) on the exact token
-  sequence, with the same weights, right after generation; with ``logprobs="generate"``
-  the generated values are kept and that first position is set to NaN (unknown), which
-  TRL neutralises.
+  sequence, with the same weights, right after generation: one more forward pass, about
+  40% of a rollout's time on a 25M-parameter policy. With ``logprobs="generate"`` the
+  generated values are kept and that first position is set to NaN (unknown), which TRL
+  neutralises. ``"auto"`` (default) rescores only where the log-probs are read: without a
+  trainer (a collector thread's rollouts, which may train later), or a trainer that reads
+  them (see above, or ``reads_rollout_logprobs = True`` as ``BehaviourLogProbsMixin``
+  sets); TRL's on-policy step recomputes its own and gets the generated ones.
 - The log-probs are those of the raw logits (temperature 1, no top-k/top-p): equal to TRL's
   recomputation when ``temperature == 1`` (a warning is given otherwise).
 - ``TransformersWrapper.get_new_version(pad_output=...)`` writes ``padding`` into the
@@ -139,7 +143,7 @@ class TorchRLRolloutFunc:
         replay_buffer: a TorchRL ``ReplayBuffer``; each sample's every turn is extended into
             it as one item, with ``"group_id"`` (consecutive ``num_generations`` samples share
             it), ``"policy_version"`` and ``"turn"``.
-        logprobs: ``"rescore"`` (default) or ``"generate"``, see the module doc.
+        logprobs: ``"auto"`` (default), ``"rescore"`` or ``"generate"``, see the module doc.
         sync_weights: when the trainer's ``global_step`` changed and ``policy`` does not
             share the trainer's parameters: ``"copy"`` loads the trainer model's ``state_dict``
             into ``policy.model``; a callable ``fn(trainer_model, version)`` does the transfer
@@ -177,11 +181,11 @@ class TorchRLRolloutFunc:
         context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None,
         forward_keys: Sequence[NestedKey] | None = None,
         replay_buffer=None,
-        logprobs: Literal["rescore", "generate"] = "rescore",
+        logprobs: Literal["auto", "rescore", "generate"] = "auto",
         sync_weights: Literal["copy"] | Callable | None = "copy",
     ):
-        if logprobs not in ("rescore", "generate"):
-            raise ValueError(f"logprobs must be 'rescore' or 'generate', got {logprobs!r}")
+        if logprobs not in ("auto", "rescore", "generate"):
+            raise ValueError(f"logprobs must be 'auto', 'rescore' or 'generate', got {logprobs!r}")
         if sync_weights not in ("copy", None) and not callable(sync_weights):
             raise ValueError(f"sync_weights must be 'copy', a callable or None, got {sync_weights!r}")
         max_turns = positive_int(max_turns, "max_turns")
@@ -216,13 +220,19 @@ class TorchRLRolloutFunc:
             group_size = _group_size(trainer, len(prompts))
             version = self._sync(trainer, policy)
             self.calls += 1
-            return self.rollout(prompts, group_size=group_size, version=version)
+            logprobs = self.logprobs
+            if logprobs == "auto":
+                logprobs = "rescore" if _reads_logprobs(trainer) else "generate"
+            return self.rollout(prompts, group_size=group_size, version=version, logprobs=logprobs)
 
-    def rollout(self, prompts: list, *, group_size: int, version: int) -> RolloutBatch:
+    def rollout(
+        self, prompts: list, *, group_size: int, version: int, logprobs: Literal["rescore", "generate"] | None = None
+    ) -> RolloutBatch:
         """Generate one completion per prompt with :attr:`policy` (and :attr:`env`), tag
         the rollouts with ``version`` and their group (``group_size`` consecutive prompts),
         write them into the replay buffer, and return TRL's dict. The weights are used as
-        they are."""
+        they are. ``logprobs``: as the constructor's (``None``: that one, ``"auto"``
+        rescoring: no trainer says it will not read them)."""
         if self.policy is None:
             raise ValueError("no policy yet: pass one, or call the function once with the trainer")
         if len(prompts) % group_size:
@@ -231,7 +241,9 @@ class TorchRLRolloutFunc:
             steps = [self._generate(self.policy, prompts)]
         else:
             steps = self._run_env(self.policy, prompts)
-        batch = self._to_trl(self.policy, steps)
+        if logprobs is None:
+            logprobs = "rescore" if self.logprobs == "auto" else self.logprobs
+        batch = self._to_trl(self.policy, steps, logprobs)
         self._annotate(steps, group_size, version)
         if self.replay_buffer is not None:
             for step in steps:
@@ -362,7 +374,7 @@ class TorchRLRolloutFunc:
 
     # -- TorchRL -> TRL ----------------------------------------------------------------
 
-    def _to_trl(self, policy, steps: list[TensorDictBase]) -> RolloutBatch:
+    def _to_trl(self, policy, steps: list[TensorDictBase], logprobs_mode: str = "generate") -> RolloutBatch:
         first = steps[0]
         prompt_ids = layouts.read_tokens(first, "prompt").tolist()
         completion_ids = [[] for _ in prompt_ids]
@@ -395,7 +407,7 @@ class TorchRLRolloutFunc:
                     lp = [float("nan")] + lp[1:]
                 gen_logprobs[i] += [float("nan")] * len(glue) + lp
                 previous_full[i] = p + r
-        if self.logprobs == "rescore":
+        if logprobs_mode == "rescore":
             logprobs = self._rescore(policy, prompt_ids, completion_ids)
         else:
             logprobs = gen_logprobs
@@ -453,6 +465,20 @@ class TorchRLRolloutFunc:
                 sample.set(GROUP_ID_KEY, torch.tensor(groups[i]))
                 sample.set(VERSION_KEY, torch.tensor(version))
                 sample.set(TURN_KEY, torch.tensor(turn))
+
+
+def _reads_logprobs(trainer) -> bool:
+    """Whether ``trainer`` may read the log-probs a ``rollout_func`` returns (unknown: yes):
+    TRL's vLLM importance-sampling correction, its off-policy sequence mask, or a trainer
+    class that says so (``reads_rollout_logprobs = True``)."""
+    if trainer is None:
+        return True
+    vllm_correction = getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False)
+    return bool(
+        vllm_correction
+        or getattr(trainer, "off_policy_mask_threshold", None) is not None
+        or getattr(trainer, "reads_rollout_logprobs", False)
+    )
 
 
 def _check_policy(policy) -> None:
