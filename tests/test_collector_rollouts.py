@@ -222,20 +222,6 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
     with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, timeout=60) as func:
         with pytest.raises(CollectorError, match="not running"):
             func(prompts * 4, trainer)
-    # a two-turn ChatEnv: MCAdvantage writes each episode's two steps, which would pass for
-    # a group of 2; reading them is an error naming the multi-turn episodes
-    from torchrl.objectives.llm import MCAdvantage
-
-    from torchrl_trl import RewardFunctionWrapper, testing
-
-    env = testing.make_chat_env(ROWS, max_turns=2).append_transform(RewardFunctionWrapper(_length_reward).as_transform())
-    rb = ReplayBuffer(storage=LazyStackStorage(64), transform=MCAdvantage(grpo_size=2))
-    collector = LLMCollector(env=env, policy=make_policy_wrapper(model, tok, max_new_tokens=2),
-                             dialog_turns_per_batch=4, replay_buffer=rb, track_policy_version=True,
-                             total_dialog_turns=-1)
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, timeout=60) as func:
-        with pytest.raises(ValueError, match=r"multi-turn episodes.*TorchRLRolloutFunc"):
-            func(prompts * 2, trainer)
     with pytest.raises(ValueError, match="max_staleness"):
         LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=-1)
     with pytest.raises(ValueError, match="group_size"):
@@ -326,6 +312,68 @@ def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenize
             served += 1
     assert len(rb) >= len(versions)
     rb.close()
+
+
+@pytest.mark.parametrize("yield_completed", [True, False], ids=["completed", "batches"])
+def test_two_turn_chat_env_episodes_train_as_one_sample(tmp_path, yield_completed):
+    """A two-turn ChatEnv collected by a real LLMCollector (MCAdvantage writing whole groups
+    of whole episodes) trains GRPOTrainer with one sample per episode: the row's tokens are
+    the episode's last step's full sequence, the policy's two responses are trained and the
+    tokens between them (the chat template's) are masked out of the loss."""
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+    import copy
+
+    from trl import GRPOTrainer
+
+    from test_rollout_func import _no_whitespace
+    from torchrl_trl import RewardFunctionWrapper, testing
+
+    # ChatEnv re-renders the chat each turn: a character-level tokenizer and a policy that
+    # emits no whitespace give the same ids back (as in test_rollout_func's two-turn test)
+    tok = testing.make_tokenizer(vocab_size=104)
+    model = _no_whitespace(testing.make_policy(tok, seed=3), tok)
+    own = copy.deepcopy(model)  # the collector's own weights
+    torch.manual_seed(0)
+    env = testing.make_chat_env(ROWS, batch_size=2, group_size=2, max_turns=2)
+    env = env.append_transform(RewardFunctionWrapper(_length_reward).as_transform())
+    rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=MCAdvantage(grpo_size=2))
+    collector = LLMCollector(env=env, policy=testing.make_policy_wrapper(own, tok, max_new_tokens=3),
+                             dialog_turns_per_batch=4, replay_buffer=rb, track_policy_version=True,
+                             total_dialog_turns=-1, yield_completed_trajectories=yield_completed)
+    masked = []
+
+    class MaskRecorder(GRPOTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            masked.append((inputs["completion_ids"], inputs["completion_mask"] * inputs["tool_mask"]))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
+        rollout = Recorder(func, "rollout")
+        trainer = _trainer(model, tok, rollout, Recorder(_length_reward, "reward"), tmp_path, max_steps=2,
+                           cls=MaskRecorder)
+        trainer.train()
+    assert trainer.state.global_step == 2 and len(rollout.calls) == 2
+    # the stored episodes, read independently: consecutive steps, the last one done
+    stored = rb[:]
+    done = [bool(d.all()) for d in layouts.read_column(stored, ("next", "done"))]
+    assert done == [False, True] * (len(done) // 2)  # two steps per episode, in order
+    full = layouts.read_tokens(stored, "full").tolist()
+    responses = layouts.read_tokens(stored, "response").tolist()
+    episodes = {tuple(full[i]): responses[i - 1] + responses[i] for i in range(1, len(done), 2)}
+    for _, _, batch in rollout.calls:
+        assert len(batch["completion_ids"]) == 4 and "env_mask" in batch
+        for p, c, mask in zip(batch["prompt_ids"], batch["completion_ids"], batch["env_mask"]):
+            assert tuple(p + c) in episodes  # the episode's last full sequence, token for token
+            assert [t for t, m in zip(c, mask) if m] == episodes[tuple(p + c)]  # the policy's tokens only
+            assert 0 < mask.count(0) < len(mask)
+    # TRL's loss mask (completion mask x tool mask) keeps exactly the policy's two responses
+    assert masked
+    for ids, mask in masked:
+        for row_ids, row_mask in zip(ids, mask):
+            kept = row_ids[row_mask.bool()].tolist()
+            assert kept in list(episodes.values())
 
 
 def test_buffer_reading_wraps_and_counts_overwritten_items():

@@ -401,7 +401,7 @@ def check_max_staleness(value) -> int | None:
 
 
 def _has_reward_spread(group: RolloutGroup) -> bool:
-    from .rollout_func import TORCHRL_REWARD_FIELD
+    from .episodes import TORCHRL_REWARD_FIELD
 
     rewards = group.batch.get(TORCHRL_REWARD_FIELD)
     if rewards is None:

@@ -12,8 +12,12 @@ prompt's rollouts back until its group of ``G`` is complete (a local ``ReplayBuf
    changed; with ``track_policy_version=True`` that bumps the collector's ``PolicyVersion``,
    which stamps ``policy_version`` into every rollout generated afterwards;
 2. reads what was written since its last read (``rb.stats()`` gives ``write_count`` and the
-   capacity consistently, then the new items by index), as whole groups of ``G``
-   consecutive items with the same prompt (anything else raises);
+   capacity consistently, then the new items by index), cuts it into episodes at
+   ``("next", "done")`` and the episodes into whole groups of ``G`` consecutive episodes
+   with the same prompt (anything else raises). A multi-turn ``ChatEnv`` episode is one
+   TRL sample: its turns' responses with the tokens between them masked (``env_mask``);
+   build the collector with ``yield_completed_trajectories=True`` so ``MCAdvantage``
+   receives, and writes, whole episodes;
 3. hands TRL the oldest groups whose age ``collector.policy_version - version`` is at most
    ``max_staleness``; older groups are dropped and counted, never trained on.
 
@@ -49,7 +53,8 @@ from .. import layouts
 from .._checks import WarnOnce, positive_int, positive_seconds
 from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD, check_max_staleness
 from .callback import CollectorError
-from .rollout_func import BEHAVIOUR_KEY, RolloutBatch, TorchRLRolloutFunc, _group_size
+from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, RolloutBatch, episodes_to_trl
+from .rollout_func import TorchRLRolloutFunc, _group_size
 from .staleness import read_policy_version
 
 __all__ = ["LLMCollectorRolloutFunc", "BehaviourLogProbsPostproc"]
@@ -127,9 +132,9 @@ class LLMCollectorRolloutFunc:
     Args:
         collector: a TorchRL ``LLMCollector`` or ``RayLLMCollector`` built with
             ``replay_buffer=`` (or its Ray ``client()``), ``track_policy_version=True`` and a
-            policy holding its *own* copy of the weights (single-turn episodes: one step
-            each; the steps of multi-turn episodes raise a ``ValueError`` when read).
-            Started on the first call (``collector.start()``).
+            policy holding its *own* copy of the weights; for multi-turn episodes also
+            ``yield_completed_trajectories=True``. Started on the first call
+            (``collector.start()``).
         replay_buffer: the buffer it writes into, with ``MCAdvantage(grpo_size=group_size)``
             as a write transform (so groups arrive whole), local or ``RayReplayBuffer``.
 
@@ -218,7 +223,6 @@ class LLMCollectorRolloutFunc:
         self._pending: deque[tuple[int, TensorDictBase]] = deque()
         self._pushed_step: int | None = None
         self._started = False
-        self._converter = TorchRLRolloutFunc(logprobs="generate")
 
     # -- TRL entry point ---------------------------------------------------------------
 
@@ -234,11 +238,10 @@ class LLMCollectorRolloutFunc:
             self.collector.start()
             self._started = True
         groups = self.take(len(prompts) // g)
-        steps = [_stack([td for _, td in groups])]
-        batch = self._converter._to_trl(None, steps)
-        if layouts.has_key(steps[0], BEHAVIOUR_KEY):
-            batch["logprobs"] = [v.tolist() for v in layouts.read_column(steps[0], BEHAVIOUR_KEY)]
-        batch[PROMPT_FIELD] = _prompts(steps[0])
+        episodes = [group[s:e] for _, group in groups for s, e in _episode_bounds(group)]
+        recorded = layouts.has_key(episodes[0], BEHAVIOUR_KEY)
+        batch = episodes_to_trl(episodes, logprobs_key=BEHAVIOUR_KEY if recorded else GENERATED_LOGPROBS_KEY)
+        batch[PROMPT_FIELD] = _prompts(batch.steps[0])
         ages = [self.policy_version - v for v, _ in groups]
         batch[STALENESS_FIELD] = [a for a in ages for _ in range(g)]
         self.consumed_staleness.extend(ages)
@@ -312,25 +315,16 @@ class LLMCollectorRolloutFunc:
         written, capacity = int(stats["write_count"]), stats.get("capacity")
         if written == self._cursor:
             return
-        if (written - self._cursor) % self.group_size:
-            raise ValueError(
-                f"{written - self._cursor} items were written into the buffer since the last read, not a multiple "
-                f"of group_size={self.group_size}: give the buffer MCAdvantage(grpo_size={self.group_size}) as a "
-                "write transform so each GRPO group is written whole"
-            )
         first = self._cursor if capacity is None else max(self._cursor, written - int(capacity))
         self._missed(first - self._cursor)
-        first += -(first - self._cursor) % self.group_size  # the next group boundary
-        if first < written:
-            positions = torch.arange(first, written)
-            items = self.replay_buffer[positions if capacity is None else positions % int(capacity)]
-            after = int(self.replay_buffer.stats()["write_count"])
-            if capacity is not None and after - int(capacity) > first:  # overwritten while read
-                lost = min(after - int(capacity), written) - first
-                lost += -lost % self.group_size
-                self._missed(lost)
-                items, first = items[lost:], first + lost
-            self._split(items)
+        positions = torch.arange(first, written)
+        items = self.replay_buffer[positions if capacity is None else positions % int(capacity)]
+        after = int(self.replay_buffer.stats()["write_count"])
+        if capacity is not None and after - int(capacity) > first:  # overwritten while read
+            lost = min(after - int(capacity), written) - first
+            self._missed(lost)
+            items, first = items[lost:], first + lost
+        self._split(items, aligned=first == self._cursor)
         self._cursor = written
 
     def _missed(self, n: int) -> None:
@@ -344,30 +338,54 @@ class LLMCollectorRolloutFunc:
         """Items overwritten in the buffer before they were read (never trained on)."""
         return self._warnings.counts["missed"]
 
-    def _split(self, items: TensorDictBase) -> None:
-        g = self.group_size
-        if layouts.has_key(items, layouts.DONE_KEY):
-            done = [bool(d.all()) for d in layouts.read_column(items, layouts.DONE_KEY)]
-            if not all(done):
+    def _split(self, items: TensorDictBase, *, aligned: bool) -> None:
+        """Queue the new writes ``items`` as groups ``(version, steps)``: an episode is a
+        run of steps ending at ``("next", "done")``; a group is ``G`` consecutive episodes
+        sharing ``group_key`` (their steps, one contiguous slice of ``items``).
+        ``aligned``: ``items`` starts where the last read ended (else items before it were
+        overwritten: a leading partial episode or group is skipped and counted in
+        :attr:`missed_items`)."""
+        bounds = _episode_bounds(items)
+        if not aligned:
+            bounds = self._skip_partial_episode(items, bounds)
+        g, runs = self.group_size, []
+        for start, end in bounds:
+            key = _hashable(layouts.read_column(items[start : start + 1], self.group_key)[0])
+            if runs and runs[-1][0] == key:
+                runs[-1][1].append((start, end))
+            else:
+                runs.append((key, [(start, end)]))
+        for i, (key, run) in enumerate(runs):
+            extra = len(run) % g
+            if extra and i == 0 and not aligned:  # the rest of a group whose start was overwritten
+                self._missed(run[extra][0] - run[0][0] if extra < len(run) else run[-1][1] - run[0][0])
+                run = run[extra:]
+            elif extra:
                 raise ValueError(
-                    f"item {done.index(False)} of the new writes is not the last step of its episode "
-                    f"({layouts.DONE_KEY!r} is False): the collector runs multi-turn episodes, whose "
-                    "steps MCAdvantage writes one item each, so a 'group' would be one episode's turns. "
-                    "LLMCollectorRolloutFunc trains on single-turn episodes; for multi-turn ChatEnvs use "
-                    "TorchRLRolloutFunc(policy, env=..., max_turns=...)"
+                    f"{len(run)} consecutive episodes of the new writes share {self.group_key!r}={key!r:.60}, "
+                    f"not a multiple of group_size={g}: give the buffer MCAdvantage(grpo_size={g}, "
+                    f"prompt_key={self.group_key!r}) as a write transform so each GRPO group is written whole"
                 )
-        versions = read_policy_version(items)
-        keys = layouts.read_column(items, self.group_key)
-        for start in range(0, len(keys), g):
-            ids = {_hashable(k) for k in keys[start : start + g]}
-            if len(ids) != 1:
-                raise ValueError(
-                    f"items {start}..{start + g - 1} of the new writes hold {len(ids)} different {self.group_key!r} "
-                    f"values, not one GRPO group: give the buffer MCAdvantage(grpo_size={g}, "
-                    f"prompt_key={self.group_key!r}) as a write transform"
-                )
-            self._pending.append((int(versions[start : start + g].min()), items[start : start + g]))
-            self.read_groups += 1
+            for first in range(0, len(run), g):
+                group = items[run[first][0] : run[first + g - 1][1]]
+                self._pending.append((int(read_policy_version(group).min()), group))
+                self.read_groups += 1
+
+    def _skip_partial_episode(self, items: TensorDictBase, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Drop a first episode whose first steps were overwritten (its first step is not
+        its episode's first: ``step_count`` > 0; without a ``step_count``, a multi-turn
+        first episode is dropped)."""
+        if not bounds:
+            return bounds
+        start, end = bounds[0]
+        if layouts.has_key(items, "step_count"):
+            partial = int(torch.as_tensor(layouts.read_column(items[start : start + 1], "step_count")[0]).max()) > 0
+        else:
+            partial = end - start > 1
+        if partial:
+            self._missed(end - start)
+            return bounds[1:]
+        return bounds
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -411,10 +429,25 @@ class _DeferredPostproc:
         return postproc(td)
 
 
-def _stack(groups: list[TensorDictBase]) -> TensorDictBase:
-    from tensordict import lazy_stack
+def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:
+    """``(start, end)`` of each episode in ``items`` (steps in order), cut after each step
+    whose ``("next", "done")`` is set (every item one episode without it).
 
-    return lazy_stack([td for group in groups for td in group.unbind(0)])
+    Raises:
+        ValueError: the last step does not end its episode.
+    """
+    n = items.shape[0]
+    if not layouts.has_key(items, layouts.DONE_KEY):
+        return [(i, i + 1) for i in range(n)]
+    done = [bool(d.all()) for d in layouts.read_column(items, layouts.DONE_KEY)]
+    ends = [i + 1 for i, d in enumerate(done) if d]
+    if not ends or ends[-1] != n:
+        raise ValueError(
+            f"the new writes end inside an episode (their last step has {layouts.DONE_KEY!r} False): "
+            "build the LLMCollector with yield_completed_trajectories=True and give the buffer "
+            "MCAdvantage(grpo_size=...), so whole episodes and groups are written"
+        )
+    return list(zip([0, *ends[:-1]], ends))
 
 
 def _hashable(value):

@@ -74,28 +74,12 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import WarnOnce, positive_int
+from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, turns_to_trl
 
 __all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
 
 #: Keys TRL's ``GRPOTrainer`` requires from a ``rollout_func``.
 TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
-#: Keys this module adds to each rollout item it writes into the replay buffer.
-GROUP_ID_KEY = "group_id"
-VERSION_KEY = "policy_version"
-TURN_KEY = "turn"
-#: Per-token behaviour log-probs a collector's postproc records (``collector_rollouts``).
-BEHAVIOUR_KEY = "behaviour_log_probs"
-#: Name under which the env's reward (summed over turns) reaches TRL's reward functions.
-TORCHRL_REWARD_FIELD = "torchrl_reward"
-_OWN_KEYS = frozenset({GROUP_ID_KEY, VERSION_KEY, TURN_KEY, BEHAVIOUR_KEY, "query", "_reset"})
-
-
-class RolloutBatch(dict):
-    """TRL's rollout dict (``prompt_ids``, ``completion_ids``, ``logprobs``, ``env_mask``,
-    extra fields) with the TorchRL steps it came from in :attr:`steps` (one lazy stack
-    ``[N]`` per turn)."""
-
-    steps: list[TensorDictBase]
 
 
 def _per_sample(td: TensorDictBase) -> TensorDictBase:
@@ -104,12 +88,6 @@ def _per_sample(td: TensorDictBase) -> TensorDictBase:
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0 and td.batch_dims == 1:
         return td
     return lazy_stack(list(td.reshape(-1).unbind(0)))
-
-
-def _to_python(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    return value
 
 
 class TorchRLRolloutFunc:
@@ -375,46 +353,13 @@ class TorchRLRolloutFunc:
     # -- TorchRL -> TRL ----------------------------------------------------------------
 
     def _to_trl(self, policy, steps: list[TensorDictBase], logprobs_mode: str = "generate") -> RolloutBatch:
-        first = steps[0]
-        prompt_ids = layouts.read_tokens(first, "prompt").tolist()
-        completion_ids = [[] for _ in prompt_ids]
-        env_mask = [[] for _ in prompt_ids]
-        gen_logprobs = [[] for _ in prompt_ids]
-        previous_full = [list(p) for p in prompt_ids]
-        for turn, step in enumerate(steps):
-            prompts = layouts.read_tokens(step, "prompt").tolist()
-            responses = layouts.read_tokens(step, "response").tolist()
-            lps = layouts.read_tokens(step, "response", key=("log_probs", "response")).tolist()
-            for i, (p, r, lp) in enumerate(zip(prompts, responses, lps)):
-                prev = previous_full[i]
-                if p[: len(prev)] != prev:
-                    at = next((j for j, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
-                    raise ValueError(
-                        f"sample {i}, turn {turn}: the prompt tokens do not start with the previous turn's "
-                        f"prompt + response (first difference at position {at}: the chat was re-rendered and "
-                        "re-tokenised to other ids). The sequence TRL would train on is not what the policy "
-                        "generated; use a tokenizer/chat template that round-trips, or ChatEnv(input_mode='tokens')."
-                    )
-                if len(lp) != len(r):
-                    raise ValueError(
-                        f"sample {i}, turn {turn}: {len(lp)} log-probs for {len(r)} response tokens at "
-                        "('log_probs', 'response')"
-                    )
-                glue = p[len(prev) :]
-                completion_ids[i] += glue + r
-                env_mask[i] += [0] * len(glue) + [1] * len(r)
-                if lp:  # TorchRL 0.14.1 writes 0.0 for the first generated token: unknown
-                    lp = [float("nan")] + lp[1:]
-                gen_logprobs[i] += [float("nan")] * len(glue) + lp
-                previous_full[i] = p + r
+        rows = turns_to_trl(steps)
         if logprobs_mode == "rescore":
-            logprobs = self._rescore(policy, prompt_ids, completion_ids)
-        else:
-            logprobs = gen_logprobs
-        out = RolloutBatch(prompt_ids=prompt_ids, completion_ids=completion_ids, logprobs=logprobs)
-        if len(steps) > 1 or any(0 in m for m in env_mask):
-            out["env_mask"] = env_mask
-        out.update(self._forward_fields(steps))
+            rows["logprobs"] = self._rescore(policy, rows["prompt_ids"], rows["completion_ids"])
+        out = RolloutBatch(prompt_ids=rows["prompt_ids"], completion_ids=rows["completion_ids"], logprobs=rows["logprobs"])
+        if len(steps) > 1 or any(0 in m for m in rows["env_mask"]):
+            out["env_mask"] = rows["env_mask"]
+        out.update(forward_fields(steps, self.forward_keys))
         out.steps = steps
         return out
 
@@ -437,24 +382,6 @@ class TorchRLRolloutFunc:
             scored = self._scorer(lazy_stack(rows))
         full = scored.get(("log_probs", "full"), as_list=True)
         return [lp[len(p) :].tolist() for lp, p in zip(full, prompt_ids)]
-
-    def _forward_fields(self, steps: list[TensorDictBase]) -> dict[str, list]:
-        last = steps[-1]
-        keys = self.forward_keys
-        if keys is None:
-            sample = layouts.first_member(last)
-            keys = [k for k in sample.keys() if k not in layouts.TORCHRL_ROOT_KEYS and k not in _OWN_KEYS]
-        fields = {}
-        for key in keys:
-            name = key if isinstance(key, str) else ".".join(key)
-            fields[name] = [_to_python(v) for v in layouts.read_column(last, key)]
-        if layouts.has_key(last, layouts.REWARD_KEY):
-            total = sum(
-                torch.stack([r.reshape(()) for r in layouts.read_column(s, layouts.REWARD_KEY)]).float()
-                for s in steps
-            )
-            fields[TORCHRL_REWARD_FIELD] = total.tolist()
-        return fields
 
     def _annotate(self, steps: list[TensorDictBase], group_size: int, version: int) -> None:
         n = steps[0].batch_size[0]

@@ -1,0 +1,156 @@
+"""TorchRL episodes -> the rows TRL's ``GRPOTrainer`` trains on (one row per episode).
+
+An episode is the list of its steps, as ``ChatEnv`` + ``TransformersWrapper`` produce them
+(one ``LLMCollector`` item per step): turn ``k + 1``'s prompt tokens start with turn ``k``'s
+prompt + response, the tokens in between (the chat template's end of turn, a tool's or the
+environment's reply) are not the policy's. One TRL row per episode:
+
+- ``prompt_ids``: the first turn's prompt tokens;
+- ``completion_ids``: every turn's response, with the tokens between turns;
+- ``env_mask``: 1 on the policy's tokens, 0 on those in between (TRL's tool mask);
+- ``logprobs``: per completion token, NaN where unknown (the tokens in between, and each
+  turn's first generated token when read from TorchRL 0.14.1's generation, which writes
+  0.0 there).
+
+A tokenizer or chat template that does not round-trip (turn ``k + 1``'s prompt does not
+start with turn ``k``'s sequence) raises: TRL would train on tokens the policy did not
+generate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+
+from .. import layouts
+
+__all__ = ["RolloutBatch", "episodes_to_trl", "turns_to_trl", "forward_fields"]
+
+#: Generation log-probs of the response tokens, as TorchRL's wrappers write them.
+GENERATED_LOGPROBS_KEY: NestedKey = ("log_probs", "response")
+#: Per-token behaviour log-probs a collector's postproc records (``collector_rollouts``).
+BEHAVIOUR_KEY = "behaviour_log_probs"
+#: Name under which the env's reward (summed over turns) reaches TRL's reward functions.
+TORCHRL_REWARD_FIELD = "torchrl_reward"
+GROUP_ID_KEY = "group_id"
+VERSION_KEY = "policy_version"
+TURN_KEY = "turn"
+#: Keys this package adds to rollout items: not dataset columns to forward.
+OWN_KEYS = frozenset({GROUP_ID_KEY, VERSION_KEY, TURN_KEY, BEHAVIOUR_KEY, "query", "_reset"})
+
+
+class RolloutBatch(dict):
+    """TRL's rollout dict (``prompt_ids``, ``completion_ids``, ``logprobs``, ``env_mask``,
+    extra fields) with the TorchRL steps it came from in :attr:`steps` (one lazy stack
+    ``[N]`` per turn)."""
+
+    steps: list[TensorDictBase]
+
+
+def turns_to_trl(
+    steps: Sequence[TensorDictBase], *, logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY
+) -> dict[str, list[list]]:
+    """``N`` episodes of the same number of turns, given turn by turn (``steps[t]``: the
+    ``N`` samples' turn ``t``), as TRL's ``prompt_ids``, ``completion_ids``, ``env_mask``
+    and ``logprobs`` (lists of ``N`` lists).
+
+    ``logprobs_key``: per response token, where the log-probs are read;
+    ``("log_probs", "response")`` (TorchRL's generation: its first value per turn is
+    unknown, NaN) or the complete ``"behaviour_log_probs"``.
+    """
+    prompt_ids = layouts.read_tokens(steps[0], "prompt").tolist()
+    completion_ids: list[list[int]] = [[] for _ in prompt_ids]
+    env_mask: list[list[int]] = [[] for _ in prompt_ids]
+    logprobs: list[list[float]] = [[] for _ in prompt_ids]
+    previous = [list(p) for p in prompt_ids]
+    generated = logprobs_key == GENERATED_LOGPROBS_KEY
+    for turn, step in enumerate(steps):
+        prompts = layouts.read_tokens(step, "prompt").tolist()
+        responses = layouts.read_tokens(step, "response").tolist()
+        if generated:
+            lps = layouts.read_tokens(step, "response", key=logprobs_key).tolist()
+        else:
+            lps = [torch.as_tensor(v).reshape(-1).tolist() for v in layouts.read_column(step, logprobs_key)]
+        for i, (p, r, lp) in enumerate(zip(prompts, responses, lps)):
+            prev = previous[i]
+            if p[: len(prev)] != prev:
+                at = next((j for j, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
+                raise ValueError(
+                    f"sample {i}, turn {turn}: the prompt tokens do not start with the previous turn's "
+                    f"prompt + response (first difference at position {at}: the chat was re-rendered and "
+                    "re-tokenised to other ids). The sequence TRL would train on is not what the policy "
+                    "generated; use a tokenizer/chat template that round-trips, or ChatEnv(input_mode='tokens')."
+                )
+            if len(lp) != len(r):
+                raise ValueError(
+                    f"sample {i}, turn {turn}: {len(lp)} log-probs for {len(r)} response tokens at {logprobs_key!r}"
+                )
+            if generated and lp:  # TorchRL 0.14.1 writes 0.0 for the first generated token: unknown
+                lp = [float("nan")] + lp[1:]
+            glue = p[len(prev) :]
+            completion_ids[i] += glue + r
+            env_mask[i] += [0] * len(glue) + [1] * len(r)
+            logprobs[i] += [float("nan")] * len(glue) + list(lp)
+            previous[i] = p + r
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "env_mask": env_mask, "logprobs": logprobs}
+
+
+def forward_fields(steps: Sequence[TensorDictBase], keys: Sequence[NestedKey] | None = None) -> dict[str, list]:
+    """Per-episode columns for TRL's reward functions: ``keys`` read from each episode's
+    last turn (``None``: every top-level key that is neither TorchRL's nor ours, e.g. a
+    dataset's ``"answer"``), and the env's reward summed over turns as
+    ``"torchrl_reward"`` when the steps hold one."""
+    last = steps[-1]
+    if keys is None:
+        sample = layouts.first_member(last)
+        keys = [k for k in sample.keys() if k not in layouts.TORCHRL_ROOT_KEYS and k not in OWN_KEYS]
+    fields = {}
+    for key in keys:
+        name = key if isinstance(key, str) else ".".join(key)
+        fields[name] = [_to_python(v) for v in layouts.read_column(last, key)]
+    if layouts.has_key(last, layouts.REWARD_KEY):
+        total = sum(
+            torch.stack([r.reshape(()) for r in layouts.read_column(s, layouts.REWARD_KEY)]).float() for s in steps
+        )
+        fields[TORCHRL_REWARD_FIELD] = total.tolist()
+    return fields
+
+
+def episodes_to_trl(
+    episodes: Sequence[TensorDictBase],
+    *,
+    logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY,
+    forward_keys: Sequence[NestedKey] | None = None,
+) -> RolloutBatch:
+    """One TRL row per episode (``episodes[i]``: its steps ``[T_i]``, in turn order; the
+    episodes may have different numbers of turns). ``env_mask`` is returned when some
+    completion token is not the policy's. :attr:`RolloutBatch.steps`: the episodes' first
+    steps, one lazy stack."""
+    from tensordict import lazy_stack
+
+    out = RolloutBatch(prompt_ids=[], completion_ids=[], logprobs=[])
+    masks: list[list[int]] = []
+    fields: dict[str, list] = {}
+    for episode in episodes:
+        steps = [episode[t : t + 1] for t in range(episode.shape[0])]
+        rows = turns_to_trl(steps, logprobs_key=logprobs_key)
+        for key in ("prompt_ids", "completion_ids", "logprobs"):
+            out[key] += rows[key]
+        masks += rows["env_mask"]
+        for name, values in forward_fields(steps, forward_keys).items():
+            fields.setdefault(name, []).extend(values)
+    if any(0 in m for m in masks):
+        out["env_mask"] = masks
+    out.update(fields)
+    out.steps = [lazy_stack([episode[0] for episode in episodes])]
+    return out
+
+
+def _to_python(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
