@@ -263,7 +263,7 @@ class LengthReward:
 
         class _LengthReward(Transform):
             def _step(self, tensordict, next_tensordict):
-                from torchrl_trl.online.rollout_func import _per_sample
+                from torchrl_trl.online.episodes import per_sample as _per_sample
 
                 lengths = layouts.read_tokens(_per_sample(tensordict), "response").lengths
                 next_tensordict.set("reward", (lengths.float() / 10).reshape(-1, 1, 1))
@@ -709,7 +709,7 @@ def zero_for_hello_collector(model, tok, prompts=ZERO_STD_CHATS):
     from torchrl.envs import StepCounter, Transform
     from torchrl.envs.llm import ChatEnv
     from torchrl_trl.online import AsyncGroupCollector
-    from torchrl_trl.online.rollout_func import _per_sample
+    from torchrl_trl.online.episodes import per_sample as _per_sample
     from torchrl_trl.testing import make_policy_wrapper
 
     class ZeroForHello(Transform):

@@ -3,13 +3,13 @@
 from .async_rollouts import (
     AsyncGroupCollector as AsyncGroupCollector,
     AsyncTorchRLRolloutFunc as AsyncTorchRLRolloutFunc,
-    BehaviourLogProbsMixin as BehaviourLogProbsMixin,
     GroupReplay as GroupReplay,
 )
-from .collector_rollouts import (
+from .behaviour import (
+    BehaviourLogProbsMixin as BehaviourLogProbsMixin,
     BehaviourLogProbsPostproc as BehaviourLogProbsPostproc,
-    LLMCollectorRolloutFunc as LLMCollectorRolloutFunc,
 )
+from .collector_rollouts import LLMCollectorRolloutFunc as LLMCollectorRolloutFunc
 from .callback import CollectorCallback as CollectorCallback, CollectorError as CollectorError, wait_for_items as wait_for_items
 from .metrics import CollectorMetricsCallback as CollectorMetricsCallback
 from .checkpoint import (

@@ -54,75 +54,10 @@ from .._checks import WarnOnce, positive_int, positive_seconds
 from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD, check_max_staleness
 from .callback import CollectorError
 from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, RolloutBatch, episodes_to_trl
-from .rollout_func import TorchRLRolloutFunc, _group_size
+from .rollout_func import _group_size
 from .staleness import read_policy_version
 
-__all__ = ["LLMCollectorRolloutFunc", "BehaviourLogProbsPostproc"]
-
-
-class BehaviourLogProbsPostproc:
-    """``LLMCollector(postproc=...)`` that records the behaviour log-probs: each response
-    token's log-prob under the weights that generated it, by TorchRL's scoring path
-    (``generate=False``) on the exact sequence, in the collector's thread right after
-    generation, written at ``"behaviour_log_probs"`` (float ``[n_response_tokens]`` per
-    sample). :class:`LLMCollectorRolloutFunc` returns them as ``logprobs`` (no unknown
-    first token), so :class:`~torchrl_trl.online.BehaviourLogProbsMixin` can correct stale
-    groups.
-
-    Args:
-        policy: the collector's policy (the same object: its model holds the generating
-            weights). For a collector that builds its policy (``RayLLMCollector`` with a
-            ``policy_factory``), use :meth:`for_factory` instead.
-
-    :attr:`lock` is held while scoring; :meth:`LLMCollectorRolloutFunc.push` holds it while
-    TorchRL loads new weights, so no score mixes two weight versions.
-
-    Example (on one policy call, as the collector calls it after each rollout batch):
-
-    >>> import torch
-    >>> from tensordict import TensorDict
-    >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
-    >>> tok = make_tokenizer()
-    >>> policy = make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3, input_mode="text")
-    >>> _ = torch.manual_seed(0)
-    >>> out = BehaviourLogProbsPostproc(policy)(policy(TensorDict({"text": {"prompt": ["hi", "hello"]}}, [2])))
-    >>> generated = out[0]["log_probs", "response"]  # TorchRL 0.14.1: 0.0 for the first token
-    >>> behaviour = out[0]["behaviour_log_probs"]
-    >>> generated[0].item(), behaviour[0].item() < 0, torch.allclose(behaviour[1:], generated[1:], atol=1e-4)
-    (0.0, True, True)
-    """
-
-    def __init__(self, policy):
-        import threading
-
-        self.policy = policy
-        self.lock = threading.Lock()
-        self._scorer = TorchRLRolloutFunc(policy, logprobs="rescore")
-
-    @classmethod
-    def for_factory(cls, policy_factory):
-        """``(policy_factory, postproc)`` for a collector that builds its policy where it
-        runs (a Ray actor): the returned factory builds the policy with ``policy_factory``
-        and hands it to the returned postproc, which scores with it. Pass both to the same
-        collector (``make_ray_collector(env_factory, factory, rb, postproc=postproc, ...)``).
-        There, a weight push is not serialised with scoring (no shared lock across the
-        actor's threads): keep ``max_staleness >= 1``."""
-        import uuid
-
-        token = uuid.uuid4().hex
-        return _RecordingFactory(policy_factory, token), _DeferredPostproc(token)
-
-    def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        from .rollout_func import _per_sample
-
-        td = _per_sample(td)
-        prompts = layouts.read_tokens(td, "prompt").tolist()
-        responses = layouts.read_tokens(td, "response").tolist()
-        with self.lock:
-            scored = self._scorer._rescore(self.policy, prompts, responses)
-        for sample, lp in zip(td.tensordicts, scored):
-            sample.set(BEHAVIOUR_KEY, torch.tensor(lp, dtype=torch.float32))
-        return td
+__all__ = ["LLMCollectorRolloutFunc"]
 
 
 class LLMCollectorRolloutFunc:
@@ -399,34 +334,6 @@ class LLMCollectorRolloutFunc:
 
     def __exit__(self, *exc):
         self.close()
-
-
-#: policies built by :meth:`BehaviourLogProbsPostproc.for_factory` factories, in this process
-_BUILT_POLICIES: dict = {}
-
-
-class _RecordingFactory:
-    def __init__(self, factory, token: str):
-        self.factory, self.token = factory, token
-
-    def __call__(self):
-        policy = self.factory()
-        _BUILT_POLICIES[self.token] = BehaviourLogProbsPostproc(policy)
-        return policy
-
-
-class _DeferredPostproc:
-    def __init__(self, token: str):
-        self.token = token
-
-    def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        postproc = _BUILT_POLICIES.get(self.token)
-        if postproc is None:
-            raise RuntimeError(
-                "BehaviourLogProbsPostproc.for_factory: the postproc runs in a process whose collector did not "
-                "build its policy with the paired factory; give both to the same collector"
-            )
-        return postproc(td)
 
 
 def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:

@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase, lazy_stack
 from tensordict.utils import NestedKey
 
 from .. import layouts
 
-__all__ = ["RolloutBatch", "episodes_to_trl", "turns_to_trl", "forward_fields"]
+__all__ = ["RolloutBatch", "episodes_to_trl", "forward_fields", "per_sample", "turns_to_trl"]
 
 #: Generation log-probs of the response tokens, as TorchRL's wrappers write them.
 GENERATED_LOGPROBS_KEY: NestedKey = ("log_probs", "response")
@@ -49,6 +49,14 @@ class RolloutBatch(dict):
     ``[N]`` per turn)."""
 
     steps: list[TensorDictBase]
+
+
+def per_sample(td: TensorDictBase) -> TensorDictBase:
+    """``td`` ``[B]`` as a lazy stack of ``B`` per-sample TensorDicts, the form
+    ``LazyStackStorage`` stores, so each turn's samples can be regrouped and written."""
+    if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0 and td.batch_dims == 1:
+        return td
+    return lazy_stack(list(td.reshape(-1).unbind(0)))
 
 
 def turns_to_trl(
@@ -130,8 +138,6 @@ def episodes_to_trl(
     episodes may have different numbers of turns). ``env_mask`` is returned when some
     completion token is not the policy's. :attr:`RolloutBatch.steps`: the episodes' first
     steps, one lazy stack."""
-    from tensordict import lazy_stack
-
     out = RolloutBatch(prompt_ids=[], completion_ids=[], logprobs=[])
     masks: list[list[int]] = []
     fields: dict[str, list] = {}

@@ -74,20 +74,13 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import WarnOnce, positive_int
-from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, turns_to_trl
+from .behaviour import ResponseScorer
+from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, turns_to_trl
 
 __all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
 
 #: Keys TRL's ``GRPOTrainer`` requires from a ``rollout_func``.
 TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
-
-
-def _per_sample(td: TensorDictBase) -> TensorDictBase:
-    """``td`` ``[B]`` as a lazy stack of ``B`` per-sample TensorDicts, the form
-    ``LazyStackStorage`` stores, so each turn's samples can be regrouped and written."""
-    if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0 and td.batch_dims == 1:
-        return td
-    return lazy_stack(list(td.reshape(-1).unbind(0)))
 
 
 class TorchRLRolloutFunc:
@@ -294,7 +287,7 @@ class TorchRLRolloutFunc:
 
     def _generate(self, policy, prompts: list) -> TensorDictBase:
         td = _policy_input(policy, prompts)
-        return _per_sample(policy(td))
+        return per_sample(policy(td))
 
     def _run_env(self, policy, prompts: list) -> list[TensorDictBase]:
         env = self.env
@@ -337,7 +330,7 @@ class TorchRLRolloutFunc:
                 step = env.step(td)
             else:
                 step, td = env.step_and_maybe_reset(td)
-            step = _per_sample(step)
+            step = per_sample(step)
             steps.append(step)
             done = step.get(layouts.DONE_KEY).reshape(-1)
             if done.all():
@@ -355,33 +348,15 @@ class TorchRLRolloutFunc:
     def _to_trl(self, policy, steps: list[TensorDictBase], logprobs_mode: str = "generate") -> RolloutBatch:
         rows = turns_to_trl(steps)
         if logprobs_mode == "rescore":
-            rows["logprobs"] = self._rescore(policy, rows["prompt_ids"], rows["completion_ids"])
+            if self._scorer is None or self._scorer.model is not policy.model:
+                self._scorer = ResponseScorer(policy)
+            rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
         out = RolloutBatch(prompt_ids=rows["prompt_ids"], completion_ids=rows["completion_ids"], logprobs=rows["logprobs"])
         if len(steps) > 1 or any(0 in m for m in rows["env_mask"]):
             out["env_mask"] = rows["env_mask"]
         out.update(forward_fields(steps, self.forward_keys))
         out.steps = steps
         return out
-
-    def _rescore(self, policy, prompt_ids, completion_ids) -> list[list[float]]:
-        """Per-token log-probs of ``completion_ids`` given ``prompt_ids``, by TorchRL's
-        scoring path (``generate=False``) on the exact sequences."""
-        if self._scorer is None or self._scorer.model is not policy.model:
-            # an explicit copy of tokenizer_kwargs: TorchRL 0.14.1's get_new_version(pad_output=...)
-            # otherwise writes padding=False into the *original* policy's dict, and its text mode
-            # then fails on prompts of different lengths
-            self._scorer = policy.get_new_version(
-                generate=False, input_mode="tokens", input_key=("tokens", "full"), pad_output=False,
-                tokenizer_kwargs=dict(policy.tokenizer_kwargs),
-            )
-        rows = [
-            TensorDict({"tokens": {"full": torch.tensor(p + c, dtype=torch.long)}})
-            for p, c in zip(prompt_ids, completion_ids)
-        ]
-        with torch.no_grad():
-            scored = self._scorer(lazy_stack(rows))
-        full = scored.get(("log_probs", "full"), as_list=True)
-        return [lp[len(p) :].tolist() for lp, p in zip(full, prompt_ids)]
 
     def _annotate(self, steps: list[TensorDictBase], group_size: int, version: int) -> None:
         n = steps[0].batch_size[0]
