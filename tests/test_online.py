@@ -119,8 +119,9 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
     collector_model, _ = _load(checkpoints)  # the collector's own copy
     rb = ReplayBuffer(storage=LazyStackStorage(1024))
     collector = _collector(collector_model, tok, rb)
-    used = []  # the weights each generation ran on (a forward pass of the collector's model)
-    collector_model.register_forward_pre_hook(lambda module, args: used.append(_fingerprint(module)))
+    used = []  # (version, weights) each generation pass ran on (a forward of the collector's model)
+    collector_model.register_forward_pre_hook(
+        lambda module, args: used.append((collector.policy_version, _fingerprint(module))))
     pushed = [_fingerprint(collector_model)]  # version 0: the initial weights
     cb = CollectorCallback(collector, background=True, update_weights_every=1, min_buffer_size=4, wait_timeout=120)
     ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
@@ -144,10 +145,11 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
         trainer.train()
     assert trainer.state.global_step == steps and cb.weight_updates == steps
     assert len(set(pushed)) == steps + 1  # each push changed the weights
-    half = len(set(used) - set(pushed))
-    assert used and not half, f"{half} generation passes ran on weights that were never pushed (half-copied)"
-    versions = {int(v) for v in layouts.read_column(rb[:], ("next", "policy_version"))}
-    assert max(versions) >= steps - 1 and len(versions) >= 3  # rollouts from weights pushed in training
+    # generation ran at every version (after each push the trainer waited for a new batch),
+    # each pass on exactly the weights pushed at the version the collector reported
+    assert {v for v, _ in used} == set(range(steps + 1))
+    wrong = sum(fp != pushed[v] for v, fp in used)
+    assert not wrong, f"{wrong} generation passes ran on weights other than their version's (half-copied)"
     assert CheckPushes.writes == sorted(CheckPushes.writes)
 
 

@@ -55,6 +55,7 @@ from tensordict import lazy_stack
 
 from .._checks import WarnOnce, non_negative_int, positive_int, positive_seconds
 from .callback import CollectorError
+from .staleness import check_max_staleness
 from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
 
 __all__ = ["AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "GroupReplay", "RolloutGroup"]
@@ -393,11 +394,6 @@ class GroupReplay:
             entry[1] += 1
         self.reused += len(out)
         return out
-
-
-def check_max_staleness(value) -> int | None:
-    """A staleness bound: an int >= 0, or ``None`` for none."""
-    return None if value is None else non_negative_int(value, "max_staleness")
 
 
 def _has_reward_spread(group: RolloutGroup) -> bool:

@@ -18,6 +18,7 @@ from ._buffers import local_sampler
 from .metrics import CollectorMetricsCallback, collector_policy_version, insert_before_reporters
 from .ray import is_ray_collector
 from .staleness import StalenessFilter
+from .weights import push_weights
 
 #: consecutive collector batches that write nothing before ``collect`` gives up
 _MAX_EMPTY_BATCHES = 64
@@ -400,8 +401,6 @@ class CollectorCallback(TrainerCallback):
 
     def push_weights(self, model: torch.nn.Module) -> None:
         """Send ``model``'s weights to the collector's policy now (and bump its version)."""
-        from tensordict import TensorDict
-
         if self._shares_model(model):
             if self.background:
                 self._warnings.add(
@@ -413,17 +412,7 @@ class CollectorCallback(TrainerCallback):
             with self._lock:
                 self.collector.increment_version()
         else:
-            if self.weights_fn is not None:
-                weights = self.weights_fn(model)
-            else:
-                weights = TensorDict.from_module(model).data
-                if self.remote:
-                    weights = weights.cpu()
-                inner = getattr(getattr(self.collector, "policy", None), "model", None)
-                if self.remote or isinstance(inner, torch.nn.Module):
-                    weights = TensorDict({"model": weights}, batch_size=[])
-            with self._lock:
-                self.collector.update_policy_weights_(weights)
+            push_weights(self.collector, model, weights_fn=self.weights_fn, lock=self._lock)
         self.weight_updates += 1
         self._sync_versions()
 

@@ -42,20 +42,20 @@ what they are at worst, one version old.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from .. import layouts
 from .._checks import WarnOnce, positive_int, positive_seconds
-from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD, check_max_staleness
+from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD
 from .callback import CollectorError
 from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, RolloutBatch, episodes_to_trl
 from .rollout_func import _group_size
-from .staleness import read_policy_version
+from .staleness import check_max_staleness, read_policy_version
+from .weights import push_weights
 
 __all__ = ["LLMCollectorRolloutFunc"]
 
@@ -187,10 +187,7 @@ class LLMCollectorRolloutFunc:
     def push(self, model: torch.nn.Module) -> int:
         """Send ``model``'s weights to the collector's policy through
         ``collector.update_policy_weights_`` and return the collector's new policy version."""
-        weights = TensorDict({"model": TensorDict.from_module(model).data.cpu()}, batch_size=[])
-        postproc = getattr(self.collector, "postproc", None)
-        with getattr(postproc, "lock", contextlib.nullcontext()):
-            self.collector.update_policy_weights_(weights)
+        push_weights(self.collector, model, lock=getattr(getattr(self.collector, "postproc", None), "lock", None))
         self.weight_pushes += 1
         self.policy_version = self._collector_version()
         return self.policy_version

@@ -25,11 +25,16 @@ from tensordict.utils import NestedKey
 
 from .._checks import WarnOnce, non_negative_int
 
-__all__ = ["StalenessFilter", "read_policy_version", "VERSION_KEYS"]
+__all__ = ["StalenessFilter", "check_max_staleness", "read_policy_version", "VERSION_KEYS"]
 
 #: where TorchRL puts the version: the step's ("next", ...) entry is the version at
 #: generation time; the root entry is the version when the prompt was reset.
 VERSION_KEYS: tuple[NestedKey, ...] = (("next", "policy_version"), "policy_version")
+
+
+def check_max_staleness(value) -> int | None:
+    """A staleness bound: an int >= 0, or ``None`` for none."""
+    return None if value is None else non_negative_int(value, "max_staleness")
 
 
 def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSION_KEYS) -> torch.Tensor:
