@@ -12,7 +12,10 @@ One process, one tiny policy (CPU by default), fixed prompts and seeds; each mod
    samples/s counts trained samples, reuses included; the line also gives how many were fresh.
 5. ``llm-collector``: ``LLMCollectorRolloutFunc`` draining the groups a TorchRL
    ``LLMCollector`` thread (own weights, ``ChatEnv``) writes through ``MCAdvantage``
-   (``max_staleness=1``; weights through ``collector.update_policy_weights_``).
+   (``max_staleness=1``; weights through ``collector.update_policy_weights_``);
+6. ``llm-collector-ray``: the same collector in a ``RayLLMCollector`` actor (its own
+   process, 1 thread) writing into a ``RayReplayBuffer``; the trainer gets the other
+   ``--cores - 1`` threads. Equal cores: the synchronous modes get all ``--cores``.
 
 Prints samples/s, the fraction of the training wall time the trainer waited for rollouts
 (time inside ``GRPOTrainer._generate`` for the synchronous modes; time blocked on the
@@ -46,7 +49,7 @@ POLICY_SIZES = {
     "25m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
             "num_attention_heads": 8, "num_key_value_heads": 4},
 }
-MODES = ("trl", "torchrl", "async", "async-reuse", "llm-collector")
+MODES = ("trl", "torchrl", "async", "async-reuse", "llm-collector", "llm-collector-ray")
 
 
 def make_trainer(mode, ckpt, tok, args, out_dir):
@@ -72,6 +75,8 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     func = None
     if mode == "llm-collector":
         func = _llm_collector_func(ckpt, tok, args)
+    if mode == "llm-collector-ray":
+        func = _ray_collector_func(ckpt, args)
     if mode == "torchrl":
         func = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=args.max_new_tokens))
     elif mode in ("async", "async-reuse"):
@@ -132,22 +137,63 @@ def _bigger_policy(tok, root, config: dict) -> str:
     return path
 
 
+def _ray_env(args):  # runs in the collector actor
+    from torchrl_trl import RewardFunctionWrapper
+    from torchrl_trl.testing import make_chat_env
+
+    env = make_chat_env([{"query": q} for q in QUESTIONS], batch_size=args.batch, group_size=args.group)
+    return env.append_transform(RewardFunctionWrapper(_reward).as_transform())
+
+
+def _ray_policy(ckpt, args):  # runs in the collector actor: one thread there
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torchrl_trl.testing import make_policy_wrapper
+
+    torch.set_num_threads(1)
+    return make_policy_wrapper(AutoModelForCausalLM.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt),
+                               max_new_tokens=args.max_new_tokens)
+
+
+def _reward(completion_ids, **kw):
+    return [float(sum(c) % 7) for c in completion_ids]
+
+
+def _ray_collector_func(ckpt, args):
+    from functools import partial
+
+    import ray
+    from torchrl.objectives.llm import MCAdvantage
+
+    from torchrl_trl.online import LLMCollectorRolloutFunc
+    from torchrl_trl.online.ray import make_ray_collector, make_ray_replay_buffer
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=args.cores, include_dashboard=False, log_to_driver=False)
+    rb = make_ray_replay_buffer(100_000, transform_factory=partial(MCAdvantage, grpo_size=args.group))
+    collector = make_ray_collector(partial(_ray_env, args), partial(_ray_policy, ckpt, args), rb,
+                                   dialog_turns_per_batch=args.batch, num_cpus=1)
+    return LLMCollectorRolloutFunc(collector, rb, group_size=args.group, max_staleness=1, timeout=600)
+
+
 def run(mode, ckpt, tok, args):
     torch.manual_seed(0)
+    # equal cores: the generator actor has one, the trainer the rest; sync modes all of them
+    torch.set_num_threads(max(args.cores - 1, 1) if mode == "llm-collector-ray" else args.cores)
     with tempfile.TemporaryDirectory() as out_dir:
         trainer, func = make_trainer(mode, ckpt, tok, args, out_dir)
         start = time.perf_counter()
         try:
             trainer.train()
         finally:
-            if mode.startswith("async") or mode == "llm-collector":
+            if mode.startswith("async") or mode.startswith("llm-collector"):
                 func.close()
         wall = time.perf_counter() - start
-    waited = {"llm-collector": getattr(func, "wait_s", 0.0)}.get(mode)
+    waited = getattr(func, "wait_s", 0.0) if mode.startswith("llm-collector") else None
     if waited is None:
         waited = func.collector.wait_s if mode.startswith("async") else trainer.generate_s
     extra = ""
-    if mode == "llm-collector":
+    if mode.startswith("llm-collector"):
         extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {func.dropped_stale_groups} "
                  f"of {func.read_groups} groups read")
     if mode.startswith("async"):
@@ -166,13 +212,12 @@ def main():
     p.add_argument("--batch", type=int, default=16, help="completions per step")
     p.add_argument("--group", type=int, default=4, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cores", type=int, default=2, help="CPU threads in all (see llm-collector-ray)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--policy-size", choices=sorted(POLICY_SIZES), default="tiny",
                    help="tiny: the test suite's policy; 25m: about 25M parameters, where generation dominates")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     from tensordict import set_list_to_stack
     from transformers import AutoTokenizer
@@ -186,14 +231,16 @@ def main():
     if POLICY_SIZES[args.policy_size]:
         ckpt = _bigger_policy(tok, root, POLICY_SIZES[args.policy_size])
     print(f"{args.steps} GRPO steps x {args.batch} completions ({args.group}/prompt), "
-          f"{args.max_new_tokens} new tokens, {args.threads} thread(s), {args.device}")
+          f"{args.max_new_tokens} new tokens, {args.cores} cores, {args.device}")
     modes = ["trl", *(m for m in args.modes.split(",") if m != "trl")]
     results = {mode: run(mode, ckpt, tok, args) for mode in modes}
     base = results["trl"][0]
     print("ratios vs trl (samples/s): " + ", ".join(f"{m} {r[0] / base:.2f}x" for m, r in results.items()))
-    ratio = {m: f"{results[m][0] / base:.2f}" if m in results else "n/a" for m in ("async", "torchrl")}
-    idle = f"{results['async'][1]:.2f}" if "async" in results else "n/a"
-    print(f"ratio async/trl={ratio['async']} sync/trl={ratio['torchrl']} idle={idle}")
+    # the async engine: the collector in its own process when it ran, else the thread one
+    engine = next((m for m in ("llm-collector-ray", "llm-collector", "async") if m in results), None)
+    ratio = {m: f"{results[m][0] / base:.2f}" if m in results else "n/a" for m in (engine, "torchrl")}
+    idle = f"{results[engine][1]:.2f}" if engine else "n/a"
+    print(f"ratio async/trl={ratio[engine]} sync/trl={ratio['torchrl']} idle={idle} (async: {engine})")
 
 
 if __name__ == "__main__":
