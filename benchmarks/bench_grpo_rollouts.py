@@ -195,7 +195,7 @@ def run(mode, ckpt, tok, args):
     extra = ""
     if mode.startswith("llm-collector"):
         extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {func.dropped_stale_groups} "
-                 f"of {func.read_groups} groups read")
+                 f"of {func.read_groups} groups read, pushing weights {100 * func.push_s / wall:.1f}%")
     if mode.startswith("async"):
         c = func.collector
         extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {c.dropped_stale_groups} "

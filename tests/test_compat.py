@@ -12,18 +12,43 @@ from torchrl.data import LazyTensorStorage, ListStorage, ReplayBuffer
 from torchrl_trl import _compat
 
 
+class _RecordingLock:
+    """A re-entrant lock that records which calls took it."""
+
+    def __init__(self):
+        self._lock, self.taken = threading.RLock(), 0
+
+    def acquire(self, *args, **kwargs):
+        got = self._lock.acquire(*args, **kwargs)
+        self.taken += bool(got)
+        return got
+
+    def release(self):
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 def test_replay_lock_holds_writers_and_samplers_back():
+    """The lock _compat hands out is the one TorchRL's writes and samples take: holding it
+    holds them back."""
     rb = ReplayBuffer(storage=ListStorage(8), batch_size=1)
     rb.add(torch.tensor(0))
-    done = []
-    with _compat.replay_lock(rb):
-        writer = threading.Thread(target=lambda: done.append(rb.add(torch.tensor(1))))
-        sampler = threading.Thread(target=lambda: done.append(rb.sample()))
-        writer.start(), sampler.start()
-        writer.join(0.3), sampler.join(0.3)
-        assert writer.is_alive() and sampler.is_alive() and not done and len(rb) == 1
-    writer.join(5), sampler.join(5)
-    assert len(done) == 2 and len(rb) == 2
+    lock = rb._replay_lock = _RecordingLock()  # the private attribute _compat reads
+    assert _compat.replay_lock(rb) is lock
+    rb.add(torch.tensor(1))
+    assert lock.taken >= 1
+    taken = lock.taken
+    rb.sample()
+    assert lock.taken > taken and len(rb) == 2
+    with _compat.replay_lock(rb):  # held here: another thread cannot take it
+        other = []
+        probe = threading.Thread(target=lambda: other.append(lock.acquire(blocking=False)))
+        probe.start(), probe.join()
+        assert other == [False]
 
 
 @pytest.fixture(scope="module")

@@ -96,14 +96,17 @@ def test_callback_collects_pushes_weights_and_logs(checkpoints, tmp_path):
     assert seen and all(tuple(t) in stored for t in seen)
 
 
-def _fingerprint(model) -> tuple[float, ...]:
-    """One float per parameter tensor (a fixed pseudo-random projection of it): equal for
-    equal weights, different for a copy that is stale or half-written."""
-    out = []
-    for i, p in enumerate(model.parameters()):
-        probe = torch.randn(p.numel(), generator=torch.Generator().manual_seed(i), dtype=torch.float64)
-        out.append(float(p.detach().reshape(-1).double() @ probe))
-    return tuple(out)
+class _Fingerprint:
+    """``fp(model)``: one float per parameter tensor (a fixed pseudo-random projection of
+    it), equal for equal weights, different for a copy that is stale or half-written."""
+
+    def __init__(self, model):
+        self.probes = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+                       for i, p in enumerate(model.parameters())]
+
+    def __call__(self, model) -> tuple[float, ...]:
+        with torch.no_grad():
+            return tuple(float(p.reshape(-1).double() @ q) for p, q in zip(model.parameters(), self.probes))
 
 
 @pytest.mark.timeout(300)
@@ -118,11 +121,19 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
     trainer_model, tok = _load(checkpoints)
     collector_model, _ = _load(checkpoints)  # the collector's own copy
     rb = ReplayBuffer(storage=LazyStackStorage(1024))
+    fingerprint = _Fingerprint(collector_model)
+    used = []  # per generate call: (version, weights) when it began and when it ended
+    generate = collector_model.generate
+
+    def recording_generate(*args, **kwargs):
+        begin = (collector.policy_version, fingerprint(collector_model))
+        out = generate(*args, **kwargs)
+        used.append((begin, (collector.policy_version, fingerprint(collector_model))))
+        return out
+
+    collector_model.generate = recording_generate  # what the collector's TransformersWrapper calls
     collector = _collector(collector_model, tok, rb)
-    used = []  # (version, weights) each generation pass ran on (a forward of the collector's model)
-    collector_model.register_forward_pre_hook(
-        lambda module, args: used.append((collector.policy_version, _fingerprint(module))))
-    pushed = [_fingerprint(collector_model)]  # version 0: the initial weights
+    pushed = [fingerprint(collector_model)]  # version 0: the initial weights
     cb = CollectorCallback(collector, background=True, update_weights_every=1, min_buffer_size=4, wait_timeout=120)
     ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
 
@@ -133,7 +144,7 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
             assert cb.policy_version == collector.policy_version == state.global_step
             for name, p in model.named_parameters():
                 torch.testing.assert_close(collector_model.get_parameter(name), p, rtol=0, atol=0, msg=name)
-            pushed.append(_fingerprint(model))
+            pushed.append(fingerprint(model))
             # the collector keeps writing while the trainer trains: wait for its next batch
             self.writes.append(_next_write(rb, cb))
 
@@ -146,10 +157,11 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
     assert trainer.state.global_step == steps and cb.weight_updates == steps
     assert len(set(pushed)) == steps + 1  # each push changed the weights
     # generation ran at every version (after each push the trainer waited for a new batch),
-    # each pass on exactly the weights pushed at the version the collector reported
-    assert {v for v, _ in used} == set(range(steps + 1))
-    wrong = sum(fp != pushed[v] for v, fp in used)
-    assert not wrong, f"{wrong} generation passes ran on weights other than their version's (half-copied)"
+    # each batch from start to end on exactly the weights pushed at the version it reports
+    assert {v for (v, _), _ in used} == set(range(steps + 1))
+    changed = sum(begin != end for begin, end in used)
+    wrong = sum(fp != pushed[v] for pair in used for v, fp in pair)
+    assert not changed and not wrong, f"{changed} batches saw the weights change, {wrong} states were never pushed"
     assert CheckPushes.writes == sorted(CheckPushes.writes)
 
 

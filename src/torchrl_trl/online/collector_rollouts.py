@@ -96,7 +96,7 @@ class LLMCollectorRolloutFunc:
     Attributes:
         read_groups, consumed_groups, dropped_stale_groups, missed_items, weight_pushes:
             counters; ``consumed_staleness``: the age of every group returned, in order;
-            ``wait_s``: seconds spent waiting for (and reading) groups.
+            ``wait_s``: seconds spent waiting for (and reading) groups; ``push_s``: pushing weights.
 
     Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read;
     ``tests/test_collector_rollouts.py`` runs ``GRPOTrainer.train()``, locally and on Ray):
@@ -151,6 +151,7 @@ class LLMCollectorRolloutFunc:
         self._warnings = WarnOnce()
         self.weight_pushes = 0
         self.wait_s = 0.0
+        self.push_s = 0.0
         self.consumed_staleness: list[int] = []
         self.policy_version = 0
         self.__name__ = type(self).__name__
@@ -187,7 +188,9 @@ class LLMCollectorRolloutFunc:
     def push(self, model: torch.nn.Module) -> int:
         """Send ``model``'s weights to the collector's policy through
         ``collector.update_policy_weights_`` and return the collector's new policy version."""
+        start = time.monotonic()
         push_weights(self.collector, model, lock=getattr(getattr(self.collector, "postproc", None), "lock", None))
+        self.push_s += time.monotonic() - start
         self.weight_pushes += 1
         self.policy_version = self._collector_version()
         return self.policy_version
