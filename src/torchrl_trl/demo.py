@@ -100,7 +100,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     from torchrl_trl import testing
 
-    from .cli import resolve_model_dir
+    from .model_paths import resolve_model_dir
 
     # refuse a missing path, a hub id while offline or a pickle-only checkpoint up front
     policy_arg = None if cfg.policy is None else resolve_model_dir(cfg.policy, "policy")

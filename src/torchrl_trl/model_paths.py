@@ -1,0 +1,70 @@
+"""Model checkpoints given by path or hub id, checked before anything is loaded: a local
+directory written by ``save_pretrained`` with safetensors weights (pickle-only checkpoints
+are refused), or a hub id downloaded when online. Used by the CLI and the demo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+__all__ = ["CLIError", "resolve_model_dir"]
+
+#: how a Hugging Face hub id looks (``name`` or ``org/name``)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class CLIError(Exception):
+    """A user error: printed as ``torchrl-trl: error: ...`` with exit status 2, no traceback."""
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def resolve_model_dir(value: str | os.PathLike, what: str) -> Path:
+    """A local checkpoint directory for ``value`` (a directory, or a hub id downloaded when
+    online), checked to hold safetensors weights: pickle-only checkpoints
+    (``pytorch_model.bin``) are refused before anything is loaded.
+
+    Raises :class:`CLIError` naming ``what`` (e.g. ``"--policy"``) and what was expected.
+    """
+    text = os.fspath(value)
+    path = Path(text).expanduser()
+    if not path.exists():
+        looks_like_hub_id = _HUB_ID.match(text) is not None and not text.startswith((".", "~"))
+        if not looks_like_hub_id:
+            raise CLIError(f"{what}: no such directory: {text!r}")
+        if _offline():
+            raise CLIError(
+                f"{what}: {text!r} is not a local directory, and the Hugging Face hub is offline "
+                "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set). Download it where the network is "
+                f"reachable ('hf download {text} --local-dir DIR') and pass DIR, or unset the "
+                "offline variables to download it here."
+            )
+        path = _download(text, what)
+    if not path.is_dir():
+        raise CLIError(f"{what}: {text!r} is a file; expected a checkpoint directory (config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise CLIError(f"{what}: {text!r} holds no config.json; expected a directory written by save_pretrained")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        found = f" (found {', '.join(pickles)}: pickle, which can run code when loaded)" if pickles else ""
+        raise CLIError(
+            f"{what}: {text!r} holds no *.safetensors weights{found}. torchrl-trl loads models by "
+            "path from safetensors only, with trust_remote_code=False. Convert it in a process that "
+            "trusts the file: AutoModel...from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)."
+        )
+    return path
+
+
+def _download(repo_id: str, what: str) -> Path:
+    """Download the safetensors weights, config and tokenizer files of ``repo_id``."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise CLIError(f"{what}: could not download {repo_id!r} from the Hugging Face hub: {err}") from err
