@@ -281,3 +281,18 @@ def _get_dense(td: TensorDictBase, key: NestedKey) -> Any:
 def leaf_keys(td: TensorDictBase) -> list[NestedKey]:
     """Every leaf key of ``td`` (tensors and non-tensor data), in a stable order."""
     return [to_nested_key(k) for k in layouts.available_keys(td)]
+
+
+def prompt_response_ids(td: TensorDictBase) -> tuple[layouts.Ragged, layouts.Ragged]:
+    """Each row's prompt then response tokens (padding removed), and a 0/1 int64 mask that
+    is 1 on the response: two :class:`~torchrl_trl.layouts.Ragged` of the same lengths."""
+    prompt, response = read_token_ids(td, "prompt"), read_token_ids(td, "response")
+    lengths = prompt.lengths + response.lengths
+    # interleave prompt and response tokens row by row with index arithmetic
+    starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+    within = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
+    is_completion = within >= prompt.lengths.repeat_interleave(lengths)
+    values = torch.empty(int(lengths.sum()), dtype=prompt.values.dtype)
+    values[~is_completion] = prompt.values
+    values[is_completion] = response.values
+    return layouts.Ragged(values, lengths), layouts.Ragged(is_completion.long(), lengths)

@@ -33,8 +33,8 @@ from tensordict import TensorDictBase
 
 from .. import layouts
 from . import features as F
-from .columns import array_rows
-from .formats import BufferFormat, get_format, prompt_response_ids, register_format
+from .columns import array_rows, prompt_response_ids
+from .registry import BufferFormat, register_format
 
 __all__ = ["CHOSEN_KEY", "LABEL_KEY", "MARGIN_KEY", "REJECTED_KEY"]
 
@@ -168,9 +168,4 @@ for _fmt in (
                  "prompt/completion messages and a desirable label (KTOTrainer, unpaired)"),
 ):
     register_format(_fmt)
-
-for _name, _base in (("rloo", "grpo"), ("rloo_conversational", "grpo_conversational")):
-    _b = get_format(_base)
-    register_format(BufferFormat(_name, _b.required_keys, _b.convert, _b.features,
-                                 _b.description.replace("GRPOTrainer/RLOOTrainer", "RLOOTrainer, as GRPO")))
-del _fmt, _name, _base, _b
+del _fmt

@@ -17,7 +17,7 @@ from .columns import (
     ColumnSpec, column_name, leaf_keys, missing_key_error, read_key, read_key_columnar, to_nested_key,
 )
 from .features import infer_feature
-from .formats import BufferFormat, check_format, get_format
+from .formats import BufferFormat, check_format, get_format  # the registry, with every built-in format
 
 __all__ = ["RowColumns"]
 
