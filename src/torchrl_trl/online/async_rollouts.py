@@ -55,8 +55,9 @@ from tensordict import lazy_stack
 
 from .._checks import WarnOnce, non_negative_int, positive_int, positive_seconds
 from .callback import CollectorError
-from .staleness import check_max_staleness
+from .episodes import TORCHRL_REWARD_FIELD
 from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
+from .staleness import check_max_staleness
 
 __all__ = ["AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "GroupReplay", "RolloutGroup"]
 
@@ -397,8 +398,6 @@ class GroupReplay:
 
 
 def _has_reward_spread(group: RolloutGroup) -> bool:
-    from .episodes import TORCHRL_REWARD_FIELD
-
     rewards = group.batch.get(TORCHRL_REWARD_FIELD)
     if rewards is None:
         raise KeyError(
@@ -528,5 +527,3 @@ class AsyncTorchRLRolloutFunc:
 
     def __exit__(self, *exc):
         self.close()
-
-

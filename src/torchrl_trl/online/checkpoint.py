@@ -540,4 +540,3 @@ class BufferCheckpointCallback(TrainerCallback):
             tracker.version = int(meta["policy_version"])
         self.restored_from = str(path)
         return control
-

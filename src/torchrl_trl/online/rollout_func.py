@@ -69,7 +69,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDict, TensorDictBase, lazy_stack
 from tensordict.utils import NestedKey
 
 from .. import layouts

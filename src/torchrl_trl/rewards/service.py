@@ -548,4 +548,3 @@ class RewardServiceClient:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.model_path!r}, actor_name={self.actor_name!r})"
-
