@@ -67,9 +67,9 @@ class LLMCollectorRolloutFunc:
     Args:
         collector: a TorchRL ``LLMCollector`` or ``RayLLMCollector`` built with
             ``replay_buffer=`` (or its Ray ``client()``), ``track_policy_version=True`` and a
-            policy holding its *own* copy of the weights; for multi-turn episodes also
-            ``yield_completed_trajectories=True``. Started on the first call
-            (``collector.start()``).
+            policy holding its *own* copy of the weights (multi-turn episodes:
+            ``yield_completed_trajectories=True`` hands ``MCAdvantage`` whole episodes
+            whatever the batch size). Started on the first call (``collector.start()``).
         replay_buffer: the buffer it writes into, with ``MCAdvantage(grpo_size=group_size)``
             as a write transform (so groups arrive whole), local or ``RayReplayBuffer``.
 
@@ -283,9 +283,10 @@ class LLMCollectorRolloutFunc:
         bounds = _episode_bounds(items)
         if not aligned:
             bounds = self._skip_partial_episode(items, bounds)
+        keys = layouts.read_column(items, self.group_key)
         g, runs = self.group_size, []
         for start, end in bounds:
-            key = _hashable(layouts.read_column(items[start : start + 1], self.group_key)[0])
+            key = _hashable(keys[start])
             if runs and runs[-1][0] == key:
                 runs[-1][1].append((start, end))
             else:
@@ -293,7 +294,7 @@ class LLMCollectorRolloutFunc:
         for i, (key, run) in enumerate(runs):
             extra = len(run) % g
             if extra and i == 0 and not aligned:  # the rest of a group whose start was overwritten
-                self._missed(run[extra][0] - run[0][0] if extra < len(run) else run[-1][1] - run[0][0])
+                self._missed(run[extra - 1][1] - run[0][0])
                 run = run[extra:]
             elif extra:
                 raise ValueError(

@@ -28,7 +28,7 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 
-__all__ = ["RolloutBatch", "episodes_to_trl", "forward_fields", "per_sample", "turns_to_trl"]
+__all__ = ["RolloutBatch", "episodes_to_trl", "forward_fields", "per_sample", "rollout_batch", "turns_to_trl"]
 
 #: Generation log-probs of the response tokens, as TorchRL's wrappers write them.
 GENERATED_LOGPROBS_KEY: NestedKey = ("log_probs", "response")
@@ -128,32 +128,44 @@ def forward_fields(steps: Sequence[TensorDictBase], keys: Sequence[NestedKey] | 
     return fields
 
 
+def rollout_batch(rows: dict[str, list[list]], fields: dict[str, list], steps: list[TensorDictBase]) -> RolloutBatch:
+    """TRL's rollout dict from :func:`turns_to_trl` rows and :func:`forward_fields`;
+    ``env_mask`` only where some completion token is not the policy's."""
+    out = RolloutBatch(prompt_ids=rows["prompt_ids"], completion_ids=rows["completion_ids"], logprobs=rows["logprobs"])
+    if any(0 in m for m in rows["env_mask"]):
+        out["env_mask"] = rows["env_mask"]
+    out.update(fields)
+    out.steps = steps
+    return out
+
+
 def episodes_to_trl(
     episodes: Sequence[TensorDictBase],
     *,
     logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY,
     forward_keys: Sequence[NestedKey] | None = None,
 ) -> RolloutBatch:
-    """One TRL row per episode (``episodes[i]``: its steps ``[T_i]``, in turn order; the
-    episodes may have different numbers of turns). ``env_mask`` is returned when some
-    completion token is not the policy's. :attr:`RolloutBatch.steps`: the episodes' first
-    steps, one lazy stack."""
-    out = RolloutBatch(prompt_ids=[], completion_ids=[], logprobs=[])
-    masks: list[list[int]] = []
+    """One TRL row per episode, in order (``episodes[i]``: its steps ``[T_i]``, in turn
+    order; episodes of the same length are converted together). :attr:`RolloutBatch.steps`:
+    the episodes' first steps, one lazy stack."""
+    n = len(episodes)
+    by_length: dict[int, list[int]] = {}
+    for i, episode in enumerate(episodes):
+        by_length.setdefault(episode.shape[0], []).append(i)
+    rows: dict[str, list] = {key: [None] * n for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs")}
     fields: dict[str, list] = {}
-    for episode in episodes:
-        steps = [episode[t : t + 1] for t in range(episode.shape[0])]
-        rows = turns_to_trl(steps, logprobs_key=logprobs_key)
-        for key in ("prompt_ids", "completion_ids", "logprobs"):
-            out[key] += rows[key]
-        masks += rows["env_mask"]
-        for name, values in forward_fields(steps, forward_keys).items():
-            fields.setdefault(name, []).extend(values)
-    if any(0 in m for m in masks):
-        out["env_mask"] = masks
-    out.update(fields)
-    out.steps = [lazy_stack([episode[0] for episode in episodes])]
-    return out
+    for n_turns, index in by_length.items():
+        steps = [lazy_stack([episodes[i][t] for i in index]) for t in range(n_turns)]
+        for key, values in turns_to_trl(steps, logprobs_key=logprobs_key).items():
+            _scatter(rows[key], index, values)
+        for key, values in forward_fields(steps, forward_keys).items():
+            _scatter(fields.setdefault(key, [None] * n), index, values)
+    return rollout_batch(rows, fields, [lazy_stack([episode[0] for episode in episodes])])
+
+
+def _scatter(out: list, index: list[int], values: list) -> None:
+    for i, value in zip(index, values):
+        out[i] = value
 
 
 def _to_python(value: Any) -> Any:

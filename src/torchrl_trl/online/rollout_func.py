@@ -75,7 +75,7 @@ from tensordict.utils import NestedKey
 from .. import layouts
 from .._checks import WarnOnce, positive_int
 from .behaviour import ResponseScorer
-from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, turns_to_trl
+from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, rollout_batch, turns_to_trl
 
 __all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
 
@@ -202,8 +202,9 @@ class TorchRLRolloutFunc:
         """Generate one completion per prompt with :attr:`policy` (and :attr:`env`), tag
         the rollouts with ``version`` and their group (``group_size`` consecutive prompts),
         write them into the replay buffer, and return TRL's dict. The weights are used as
-        they are. ``logprobs``: as the constructor's (``None``: that one, ``"auto"``
-        rescoring: no trainer says it will not read them)."""
+        they are. ``logprobs``: ``"rescore"`` or ``"generate"`` for this call; ``None``: the
+        constructor's, ``"auto"`` then rescoring (no trainer here to say it will not read
+        them)."""
         if self.policy is None:
             raise ValueError("no policy yet: pass one, or call the function once with the trainer")
         if len(prompts) % group_size:
@@ -351,12 +352,7 @@ class TorchRLRolloutFunc:
             if self._scorer is None or self._scorer.model is not policy.model:
                 self._scorer = ResponseScorer(policy)
             rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
-        out = RolloutBatch(prompt_ids=rows["prompt_ids"], completion_ids=rows["completion_ids"], logprobs=rows["logprobs"])
-        if len(steps) > 1 or any(0 in m for m in rows["env_mask"]):
-            out["env_mask"] = rows["env_mask"]
-        out.update(forward_fields(steps, self.forward_keys))
-        out.steps = steps
-        return out
+        return rollout_batch(rows, forward_fields(steps, self.forward_keys), steps)
 
     def _annotate(self, steps: list[TensorDictBase], group_size: int, version: int) -> None:
         n = steps[0].batch_size[0]
