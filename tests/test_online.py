@@ -71,7 +71,7 @@ def test_callback_collects_pushes_weights_and_logs(checkpoints, tmp_path):
 
     with cb:
         trainer = Recording(model=trainer_model, args=_sft_args(tmp_path, 3), train_dataset=ds.as_hf_dataset(),
-                            processing_class=tok, callbacks=[cb])
+                            processing_class=tok, callbacks=[cb, CollectorMetricsCallback(cb)])
         trainer.train()
 
     # each step: optimizer step -> weights pushed (version + 1) -> one batch collected with them
@@ -177,33 +177,51 @@ def _next_write(rb, cb, timeout=120.0) -> int:
 
 
 @pytest.mark.timeout(120)
-def test_metrics_callback_composes_with_a_silent_collector_callback(checkpoints, tmp_path):
-    """Collection and metrics as two callbacks: the collector callback logs nothing, the
-    metrics callback reports on it under its own prefix."""
+def test_collector_callback_logs_nothing_its_metrics_callback_logs(checkpoints, tmp_path):
+    """Collection and metrics are two callbacks: the collector callback alone adds nothing
+    to the logs, a CollectorMetricsCallback beside it reports on it under its own prefix;
+    the keywords that moved to it still work for one release, with a DeprecationWarning."""
     from trl import SFTTrainer
 
     trainer_model, tok = _load(checkpoints)
     collector_model, _ = _load(checkpoints)
     rb = ReplayBuffer(storage=LazyStackStorage(64))
     collector = _collector(collector_model, tok, rb)
-    cb = CollectorCallback(collector, log_metrics=False, min_buffer_size=4)
+    cb = CollectorCallback(collector, min_buffer_size=4)
     assert cb.metrics_callback is None and not cb.remote  # a local LLMCollector is not a Ray one
-    metrics = CollectorMetricsCallback(cb, log_prefix="c/", log_buffer_staleness=False)
     cb.collect(4)
     ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
-    with cb:
+
+    def train(*callbacks):
         trainer = SFTTrainer(model=trainer_model, args=_sft_args(tmp_path, 2), train_dataset=ds.as_hf_dataset(),
-                             processing_class=tok, callbacks=[cb, metrics])
+                             processing_class=tok, callbacks=list(callbacks))
         trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert [h["c/weight_updates"] for h in logs] == [1, 2]
-    assert [h["c/policy_version"] for h in logs] == [1, 2]
-    assert [h["c/buffer_size"] for h in logs] == [8, 12] == [h["c/write_count"] for h in logs]
-    assert not any(k.startswith("collector/") or k.startswith("staleness/") for h in logs for k in h)
-    with pytest.raises(RuntimeError, match="CollectorMetricsCallback"):
+        return [h for h in trainer.state.log_history if "loss" in h]
+
+    with cb:
+        logs = train(cb)
+    assert not any(k.startswith(("collector/", "staleness/", "c/")) for h in logs for k in h)
+    assert collector.policy_version == 2  # it did its own job: two pushes
+    with cb:
+        logs = train(cb, CollectorMetricsCallback(cb, log_prefix="c/", log_buffer_staleness=False))
+    assert [h["c/weight_updates"] for h in logs] == [3, 4]
+    assert [h["c/policy_version"] for h in logs] == [3, 4]
+    assert [h["c/buffer_size"] for h in logs] == [h["c/write_count"] for h in logs] == [len(rb) - 4, len(rb)]
+    assert not any(k.startswith(("collector/", "staleness/")) for h in logs for k in h)
+    with pytest.raises(RuntimeError, match=r"CollectorMetricsCallback\(cb\)"):
         cb.metrics()
-    with pytest.raises(ValueError, match="CollectorMetricsCallback"):
+
+    # deprecated: the callback builds and feeds the metrics callback itself
+    with pytest.warns(DeprecationWarning, match=r"CollectorCallback\(log_prefix=...\) is deprecated.*"
+                                               r"CollectorMetricsCallback\(cb, log_prefix=...\)"):
+        old = CollectorCallback(collector, log_prefix="old/", min_buffer_size=0)
+    with old:
+        logs = train(old)
+    assert [h["old/policy_version"] for h in logs] == [5, 6] and old.metrics()["old/policy_version"] == 6
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"logs nothing.*'log_prefix'"):
         CollectorCallback(collector, log_metrics=False, log_prefix="x/")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'log_metric'"):
+        CollectorCallback(collector, log_metric=False)
     with pytest.raises(ValueError, match="replay_buffer="):
         CollectorMetricsCallback()
 

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.data import TorchRLBufferDataset  # noqa: E402
-from torchrl_trl.online import CollectorCallback, CollectorError, wait_for_items  # noqa: E402
+from torchrl_trl.online import CollectorCallback, CollectorError, CollectorMetricsCallback, wait_for_items  # noqa: E402
 from torchrl_trl.online.ray import is_ray_collector, make_ray_collector, make_ray_replay_buffer  # noqa: E402
 
 ROWS = [{"query": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
@@ -95,6 +95,7 @@ def test_ray_collector_feeds_trainer_then_faults(ray_session, tmp_path):
                          report_to=[], logging_steps=1, save_strategy="no", dataloader_num_workers=0)
         trainer = Recording(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
         cb.attach(trainer)
+        CollectorMetricsCallback(cb).attach(trainer)
         trainer.add_callback(AfterLastPush())  # after cb: cb's step-3 push comes first
         trainer.train()
         assert trainer.state.global_step == 3

@@ -8,7 +8,15 @@ import numbers
 import warnings
 from collections import Counter
 
-__all__ = ["WarnOnce", "key_tuple", "non_negative_int", "positive_int", "positive_seconds", "strip_next"]
+__all__ = [
+    "WarnOnce",
+    "key_tuple",
+    "moved_keywords",
+    "non_negative_int",
+    "positive_int",
+    "positive_seconds",
+    "strip_next",
+]
 
 
 def positive_int(value, name: str, *, allow_none: bool = False):
@@ -113,3 +121,31 @@ class WarnOnce:
         self.counts[reason] += n
         if first:
             warnings.warn(f"{message} (warning once)", self.category, stacklevel=stacklevel)
+
+
+def moved_keywords(owner: str, kwargs: dict, moved: dict[str, str]) -> dict:
+    """Accept the keywords of ``kwargs`` that moved elsewhere for one more release: each
+    one given warns with a ``DeprecationWarning`` naming its new home (``moved[name]``).
+    A keyword that never existed is a ``TypeError``, as Python raises for any call.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     moved_keywords("Thing", {"old": 1}, {"old": "pass it to Other(old=...)"})
+    {'old': 1}
+    >>> print(caught[0].category.__name__, caught[0].message)
+    DeprecationWarning Thing(old=...) is deprecated and goes in the next release: pass it to Other(old=...)
+    >>> moved_keywords("Thing", {"typo": 1}, {"old": "..."})
+    Traceback (most recent call last):
+    ...
+    TypeError: Thing() got an unexpected keyword argument 'typo'
+    """
+    for name in kwargs:
+        if name not in moved:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+        warnings.warn(
+            f"{owner}({name}=...) is deprecated and goes in the next release: {moved[name]}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return dict(kwargs)

@@ -2,7 +2,7 @@
 
 - :class:`CollectorCallback` (``transformers.TrainerCallback``): collect between optimizer
   steps or in the background, push weights; :class:`CollectorMetricsCallback`: log buffer
-  size / throughput / staleness (``CollectorCallback`` adds one unless ``log_metrics=False``).
+  size / throughput / staleness (a second callback beside it: ``CollectorMetricsCallback(cb)``).
 - :class:`StalenessFilter`: drop or down-weight rows older than ``max_staleness`` versions.
 - :func:`update_priorities`, :class:`TensorPrioritizedSampler`: priority feedback.
 - :class:`BufferCheckpointCallback`, :func:`save_buffer`, :func:`load_buffer`: the buffer

@@ -1,6 +1,7 @@
 """``CollectorCallback``: run a TorchRL collector alongside a Hugging Face / TRL trainer
-(collect, push weights, wait for data, surface collector errors). What it logs is
-:class:`~torchrl_trl.online.metrics.CollectorMetricsCallback`'s job."""
+(collect, push weights, wait for data, surface collector errors). It logs nothing: the
+collector's metrics are :class:`~torchrl_trl.online.metrics.CollectorMetricsCallback`'s job,
+a second callback beside it."""
 
 from __future__ import annotations
 
@@ -13,15 +14,22 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .._checks import WarnOnce, non_negative_int, positive_int, positive_seconds
+from .._checks import WarnOnce, moved_keywords, non_negative_int, positive_int, positive_seconds
 from ._buffers import local_sampler
-from .metrics import CollectorMetricsCallback, collector_policy_version, insert_before_reporters
+from .metrics import CollectorMetricsCallback, insert_before_reporters
 from .ray import is_ray_collector
-from .staleness import StalenessFilter
+from .staleness import StalenessFilter, collector_policy_version
 from .weights import push_weights
 
 #: consecutive collector batches that write nothing before ``collect`` gives up
 _MAX_EMPTY_BATCHES = 64
+
+#: keywords that configured the metrics this callback used to log, and where they went
+_MOVED_TO_METRICS = {
+    "log_metrics": "the metrics are logged by a second callback: trainer.add_callback(CollectorMetricsCallback(cb))",
+    "log_buffer_staleness": "pass it to CollectorMetricsCallback(cb, log_buffer_staleness=...)",
+    "log_prefix": "pass it to CollectorMetricsCallback(cb, log_prefix=...)",
+}
 
 __all__ = ["CollectorCallback", "CollectorError", "wait_for_items"]
 
@@ -128,17 +136,14 @@ class CollectorCallback(TrainerCallback):
             ``consumer_version`` follows the collector's policy version. A buffer sampler
             with a ``consumer_version`` (TorchRL's ``StalenessAwareSampler``) is kept in
             step too.
-        log_metrics: also log the collector's metrics: the callback makes a
-            :class:`CollectorMetricsCallback` (``metrics_callback``) and forwards the
-            trainer's logs to it. ``False``: log nothing here (add your own
-            ``CollectorMetricsCallback(cb)`` to the trainer, or none).
-        log_buffer_staleness, log_prefix: passed to that ``CollectorMetricsCallback``
-            (only with ``log_metrics=True``).
         shutdown_on_end: shut a local collector down in :meth:`close`.
 
-    Logged at each trainer log (``log_metrics=True``): see
-    :class:`CollectorMetricsCallback`. To have reporting integrations (wandb, tensorboard)
-    see them, add the callback with :meth:`attach`, which places it before them.
+    The collector's numbers (buffer size, throughput, policy version, staleness) are logged
+    by a second callback, ``CollectorMetricsCallback(cb)``, added beside this one as any
+    TRL callback is; its :meth:`~CollectorMetricsCallback.attach` places it before the
+    reporting integrations (wandb, tensorboard) so they see them. ``log_metrics=``,
+    ``log_buffer_staleness=`` and ``log_prefix=`` (this callback built and fed one) still
+    work for one release, with a ``DeprecationWarning``.
 
     Use as a context manager (or call :meth:`close`) so a failed ``train()`` still stops
     the background collection.
@@ -155,7 +160,7 @@ class CollectorCallback(TrainerCallback):
     >>> with CollectorCallback(collector, min_buffer_size=2) as cb:
     ...     cb.collect(4), len(rb)              # what trainer steps do between optimizer steps
     ...     cb.push_weights(policy.model)       # the trainer's model is the policy's: version + 1
-    ...     collector.policy_version, cb.metrics_callback.metrics()["collector/write_count"]
+    ...     collector.policy_version, CollectorMetricsCallback(cb).metrics()["collector/write_count"]
     (4, 4)
     (1, 4)
     """
@@ -173,21 +178,15 @@ class CollectorCallback(TrainerCallback):
         update_weights_every: int = 1,
         weights_fn: Callable[[torch.nn.Module], Any] | None = None,
         staleness: StalenessFilter | None = None,
-        log_metrics: bool = True,
-        log_buffer_staleness: bool = True,
-        log_prefix: str = "collector/",
         shutdown_on_end: bool = False,
+        **moved,
     ) -> None:
+        moved = moved_keywords("CollectorCallback", moved, _MOVED_TO_METRICS)
         rb = replay_buffer if replay_buffer is not None else getattr(collector, "replay_buffer", None)
         if rb is None:
             raise ValueError(
                 "CollectorCallback: the collector has no replay_buffer; build it with "
                 "replay_buffer=... (the buffer the dataset reads) or pass replay_buffer=."
-            )
-        if not log_metrics and (log_buffer_staleness is not True or log_prefix != "collector/"):
-            raise ValueError(
-                "CollectorCallback: log_buffer_staleness= and log_prefix= configure the metrics this callback "
-                "logs, and log_metrics=False logs none; pass them to CollectorMetricsCallback(cb, ...) instead"
             )
         self.collector = collector
         self.replay_buffer = rb
@@ -215,11 +214,12 @@ class CollectorCallback(TrainerCallback):
         self._started_remote = False
         self._warnings = WarnOnce()
         self._hung: threading.Thread | None = None  # a sync batch that outlived wait_timeout
-        self.metrics_callback: CollectorMetricsCallback | None = (
-            CollectorMetricsCallback(self, log_buffer_staleness=log_buffer_staleness, log_prefix=log_prefix)
-            if log_metrics
-            else None
-        )
+        # deprecated: the callback built a CollectorMetricsCallback and forwarded its events
+        self.metrics_callback: CollectorMetricsCallback | None = None
+        if moved and moved.pop("log_metrics", True):
+            self.metrics_callback = CollectorMetricsCallback(self, **moved)
+        elif moved:
+            raise ValueError(f"CollectorCallback: log_metrics=False logs nothing that {sorted(moved)} could configure")
 
     # ------------------------------------------------------------------
     # collecting
@@ -467,10 +467,10 @@ class CollectorCallback(TrainerCallback):
         return control
 
     def metrics(self) -> dict[str, float]:
-        """The collector metrics of :attr:`metrics_callback` (see
-        :class:`CollectorMetricsCallback`)."""
+        """Deprecated: the metrics of the ``CollectorMetricsCallback`` built for
+        ``log_metrics=True``; call ``CollectorMetricsCallback(cb).metrics()``."""
         if self.metrics_callback is None:
-            raise RuntimeError("CollectorCallback(log_metrics=False) keeps no metrics; use a CollectorMetricsCallback")
+            raise RuntimeError("CollectorCallback keeps no metrics; they are CollectorMetricsCallback(cb).metrics()")
         return self.metrics_callback.metrics()
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -4,26 +4,15 @@ throughput, policy version, staleness), one ``TrainerCallback`` for that one con
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
 
-from .staleness import VERSION_KEYS, StalenessFilter, read_policy_version
+from .staleness import VERSION_KEYS, StalenessFilter, collector_policy_version, read_policy_version
 
-if TYPE_CHECKING:
-    from .callback import CollectorCallback
-
-__all__ = ["CollectorMetricsCallback", "collector_policy_version", "insert_before_reporters"]
+__all__ = ["CollectorMetricsCallback", "insert_before_reporters"]
 
 #: how many of the newest stored items ``staleness/buffer_*`` reads
 _STALENESS_WINDOW = 4096
-
-
-def collector_policy_version(collector) -> int | None:
-    """The collector's ``policy_version`` (an int with ``track_policy_version=True``), or
-    ``None`` when it does not track one."""
-    version = getattr(collector, "policy_version", None)
-    return version if isinstance(version, int) else None
 
 
 def insert_before_reporters(trainer, callback):
@@ -39,10 +28,12 @@ class CollectorMetricsCallback(TrainerCallback):
     ``trainer.state.log_history``).
 
     Args:
-        collection: the :class:`CollectorCallback` running the collector; the buffer, the
-            collector and the staleness filter default to its own, and its
-            ``collect_seconds`` / ``weight_updates`` are logged. ``None``: pass
-            ``replay_buffer=`` (e.g. a buffer a Ray collector fills on its own).
+        collection: the :class:`~torchrl_trl.online.callback.CollectorCallback` running the
+            collector (anything with its ``replay_buffer``, ``collector``, ``staleness``,
+            ``collect_seconds`` and ``weight_updates``); the buffer, the collector and the
+            staleness filter default to its own, and its ``collect_seconds`` /
+            ``weight_updates`` are logged. ``None``: pass ``replay_buffer=`` (e.g. a buffer a
+            Ray collector fills on its own).
 
     Keyword Args:
         replay_buffer: the buffer to measure (default ``collection.replay_buffer``).
@@ -60,8 +51,8 @@ class CollectorMetricsCallback(TrainerCallback):
     ``collection``), ``<prefix>policy_version``, ``staleness/*`` (see
     :class:`StalenessFilter`), ``staleness/buffer_mean`` and ``staleness/buffer_max``.
 
-    :class:`CollectorCallback` makes one for you (``log_metrics=True``, its default); build
-    one yourself to log a collector the callback does not run, or to place it apart.
+    Add it beside the ``CollectorCallback`` (``callbacks=[cb, CollectorMetricsCallback(cb)]``
+    or :meth:`attach`), or on its own to log a collector no callback runs.
 
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
@@ -76,7 +67,7 @@ class CollectorMetricsCallback(TrainerCallback):
 
     def __init__(
         self,
-        collection: CollectorCallback | None = None,
+        collection=None,
         *,
         replay_buffer=None,
         collector=None,

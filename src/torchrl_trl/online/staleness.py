@@ -25,7 +25,7 @@ from tensordict.utils import NestedKey
 
 from .._checks import WarnOnce, non_negative_int
 
-__all__ = ["StalenessFilter", "check_max_staleness", "read_policy_version", "VERSION_KEYS"]
+__all__ = ["StalenessFilter", "check_max_staleness", "collector_policy_version", "read_policy_version", "VERSION_KEYS"]
 
 #: where TorchRL puts the version: the step's ("next", ...) entry is the version at
 #: generation time; the root entry is the version when the prompt was reset.
@@ -35,6 +35,13 @@ VERSION_KEYS: tuple[NestedKey, ...] = (("next", "policy_version"), "policy_versi
 def check_max_staleness(value) -> int | None:
     """A staleness bound: an int >= 0, or ``None`` for none."""
     return None if value is None else non_negative_int(value, "max_staleness")
+
+
+def collector_policy_version(collector) -> int | None:
+    """The collector's ``policy_version`` (an int with ``track_policy_version=True``), or
+    ``None`` when it does not track one."""
+    version = getattr(collector, "policy_version", None)
+    return version if isinstance(version, int) else None
 
 
 def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSION_KEYS) -> torch.Tensor:
