@@ -114,7 +114,9 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
     """``background=True``: the collector thread keeps generating while the trainer steps;
     each push hands it the trainer's weights whole (the collector's parameters equal the
     trainer's at the version it reports), and every generation ran on one whole pushed
-    state, never on a half-copied one."""
+    state, never on a half-copied one. A push waits for the batch in flight only: the
+    collector thread does not take the lock again before it (it did: Python's Lock is not
+    fair, and a push once waited while 6,000 items were written)."""
     from transformers import TrainerCallback
     from trl import SFTTrainer
 
@@ -137,10 +139,17 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
     cb = CollectorCallback(collector, background=True, update_weights_every=1, min_buffer_size=4, wait_timeout=120)
     ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
 
+    written_during_push = []
+
+    class BeforePush(TrainerCallback):  # runs before cb's push
+        def on_step_end(self, args, state, control, **kwargs):
+            written_during_push.append(rb.write_count)
+
     class CheckPushes(TrainerCallback):  # runs after cb's push, in the trainer's thread
         writes = []
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
+            written_during_push[-1] = rb.write_count - written_during_push[-1]
             assert cb.policy_version == collector.policy_version == state.global_step
             for name, p in model.named_parameters():
                 torch.testing.assert_close(collector_model.get_parameter(name), p, rtol=0, atol=0, msg=name)
@@ -152,9 +161,11 @@ def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoin
     with cb:
         cb.collect(4)  # the dataset needs data to declare its features
         trainer = SFTTrainer(model=trainer_model, args=_sft_args(tmp_path, steps), train_dataset=ds.as_hf_dataset(),
-                             processing_class=tok, callbacks=[cb, CheckPushes()])
+                             processing_class=tok, callbacks=[BeforePush(), cb, CheckPushes()])
         trainer.train()
     assert trainer.state.global_step == steps and cb.weight_updates == steps
+    # one collector batch is dialog_turns_per_batch=4 items: at most the one in flight
+    assert len(written_during_push) == steps and max(written_during_push) <= 4, written_during_push
     assert len(set(pushed)) == steps + 1  # each push changed the weights
     # generation ran at every version (after each push the trainer waited for a new batch),
     # each batch from start to end on exactly the weights pushed at the version it reports
