@@ -1,8 +1,12 @@
-"""``torchrl-trl`` through its entry point, on buffers a real LLMCollector filled and
-``save_buffer`` wrote (a ragged ``LazyStackStorage`` and a padded ``LazyTensorStorage``)."""
+"""``torchrl-trl`` on buffers a real LLMCollector filled and ``save_buffer`` wrote (a ragged
+``LazyStackStorage`` and a padded ``LazyTensorStorage``): through the installed console
+script where a test says ``script=True``, else through ``torchrl_trl.cli.main`` in this
+process (the same parser and commands, without a fresh interpreter's imports per call)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -22,10 +26,20 @@ SCRIPT = Path(sys.executable).parent / "torchrl-trl"  # the console script pip i
 
 
 def run(*args: str, script: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``torchrl-trl ARGS`` (the installed script) or ``python -m torchrl_trl ARGS``, offline."""
-    cmd = [str(SCRIPT)] if script else [sys.executable, "-m", "torchrl_trl"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    """``torchrl-trl ARGS``, offline: the installed script in a subprocess (``script=True``)
+    or ``main(ARGS)`` here, its exit status and output captured alike."""
+    if script:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    from torchrl_trl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse and parser.exit
+            code = exit_.code
+    return subprocess.CompletedProcess(["torchrl-trl", *args], code or 0, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
