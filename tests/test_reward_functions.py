@@ -10,6 +10,7 @@ import torch
 from torchrl_trl import layouts
 from torchrl_trl.rewards.function_transform import RewardFunctionTransform
 from torchrl_trl.rewards.functions import RewardFunctionWrapper
+from torchrl_trl.rewards.reward_transform import RewardTransform
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
 
 ROWS = [
@@ -300,7 +301,7 @@ def test_attached_to_an_env_a_call_still_scores_and_the_old_attachment_says_what
     model, tok = policy_and_tokenizer
     scorer = RewardFunctionWrapper(n_ids)
     transform = scorer.as_transform()
-    assert isinstance(transform, RewardFunctionTransform) and transform.scorer is scorer
+    assert isinstance(transform, RewardTransform) and transform.scorer is scorer
     env = make_chat_env(ROWS).append_transform(transform)
     data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=2)[:]
     expected = torch.tensor(

@@ -1,5 +1,5 @@
 """HFRewardTransform on a replay buffer (score once on write, ahead of MCAdvantage) and
-on a ChatEnv (single- and multi-turn)."""
+on a ChatEnv (single- and multi-turn); RewardTransform with any scorer."""
 
 import pytest
 import torch
@@ -190,3 +190,55 @@ def test_scorer_kinds(checkpoints):
         HFRewardTransform(42)
     with pytest.raises(TypeError, match="use_ray_service=True serves the reward model from a local path"):
         HFRewardTransform(by_path.scorer, use_ray_service=True)
+
+
+class _ResponseLength:
+    """A scorer of the user's own: the four members RewardTransform reads, nothing else."""
+
+    in_keys = [("tokens", "response")]
+    out_keys = ["length_reward"]
+    reward_shape = "step"
+
+    def score_outputs(self, td, columns_td=None):
+        return [torch.tensor([float(len(t)) for t in layouts.read_tokens(td.reshape(-1), "response").tolist()])]
+
+
+def test_one_reward_transform_for_any_scorer(checkpoints, policy_and_tokenizer):
+    """RewardTransform runs a reward model, reward functions and a scorer of the user's own
+    the same way: in a ChatEnv's step (adding up with accumulate=True) and on a buffer's
+    write, each value equal to the scorer applied to that rollout alone."""
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+
+    from torchrl_trl.rewards import RewardFunctionWrapper, RewardTransform
+
+    def answer_in_response(prompts, completions, answer, **kwargs):
+        return [float(a in c) for c, a in zip(completions, answer)]
+
+    model, tok = policy_and_tokenizer
+    path = checkpoints.reward_model_other_tokenizer
+    env = make_chat_env(ROWS)
+    env = env.append_transform(RewardTransform(_scorer(path, tok), reward_shape="step"))
+    env = env.append_transform(RewardTransform(RewardFunctionWrapper(answer_in_response), accumulate=True))
+    env = env.append_transform(RewardTransform(_ResponseLength()))
+    assert {"reward", "length_reward"} <= set(env.full_reward_spec.keys())
+    data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)[:]
+    responses = layouts.read_text(data, "response")
+    model_part = _history_reference(path, layouts.read_history(data, "full"))
+    function_part = torch.tensor([float(a in r) for r, a in zip(responses, layouts.read_column(data, "answer"))])
+    rewards = torch.stack(data.get(("next", "reward"), as_list=True)).reshape(-1)
+    torch.testing.assert_close(rewards, model_part + function_part, atol=1e-5, rtol=0)
+    lengths = torch.stack(data.get(("next", "length_reward"), as_list=True))
+    assert lengths.shape == (4, 1, 1)
+    assert lengths.reshape(-1).tolist() == [float(len(t)) for t in layouts.read_tokens(data, "response").tolist()]
+
+    rb = ReplayBuffer(storage=LazyStackStorage(8), batch_size=2)
+    calls = []
+    scorer = _ResponseLength()
+    scorer.score_outputs = lambda td, columns_td=None: calls.append(len(td)) or _ResponseLength.score_outputs(scorer, td)
+    rb.append_transform(RewardTransform(scorer, reward_key="again"))
+    rb.extend(data.exclude(("next", "length_reward")))
+    torch.testing.assert_close(torch.stack(rb[:].get(("next", "again"), as_list=True)), lengths)
+    rb.sample()  # sampling does not score again
+    assert calls == [4]
+    with pytest.raises(TypeError, match=r"needs in_keys, out_keys, reward_shape, score_outputs.*no \['score_outputs'\]"):
+        RewardTransform(type("Unfinished", (), {"in_keys": [], "out_keys": ["r"], "reward_shape": "flat"})())

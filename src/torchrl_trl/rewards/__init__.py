@@ -1,6 +1,7 @@
 """Rewards, both ways: Hugging Face reward models and TRL reward functions in TorchRL, and
 TorchRL rewards as TRL ``reward_funcs``.
 
+- :class:`RewardTransform`: any scorer below in a TorchRL env's step or a buffer's write.
 - :class:`HFRewardModelWrapper`, :class:`HFRewardTransform`, :func:`load_reward_model`: a
   sequence-classification reward model scoring TorchRL rollouts;
   :class:`RewardServiceClient`, :class:`RewardServiceError`: one such model on Ray shared

@@ -1,37 +1,20 @@
 """``RewardFunctionTransform``: TRL-style reward functions inside a TorchRL env's step or a
-replay buffer's write.
-
-A thin ``Transform`` around the scorer,
-:class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper`, which does the work:
-
-- **On a ``ChatEnv``** (``TransformedEnv(env, RewardFunctionTransform(f))`` or
-  ``env.append_transform(...)``): every ``env.step`` scores the policy's output (in the
-  root tensordict) with the columns of the step (``"answer"``...) and writes the reward
-  into ``next`` (``("next", "reward")`` of the rollout, ``[*B, 1, 1]``).
-- **On a replay buffer** (``rb.append_transform(...)``): rollouts are scored once, when
-  written (``extend``); sampling does not score again. The buffer runs its transforms'
-  write path from the last appended to the first, so append it *after* ``MCAdvantage``.
-- **Called directly** (``transform(td)``), standalone or while attached to an env: scores
-  ``td`` like the scorer.
+replay buffer's write: a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`
+whose scorer, a :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper`, is built
+from the functions (on a ``ChatEnv`` the step's columns, ``"answer"``..., are read too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tensordict import TensorDictBase
-from torchrl.data import Composite, Unbounded
-from torchrl.envs import Transform
-
-from torchrl_trl._checks import key_tuple, strip_next
-
 from .functions import RewardFunctionWrapper
-from .shape import trailing_dims
+from .reward_transform import RewardTransform
 
 __all__ = ["RewardFunctionTransform"]
 
 
-class RewardFunctionTransform(Transform):
+class RewardFunctionTransform(RewardTransform):
     """Write the rewards of TRL-style reward functions as TorchRL rewards, inside an env's
     step or a replay buffer's write.
 
@@ -83,61 +66,4 @@ class RewardFunctionTransform(Transform):
             scorer = funcs
         else:
             scorer = RewardFunctionWrapper(funcs, **kwargs)
-        super().__init__(in_keys=list(scorer.in_keys), out_keys=list(scorer.out_keys))
-        self.scorer = scorer
-
-    # env: the policy's output is in the root tensordict, the reward goes to "next"
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        rewards, per_func = self.scorer.score(tensordict, next_tensordict)
-        return self.scorer.write(next_tensordict, rewards, per_func, inside_next=True)
-
-    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        return tensordict_reset
-
-    # replay buffer: score once on write ...
-    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return self.scorer(tensordict)
-
-    # ... and pass through on sample (and on an env's observations)
-    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
-        return next_tensordict
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Score ``tensordict`` and write the reward keys, standalone or attached to an
-        env. In a replay buffer this is the sampling path, and it passes the sample
-        through: the rollouts were scored when written."""
-        if self._in_replay_buffer():
-            return tensordict
-        return self.scorer(tensordict)
-
-    def _in_replay_buffer(self) -> bool:
-        # TorchRL's public ``container`` is the env holding the transform (None when
-        # standalone); for a transform in a Compose that no env holds, i.e. a replay
-        # buffer's transforms, it raises ValueError (torchrl 0.14.1)
-        try:
-            self.container
-        except ValueError:
-            return True
-        except AttributeError:  # never attached
-            return False
-        return False
-
-    def transform_output_spec(self, output_spec: Composite) -> Composite:
-        # out_keys are rollout keys ("next", ...); the env's reward spec is relative to "next"
-        output_spec = output_spec.clone()
-        if "full_reward_spec" in output_spec.keys():
-            output_spec["full_reward_spec"] = self.transform_reward_spec(output_spec["full_reward_spec"])
-        return output_spec
-
-    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        shape = reward_spec.shape + trailing_dims(self.scorer.reward_shape)
-        for key in self.out_keys:
-            key = strip_next(key_tuple(key))
-            if len(key) == 1:
-                reward_spec.set(key[0], Unbounded(shape))
-            else:
-                reward_spec.update(Composite({key: Unbounded(shape)}, shape=reward_spec.shape))
-        return reward_spec
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.scorer!r})"
+        super().__init__(scorer)

@@ -5,9 +5,8 @@ functions on a tensordict of rollouts with the arguments ``GRPOTrainer._calculat
 would pass, combines them the way TRL does (weighted ``nansum``; ``None`` excluded, not
 zero) and writes the reward where TorchRL's GRPO pipeline reads it (``("next",
 "reward")``, shaped ``[*B, 1, 1]``). Use it alone, after a collector, in a
-``TensorDictSequential`` or as a replay-buffer transform; inside an env's step use its
-transform, :class:`~torchrl_trl.rewards.function_transform.RewardFunctionTransform`
-(``wrapper.as_transform()``).
+``TensorDictSequential`` or as a replay-buffer transform; inside an env's step use
+``wrapper.as_transform()``, a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from .calling import (
     to_rewards,
 )
 from .executors import FailureCounter, failure_value, make_item_executor, replay_logs
+from .reward_transform import RewardTransform
 from .rollout_arguments import InputMode, input_keys, trl_arguments
 from .shape import RewardShape, trailing_dims
 
@@ -114,7 +114,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
 
     - alone, or after a collector: ``wrapper(td)`` (or :meth:`score` for the values);
     - on a ``ChatEnv``: ``env.append_transform(wrapper.as_transform())`` (a
-      :class:`~torchrl_trl.rewards.function_transform.RewardFunctionTransform`): each
+      :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`): each
       ``env.step`` writes ``("next", "reward")``. Passing the wrapper itself to
       ``append_transform`` raises a ``KeyError`` saying so (TorchRL would call a plain
       module on the reset and ``next`` tensordicts, which hold no response);
@@ -310,13 +310,11 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         if self.executor is not None:
             self.executor.shutdown()
 
-    def as_transform(self):
+    def as_transform(self) -> RewardTransform:
         """This scorer as a TorchRL ``Transform`` for an env's step or a replay buffer's
-        write: a :class:`~torchrl_trl.rewards.function_transform.RewardFunctionTransform`
-        sharing this object (and its counters and workers)."""
-        from .function_transform import RewardFunctionTransform
-
-        return RewardFunctionTransform(self)
+        write: a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` sharing this
+        object (and its counters and workers)."""
+        return RewardTransform(self)
 
     # -- scoring -------------------------------------------------------------------
 
@@ -344,6 +342,12 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             ``[N, n_funcs]`` raw rewards (NaN for ``None``), ``N`` the flattened batch.
         """
         return self.score_arguments(**self.trl_arguments(td, columns_td))
+
+    def score_outputs(self, td: TensorDictBase, columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
+        """One ``[N]`` tensor per out key: the reward, then each function's raw reward if
+        ``per_function_keys`` (what :class:`RewardTransform` writes)."""
+        rewards, per_func = self.score(td, columns_td)
+        return [rewards, *per_func.unbind(1)[: len(self.per_function_keys)]]
 
     def score_arguments(self, prompts, completions, completion_ids, **kwargs):
         """Score TRL-style arguments directly (see :meth:`score`)."""

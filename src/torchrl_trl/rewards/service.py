@@ -537,6 +537,12 @@ class RewardServiceClient:
         key = self.token_key if mode == "tokens" else self.renderer.in_keys(mode)[0]
         return self.score_ids(self.renderer.render(tensordict, mode), where=f"{mode} at {key!r}")
 
+    def score_outputs(self, tensordict: TensorDictBase, columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
+        """``[score(tensordict)]``: one ``[N]`` tensor per out key, as
+        :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` reads a scorer
+        (``columns_td`` is not read)."""
+        return [self.score(tensordict)]
+
     def write(
         self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None, *,
         accumulate: bool = False,

@@ -1,25 +1,9 @@
 """``HFRewardTransform``: score with a Hugging Face reward model inside TorchRL.
 
-Two places to put it:
-
-- **On a ``ChatEnv``** (``env.append_transform(HFRewardTransform(...))``): every
-  ``env.step`` scores the conversation so far (the policy output in the root tensordict:
-  tokens / text / history ``"full"``) and writes ``("next", "reward")`` ``[*B, 1, 1]``.
-  Works turn by turn in multi-turn envs. Put ``KLRewardTransform`` after it: it reads
-  ``next["reward"]`` and subtracts the KL term (``RetrieveKL`` on a buffer does the same).
-- **On a replay buffer**, to score once when rollouts are written: the buffer runs its
-  transforms' ``inv`` from the last appended to the first on ``extend``, so append it
-  *after* ``MCAdvantage`` (``rb.append_transform(MCAdvantage(...));
-  rb.append_transform(HFRewardTransform(...))``) and it runs first. Sampling from the
-  buffer does not score again.
-- **Called as a module** (``transform(td)``, or in a ``TensorDictSequential``): scores
-  ``td`` and writes ``("next", reward_key)``, as on a buffer write.
-
-``in_keys`` are the keys the scorer reads (tokens + mask, text or history: see
-:attr:`HFRewardModelWrapper.in_keys`); ``out_keys`` is ``[("next", reward_key)]``.
-
-The transform composes a scorer and decides where and how the reward is written; the
-scorer decides what the model sees and how it is fed:
+It is a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` (on a ``ChatEnv``:
+each step scores the conversation so far and writes ``("next", "reward")`` ``[*B, 1, 1]``,
+turn by turn in multi-turn envs; on a replay buffer: once, when rollouts are written;
+called as a module: scores ``td``) whose scorer it builds when not given ready:
 
 - an :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (built with its renderer and
   batching objects, or :meth:`~torchrl_trl.rewards.HFRewardModelWrapper.from_pretrained`);
@@ -30,8 +14,11 @@ scorer decides what the model sees and how it is fed:
   with its defaults (TorchRL's ``ModuleTransform`` spelling);
 - a local path or a loaded reward model: wrapped with the defaults, without gradients.
 
-Post-processing composes after it: ``env.append_transform(RewardScaling(loc, scale))``,
-``RewardClipping``, :class:`~torchrl_trl.rewards.RunningRewardNorm`.
+``in_keys`` are the keys the scorer reads (tokens + mask, text or history: see
+:attr:`HFRewardModelWrapper.in_keys`); ``out_keys`` is ``[("next", reward_key)]``. Put
+``KLRewardTransform`` after it on an env (it reads ``next["reward"]``), and post-processing
+too: ``RewardScaling(loc, scale)``, ``RewardClipping``,
+:class:`~torchrl_trl.rewards.RunningRewardNorm`.
 """
 
 from __future__ import annotations
@@ -39,24 +26,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
-from torchrl.data import Composite, Unbounded
-from torchrl.envs import Transform
 from torch import nn
 
-from .._checks import key_tuple, strip_next
 from .model import HFRewardModelWrapper, moved_arguments_error
+from .reward_transform import RewardTransform
 from .service import RewardServiceClient
-from .shape import RewardShape, trailing_dims
-from .writing import write_rewards
+from .shape import RewardShape
 
 __all__ = ["HFRewardTransform"]
 
 
-class HFRewardTransform(Transform):
-    """Write reward-model scores as TorchRL rewards.
+class HFRewardTransform(RewardTransform):
+    """Write reward-model scores as TorchRL rewards: a
+    :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` whose scorer is built
+    from a path or a model when it is not given ready.
 
     Args:
         scorer: what scores: an :class:`HFRewardModelWrapper`, a
@@ -134,8 +118,6 @@ class HFRewardTransform(Transform):
         service = {k: v for k, v in service.items() if v is not None}
         if service and not use_ray_service:
             raise TypeError(f"{sorted(service)} only apply with use_ray_service=True")
-        if not isinstance(accumulate, bool):
-            raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
         if use_ray_service:
             if not isinstance(scorer, (str, os.PathLike)):
                 raise TypeError(
@@ -152,58 +134,7 @@ class HFRewardTransform(Transform):
                 "scorer must be an HFRewardModelWrapper, a RewardServiceClient, a reward model or a "
                 f"local path, got {type(scorer).__name__}"
             )
-        if reward_key is None:
-            reward_key = strip_next(scorer.reward_key)
-        trailing_dims(reward_shape)  # checks the name
-        self._next_reward_key = key_tuple(reward_key)
-        self.reward_shape, self.accumulate = reward_shape, accumulate
-        super().__init__(in_keys=list(scorer.in_keys), out_keys=[("next", *self._next_reward_key)])
-        self.scorer = scorer
-
-    def _write(self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey) -> TensorDictBase:
-        return write_rewards(tensordict, rewards, key, self.reward_shape, accumulate=self.accumulate)
-
-    # env: the policy output is in the root tensordict, the reward goes to "next"
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        rewards = self.scorer.score(tensordict)
-        key = self._next_reward_key
-        return self._write(next_tensordict, rewards, key[0] if len(key) == 1 else key)
-
-    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        return tensordict_reset
-
-    # replay buffer: score once on write ...
-    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if tensordict is None:
-            return tensordict
-        rewards = self.scorer.score(tensordict)
-        return self._write(tensordict, rewards, ("next", *self._next_reward_key))
-
-    # ... and pass through on sample
-    def _call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return tensordict
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Standalone: score ``tensordict`` and write ``("next", reward_key)``. Inside a
-        replay buffer this is the sampling path (rollouts were scored when written): a
-        no-op."""
-        if self.__dict__.get("_container") is not None:
-            return tensordict
-        return self._inv_call(tensordict)
-
-    def transform_output_spec(self, output_spec):
-        # out_keys are rollout keys ("next", ...); the env's reward spec is relative to "next"
-        output_spec = output_spec.clone()
-        if "full_reward_spec" in output_spec.keys():
-            output_spec["full_reward_spec"] = self.transform_reward_spec(output_spec["full_reward_spec"])
-        return output_spec
-
-    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        key = self._next_reward_key
-        reward_spec[key[0] if len(key) == 1 else key] = Unbounded(
-            reward_spec.shape + trailing_dims(self.reward_shape), dtype=torch.get_default_dtype()
-        )
-        return reward_spec
+        super().__init__(scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate)
 
 
 def _removed_error(given: dict) -> TypeError:

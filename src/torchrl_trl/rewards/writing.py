@@ -2,7 +2,7 @@
 
 One place for the convention every reward-model scorer writes with (the in-process
 :class:`~torchrl_trl.rewards.HFRewardModelWrapper`, the service client and
-:class:`~torchrl_trl.rewards.HFRewardTransform`).
+:class:`~torchrl_trl.rewards.reward_transform.RewardTransform`).
 """
 
 from __future__ import annotations

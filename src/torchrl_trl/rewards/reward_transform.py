@@ -1,0 +1,176 @@
+"""``RewardTransform``: any reward scorer as a TorchRL ``Transform``. The scorer decides what
+the rewards are; the transform decides where they are written:
+
+- **on a ``ChatEnv``** (``env.append_transform(RewardTransform(scorer))``): every
+  ``env.step`` scores the policy's output (the root tensordict; the step's ``next``
+  tensordict is where columns such as ``"answer"`` are also looked up) and writes the
+  rewards into ``next`` (``("next", "reward")`` of the rollout, ``[*B, 1, 1]`` by default);
+- **on a replay buffer** (``rb.append_transform(...)``): rollouts are scored once, when
+  written (``extend``); sampling does not score again. The buffer runs its transforms'
+  write path from the last appended to the first, so append it *after* ``MCAdvantage``;
+- **called directly** (``transform(td)``), standalone or while attached to an env: scores
+  ``td`` and writes ``("next", ...)`` into it, as on a buffer write.
+
+A scorer is anything with ``in_keys`` (what it reads), ``out_keys`` (what it writes, the
+reward first; a leading ``"next"`` is implied), ``reward_shape`` and
+``score_outputs(td, columns_td=None) -> list[Tensor]`` (one ``[N]`` tensor per out key,
+``N`` the flattened batch): :class:`~torchrl_trl.rewards.HFRewardModelWrapper`,
+:class:`~torchrl_trl.rewards.service.RewardServiceClient` and
+:class:`~torchrl_trl.rewards.RewardFunctionWrapper`. :class:`~torchrl_trl.HFRewardTransform`
+and :class:`~torchrl_trl.RewardFunctionTransform` are this transform with their scorer built
+from a path, a model or reward functions.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import Transform
+
+from .._checks import key_tuple, strip_next
+from .shape import RewardShape, trailing_dims
+from .writing import write_rewards
+
+__all__ = ["RewardTransform"]
+
+_SCORER_API = ("in_keys", "out_keys", "reward_shape", "score_outputs")
+
+
+def _key(key: tuple) -> NestedKey:
+    return key[0] if len(key) == 1 else key
+
+
+class RewardTransform(Transform):
+    """Write a scorer's rewards as TorchRL rewards, inside an env's step, on a replay
+    buffer's write, or called as a module.
+
+    Args:
+        scorer: an :class:`~torchrl_trl.rewards.HFRewardModelWrapper`, a
+            :class:`~torchrl_trl.rewards.service.RewardServiceClient`, a
+            :class:`~torchrl_trl.rewards.RewardFunctionWrapper`, or anything with their
+            ``in_keys``, ``out_keys``, ``reward_shape`` and ``score_outputs`` (see the
+            module docstring).
+
+    Keyword Args:
+        reward_key: where the reward (the scorer's first out key) goes, *inside* ``"next"``.
+            Defaults to the scorer's own key without a leading ``"next"``.
+        reward_shape: ``"step"`` (``[*B, 1, 1]``, as ``MCAdvantage`` reads), ``"trailing"``
+            or ``"flat"``. Defaults to the scorer's ``reward_shape``.
+        accumulate: add to a reward already there (e.g. another scorer's) instead of
+            overwriting it. Defaults to ``False``.
+
+    ``in_keys`` are the scorer's; ``out_keys`` are the rollout keys written
+    (``("next", ...)``); the env's reward spec gains them, shaped per ``reward_shape``.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyStackStorage, ReplayBuffer
+        >>> from torchrl_trl import RewardFunctionWrapper
+        >>> def length(prompts, completions, **kwargs):
+        ...     return [float(len(c)) for c in completions]
+        >>> rb = ReplayBuffer(storage=LazyStackStorage(8), batch_size=2)
+        >>> transform = RewardTransform(RewardFunctionWrapper(length), accumulate=True)
+        >>> rb.append_transform(transform)  # doctest: +ELLIPSIS
+        ReplayBuffer(...)
+        >>> rb.extend(TensorDict({"text": {"prompt": ["q", "q"], "response": ["ab", "abc"]},
+        ...                       ("next", "reward"): torch.ones(2, 1, 1)}, [2]))
+        tensor([0, 1])
+        >>> rb[:]["next", "reward"].flatten().tolist()  # scored on write, added to the 1.0
+        [3.0, 4.0]
+        >>> rb.sample()["next", "reward"].shape  # not scored again
+        torch.Size([2, 1, 1])
+    """
+
+    def __init__(
+        self,
+        scorer,
+        *,
+        reward_key: NestedKey | None = None,
+        reward_shape: RewardShape | None = None,
+        accumulate: bool = False,
+    ) -> None:
+        missing = [name for name in _SCORER_API if not hasattr(scorer, name)]
+        if missing:
+            raise TypeError(
+                f"{type(self).__name__}: the scorer needs {', '.join(_SCORER_API)} (an HFRewardModelWrapper, "
+                f"RewardServiceClient or RewardFunctionWrapper); a {type(scorer).__name__} has no {missing}"
+            )
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
+        keys = [("next", *strip_next(key_tuple(k))) for k in scorer.out_keys]
+        if reward_key is not None:
+            keys[0] = ("next", *key_tuple(reward_key))
+        self.reward_shape = scorer.reward_shape if reward_shape is None else reward_shape
+        trailing_dims(self.reward_shape)  # checks the name
+        self.accumulate = accumulate
+        super().__init__(in_keys=list(scorer.in_keys), out_keys=keys)
+        self.scorer = scorer
+
+    def _score_into(
+        self, source: TensorDictBase, dest: TensorDictBase, *, inside_next: bool, columns_td=None
+    ) -> TensorDictBase:
+        """Score ``source``, write into ``dest`` (an env step's ``next`` tensordict when
+        ``inside_next``, so the keys lose their leading ``"next"``)."""
+        for key, value in zip(self.out_keys, self.scorer.score_outputs(source, columns_td)):
+            key = _key(key[1:]) if inside_next else key
+            write_rewards(dest, value, key, self.reward_shape, accumulate=self.accumulate)
+        return dest
+
+    # env: the policy's output is in the root tensordict, the rewards go to "next"
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return self._score_into(tensordict, next_tensordict, inside_next=True, columns_td=next_tensordict)
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return tensordict_reset
+
+    # replay buffer: score once on write ...
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if tensordict is None:
+            return tensordict
+        return self._score_into(tensordict, tensordict, inside_next=False)
+
+    # ... and pass through on sample (and on an env's observations)
+    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return next_tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Score ``tensordict`` and write the reward keys, standalone or attached to an
+        env. In a replay buffer this is the sampling path, and it passes the sample
+        through: the rollouts were scored when written."""
+        if self._in_replay_buffer():
+            return tensordict
+        return self._inv_call(tensordict)
+
+    def _in_replay_buffer(self) -> bool:
+        # TorchRL's public ``container`` is the env holding the transform (None when
+        # standalone); for a transform in a Compose that no env holds, i.e. a replay
+        # buffer's transforms, it raises ValueError (torchrl 0.14.1)
+        try:
+            self.container
+        except ValueError:
+            return True
+        except AttributeError:  # never attached
+            return False
+        return False
+
+    def transform_output_spec(self, output_spec: Composite) -> Composite:
+        # out_keys are rollout keys ("next", ...); the env's reward spec is relative to "next"
+        output_spec = output_spec.clone()
+        if "full_reward_spec" in output_spec.keys():
+            output_spec["full_reward_spec"] = self.transform_reward_spec(output_spec["full_reward_spec"])
+        return output_spec
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        shape = reward_spec.shape + trailing_dims(self.reward_shape)
+        for key in self.out_keys:
+            spec = Unbounded(shape, dtype=torch.get_default_dtype())
+            if len(key) == 2:
+                reward_spec.set(key[1], spec)
+            else:
+                reward_spec.update(Composite({key[1:]: spec}, shape=reward_spec.shape))
+        return reward_spec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.scorer!r})"
