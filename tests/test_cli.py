@@ -1,6 +1,6 @@
 """``torchrl-trl`` on buffers a real LLMCollector filled and ``save_buffer`` wrote (a ragged
 ``LazyStackStorage`` and a padded ``LazyTensorStorage``): through the installed console
-script where a test says ``script=True``, else through ``torchrl_trl.cli.main`` in this
+script where a test says ``script=True`` (``--version``, ``env``), else through ``torchrl_trl.cli.main`` in this
 process (the same parser and commands, without a fresh interpreter's imports per call)."""
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def test_export_dataset_on_disk_matches_the_buffer(saved, tmp_path):
     from datasets import load_from_disk
 
     path, rb = saved["ragged"]
-    proc = run("export", str(path), "--format", "sft_conversational", "--out", str(tmp_path / "ds"), script=True)
+    proc = run("export", str(path), "--format", "sft_conversational", "--out", str(tmp_path / "ds"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ds = load_from_disk(str(tmp_path / "ds"))
     assert len(ds) == len(rb)
@@ -223,7 +223,7 @@ def test_score_writes_rewards_back(saved, checkpoints, tmp_path, name):
     rm_dir = checkpoints.reward_model_other_tokenizer  # another tokenizer and chat template
     if name == "ragged":  # in place
         shutil.copytree(src, path)
-        proc = run("score", "--reward-model", str(rm_dir), str(path), script=True)
+        proc = run("score", "--reward-model", str(rm_dir), str(path))
     else:  # to a copy: the saved buffer stays as it was
         before = {p.name: p.read_bytes() for p in src.iterdir()}
         proc = run("score", "--reward-model", str(rm_dir), str(src), "--out", str(path))

@@ -1,10 +1,13 @@
 """examples/recipes: each recipe's ``--dry-run`` (tiny offline models, CPU, one step) runs
-the whole script end to end in a subprocess, so the recipes cannot rot unnoticed. The real
-runs (hub models, GPU) are not part of the suite."""
+the whole script end to end as ``python recipe.py`` would (``runpy`` with its own argv, in
+this process: the suite has already paid the imports), so the recipes cannot rot
+unnoticed. The real runs (hub models, GPU) are not part of the suite."""
 
-import os
-import subprocess
+import contextlib
+import io
+import runpy
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -12,20 +15,45 @@ import pytest
 RECIPES = Path(__file__).parents[1] / "examples" / "recipes"
 
 
-def _dry_run(script: str, tmp_path) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="2")
-    proc = subprocess.run(
-        [sys.executable, str(RECIPES / script), "--dry-run", "--output-dir", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+@pytest.fixture
+def run_recipe(tmp_path, monkeypatch):
+    """``run_recipe(script, *args) -> (exit status, stdout, stderr)``: the script as
+    ``__main__`` with that command line, from ``tmp_path`` (offline: see conftest). Output
+    goes to buffers of this call (never closed: a logging handler the script creates may
+    outlive it)."""
+
+    def run(script: str, *args: str):
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", [str(RECIPES / script), *args])
+        monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts its folder first
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(RECIPES / script), run_name="__main__")
+                code = 0
+            except SystemExit as exit_:
+                code = exit_.code
+            except Exception:  # what the interpreter would print before exiting with 1
+                code = 1
+                print(traceback.format_exc(), file=sys.stderr)
+        return code, out.getvalue(), err.getvalue()
+
+    return run
+
+
+@pytest.fixture
+def dry_run(run_recipe, tmp_path):
+    def run(script: str) -> str:
+        code, out, err = run_recipe(script, "--dry-run", "--output-dir", str(tmp_path / "out"))
+        assert code in (0, None), out[-3000:] + err[-3000:]
+        return out
+
+    return run
 
 
 @pytest.mark.timeout(150)
-def test_torchrl_to_trl_dpo_dry_run(tmp_path):
-    out = _dry_run("torchrl_to_trl_dpo.py", tmp_path)
+def test_torchrl_to_trl_dpo_dry_run(dry_run, tmp_path):
+    out = dry_run("torchrl_to_trl_dpo.py")
     assert "collected batch 1/1: 4 scored completions" in out, out
     assert "2 preference pairs" in out, out  # best_vs_worst: one pair per group of 2
     assert "DPO: 1 optimizer steps" in out, out
@@ -33,12 +61,12 @@ def test_torchrl_to_trl_dpo_dry_run(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_hf_reward_to_torchrl_grpo_dry_run(tmp_path):
+def test_hf_reward_to_torchrl_grpo_dry_run(dry_run, tmp_path):
     from safetensors.torch import load_file
 
     from torchrl_trl.testing import tiny_checkpoints
 
-    out = _dry_run("hf_reward_to_torchrl_grpo.py", tmp_path)
+    out = dry_run("hf_reward_to_torchrl_grpo.py")
     assert "iteration 1/1: reward mean" in out, out
     assert "GRPO: 1 optimizer steps" in out, out
     trained = load_file(tmp_path / "out" / "policy_grpo" / "model.safetensors")
@@ -47,13 +75,10 @@ def test_hf_reward_to_torchrl_grpo_dry_run(tmp_path):
     assert any(not (trained[k] == initial[k]).all() for k in trained), "the optimizer step changed nothing"
 
 
-def test_recipe_config_errors(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(RECIPES / "hf_reward_to_torchrl_grpo.py"), "--config", str(tmp_path / "nope.yaml")],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode != 0
-    assert "--config" in proc.stderr and "nope.yaml" in proc.stderr, proc.stderr[-2000:]
+def test_recipe_config_errors(run_recipe, tmp_path):
+    code, _, err = run_recipe("hf_reward_to_torchrl_grpo.py", "--config", str(tmp_path / "nope.yaml"))
+    assert code not in (0, None)
+    assert "--config" in err and "nope.yaml" in err, err[-2000:]
 
 
 def _load_common():
