@@ -3,6 +3,7 @@ bounded reuse, bounded age, behaviour log-probs kept, run end to end in ``GRPOTr
 (TRL's own replay-buffer GRPO is known broken, TRL issue 6804)."""
 
 import os
+import time
 from collections import Counter
 
 import pytest
@@ -61,7 +62,10 @@ def test_group_replay_bounds_reuse_and_age():
 
 def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenizer, tmp_path):
     """4 optimizer steps of 2 groups each from a prompt source of only 4 groups: with
-    reuse=1 every group is trained on exactly twice, whatever the thread schedule; reused
+    reuse=1 every group is trained on exactly twice. The generator runs ahead first (all 4
+    groups pending before step 1), so which step takes which group does not depend on the
+    thread schedule: with a group arriving late (fresh D at step 4, after A, B, C were used
+    up) the source ends before D can be reused, and the run fails by design; reused
     samples carry the log-probs recorded at generation (TRL's old log-probs with
     BehaviourLogProbsMixin), which differ from the moved weights'; nothing is written twice."""
     from transformers import AutoModelForCausalLM
@@ -77,6 +81,11 @@ def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenize
     collector = _collector(generator, tok, prompts, buffer, max_pending_groups=4)
     reward = Recorder(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids], "r")
     with AsyncTorchRLRolloutFunc(collector, max_staleness=3, reuse=1, timeout=120) as func:
+        collector.start()
+        deadline = time.monotonic() + 120  # only stops a hang
+        while collector.pending < 4:
+            assert collector.alive and time.monotonic() < deadline, "the generator did not produce 4 groups"
+            time.sleep(0.01)
         rollout = Recorder(func, "rollout")
         trainer = _make_trainer(model, tok, rollout, reward, tmp_path, max_steps=4, mixins=(BehaviourLogProbsMixin,))
         trainer.train()
