@@ -164,8 +164,13 @@ def test_dead_collector_not_hidden_by_replay(checkpoints, policy_and_tokenizer):
 def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
     """Async GRPO with a generator that cannot keep up with the trainer (it may start one
     new group per trainer call, the trainer takes two), groups reused once (reuse=1) within
-    max_staleness=2, corrected with the behaviour log-probs, raises the share of "a" in the
-    completions from ~0.01."""
+    max_staleness=2, corrected with the behaviour log-probs, raises the share of "a"-"d" in
+    the completions from ~0.03.
+
+    Four target letters, not one: with "a" alone (~0.4% of tokens at the start) 1 of 6 runs
+    of the full suite on the loaded 2-core machine never learned it (0.0 -> 0.0, 95% of the
+    groups with zero reward spread): a signal that rare depends on which thread draws from
+    torch's global generator first, which this test cannot fix."""
     import itertools
     import threading
 
@@ -178,7 +183,7 @@ def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
-    share_of_a = ShareOfA(tok)
+    share_of_a = ShareOfA(tok, targets="abcd")
     means, chats = share_of_a.means, LEARN_CHATS
     model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
@@ -212,7 +217,7 @@ def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
         func.close()
     first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
     print("replay learning:", first, last, "reuse", func.consumed_reuse, "staleness", func.consumed_staleness)
-    assert first < 0.05 and last > MIN_LAST, (first, last)
+    assert first < 0.1 and last > MIN_LAST, (first, last, means)
     assert max(func.consumed_staleness) <= 2 and len(func.consumed_staleness) == STEPS * 2
     # at most 4 + STEPS groups were generated for the 2 * STEPS the trainer took: the rest reused
     assert func.replay.reused == sum(u > 0 for u in func.consumed_reuse) >= STEPS - 4 and max(func.consumed_reuse) <= 1

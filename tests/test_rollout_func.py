@@ -507,16 +507,16 @@ LEARN_CHATS = [[{"role": "user", "content": q}] for q in ("hello", "what is two 
 
 
 class ShareOfA:
-    """The learning tests' verifiable reward: the share of the token "a" in each completion;
-    the batch mean of every call is kept in :attr:`means`."""
+    """The learning tests' verifiable reward: the share of the token "a" (or of any of
+    ``targets``) in each completion; the batch mean of every call is kept in :attr:`means`."""
 
     __name__ = "share_of_a"
 
-    def __init__(self, tok):
-        self.target, self.means = tok.convert_tokens_to_ids("a"), []
+    def __init__(self, tok, targets="a"):
+        self.targets, self.means = set(tok.convert_tokens_to_ids(list(targets))), []
 
     def __call__(self, completion_ids, **kw):
-        rewards = [sum(t == self.target for t in c) / max(len(c), 1) for c in completion_ids]
+        rewards = [sum(t in self.targets for t in c) / max(len(c), 1) for c in completion_ids]
         self.means.append(sum(rewards) / len(rewards))
         return rewards
 
