@@ -110,6 +110,43 @@ class _Fingerprint:
 
 
 @pytest.mark.timeout(300)
+def test_generation_lock_lets_a_waiting_push_go_before_the_next_batch():
+    """A loop that takes the lock again the moment it lets it go (as a collector thread
+    does) does not starve a push: the push waits for the batch in flight, at most one more
+    if the loop was already past its check. With a plain ``threading.Lock`` in its
+    place, 3 of 4 runs had a push wait while 59-1533 batches went through."""
+    import threading
+
+    from torchrl_trl.online.weights import GenerationLock
+
+    gate, stop, batches, during = GenerationLock(), threading.Event(), [0], []
+    x = torch.ones(32, 32)
+
+    def loop():
+        while not stop.is_set():
+            with gate.batch():
+                batches[0] += 1
+                x @ x  # a few microseconds of work under the lock, without the GIL as generation
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        for _ in range(50):
+            start = batches[0]
+            while batches[0] < start + 10:  # the loop is running
+                pass
+            before = batches[0]
+            with gate.push():
+                during.append(batches[0] - before)
+                held = batches[0]
+                sum(range(10_000))
+                assert batches[0] == held  # no batch while a push holds it
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive() and max(during) <= 2, during
+
+
 def test_background_collection_trains_and_pushes_whole_trained_weights(checkpoints, tmp_path):
     """``background=True``: the collector thread keeps generating while the trainer steps;
     each push hands it the trainer's weights whole (the collector's parameters equal the

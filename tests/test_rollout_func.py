@@ -412,6 +412,32 @@ def test_async_collector_drops_stale_groups_keeps_them_whole(fresh_model, policy
     assert len(buffer) == 2 * collector.produced_groups >= 2 * 7
 
 
+def test_async_collector_push_waits_for_the_batch_in_flight_only(fresh_model, policy_and_tokenizer):
+    """``update_policy_weights_`` and ``pause()``/``resume(version=)`` on a running
+    collector wait for the batch being generated, not behind the thread's next ones, and
+    set the version of what it generates next."""
+    _, tok = policy_and_tokenizer
+    collector = _collector(fresh_model, tok, CHATS, max_pending_groups=10_000)  # never blocks
+    collector.start()
+    produced_during_push = []
+    try:
+        for version in range(1, 6):
+            _wait(lambda: collector.produced_groups >= 2 * version)  # generating
+            before = collector.produced_groups
+            if version % 2:
+                collector.update_policy_weights_(fresh_model.state_dict(), version=version)
+            else:
+                collector.pause()
+                collector.resume(version=version)
+            produced_during_push.append(collector.produced_groups - before)
+    finally:
+        collector.stop()
+    assert collector.alive is False and collector.policy_version == 5
+    # one batch is prompts_per_batch=1 group: the one in flight, and one the loop had
+    # already started when the push began waiting
+    assert max(produced_during_push) <= 2, produced_during_push
+
+
 @pytest.mark.timeout(120)
 def test_async_collector_death_surfaces_as_an_error(fresh_model, policy_and_tokenizer):
     from torchrl_trl.online import CollectorError

@@ -58,6 +58,7 @@ from .callback import CollectorError
 from .episodes import TORCHRL_REWARD_FIELD
 from .rollout_func import RolloutBatch, TorchRLRolloutFunc, _group_size
 from .staleness import check_max_staleness
+from .weights import GenerationLock
 
 __all__ = ["AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "GroupReplay", "RolloutGroup"]
 
@@ -153,7 +154,7 @@ class AsyncGroupCollector:
         self.wait_s = 0.0
         self._pending: deque[RolloutGroup] = deque()
         self._cond = threading.Condition()
-        self._weights_lock = threading.Lock()  # held while generating and while loading weights
+        self._weights_lock = GenerationLock()  # held while generating and while loading weights
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -192,7 +193,7 @@ class AsyncGroupCollector:
         """Load ``weights`` (an ``nn.Module`` or a ``state_dict``; ``None``: keep the
         weights) into the collector's policy between two generations, and make ``version``
         the version of every group generated from now on."""
-        with self._weights_lock:
+        with self._weights_lock.push():
             if weights is not None:
                 state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
                 self.rollout.policy.model.load_state_dict(state)
@@ -200,13 +201,13 @@ class AsyncGroupCollector:
 
     def pause(self) -> None:
         """Block generation (after the batch in flight) until :meth:`resume`."""
-        self._weights_lock.acquire()
+        self._weights_lock.pause()
 
     def resume(self, *, version: int | None = None) -> None:
         """Let generation go on, with ``version`` as the policy version if given."""
         if version is not None:
             self.policy_version = int(version)
-        self._weights_lock.release()
+        self._weights_lock.resume()
 
     def load_named_weights(self, named_tensors) -> int:
         """Copy ``(name, tensor)`` pairs into the policy's parameters of those names (call
@@ -243,7 +244,7 @@ class AsyncGroupCollector:
                     self._exhausted = True
                     return
                 repeated = [p for p in prompts for _ in range(self.group_size)]
-                with self._weights_lock:
+                with self._weights_lock.batch():
                     version = self.policy_version
                     batch = self.rollout.rollout(repeated, group_size=self.group_size, version=version)
                 groups = [

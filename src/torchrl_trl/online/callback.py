@@ -5,7 +5,6 @@ a second callback beside it."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import warnings
@@ -20,7 +19,7 @@ from ._buffers import local_sampler
 from .metrics import CollectorMetricsCallback, insert_before_reporters
 from .ray import is_ray_collector
 from .staleness import StalenessFilter, collector_policy_version
-from .weights import push_weights
+from .weights import GenerationLock, push_weights
 
 #: consecutive collector batches that write nothing before ``collect`` gives up
 _MAX_EMPTY_BATCHES = 64
@@ -207,11 +206,7 @@ class CollectorCallback(TrainerCallback):
         self.weight_updates = 0
         self.collect_seconds = 0.0
         self._iter = None
-        self._lock = threading.Lock()  # one collector batch, or one weight push, at a time
-        # cleared while a push waits for the lock: the background loop, which would take it
-        # again the moment it lets it go (Python's Lock is not fair), waits instead
-        self._collector_may_lock = threading.Event()
-        self._collector_may_lock.set()
+        self._lock = GenerationLock()  # one collector batch, or one weight push, at a time
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -295,7 +290,7 @@ class CollectorCallback(TrainerCallback):
         if was_training:
             model.eval()
         try:
-            with self._lock:
+            with self._lock.batch():
                 empty_batches = 0
                 while self._write_count() - start_wc < frames and not self._exhausted:
                     before = self._write_count()
@@ -324,8 +319,7 @@ class CollectorCallback(TrainerCallback):
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._collector_may_lock.wait()
-                with self._lock:
+                with self._lock.batch():
                     if not self._next_batch():
                         return
         except BaseException as err:  # handed to the trainer thread by check()
@@ -415,24 +409,12 @@ class CollectorCallback(TrainerCallback):
                     "generation reads weights while the optimizer updates them; give the collector "
                     "its own copy of the model for consistent rollouts",
                 )
-            with self._before_next_batch():
+            with self._lock.push():
                 self.collector.increment_version()
         else:
-            push_weights(self.collector, model, weights_fn=self.weights_fn, lock=self._before_next_batch())
+            push_weights(self.collector, model, weights_fn=self.weights_fn, lock=self._lock.push())
         self.weight_updates += 1
         self._sync_versions()
-
-    @contextlib.contextmanager
-    def _before_next_batch(self):
-        """Hold the collector lock, taken after the batch in flight and before the
-        background loop's next one (without this a push waited 96 s while the loop wrote
-        6,000 items)."""
-        self._collector_may_lock.clear()
-        try:
-            with self._lock:
-                yield
-        finally:
-            self._collector_may_lock.set()
 
     def _sync_versions(self) -> None:
         version = self.policy_version
