@@ -40,7 +40,7 @@ from trl import RewardConfig, RewardTrainer
 
 from tensordict import set_list_to_stack
 
-from torchrl_trl import HFRewardModelWrapper, HFRewardTransform, RewardRenderer, layouts
+from torchrl_trl import HFRewardModelWrapper, HFRewardTransform, RewardRenderer
 from torchrl_trl.testing import tiny_checkpoints
 
 set_list_to_stack(True).set()
@@ -105,10 +105,10 @@ for _ in collector:
     pass
 collector.shutdown()
 
-batch = buffer[:]
-rewards = torch.stack(layouts.read_column(batch, ("next", "reward"))).flatten()
-advantages = torch.stack(layouts.read_column(batch, "advantage")).flatten()
-prompts = [history[0]["content"] for history in layouts.read_history(batch, "prompt")]
+batch = buffer[:]  # a lazy stack of 8 rows; one-step rewards stack to [8, 1, 1]
+rewards = batch["next", "reward"].flatten()
+advantages = batch["advantage"].flatten()
+prompts = list(batch["history", "prompt"][:, 0].content)  # each prompt's first message
 print("rewards:   ", rewards)
 print("advantages:", advantages)
 

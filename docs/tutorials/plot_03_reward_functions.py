@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tensordict import set_list_to_stack
 
-from torchrl_trl import HFRewardModelWrapper, RewardBatching, RewardFunctionWrapper, as_trl_reward_func, layouts
+from torchrl_trl import HFRewardModelWrapper, RewardBatching, RewardFunctionWrapper, as_trl_reward_func
 from torchrl_trl.testing import tiny_checkpoints
 
 set_list_to_stack(True).set()
@@ -86,10 +86,8 @@ collector = LLMCollector(env=env, policy=wrapper, dialog_turns_per_batch=4, repl
 for _ in collector:
     pass
 collector.shutdown()
-rollouts = buffer[:]
-for text, reward in zip(
-    layouts.read_text(rollouts, "response"), layouts.read_column(rollouts, ("next", "reward"))
-):
+rollouts = buffer[:]  # a lazy stack of 8 rows, read with tensordict's own indexing
+for text, reward in zip(rollouts["text", "response"], rollouts["next", "reward"].flatten()):
     print(f"{float(reward):.3f}  {text!r}")
 
 # %%
@@ -100,9 +98,9 @@ for text, reward in zip(
 import matplotlib.pyplot as plt
 import torch
 
-vowels = torch.stack(layouts.read_column(rollouts, ("next", "reward_vowel_fraction"))).flatten()
-answer = torch.stack(layouts.read_column(rollouts, ("next", "reward_says_the_answer"))).flatten()
-total = torch.stack(layouts.read_column(rollouts, ("next", "reward"))).flatten()
+vowels = rollouts["next", "reward_vowel_fraction"].flatten()
+answer = rollouts["next", "reward_says_the_answer"].flatten()
+total = rollouts["next", "reward"].flatten()
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.bar(range(len(total)), 1.0 * vowels, label="1.0 x vowel_fraction")
 ax.bar(range(len(total)), 0.5 * answer, bottom=1.0 * vowels, label="0.5 x says_the_answer")

@@ -47,7 +47,7 @@ from torchrl.modules.llm import TransformersWrapper
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from torchrl_trl import TorchRLRolloutFunc, layouts
+from torchrl_trl import TorchRLRolloutFunc
 from torchrl_trl.testing import tiny_checkpoints
 
 set_list_to_stack(True).set()
@@ -106,9 +106,9 @@ print(f"mean reward, first -> last step: {sync_curve[0]:.3f} -> {sync_curve[-1]:
 # feeds ``preference_pairs`` / ``best_of_n`` and TRL's offline trainers later.
 items = buffer[: len(buffer)]
 print("items:", len(buffer))
-print("group_id:      ", [int(v) for v in layouts.read_column(items, "group_id")][:12])
-print("policy_version:", [int(v) for v in layouts.read_column(items, "policy_version")][::8][:12])
-print("a completion:  ", repr(layouts.read_text(items[-1:], "response")[0]))
+print("group_id:      ", items["group_id"].flatten()[:12].tolist())
+print("policy_version:", items["policy_version"].flatten()[::8][:12].tolist())
+print("a completion:  ", repr(items[-1]["text", "response"]))
 
 # %%
 # Async: generation runs ahead, groups are reused

@@ -17,31 +17,38 @@ vowels); they learn it from data:
    completions (:class:`~torchrl_trl.TorchRLRolloutFunc`) and the same reward model as a
    TRL reward function (:func:`~torchrl_trl.as_trl_reward_func`).
 
-The demo's code is :mod:`torchrl_trl.demo`; the tutorials before this one take each piece
-apart.
+The demo is the command line's example, not library API: the tutorials before this one
+take each piece apart.
 """
 
 # %%
 # Run it
 # ------
-# Exactly what ``torchrl-trl demo --quick --no-progress --output-dir DIR`` runs (the
-# demo silences the libraries' progress bars and deprecation warnings itself; our own
-# warnings stay visible). It prints each step and a summary table, and writes
-# ``results.json``, ``reward_curve.png`` and the two trained policies to ``DIR``.
+# ``torchrl-trl demo --quick --no-progress --output-dir DIR``, called in this process
+# through the command's own entry point (the demo silences the libraries' progress bars
+# and deprecation warnings itself; our own warnings stay visible). It prints each step and
+# a summary table, and writes ``results.json``, ``reward_curve.png`` and the two trained
+# policies to ``DIR``.
+import json
 import tempfile
 from pathlib import Path
 
-from torchrl_trl.demo import DemoConfig, plot_reward_curve, run_demo
+from torchrl_trl.cli import main
 
 out = Path(tempfile.mkdtemp())
-results = run_demo(DemoConfig(output_dir=out, quick=True, progress=False))
+assert main(["demo", "--quick", "--no-progress", "--output-dir", str(out)]) == 0
 print(sorted(p.name for p in out.iterdir()))
+print(sorted(json.loads((out / "results.json").read_text())))
 
 # %%
 # The reward curve
 # ----------------
-# ``reward_curve.png`` as the demo drew it (:func:`torchrl_trl.demo.plot_reward_curve`
-# on the numbers it returned): the reward model's score (right axis) and the hidden rule's
-# true score (left axis) rise together, so the policy learned the rule, not a flaw of the
-# reward model; TRL's GRPO fed by TorchRL rollouts (green) learns it too.
-fig = plot_reward_curve(results)
+# ``reward_curve.png`` as the demo drew it: the reward model's score (right axis) and the
+# hidden rule's true score (left axis) rise together, so the policy learned the rule, not a
+# flaw of the reward model; TRL's GRPO fed by TorchRL rollouts (green) learns it too.
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(8, 4.5))
+ax.imshow(plt.imread(out / "reward_curve.png"))
+ax.set_axis_off()
+fig.tight_layout()

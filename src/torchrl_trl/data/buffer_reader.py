@@ -15,6 +15,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensor_collection
 
 from .. import _compat, layouts
+from .._buffers import local_storage
 from . import sharding
 
 __all__ = ["BufferReader"]
@@ -91,7 +92,7 @@ class BufferReader:
         if self._python_rows is None:
             from torchrl.data import ListStorage
 
-            storage = sharding.local_storage(self.replay_buffer)  # remote buffers hold TensorDicts
+            storage = local_storage(self.replay_buffer)  # remote buffers hold TensorDicts
             self._python_rows = isinstance(storage, ListStorage) and not is_tensor_collection(storage.get(0))
         return self._python_rows
 
@@ -238,7 +239,7 @@ def check_strings_survive(replay_buffer, cols: dict[str, list]) -> None:
     """Refuse to read text or chat from a storage that does not keep strings."""
     from torchrl.data import LazyMemmapStorage
 
-    storage = sharding.local_storage(replay_buffer)
+    storage = local_storage(replay_buffer)
     if not isinstance(storage, LazyMemmapStorage) or layouts.memmap_keeps_strings():
         return
     text = [name for name, values in cols.items() if values and _is_text(values[0])]

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._checks import positive_int
 from .. import _compat
+from .._buffers import is_local, local_storage
+from .._checks import positive_int
 
 __all__ = [
     "Consumer", "PassLengths", "Sharding", "broadcast_length", "epoch_order", "forked_mid_write", "guard_fork",
@@ -313,17 +314,13 @@ def guard_fork(replay_buffer) -> None:
     neither inherits a lock no thread of its own will release (a deadlock) nor a
     half-written buffer, and records the length it had then (:func:`readable_length`).
     A buffer still locked after 30 s is marked torn in the child (:func:`forked_mid_write`)."""
-    try:
-        if not hasattr(_compat.replay_lock(replay_buffer), "acquire"):  # a Ray client: nothing local
-            return
-    except AttributeError:
+    if not is_local(replay_buffer):  # a Ray client: nothing in this process to fork
         return
     if not _hooks:
         from torchrl.data import LazyMemmapStorage, TensorStorage
-        from torchrl.data.replay_buffers.storages import Storage
 
         # nothing to import in the hooks (a forked child must not wait for the import lock)
-        _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage, Storage])
+        _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage])
         os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
         _hooks.append(True)
     _GUARDED.add(replay_buffer)
@@ -376,10 +373,10 @@ def _after_in_parent() -> None:
 
 
 def _after_in_child() -> None:
-    tensor_storage, memmap_storage, _ = _private_tensor_storages
+    tensor_storage, memmap_storage = _private_tensor_storages
     while _HELD:
         rb, lock, acquired = _HELD.pop()
-        storage = local_storage(rb)
+        storage = rb.storage  # guarded buffers are local
         if acquired and isinstance(storage, tensor_storage) and not isinstance(storage, memmap_storage):
             # the data is this child's copy as of the fork, but the length counter is shared
             # with the parent: without this the child's own sampler (online mode) would draw
@@ -390,18 +387,3 @@ def _after_in_child() -> None:
         else:  # the writer thread does not exist here: its lock would never be released
             _compat.reset_replay_lock(rb)
             _TORN.add(rb)
-
-
-def local_storage(replay_buffer):
-    """The buffer's ``storage`` when it lives in this process; ``None`` for a buffer whose
-    storage lives elsewhere (a Ray client)."""
-    if _private_tensor_storages:
-        storage_cls = _private_tensor_storages[2]
-    else:
-        from torchrl.data.replay_buffers.storages import Storage as storage_cls
-
-    try:
-        storage = replay_buffer.storage
-    except AttributeError:
-        return None
-    return storage if isinstance(storage, storage_cls) else None

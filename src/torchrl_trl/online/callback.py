@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from .._checks import WarnOnce, moved_keywords, non_negative_int, positive_int, positive_seconds
-from ._buffers import local_sampler
+from .._buffers import local_sampler
 from .metrics import CollectorMetricsCallback, insert_before_reporters
 from .ray import is_ray_collector
 from .staleness import StalenessFilter, collector_policy_version

@@ -40,7 +40,7 @@ import torch
 from transformers import TrainerCallback
 
 from .._compat import replay_lock
-from ._buffers import local_parts
+from .._buffers import local_parts
 
 __all__ = ["BUFFER_DIR", "BufferCheckpointCallback", "BufferCheckpointError", "load_buffer", "save_buffer"]
 

@@ -21,7 +21,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from .._checks import positive_int
-from ._buffers import local_sampler
+from .._buffers import local_sampler
 
 __all__ = ["TensorPrioritizedSampler", "update_priorities"]
 

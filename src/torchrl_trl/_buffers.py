@@ -18,6 +18,11 @@ def is_local(replay_buffer) -> bool:
     return isinstance(replay_buffer, ReplayBuffer) and replay_buffer.service_backend == "direct"
 
 
+def local_storage(replay_buffer):
+    """The buffer's storage, or ``None`` when it lives elsewhere (a Ray actor)."""
+    return replay_buffer.storage if is_local(replay_buffer) else None
+
+
 def local_sampler(replay_buffer):
     """The buffer's sampler, or ``None`` when it lives elsewhere (a Ray actor)."""
     return replay_buffer.sampler if is_local(replay_buffer) else None
