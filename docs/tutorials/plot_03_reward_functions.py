@@ -96,7 +96,6 @@ for text, reward in zip(rollouts["text", "response"], rollouts["next", "reward"]
 # ``per_function_keys=True`` also writes each function's raw reward next to the weighted
 # sum (``("next", "reward_vowel_fraction")``, ...), as TRL logs ``rewards/<name>``.
 import matplotlib.pyplot as plt
-import torch
 
 vowels = rollouts["next", "reward_vowel_fraction"].flatten()
 answer = rollouts["next", "reward_says_the_answer"].flatten()
