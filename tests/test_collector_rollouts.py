@@ -235,6 +235,47 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
         postproc(rb[:])
 
 
+def test_reuse_and_drop_zero_std_through_a_real_llm_collector(checkpoints, policy_and_tokenizer, tmp_path):
+    """reuse=1 and drop_zero_std on the LLMCollector path, trained by GRPOTrainer: the
+    collector writes 4 groups and stops (total_dialog_turns=8); the 2 groups of the prompt
+    whose env reward is constant are dropped; each of the other 2 is trained on exactly twice
+    (fresh at step 1, reused at step 2, once the collector has nothing new), with the rows
+    it was generated with."""
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+    from transformers import AutoModelForCausalLM
+
+    from torchrl_trl import RewardFunctionWrapper, testing
+
+    def hello_length(prompts, completions, **kwargs):  # constant for the other prompt: no spread
+        return [float(len(c[-1]["content"])) + 0.5 * i if "hello" in str(p) else 1.0
+                for i, (p, c) in enumerate(zip(prompts, completions))]
+
+    _, tok = policy_and_tokenizer
+    env = testing.make_chat_env(ROWS, batch_size=2, group_size=2)
+    env = env.append_transform(RewardFunctionWrapper(hello_length).as_transform())
+    rb = ReplayBuffer(storage=LazyStackStorage(64), transform=MCAdvantage(grpo_size=2))
+    own = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    collector = LLMCollector(env=env, policy=testing.make_policy_wrapper(own, tok, max_new_tokens=4),
+                             dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
+                             total_dialog_turns=8)
+    func = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=None, reuse=1, drop_zero_std=True,
+                                   timeout=120)
+    with func:
+        rollout = Recorder(func, "rollout")
+        model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+        trainer = _trainer(model, tok, rollout, _reward, tmp_path, max_steps=2)
+        trainer.train()
+    assert func.read_groups == 4 and func.dropped_filtered_groups == 2
+    assert func.consumed_reuse == [0, 0, 1, 1] and func.replay.reused == 2
+    (_, _, first), (_, _, second) = rollout.calls
+    assert first["reuse"] == [0] * 4 and second["reuse"] == [1] * 4
+    assert all("hello" in str(p) for p in first["torchrl_prompt"] + second["torchrl_prompt"])
+    groups = lambda b: sorted(tuple(map(tuple, b["completion_ids"][i : i + 2])) for i in (0, 2))  # noqa: E731
+    assert groups(first) == groups(second)  # the same two groups, as generated
+
+
 def _ray_env_factory():  # runs in the collector actor
     return _env()
 

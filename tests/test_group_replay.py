@@ -11,7 +11,7 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from torchrl_trl.online.async_rollouts import GroupReplay, RolloutGroup  # noqa: E402
+from torchrl_trl.online.group_rollouts import GroupReplay, RolloutGroup  # noqa: E402
 from torchrl_trl.online.rollout_func import RolloutBatch  # noqa: E402
 
 from test_rollout_func import CHATS, Recorder, _collector, _make_trainer, _match_rows  # noqa: E402

@@ -760,7 +760,7 @@ def zero_for_hello_collector(model, tok, prompts=ZERO_STD_CHATS):
 def test_async_drop_zero_std_groups(fresh_model, policy_and_tokenizer):
     """DAPO-style: groups whose env reward is the same for every completion (no GRPO signal)
     are dropped and counted; every group handed to TRL has a reward spread."""
-    from torchrl_trl.online.async_rollouts import _has_reward_spread
+    from torchrl_trl.online.group_rollouts import has_reward_spread as _has_reward_spread
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)

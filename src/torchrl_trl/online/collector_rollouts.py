@@ -49,18 +49,17 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import layouts
-from .._checks import WarnOnce, positive_int, positive_seconds
-from .async_rollouts import PROMPT_FIELD, STALENESS_FIELD
+from .._checks import positive_int, positive_seconds
 from .callback import CollectorError
-from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, RolloutBatch, episodes_to_trl
-from .rollout_func import _group_size
-from .staleness import check_max_staleness, read_policy_version
+from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, episodes_to_trl
+from .group_rollouts import GroupRolloutFunc, RolloutGroup, split_groups, take_fresh
+from .staleness import read_policy_version
 from .weights import push_weights
 
 __all__ = ["LLMCollectorRolloutFunc"]
 
 
-class LLMCollectorRolloutFunc:
+class LLMCollectorRolloutFunc(GroupRolloutFunc):
     """``GRPOTrainer(rollout_func=...)`` that trains on the complete GRPO groups a TorchRL
     ``LLMCollector`` / ``RayLLMCollector`` writes into ``replay_buffer``.
 
@@ -75,28 +74,27 @@ class LLMCollectorRolloutFunc:
 
     Keyword Args:
         group_size: completions per prompt (``GRPOConfig.num_generations``).
-        max_staleness: largest accepted ``collector.policy_version - group version``.
-        timeout: seconds to wait for enough fresh groups before raising ``CollectorError``
-            (``None``: no limit; a collector that stops still raises at once).
+        max_staleness, timeout, push_weights, drop_zero_std, reuse: see
+            :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`; a group's age is
+            ``collector.policy_version`` minus the ``policy_version`` stamped in its items,
+            ``push_weights`` goes through ``collector.update_policy_weights_``, and a
+            collector that stops raises at once whatever the timeout.
         poll_s: seconds between two reads of the buffer while waiting.
         group_key: the key whose value all items of a group share (``MCAdvantage``'s
             ``prompt_key``).
-        push_weights: push the trainer's weights when ``global_step`` changed (``False``:
-            the caller does it).
 
     Log-probs: give the collector ``postproc=BehaviourLogProbsPostproc(policy)`` (in-process
     collectors) for complete behaviour log-probs, which
     :class:`~torchrl_trl.online.BehaviourLogProbsMixin` corrects stale groups with; without
     it the first token's is unknown (NaN), see the module doc.
 
-    Returned rows carry ``"torchrl_prompt"`` (the prompt generated for: reward functions
-    must read it, not TRL's ``prompts``), ``"staleness"``, ``"torchrl_reward"`` (the env's
-    reward) and the rollouts' dataset columns (e.g. ``"answer"``).
+    Returned rows: see :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`.
 
     Attributes:
-        read_groups, consumed_groups, dropped_stale_groups, missed_items, weight_pushes:
-            counters; ``consumed_staleness``: the age of every group returned, in order;
-            ``wait_s``: seconds spent waiting for (and reading) groups; ``push_s``: pushing weights.
+        read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups,
+            missed_items, weight_pushes: counters; ``wait_s``: seconds spent waiting for
+            (and reading) groups; ``push_s``: pushing weights; and those of
+            :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`.
 
     Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read;
     ``tests/test_collector_rollouts.py`` runs ``GRPOTrainer.train()``, locally and on Ray):
@@ -130,40 +128,40 @@ class LLMCollectorRolloutFunc:
         *,
         group_size: int,
         max_staleness: int | None = 1,
-        timeout: float = 120.0,
+        timeout: float | None = 120.0,
         poll_s: float = 0.1,
         group_key="query",
         push_weights: bool = True,
+        drop_zero_std: bool = False,
+        reuse: int = 0,
     ):
+        super().__init__(
+            max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
+            drop_zero_std=drop_zero_std, reuse=reuse,
+        )
         self.collector = collector
         self.replay_buffer = replay_buffer
         self.group_size = positive_int(group_size, "group_size")
-        self.max_staleness = check_max_staleness(max_staleness)
-        self.timeout = positive_seconds(timeout, "timeout")
         self.poll_s = positive_seconds(poll_s, "poll_s")
         if self.poll_s is None:
             raise ValueError("poll_s must be a positive number of seconds, got None")
         self.group_key = group_key
-        self.push_weights = push_weights
         self.read_groups = 0
         self.consumed_groups = 0
         self.dropped_stale_groups = 0
-        self._warnings = WarnOnce()
+        self.dropped_filtered_groups = 0
         self.weight_pushes = 0
         self.wait_s = 0.0
         self.push_s = 0.0
-        self.consumed_staleness: list[int] = []
         self.policy_version = 0
-        self.__name__ = type(self).__name__
         self._cursor = 0  # write_count read so far
         self._pending: deque[tuple[int, TensorDictBase]] = deque()
         self._pushed_step: int | None = None
         self._started = False
 
-    # -- TRL entry point ---------------------------------------------------------------
+    # -- the source of groups ----------------------------------------------------------
 
-    def __call__(self, prompts: list, trainer) -> RolloutBatch:
-        g = _group_size(trainer, len(prompts), self.group_size)
+    def _sync(self, trainer) -> int:
         step = int(trainer.state.global_step)
         if self.push_weights and step != self._pushed_step:
             self.push(trainer.accelerator.unwrap_model(trainer.model))
@@ -173,15 +171,27 @@ class LLMCollectorRolloutFunc:
         if not self._started:
             self.collector.start()
             self._started = True
-        groups = self.take(len(prompts) // g)
-        episodes = [group[s:e] for _, group in groups for s, e in _episode_bounds(group)]
-        recorded = layouts.has_key(episodes[0], BEHAVIOUR_KEY)
-        batch = episodes_to_trl(episodes, logprobs_key=BEHAVIOUR_KEY if recorded else GENERATED_LOGPROBS_KEY)
-        batch[PROMPT_FIELD] = _prompts(batch.steps[0])
-        ages = [self.policy_version - v for v, _ in groups]
-        batch[STALENESS_FIELD] = [a for a in ages for _ in range(g)]
-        self.consumed_staleness.extend(ages)
-        return batch
+        return self.policy_version
+
+    def _take(self, n: int, *, version: int, wait: bool, keep) -> list[RolloutGroup]:
+        out: list[RolloutGroup] = []
+        while len(out) < n:
+            groups = self.take(n - len(out), wait=wait)
+            if not groups:
+                break
+            episodes = [group[s:e] for _, group in groups for s, e in _episode_bounds(group)]
+            recorded = layouts.has_key(episodes[0], BEHAVIOUR_KEY)
+            batch = episodes_to_trl(episodes, logprobs_key=BEHAVIOUR_KEY if recorded else GENERATED_LOGPROBS_KEY)
+            prompts = _prompts(batch.steps[0])[:: self.group_size]
+            for (group_version, _), prompt, part in zip(groups, prompts, split_groups(batch, self.group_size)):
+                group = RolloutGroup(group_version, prompt, part)
+                if keep is None or keep(group):
+                    out.append(group)
+                else:
+                    self.dropped_filtered_groups += 1
+            if not wait:
+                break
+        return out
 
     # -- weights -----------------------------------------------------------------------
 
@@ -206,9 +216,10 @@ class LLMCollectorRolloutFunc:
 
     # -- reading the buffer --------------------------------------------------------------
 
-    def take(self, n: int) -> list[tuple[int, TensorDictBase]]:
+    def take(self, n: int, *, wait: bool = True) -> list[tuple[int, TensorDictBase]]:
         """``n`` whole groups ``(version, items [G])``, oldest first, within ``max_staleness``
-        (older ones dropped and counted); waits up to ``timeout`` seconds.
+        of :attr:`policy_version` (older ones dropped and counted); waits up to ``timeout``
+        seconds (``wait=False``: the groups ready now, maybe fewer).
 
         Raises:
             CollectorError: the collector stopped, or fewer than ``n`` fresh groups came in time.
@@ -216,22 +227,22 @@ class LLMCollectorRolloutFunc:
         out: list[tuple[int, TensorDictBase]] = []
         start = time.monotonic()
         try:
-            return self._take(n, out, start)
+            return self._take_groups(n, out, start, wait)
         finally:
             self.wait_s += time.monotonic() - start
+            self.consumed_groups += len(out)
 
-    def _take(self, n: int, out: list, start: float) -> list[tuple[int, TensorDictBase]]:
+    def _take_groups(self, n: int, out: list, start: float, wait: bool) -> list[tuple[int, TensorDictBase]]:
         while True:
             running = _is_running(self.collector)  # asked first: what it wrote before stopping counts
             self._read_new()
-            while self._pending and len(out) < n:
-                version, group = self._pending.popleft()
-                if self.max_staleness is not None and self.policy_version - version > self.max_staleness:
-                    self.dropped_stale_groups += 1
-                    continue
-                out.append((version, group))
-            if len(out) == n:
-                self.consumed_groups += n
+            taken, stale, _ = take_fresh(
+                self._pending, n - len(out), consumer_version=self.policy_version,
+                max_staleness=self.max_staleness, version=lambda group: group[0],
+            )
+            out += taken
+            self.dropped_stale_groups += stale
+            if len(out) == n or not wait:
                 return out
             if not running:
                 raise CollectorError(
@@ -329,12 +340,6 @@ class LLMCollectorRolloutFunc:
         """Stop the collector (``async_shutdown``)."""
         if self._started:
             self.collector.async_shutdown(timeout=30)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:

@@ -12,9 +12,9 @@
   stream into the collector's policy by parameter name, ``resume`` bumps the collector's
   policy version by one (the trainer bumps ``model_version`` by one per sync) and lets it go on.
 
-On this machine ``AsyncGRPOTrainer`` itself cannot train (CUDA-only FlashAttention-3 tree
-attention, see :mod:`torchrl_trl.online.async_rollouts`); these classes are tested against
-the protocols, and the same collector drives ``GRPOTrainer`` through
+``AsyncGRPOTrainer`` itself needs CUDA (its tree attention is a FlashAttention-3 kernel
+fetched from the Hub), so on a CPU machine these classes are tested against the protocols;
+the same collector drives ``GRPOTrainer`` through
 :class:`~torchrl_trl.online.AsyncTorchRLRolloutFunc`.
 """
 
