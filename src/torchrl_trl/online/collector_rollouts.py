@@ -1,43 +1,36 @@
 """TRL's ``GRPOTrainer`` trained on the GRPO groups a TorchRL ``LLMCollector`` writes.
 
-:class:`LLMCollectorRolloutFunc` is the ``rollout_func`` for the async mode built only from
-TorchRL's own pieces: an ``LLMCollector`` runs ahead of the trainer (``collector.start()``: a
-background thread in this process, or a ``RayLLMCollector`` actor on a Ray cluster) and
-writes into a replay buffer whose ``MCAdvantage(grpo_size=G)`` write transform holds each
-prompt's rollouts back until its group of ``G`` is complete (a local ``ReplayBuffer`` or a
-``RayReplayBuffer``). At each trainer call the function
+:class:`LLMCollectorRolloutFunc` is the async mode built only from TorchRL's own pieces: an
+``LLMCollector`` runs ahead of the trainer (``collector.start()``: a background thread in
+this process, or a ``RayLLMCollector`` actor) and writes into a replay buffer whose
+``MCAdvantage(grpo_size=G)`` write transform holds each prompt's rollouts back until its
+group of ``G`` is complete (a local ``ReplayBuffer`` or a ``RayReplayBuffer``). At each
+trainer call the function
 
-1. pushes the trainer's weights through TorchRL's path,
-   ``collector.update_policy_weights_(weights)``, when the trainer's ``global_step``
-   changed; with ``track_policy_version=True`` that bumps the collector's ``PolicyVersion``,
-   which stamps ``policy_version`` into every rollout generated afterwards;
-2. reads what was written since its last read (``rb.stats()`` gives ``write_count`` and the
-   capacity consistently, then the new items by index), cuts it into episodes at
-   ``("next", "done")`` and the episodes into whole groups of ``G`` consecutive episodes
-   with the same prompt (anything else raises). A multi-turn ``ChatEnv`` episode is one
-   TRL sample: its turns' responses with the tokens between them masked (``env_mask``);
-   build the collector with ``yield_completed_trajectories=True`` so ``MCAdvantage``
-   receives, and writes, whole episodes;
-3. hands TRL the oldest groups whose age ``collector.policy_version - version`` is at most
-   ``max_staleness``; older groups are dropped and counted, never trained on.
+1. pushes the trainer's weights through ``collector.update_policy_weights_`` when the
+   trainer's ``global_step`` changed; with ``track_policy_version=True`` that bumps the
+   collector's ``PolicyVersion``, which stamps ``policy_version`` into every rollout
+   generated afterwards;
+2. reads what was written since its last read (by ``write_count``), cuts it into episodes at
+   ``("next", "done")`` and the episodes into groups of ``G`` consecutive episodes with the
+   same prompt (anything else raises). A multi-turn ``ChatEnv`` episode is one TRL sample,
+   the tokens between its turns masked (``env_mask``);
+3. hands TRL whole groups within ``max_staleness``, as every
+   :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc` does.
 
-Nothing stored is taken out of the buffer: it keeps every rollout (up to its capacity;
-items overwritten before they were read are counted in ``missed_items``).
+Nothing is taken out of the buffer: it keeps every rollout up to its capacity (items
+overwritten before they were read are counted in ``missed_items``).
 
-Log-probs: TorchRL 0.14.1's ``TransformersWrapper(generate=True)`` writes 0.0 for the first
-generated token; TRL receives NaN there (unknown, which TRL neutralises) and the generated
-values elsewhere, unless the collector records the behaviour log-probs with
-``LLMCollector(postproc=BehaviourLogProbsPostproc(policy))`` (or, for a Ray actor,
-:meth:`BehaviourLogProbsPostproc.for_factory`): then
-``logprobs`` are those, complete, and :class:`~torchrl_trl.online.BehaviourLogProbsMixin`
-corrects stale groups with them. Without, that mixin refuses the unknown first token; a
-stale group is trained as TRL trains any group (ratio 1), or use TRL's
-``off_policy_mask_threshold``.
+Log-probs: TorchRL's generation writes 0.0 for the first generated token; TRL receives NaN
+there (unknown) unless the collector records the behaviour log-probs with
+``LLMCollector(postproc=BehaviourLogProbsPostproc(policy))`` (a Ray actor:
+:meth:`BehaviourLogProbsPostproc.for_factory`), which
+:class:`~torchrl_trl.online.BehaviourLogProbsMixin` corrects stale groups with.
 
 TorchRL loads pushed weights while the collector may be generating (its thread, or the Ray
-actor, does not pause): a batch in flight at a push can mix the two weight versions and is
-stamped with the new version. Keep ``max_staleness >= 1`` for such batches to count as
-what they are at worst, one version old.
+actor, does not pause): a batch in flight at a push can mix two weight versions and is
+stamped with the new one; keep ``max_staleness >= 1`` so such batches count as what they
+are at worst, one version old.
 """
 
 from __future__ import annotations
@@ -82,11 +75,6 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         poll_s: seconds between two reads of the buffer while waiting.
         group_key: the key whose value all items of a group share (``MCAdvantage``'s
             ``prompt_key``).
-
-    Log-probs: give the collector ``postproc=BehaviourLogProbsPostproc(policy)`` (in-process
-    collectors) for complete behaviour log-probs, which
-    :class:`~torchrl_trl.online.BehaviourLogProbsMixin` corrects stale groups with; without
-    it the first token's is unknown (NaN), see the module doc.
 
     Returned rows: see :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`.
 

@@ -5,61 +5,35 @@
 (reward parsers, tools, several turns). Every rollout can be written into a TorchRL
 replay buffer, one item per sample and turn, as ``LLMCollector`` writes them.
 
-What TRL 1.16 does with a ``rollout_func`` (read in ``trl/trainer/grpo_trainer.py`` of trl
-1.16.0; the line numbers are that file's):
+The contract with TRL's ``GRPOTrainer`` (each point checked in ``tests/test_rollout_func.py``):
 
-- **Prompts arrive repeated.** The docstring (l. 258-265) says the function receives "the raw
-  per-process prompt slice with no duplication" and must return ``num_generations``
-  completions per prompt. The code disagrees: the train sampler is
-  ``RepeatSampler(mini_repeat_count=num_generations)`` (l. 1309), ``_generate_and_score_completions``
-  passes ``[x["prompt"] for x in inputs]`` of that repeated batch to ``_generate``
-  (l. 2338, 2436), which calls ``rollout_func(prompts, trainer)`` as is (l. 2210). So each
-  prompt comes ``num_generations`` times in a row, and the function must return exactly one
-  completion per prompt it receives, in order: TRL groups rewards by consecutive blocks of
-  ``num_generations`` for the advantages. This module does that, and tests it.
-- **Keys.** ``prompt_ids``, ``completion_ids``, ``logprobs`` are required (``ValueError``
-  naming the missing ones, l. 2211-2215). ``env_mask`` is popped and used as the tool
-  mask: the loss mask is ``completion_mask * env_mask`` (l. 2272, 2497), and only
-  ``env_mask == 1`` tokens count in the logged lengths. Every other key ("extra field",
-  including ``logprob_token_ids``, which nothing in the trainer reads) is merged into each
-  input row, *only when it is a list* (l. 2741-2748), and so reaches every reward function
-  as a keyword argument next to the dataset columns.
-- **Log-probs.** The returned ``logprobs`` become ``sampling_per_token_logps``; NaN marks an
-  unknown value (l. 2468). They enter the loss only through (a) the vLLM importance-sampling
-  correction, gated by ``use_vllm and vllm_importance_sampling_correction`` (l. 2644, 2660,
-  3146), and ``use_vllm`` needs vLLM installed and a vLLM server or colocated engine; and (b)
-  ``off_policy_mask_threshold`` (DeepSeek-V3.2 off-policy sequence mask, l. 3068), which
-  works without vLLM. ``old_per_token_logps`` is recomputed by the trainer's own forward
-  when ``gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0``
-  (l. 2642), otherwise the current log-probs (detached) are the old ones.
-- TRL pads the prompts on the left and the completions on the right and computes the
-  log-probs without ``position_ids``; with RoPE models (Llama, Qwen2) that equals scoring
-  each sequence alone.
+- **Prompts arrive repeated**: TRL's sampler repeats each prompt ``num_generations`` times in
+  a row and passes that batch as is, so the function returns exactly one completion per
+  prompt it receives, in order (TRL groups rewards by consecutive blocks).
+- **Keys**: ``prompt_ids``, ``completion_ids``, ``logprobs`` are required; ``env_mask`` is
+  the tool mask (the loss mask is ``completion_mask * env_mask``); every other key that is a
+  list is merged into each input row and so reaches every reward function as a keyword.
+- **Log-probs** become TRL's sampling log-probs (NaN: unknown). They enter the loss only
+  through the vLLM importance-sampling correction (``use_vllm``) or
+  ``off_policy_mask_threshold``; otherwise TRL recomputes its own.
+- TRL scores prompts padded on the left and completions on the right without
+  ``position_ids``; with RoPE models that equals scoring each sequence alone.
 
-What TorchRL 0.14.1 does that matters here:
+On the TorchRL side:
 
 - ``TransformersWrapper(generate=True, return_log_probs=True)`` writes ``0.0`` as the
-  log-prob of the *first* generated token (``_log_probs_generate``: ``td["log_probs"][:, 0] = 0``),
-  the other positions equal a forward pass. With ``logprobs="rescore"`` the log-probs are
-  recomputed by TorchRL's own scoring path
-  (``policy.get_new_version(generate=False, input_mode="tokens")``) on the exact token
-  sequence, with the same weights, right after generation: one more forward pass, about
-  40% of a rollout's time on a 25M-parameter policy. With ``logprobs="generate"`` the
-  generated values are kept and that first position is set to NaN (unknown), which TRL
-  neutralises. ``"auto"`` (default) rescores only where the log-probs are read: without a
-  trainer (a collector thread's rollouts, which may train later), or a trainer that reads
-  them (see above, or ``reads_rollout_logprobs = True`` as ``BehaviourLogProbsMixin``
-  sets); TRL's on-policy step recomputes its own and gets the generated ones.
-- The log-probs are those of the raw logits (temperature 1, no top-k/top-p): equal to TRL's
-  recomputation when ``temperature == 1`` (a warning is given otherwise).
-- ``TransformersWrapper.get_new_version(pad_output=...)`` writes ``padding`` into the
-  original wrapper's ``tokenizer_kwargs`` dict (shared, not copied): after it, the original's
-  text mode fails on a batch of prompts of different lengths. The scorer here is built with
-  its own copy.
-- ``ChatEnv`` in history mode re-renders the chat each turn; the tokens of turn ``k + 1``'s
-  prompt must start with turn ``k``'s prompt + response, otherwise the sequence TRL trains
-  on would not be what the policy generated: that raises (tokenizer/template that does not
-  round-trip), it is never patched silently.
+  log-prob of the *first* generated token. ``logprobs="rescore"`` recomputes them with
+  TorchRL's own scoring path (:class:`~torchrl_trl.online.behaviour.ResponseScorer`) on the
+  exact sequence, right after generation: one more forward pass (about 40% of a rollout on
+  a 25M-parameter policy). ``"generate"`` keeps the generated values with that first one
+  NaN. ``"auto"`` (default) rescores only where the log-probs are read: without a trainer
+  (rollouts that may train later), or a trainer that reads them (see above, or
+  ``reads_rollout_logprobs = True`` as ``BehaviourLogProbsMixin`` sets).
+- The log-probs are those of the raw logits (temperature 1): equal to TRL's recomputation
+  when ``temperature == 1`` (a warning is given otherwise).
+- ``ChatEnv`` in history mode re-renders the chat each turn; turn ``k + 1``'s prompt tokens
+  must start with turn ``k``'s prompt + response, else the sequence TRL trains on would not
+  be what the policy generated: that raises, it is never patched silently.
 """
 
 from __future__ import annotations
