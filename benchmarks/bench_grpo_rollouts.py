@@ -49,7 +49,7 @@ POLICY_SIZES = {
     "25m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
             "num_attention_heads": 8, "num_key_value_heads": 4},
 }
-MODES = ("trl", "torchrl", "async", "async-reuse", "llm-collector", "llm-collector-ray")
+MODES = ("trl", "torchrl", "async", "async-reuse", "llm-collector", "llm-collector-mc", "llm-collector-ray")
 
 
 def make_trainer(mode, ckpt, tok, args, out_dir):
@@ -73,8 +73,8 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     func = None
-    if mode == "llm-collector":
-        func = _llm_collector_func(ckpt, tok, args)
+    if mode in ("llm-collector", "llm-collector-mc"):
+        func = _llm_collector_func(ckpt, tok, args, mc_advantage=mode == "llm-collector-mc")
     if mode == "llm-collector-ray":
         func = _ray_collector_func(ckpt, args)
     if mode == "torchrl":
@@ -102,7 +102,7 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     return trainer, func
 
 
-def _llm_collector_func(ckpt, tok, args):
+def _llm_collector_func(ckpt, tok, args, mc_advantage=False):
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer
     from torchrl.objectives.llm import MCAdvantage
@@ -113,9 +113,12 @@ def _llm_collector_func(ckpt, tok, args):
     from torchrl_trl.testing import make_chat_env, make_policy_wrapper
 
     env = make_chat_env([{"query": q} for q in QUESTIONS], batch_size=args.batch, group_size=args.group)
-    reward = RewardFunctionWrapper(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids])
-    env = env.append_transform(reward.as_transform())  # MCAdvantage groups need a reward
-    rb = ReplayBuffer(storage=LazyStackStorage(100_000), transform=MCAdvantage(grpo_size=args.group))
+    transform = None
+    if mc_advantage:
+        reward = RewardFunctionWrapper(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids])
+        env = env.append_transform(reward.as_transform())  # MCAdvantage groups need a reward
+        transform = MCAdvantage(grpo_size=args.group)
+    rb = ReplayBuffer(storage=LazyStackStorage(100_000), transform=transform)
     generator = AutoModelForCausalLM.from_pretrained(ckpt)
     collector = LLMCollector(
         env=env, policy=make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens),

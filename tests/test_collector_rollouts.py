@@ -57,10 +57,13 @@ def _reward(completions, torchrl_prompt, torchrl_reward, answer, **kwargs):
     return list(torchrl_reward)
 
 
-def test_local_llm_collector_weights_version_and_staleness(checkpoints, policy_and_tokenizer, tmp_path):
+@pytest.mark.parametrize("mc_advantage", [True, False], ids=["MCAdvantage", "plain-buffer"])
+def test_local_llm_collector_weights_version_and_staleness(checkpoints, policy_and_tokenizer, tmp_path, mc_advantage):
     """A real LLMCollector in its background thread: the trainer's weights reach the
     collector's policy through update_policy_weights_, PolicyVersion advances by one per
-    step, groups are whole, within max_staleness, and nothing written is lost."""
+    step, groups are whole, within max_staleness, and nothing written is lost. A buffer
+    without MCAdvantage works too when each batch holds whole groups (single turn, the env
+    repeating each prompt group_size times)."""
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer
     from torchrl.objectives.llm import MCAdvantage
@@ -72,7 +75,7 @@ def test_local_llm_collector_weights_version_and_staleness(checkpoints, policy_a
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     own = AutoModelForCausalLM.from_pretrained(checkpoints.policy)  # the collector's copy
-    rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=MCAdvantage(grpo_size=2))
+    rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=MCAdvantage(grpo_size=2) if mc_advantage else None)
     collector = LLMCollector(env=_env(), policy=make_policy_wrapper(own, tok, max_new_tokens=4),
                              dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
                              total_dialog_turns=-1)

@@ -2,10 +2,10 @@
 
 :class:`LLMCollectorRolloutFunc` is the async mode built only from TorchRL's own pieces: an
 ``LLMCollector`` runs ahead of the trainer (``collector.start()``: a background thread in
-this process, or a ``RayLLMCollector`` actor) and writes into a replay buffer whose
-``MCAdvantage(grpo_size=G)`` write transform holds each prompt's rollouts back until its
-group of ``G`` is complete (a local ``ReplayBuffer`` or a ``RayReplayBuffer``). At each
-trainer call the function
+this process, or a ``RayLLMCollector`` actor) and writes into a replay buffer (local or
+``RayReplayBuffer``; with an ``MCAdvantage(grpo_size=G)`` write transform, which holds each
+prompt's rollouts back until its group of ``G`` is complete, where a group can span
+batches). At each trainer call the function
 
 1. pushes the trainer's weights through ``collector.update_policy_weights_`` when the
    trainer's ``global_step`` changed; with ``track_policy_version=True`` that bumps the
@@ -62,8 +62,13 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             policy holding its *own* copy of the weights (multi-turn episodes:
             ``yield_completed_trajectories=True`` hands ``MCAdvantage`` whole episodes
             whatever the batch size). Started on the first call (``collector.start()``).
-        replay_buffer: the buffer it writes into, with ``MCAdvantage(grpo_size=group_size)``
-            as a write transform (so groups arrive whole), local or ``RayReplayBuffer``.
+        replay_buffer: the buffer it writes into, local or ``RayReplayBuffer``. Give it
+            ``MCAdvantage(grpo_size=group_size)`` as a write transform where a group's
+            rollouts can land in different collector batches (multi-turn episodes, a batch
+            that is not a multiple of the env's repeats); a single-turn env that repeats each
+            prompt ``group_size`` times writes whole groups per batch, and a plain buffer
+            saves ``MCAdvantage``'s cost (27% of the collector's samples/s in
+            ``benchmarks/bench_grpo_rollouts.py``, modes ``llm-collector`` vs ``-mc``).
 
     Keyword Args:
         group_size: completions per prompt (``GRPOConfig.num_generations``).
