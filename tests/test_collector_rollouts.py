@@ -279,6 +279,64 @@ def test_reuse_and_drop_zero_std_through_a_real_llm_collector(checkpoints, polic
     assert groups(first) == groups(second)  # the same two groups, as generated
 
 
+def test_async_grpo_protocols_on_a_real_llm_collector(checkpoints, policy_and_tokenizer):
+    """TorchRLRolloutWorker / TorchRLWeightTransfer over TorchRL's own LLMCollector (through
+    LLMCollectorRolloutFunc), driven as AsyncGRPOTrainer does: a weight sync streams the
+    trainer's named parameters (TorchRL's update_policy_weights_ loads them and bumps its
+    PolicyVersion to 1), the worker queues RolloutSamples of whole groups whose old
+    log-probs are an independent forward of the synced weights."""
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutWorkerProtocol, WeightTransferProtocol
+
+    from test_rollout_func import _reference_logps
+    from torchrl_trl.online import BehaviourLogProbsPostproc, TorchRLRolloutWorker, TorchRLWeightTransfer
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    trained = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    with torch.no_grad():  # the trainer's weights moved on
+        for p in trained.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    own = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    policy = make_policy_wrapper(own, tok, max_new_tokens=4)
+    rb = ReplayBuffer(storage=LazyStackStorage(1024))
+    collector = LLMCollector(env=_env(), policy=policy, dialog_turns_per_batch=2, replay_buffer=rb,
+                             track_policy_version=True, total_dialog_turns=-1,
+                             postproc=BehaviourLogProbsPostproc(policy))
+    source = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=None, timeout=120)
+    worker = TorchRLRolloutWorker(source, [lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]])
+    transfer = TorchRLWeightTransfer(source)
+    for proto, obj in ((RolloutWorkerProtocol, worker), (WeightTransferProtocol, transfer)):
+        assert all(hasattr(obj, name) for name in dir(proto) if not name.startswith("_"))
+    transfer.init_weight_transfer()
+    transfer.pause()
+    transfer.send_weights((n, p.detach()) for n, p in trained.named_parameters())
+    transfer.resume()
+    worker.update_model_version(1)
+    assert collector.policy_version == 1 and transfer.loaded == len(list(trained.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(own.parameters(), trained.parameters()))
+    worker.start()
+    try:
+        samples = [worker.rollout_buffer.get(timeout=120) for _ in range(4)]
+        worker.check_health(60.0)
+    finally:
+        worker.stop()
+    assert not collector.is_running()
+    assert [s.group_id for s in samples] == [0, 0, 1, 1] and {s.model_version for s in samples} == {1}
+    for a, b in (samples[:2], samples[2:]):
+        assert a.prompt == b.prompt and a.advantage == pytest.approx(-b.advantage)
+    for s in samples:
+        mask = torch.as_tensor(s.completion_mask).bool()
+        n_prompt = int((~mask).cumprod(0).sum())
+        ids = torch.as_tensor(s.input_ids)
+        (ref,) = _reference_logps(trained, [ids[:n_prompt].tolist()], [ids[n_prompt:].tolist()])
+        torch.testing.assert_close(torch.as_tensor(s.old_log_probs)[n_prompt:], ref, atol=1e-4, rtol=1e-4)
+        assert not torch.as_tensor(s.old_log_probs)[:n_prompt].any()
+
+
 def _ray_env_factory():  # runs in the collector actor
     return _env()
 

@@ -324,10 +324,27 @@ class AsyncTorchRLRolloutFunc(GroupRolloutFunc):
         collector.start()
         return version
 
-    def _take(self, n: int, *, version: int, wait: bool, keep) -> list[RolloutGroup]:
+    def next_groups(self, n: int, *, version: int | None = None, wait: bool = True, keep=None) -> list[RolloutGroup]:
+        version = self.collector.policy_version if version is None else version
         return self.collector.get_groups(
             n, consumer_version=version, max_staleness=self.max_staleness, timeout=self.timeout, keep=keep, wait=wait
         )
+
+    def start(self) -> None:
+        self.collector.start()
+
+    def send_named_weights(self, named_tensors) -> None:
+        collector, version = self.collector, None
+        collector.pause()
+        try:
+            collector.load_named_weights(named_tensors)
+            version = collector.policy_version + 1
+        finally:
+            collector.resume(version=version)
+
+    @property
+    def tokenizer(self):
+        return self.collector.rollout.policy.tokenizer
 
     def close(self) -> None:
         self.collector.stop()

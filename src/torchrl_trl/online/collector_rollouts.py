@@ -39,7 +39,7 @@ import time
 from collections import deque
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from .. import layouts
 from .._checks import positive_int, positive_seconds
@@ -161,12 +161,16 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             self._pushed_step = step
         else:  # the caller may push weights itself: staleness is against the collector's version
             self.policy_version = self._collector_version()
+        self.start()
+        return self.policy_version
+
+    def start(self) -> None:
         if not self._started:
             self.collector.start()
             self._started = True
-        return self.policy_version
 
-    def _take(self, n: int, *, version: int, wait: bool, keep) -> list[RolloutGroup]:
+    def next_groups(self, n: int, *, version: int | None = None, wait: bool = True, keep=None) -> list[RolloutGroup]:
+        self.policy_version = self._collector_version() if version is None else version
         out: list[RolloutGroup] = []
         while len(out) < n:
             groups = self.take(n - len(out), wait=wait)
@@ -188,15 +192,24 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     # -- weights -----------------------------------------------------------------------
 
-    def push(self, model: torch.nn.Module) -> int:
-        """Send ``model``'s weights to the collector's policy through
-        ``collector.update_policy_weights_`` and return the collector's new policy version."""
+    def push(self, model: torch.nn.Module | TensorDictBase) -> int:
+        """Send ``model``'s weights (or a TensorDict of them, by parameter name) to the
+        collector's policy through ``collector.update_policy_weights_`` and return the
+        collector's new policy version."""
         start = time.monotonic()
         push_weights(self.collector, model, lock=getattr(getattr(self.collector, "postproc", None), "lock", None))
         self.push_s += time.monotonic() - start
         self.weight_pushes += 1
         self.policy_version = self._collector_version()
         return self.policy_version
+
+    def send_named_weights(self, named_tensors) -> None:
+        weights = TensorDict(dict(named_tensors), batch_size=[]).unflatten_keys(".")
+        self.push(weights)
+
+    @property
+    def tokenizer(self):
+        return self.collector.policy.tokenizer
 
     def _collector_version(self) -> int:
         version = self.collector.policy_version

@@ -194,8 +194,10 @@ class GroupReplay:
 
 class GroupRolloutFunc:
     """``GRPOTrainer(rollout_func=...)`` handing the trainer whole groups a collector
-    generated ahead of it. Subclasses say where groups come from (:meth:`_sync`,
-    :meth:`_take`, :meth:`close`).
+    generated ahead of it. Subclasses say where groups come from (:meth:`next_groups`) and
+    how weights reach it; :class:`~torchrl_trl.online.TorchRLRolloutWorker` and
+    :class:`~torchrl_trl.online.TorchRLWeightTransfer` drive any of them for TRL's
+    ``AsyncGRPOTrainer``.
 
     Keyword Args:
         max_staleness: largest accepted age of a group (consumer version - group version);
@@ -254,9 +256,31 @@ class GroupRolloutFunc:
         the groups' ages are counted against."""
         raise NotImplementedError
 
-    def _take(self, n: int, *, version: int, wait: bool, keep: Callable | None) -> list[RolloutGroup]:
-        """``n`` fresh groups within ``max_staleness`` of ``version`` that ``keep`` accepts
-        (``wait=False``: those ready now, maybe fewer)."""
+    def next_groups(
+        self, n: int, *, version: int | None = None, wait: bool = True, keep: Callable | None = None
+    ) -> list[RolloutGroup]:
+        """``n`` fresh groups, oldest first, within ``max_staleness`` of ``version``
+        (default: the collector's current policy version) that ``keep`` accepts; waits up
+        to ``timeout`` seconds (``wait=False``: those ready now, maybe fewer).
+
+        Raises:
+            CollectorError: the collector died or stopped, or fewer than ``n`` came in time.
+        """
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Start the collector (idempotent)."""
+        raise NotImplementedError
+
+    def send_named_weights(self, named_tensors) -> None:
+        """Load a trainer's ``(name, tensor)`` stream (``model.named_parameters()``) into the
+        collector's policy and advance its policy version by one, as one weight sync of
+        ``AsyncGRPOTrainer`` does."""
+        raise NotImplementedError
+
+    @property
+    def tokenizer(self):
+        """The collector's policy's tokenizer."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -269,10 +293,10 @@ class GroupRolloutFunc:
         version = self._sync(trainer)
         n = len(prompts) // g
         keep = has_reward_spread if self.drop_zero_std else None
-        fresh = self._take(n, version=version, wait=False, keep=keep) if self.replay.reuse else []
+        fresh = self.next_groups(n, version=version, wait=False, keep=keep) if self.replay.reuse else []
         reused = self.replay.draw(n - len(fresh), consumer_version=version)
         if len(fresh) + len(reused) < n:
-            fresh += self._take(n - len(fresh) - len(reused), version=version, wait=True, keep=keep)
+            fresh += self.next_groups(n - len(fresh) - len(reused), version=version, keep=keep)
         self.replay.add(fresh)
         chosen = [(group, 0) for group in fresh] + reused
         batch = concat_groups([group.batch for group, _ in chosen])

@@ -1,16 +1,19 @@
 """TorchRL as the rollout worker and weight sink of ``trl.experimental.async_grpo.AsyncGRPOTrainer``.
 
-- :class:`TorchRLRolloutWorker` implements TRL's ``RolloutWorkerProtocol``: an
-  :class:`~torchrl_trl.online.AsyncGroupCollector` generates whole groups with TorchRL; a pump
-  thread scores each group with TRL-style reward functions, computes the group advantages as
+- :class:`TorchRLRolloutWorker` implements TRL's ``RolloutWorkerProtocol``: a TorchRL
+  collector generates whole groups (a TorchRL ``LLMCollector`` through
+  :class:`~torchrl_trl.online.LLMCollectorRolloutFunc`, locally or as a Ray actor, or an
+  :class:`~torchrl_trl.online.AsyncGroupCollector`); a pump thread scores each group with TRL-style reward functions, computes the group advantages as
   TRL's own worker does (``(r - mean) / (std + 1e-8)``; a completion no function could score
   gets advantage 0) and puts one ``RolloutSample`` per completion on :attr:`rollout_buffer`
   (``input_ids`` = prompt + completion, ``completion_mask`` and ``old_log_probs`` aligned with
   them: 1 / the behaviour log-prob on generated tokens, 0 on the prompt and on env tokens).
-- :class:`TorchRLWeightTransfer` implements ``WeightTransferProtocol``: ``pause`` stops the
-  collector between two batches, ``send_weights`` copies the trainer's ``(name, tensor)``
-  stream into the collector's policy by parameter name, ``resume`` bumps the collector's
-  policy version by one (the trainer bumps ``model_version`` by one per sync) and lets it go on.
+- :class:`TorchRLWeightTransfer` implements ``WeightTransferProtocol``: ``send_weights``
+  loads the trainer's ``(name, tensor)`` stream into the collector's policy by parameter
+  name and bumps its policy version by one (the trainer bumps ``model_version`` by one per
+  sync): through ``update_policy_weights_`` for an ``LLMCollector`` (which does not pause:
+  a batch in flight may see the push), between ``pause`` and ``resume`` of the generation
+  loop for an ``AsyncGroupCollector``.
 
 ``AsyncGRPOTrainer`` itself needs CUDA (its tree attention is a FlashAttention-3 kernel
 fetched from the Hub), so on a CPU machine these classes are tested against the protocols;
@@ -30,7 +33,8 @@ import numpy as np
 import torch
 
 from .._checks import positive_int, positive_seconds
-from .async_rollouts import AsyncGroupCollector, RolloutGroup
+from .async_rollouts import AsyncGroupCollector, AsyncTorchRLRolloutFunc
+from .group_rollouts import GroupRolloutFunc, RolloutGroup
 
 __all__ = ["TorchRLRolloutWorker", "TorchRLWeightTransfer"]
 
@@ -43,15 +47,20 @@ class TorchRLRolloutWorker:
     """``AsyncGRPOTrainer(rollout_worker=...)`` backed by a TorchRL collector.
 
     Args:
-        collector: the :class:`~torchrl_trl.online.AsyncGroupCollector` (its policy holds its
-            own weights; give the same collector to :class:`TorchRLWeightTransfer`).
+        collector: where groups come from (its policy holds its own weights; give the same
+            object to :class:`TorchRLWeightTransfer`): an
+            :class:`~torchrl_trl.online.LLMCollectorRolloutFunc` over a TorchRL
+            ``LLMCollector`` (build it with ``max_staleness=None``: the trainer bounds
+            staleness itself), any :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`,
+            or an :class:`~torchrl_trl.online.AsyncGroupCollector`.
         reward_funcs: TRL-style ``f(prompts, completions, completion_ids, **fields) -> list``
             (``None`` entries allowed), summed with weight 1; ``fields`` are the rollout
             func's forwarded fields (e.g. ``torchrl_reward``, ``answer``).
 
     Keyword Args:
         queue_maxsize: bound of :attr:`rollout_buffer` (the pump waits when it is full).
-        timeout: seconds the pump waits for a group before it counts as a failure.
+        timeout: seconds the pump waits for a group before it counts as a failure (for an
+            ``AsyncGroupCollector``; a ``GroupRolloutFunc`` has its own ``timeout``).
 
     Example:
 
@@ -75,7 +84,7 @@ class TorchRLRolloutWorker:
 
     def __init__(
         self,
-        collector: AsyncGroupCollector,
+        collector: GroupRolloutFunc | AsyncGroupCollector,
         reward_funcs: Sequence[Callable],
         *,
         queue_maxsize: int = 1024,
@@ -84,6 +93,7 @@ class TorchRLRolloutWorker:
         if not reward_funcs:
             raise ValueError("reward_funcs is empty: the worker scores every group it sends")
         self.collector = collector
+        self.source = _group_source(collector, timeout)
         self.reward_funcs = list(reward_funcs)
         self.rollout_buffer: queue.Queue = queue.Queue(maxsize=positive_int(queue_maxsize, "queue_maxsize"))
         self.metrics_queue: queue.Queue = queue.Queue()
@@ -100,20 +110,20 @@ class TorchRLRolloutWorker:
     def start(self) -> None:
         if self._thread is not None:
             return
-        self.collector.start()
+        self.source.start()
         self._heartbeat = time.time()
         self._thread = threading.Thread(target=self._pump, name="torchrl-rollout-worker", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self.collector.stop()
+        self.source.close()
         if self._thread is not None:
             self._thread.join(30)
 
     def update_model_version(self, model_version: int) -> None:
         self.model_version = int(model_version)
-        if self.collector.policy_version != self.model_version:
+        if isinstance(self.collector, AsyncGroupCollector) and self.collector.policy_version != self.model_version:
             self.collector.update_policy_weights_(version=self.model_version)
 
     def check_health(self, stale_after_s: float) -> None:
@@ -132,9 +142,7 @@ class TorchRLRolloutWorker:
     def _pump(self) -> None:
         try:
             while not self._stop.is_set():
-                (group,) = self.collector.get_groups(
-                    1, consumer_version=self.model_version, max_staleness=None, timeout=self.timeout
-                )
+                (group,) = self.source.next_groups(1)
                 for sample in self.to_samples(group):
                     while not self._stop.is_set():
                         try:
@@ -152,7 +160,7 @@ class TorchRLRolloutWorker:
         from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
         batch = group.batch
-        tokenizer = self.collector.rollout.policy.tokenizer
+        tokenizer = self.source.tokenizer
         n = len(batch["completion_ids"])
         prompts = [group.prompt] * n
         texts = tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
@@ -219,30 +227,41 @@ class TorchRLWeightTransfer:
     (1, True)
     """
 
-    def __init__(self, collector: AsyncGroupCollector):
+    def __init__(self, collector: GroupRolloutFunc | AsyncGroupCollector):
         self.collector = collector
+        self.source = _group_source(collector)
         self.transfers = 0
         self.loaded = 0
-        self._paused = False
 
     def init_weight_transfer(self) -> None:
         return None
 
     def pause(self) -> None:
-        if not self._paused:
-            self.collector.pause()
-            self._paused = True
+        """Nothing to do: :meth:`send_weights` loads the weights in one step, between two
+        generation batches where the collector can pause (``AsyncGroupCollector``)."""
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        if not self._paused:
-            raise RuntimeError("send_weights() outside pause()/resume(): generation could read half-copied weights")
-        self.loaded = self.collector.load_named_weights(iterator)
+        named = list(iterator)
+        self.source.send_named_weights(named)
+        self.loaded = len(named)
         self.transfers += 1
 
     def resume(self) -> None:
-        if self._paused:
-            self._paused = False
-            self.collector.resume(version=self.collector.policy_version + 1)
+        """Nothing to do (see :meth:`pause`)."""
 
     def destroy(self) -> None:
-        self.resume()
+        return None
+
+
+def _group_source(collector, timeout: float | None = None) -> GroupRolloutFunc:
+    """``collector`` as a :class:`GroupRolloutFunc`: an ``AsyncGroupCollector`` is drained
+    without a staleness bound (the trainer bounds it) and without weight pushes (the weight
+    transfer does them)."""
+    if isinstance(collector, GroupRolloutFunc):
+        return collector
+    if isinstance(collector, AsyncGroupCollector):
+        return AsyncTorchRLRolloutFunc(collector, max_staleness=None, timeout=timeout, push_weights=False)
+    raise TypeError(
+        f"collector must be an LLMCollectorRolloutFunc (or another GroupRolloutFunc) or an AsyncGroupCollector, "
+        f"got {type(collector).__name__}"
+    )

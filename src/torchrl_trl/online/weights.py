@@ -14,19 +14,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from .ray import is_ray_collector
 
 __all__ = ["GenerationLock", "collector_weights", "push_weights"]
 
 
-def collector_weights(collector, model: torch.nn.Module) -> TensorDict:
-    """``model``'s parameters and buffers (``TensorDict.from_module(model).data``) in the
-    form ``collector.update_policy_weights_`` loads: nested under ``"model"`` when the
+def collector_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDict:
+    """``model``'s parameters and buffers (``TensorDict.from_module(model).data``, or
+    ``model`` itself if it is a TensorDict of them) in the form
+    ``collector.update_policy_weights_`` loads: nested under ``"model"`` when the
     collector's policy holds the model as ``policy.model`` (``TransformersWrapper``) or
     runs remotely (a Ray actor, which also gets them on the CPU)."""
-    weights = TensorDict.from_module(model).data
+    weights = model if isinstance(model, TensorDictBase) else TensorDict.from_module(model).data
     remote = is_ray_collector(collector)
     if remote:
         weights = weights.cpu()
@@ -38,7 +39,7 @@ def collector_weights(collector, model: torch.nn.Module) -> TensorDict:
 
 def push_weights(
     collector,
-    model: torch.nn.Module,
+    model: torch.nn.Module | TensorDictBase,
     *,
     weights_fn: Callable[[torch.nn.Module], Any] | None = None,
     lock: contextlib.AbstractContextManager | None = None,
