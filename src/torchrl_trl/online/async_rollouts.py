@@ -31,13 +31,12 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-import torch
 
 from .._checks import positive_int
 from .callback import CollectorError
 from .group_rollouts import GroupReplay, GroupRolloutFunc, RolloutGroup, split_groups, take_fresh
 from .rollout_func import TorchRLRolloutFunc
-from .weights import GenerationLock
+from .weights import GenerationLock, load_weights
 
 __all__ = ["AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "GroupReplay", "RolloutGroup"]
 
@@ -138,13 +137,13 @@ class AsyncGroupCollector:
     # -- weights -----------------------------------------------------------------------
 
     def update_policy_weights_(self, weights=None, *, version: int) -> None:
-        """Load ``weights`` (an ``nn.Module`` or a ``state_dict``; ``None``: keep the
-        weights) into the collector's policy between two generations, and make ``version``
-        the version of every group generated from now on."""
+        """Load ``weights`` (an ``nn.Module``, a ``state_dict`` or ``(name, tensor)`` pairs,
+        see :func:`~torchrl_trl.online.weights.load_weights`; ``None``: keep the weights)
+        into the collector's policy between two generations, and make ``version`` the
+        version of every group generated from now on."""
         with self._weights_lock.push():
             if weights is not None:
-                state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-                self.rollout.policy.model.load_state_dict(state)
+                load_weights(self.rollout.policy.model, weights)
             self.policy_version = int(version)
 
     def pause(self) -> None:
@@ -158,24 +157,9 @@ class AsyncGroupCollector:
         self._weights_lock.resume()
 
     def load_named_weights(self, named_tensors) -> int:
-        """Copy ``(name, tensor)`` pairs into the policy's parameters of those names (call
+        """Copy ``(name, tensor)`` pairs into the policy's tensors of those names (call
         between :meth:`pause` and :meth:`resume`). Returns how many were loaded."""
-        params = dict(self.rollout.policy.model.named_parameters())
-        n = 0
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in params:
-                    raise KeyError(
-                        f"weight {name!r} is not a parameter of the collector's policy model "
-                        f"(it has {len(params)}, e.g. {sorted(params)[:3]})"
-                    )
-                if params[name].shape != tensor.shape:
-                    raise ValueError(
-                        f"weight {name!r}: shape {tuple(tensor.shape)}, the policy's is {tuple(params[name].shape)}"
-                    )
-                params[name].copy_(tensor)
-                n += 1
-        return n
+        return load_weights(self.rollout.policy.model, named_tensors)
 
     # -- producer ----------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from .. import layouts
 from .._checks import WarnOnce, positive_int
 from .behaviour import ResponseScorer
 from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, rollout_batch, turns_to_trl
+from .weights import load_weights
 
 __all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
 
@@ -244,7 +245,7 @@ class TorchRLRolloutFunc:
         if step != self.policy_version:
             model = trainer.accelerator.unwrap_model(trainer.model)
             if policy.model is not model and self.sync_weights == "copy":
-                policy.model.load_state_dict(model.state_dict())
+                load_weights(policy.model, model)
             elif policy.model is not model and callable(self.sync_weights):
                 self.sync_weights(model, step)
             self.policy_version = step

@@ -18,7 +18,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .ray import is_ray_collector
 
-__all__ = ["GenerationLock", "collector_weights", "push_weights"]
+__all__ = ["GenerationLock", "collector_weights", "load_weights", "push_weights"]
 
 
 def collector_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDict:
@@ -35,6 +35,43 @@ def collector_weights(collector, model: torch.nn.Module | TensorDictBase) -> Ten
     if remote or isinstance(inner, torch.nn.Module):
         weights = TensorDict({"model": weights}, batch_size=[])
     return weights
+
+
+def load_weights(module: torch.nn.Module, weights) -> int:
+    """Copy ``weights`` into ``module``'s parameters and buffers of the same names, in place
+    (a policy whose tensors a generation loop holds keeps them). ``weights``: an
+    ``nn.Module``, a TensorDict of its weights, or ``(name, tensor)`` pairs / a mapping
+    (``named_parameters()``, a ``state_dict``). Returns how many tensors were copied.
+
+    Raises:
+        KeyError, ValueError: a name ``module`` does not have, or a different shape.
+
+    >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    >>> load_weights(a, b.named_parameters()), torch.equal(a.weight, b.weight)
+    (2, True)
+    >>> load_weights(a, {"bias": torch.zeros(3)})
+    Traceback (most recent call last):
+    ...
+    ValueError: weight 'bias': shape (3,), the policy's is (2,)
+    >>> load_weights(a, {"lm_head.weight": torch.zeros(2, 2)})
+    Traceback (most recent call last):
+    ...
+    KeyError: "weight 'lm_head.weight' is not a parameter or buffer of the policy model Linear"
+    """
+    if isinstance(weights, torch.nn.Module):
+        weights = TensorDict.from_module(weights)
+    elif not isinstance(weights, TensorDictBase):
+        weights = TensorDict(dict(weights.items() if hasattr(weights, "items") else weights)).unflatten_keys(".")
+    target = TensorDict.from_module(module)
+    for name, tensor in weights.items(include_nested=True, leaves_only=True):
+        dotted = ".".join(name) if isinstance(name, tuple) else name
+        if name not in target.keys(include_nested=True, leaves_only=True):
+            raise KeyError(f"weight {dotted!r} is not a parameter or buffer of the policy model {type(module).__name__}")
+        if target.get(name).shape != tensor.shape:
+            raise ValueError(f"weight {dotted!r}: shape {tuple(tensor.shape)}, the policy's is {tuple(target.get(name).shape)}")
+    with torch.no_grad():
+        target.update_(weights.data)
+    return len(list(weights.keys(include_nested=True, leaves_only=True)))
 
 
 def push_weights(
