@@ -23,7 +23,7 @@ def length(prompts, completions, **kwargs):
 SCRIPT = """
 import os
 from tensordict import TensorDict
-from torchrl_trl.rewards.functions import RewardFunctionWrapper
+from torchrl_trl.rewards import RewardExecutor, RewardFunctionWrapper
 from next_to_the_script import length
 
 with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
@@ -34,8 +34,8 @@ BONUS = 100.0
 def length_plus_bonus(prompts, completions, **kwargs):
     return [BONUS + len(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
 
-wrapper = RewardFunctionWrapper([length_plus_bonus, length], weights=[1.0, 1000.0], executor="process",
-                                timeout=60, max_workers=2)
+wrapper = RewardFunctionWrapper([length_plus_bonus, length], weights=[1.0, 1000.0],
+                                executor=RewardExecutor("process", max_workers=2), timeout=60)
 texts = ["a", "bb", "cccc"]
 td = TensorDict({"text": {"prompt": ["q"] * 3, "response": texts}}, batch_size=[3])
 print("REWARDS", wrapper(td)["next", "reward"].reshape(-1).tolist(), flush=True)
@@ -77,7 +77,7 @@ TRAIN_SCRIPT = """
 import os
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
-from torchrl_trl.rewards.trl_funcs import as_trl_reward_func
+from torchrl_trl.rewards import RewardExecutor, as_trl_reward_func
 
 with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
     log.write("top level ran\\n")
@@ -85,7 +85,7 @@ with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
 def length_reward(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
 
-reward = as_trl_reward_func(length_reward, executor="process", timeout=60, max_workers=1)
+reward = as_trl_reward_func(length_reward, executor=RewardExecutor("process", max_workers=1), timeout=60)
 seen = []
 
 def recorded(prompts, completions, **kwargs):
