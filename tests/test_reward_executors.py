@@ -303,6 +303,30 @@ def test_functions_a_worker_cannot_import_raise(tmp_path, monkeypatch):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
+def test_a_worker_that_cannot_load_the_functions_in_startup_timeout_raises(tmp_path, monkeypatch):
+    """RewardExecutor(startup_timeout=): a worker still loading the functions (here an
+    import that blocks in the workers only) is killed and a clear error raised."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, threading\n"
+        "if os.environ.get('SLOW_IMPORT'):\n"
+        "    threading.Event().wait(100)\n"
+        "def slow(prompts, completions, **kw):\n    return [1.0]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slow_module
+
+    monkeypatch.setenv("SLOW_IMPORT", "1")  # the workers, fresh interpreters, block on import
+    wrapper = RewardFunctionWrapper(slow_module.slow, executor=RewardExecutor("process", startup_timeout=1))
+    try:
+        with pytest.raises(RuntimeError, match=r"did not load the reward functions \['slow'\] within 1.0s"):
+            wrapper(_text_rollouts(["a"]))
+        assert wrapper.executor.worker_pids == []  # the stuck worker was killed, not left behind
+    finally:
+        wrapper.shutdown()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
 def test_trl_function_per_completion_with_logs():
     """as_trl_reward_func(plain TRL function, executor="process"): TRL's call, one
     completion per worker call, log_extra replayed aligned (None for a failed one)."""

@@ -32,7 +32,7 @@ def in_caller_modes(fn: Callable) -> Callable:
 
 
 def run_in_thread(fn: Callable[[], Any], timeout: float | None, message: str = "", *,
-                  error: type[TimeoutError] = TimeoutError, name: str = "torchrl-trl-worker") -> Any:
+                  error: type = TimeoutError, name: str = "torchrl-trl-worker") -> Any:
     """``fn()`` in a daemon thread under the caller's torch modes, waited for at most
     ``timeout`` s (``None``: until it returns): its value, or its exception re-raised.
     Past the timeout raises ``error(message)``, its ``thread`` the thread still running.
@@ -64,7 +64,7 @@ def run_in_thread(fn: Callable[[], Any], timeout: float | None, message: str = "
 
 
 def run_async(awaitable: Awaitable, timeout: float | None = None, message: str = "", *,
-              error: type[TimeoutError] = TimeoutError) -> Any:
+              error: type = TimeoutError) -> Any:
     """``awaitable``'s result, from synchronous code: ``asyncio.run`` here, or in a fresh
     loop in a helper thread (:func:`run_in_thread`) when this thread already runs a loop
     (a notebook, an async server) or a ``timeout`` bounds it."""

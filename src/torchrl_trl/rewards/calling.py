@@ -179,7 +179,8 @@ def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict
     pending = [i for i, f in enumerate(funcs) if is_async_callable(f)]
     for i, (func, name) in enumerate(zip(funcs, names)):
         if i not in pending:
-            out[i] = to_rewards(call_function(func, name, kwargs, timeout), name=name, expected=n, none=None)
+            out[i] = call_function(func, name, kwargs, timeout)
+            out[i] = to_rewards(out[i], name=name, expected=n, none=None)
     if pending:
         coros = [funcs[i](**kwargs) for i in pending]
         for i, value in zip(pending, run_coroutines(coros, [names[i] for i in pending], timeout)):
@@ -187,7 +188,9 @@ def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict
     return out
 
 
-def to_rewards(output: Any, *, name: str, expected: int, none: float | None = math.nan) -> list[float | None]:
+def to_rewards(
+    output: Any, *, name: str, expected: int, none: float | None = math.nan
+) -> list[float | None]:
     """Validate one reward function's output: ``expected`` numbers or ``None`` (-> ``none``);
     a tensor or a numpy array is read as a list. Raises ``TypeError``/``ValueError``
     naming the function otherwise.
@@ -318,7 +321,7 @@ class FailureCounter:
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     for _ in range(2):
-    ...         failures.add("f", ItemResult("timeout", detail="no result within timeout=1s"), "it is excluded")
+    ...         failures.add("f", ItemResult("timeout", detail="past timeout=1s"), "it is excluded")
     >>> failures.counts, len(caught)
     ({'f': {'error': 0, 'timeout': 2, 'crash': 0}}, 1)
     """
@@ -334,10 +337,11 @@ class FailureCounter:
         return {n: {kind: self._seen.counts[(n, kind)] for kind in kinds} for n in self.names}
 
     def add(self, name: str, result, value_note: str) -> None:
-        what = {"error": "raised on", "timeout": "ran past its timeout on", "crash": "crashed its worker on"}
+        what = {"error": "raised on", "timeout": "ran past its timeout on"}
         self._seen.add(
             (name, result.status),
-            f"reward function {name!r} {what[result.status]} a completion ({result.detail}); "
+            f"reward function {name!r} {what.get(result.status, 'crashed its worker on')} a "
+            f"completion ({result.detail}); "
             f"{value_note} (counted in {self.owner}.failure_counts), once per function and kind",
             stacklevel=6,
         )

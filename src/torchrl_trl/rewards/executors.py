@@ -1,15 +1,11 @@
 """Run reward functions one completion at a time, isolated, with a per-completion timeout.
 
 A rule reward (math verification, code execution) that hangs or crashes on one completion
-must not stop training. A :class:`RewardExecutor` says how (``"process"``: our pool of
-worker processes, :mod:`torchrl_trl.rewards.process_pool`; ``"thread"``, ``"ray"`` or a
-``concurrent.futures.Executor``); ``RewardExecutor.build`` gives an item executor whose
-``run(items, shared)`` calls ``funcs[i](**shared, **kwargs)`` for each ``(i, kwargs)``
-item and returns one :class:`ItemResult` per item, in order, never raising for one bad
-item. All kinds share one scheduler (:meth:`ItemExecutor.run`): at most ``max_workers``
-items in flight, each with a deadline; ``timeout`` counts from when a worker starts the
-item (a process worker once it has loaded the item's arguments; a thread, a Ray task or a
-future when submitted).
+must not stop training. A :class:`RewardExecutor` says how; its ``build`` gives an item
+executor whose ``run(items, shared)`` calls ``funcs[i](**shared, **kwargs)`` for each
+``(i, kwargs)`` item and returns one :class:`ItemResult` per item, in order, never raising
+for one bad item. Every kind (``"process"``: :mod:`~torchrl_trl.rewards.process_pool`;
+``"thread"``, ``"ray"``, an ``Executor``) runs in one scheduler (:meth:`ItemExecutor.run`).
 """
 
 from __future__ import annotations
@@ -71,12 +67,12 @@ class RewardExecutor:
             functions and the shared arguments; never counted against ``timeout``.
 
     Examples:
-        >>> RewardExecutor("thread", max_workers=2, failure_reward=0.0)
-        RewardExecutor(kind='thread', max_workers=2, mp_context=None, failure_reward=0.0, startup_timeout=120.0)
+        >>> RewardExecutor("thread", max_workers=2, failure_reward=0).failure_reward
+        0.0
         >>> RewardExecutor("thread", mp_context="fork")
         Traceback (most recent call last):
         ...
-        ValueError: mp_context applies to executor='process' only, got kind='thread'
+        ValueError: mp_context applies to executor='process' only, got 'thread'
     """
 
     kind: str | concurrent.futures.Executor = "process"
@@ -93,12 +89,15 @@ class RewardExecutor:
             )
         positive_int(self.max_workers, "max_workers", allow_none=True)
         if self.mp_context is not None and self.kind != "process":
-            raise ValueError(f"mp_context applies to executor='process' only, got kind={self.kind!r}")
-        if self.mp_context not in (None, "spawn", "forkserver", "fork"):
-            raise ValueError(f"mp_context must be 'spawn', 'forkserver' or 'fork', got {self.mp_context!r}")
+            raise ValueError(f"mp_context applies to executor='process' only, got {self.kind!r}")
+        if (ctx := self.mp_context) not in (None, "spawn", "forkserver", "fork"):
+            raise ValueError(f"mp_context must be 'spawn', 'forkserver' or 'fork', got {ctx!r}")
         if self.failure_reward is not None:
             object.__setattr__(self, "failure_reward", float(self.failure_reward))
-        positive_seconds(self.startup_timeout, "startup_timeout")
+        seconds = positive_seconds(self.startup_timeout, "startup_timeout")
+        if seconds is None:
+            raise ValueError("startup_timeout must be a positive number of seconds, got None")
+        object.__setattr__(self, "startup_timeout", seconds)
 
     def build(self, funcs: Sequence[Callable], names: Sequence[str], timeout: float | None):
         """The item executor running ``funcs`` (named ``names``), ``timeout`` s per item."""
@@ -199,7 +198,7 @@ class ItemExecutor:
     def _default_workers(self, cpus: int) -> int:
         return cpus
 
-    def run(self, items: Sequence[tuple[int, dict]], shared: dict | None = None) -> list[ItemResult]:
+    def run(self, items: Sequence[tuple[int, dict]], shared: dict | None = None) -> list:
         """One :class:`ItemResult` per item, in order; ``shared`` kwargs go to every call."""
         if not items:
             return []

@@ -419,5 +419,5 @@ def as_trl_reward_func(
     """
     moved = moved_keywords("as_trl_reward_func", moved, MOVED_TO_EXECUTOR)
     executor = reward_executor(executor, **moved)
-    return TRLRewardFunc(reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns,
-                         timeout=timeout, executor=executor)
+    return TRLRewardFunc(reward, tokenizer=tokenizer, name=name, reward_key=reward_key,
+                         columns=columns, timeout=timeout, executor=executor)
