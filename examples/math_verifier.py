@@ -73,9 +73,10 @@ def run(timeout: float = 5.0, max_workers: int = 2) -> dict:
     the rewards, the failure counts and the wall time."""
     import warnings
 
-    from torchrl_trl import as_trl_reward_func
+    from torchrl_trl import RewardExecutor, as_trl_reward_func
 
-    reward_func = as_trl_reward_func(math_accuracy, executor="process", timeout=timeout, max_workers=max_workers)
+    executor = RewardExecutor("process", max_workers=max_workers)
+    reward_func = as_trl_reward_func(math_accuracy, executor=executor, timeout=timeout)
     prompts = [[{"role": "user", "content": q}] for q, _, _ in EXAMPLES]
     completions = [[{"role": "assistant", "content": c}] for _, c, _ in EXAMPLES]
     try:

@@ -83,6 +83,12 @@ def RewardFunctionWrapper(*args, **kwargs):
     return RewardFunctionWrapper(*args, **kwargs)
 
 
+def RewardExecutor(*args, **kwargs):
+    from torchrl_trl.rewards.executors import RewardExecutor
+
+    return RewardExecutor(*args, **kwargs)
+
+
 def as_trl_reward_func(*args, **kwargs):
     from torchrl_trl.rewards.trl_funcs import as_trl_reward_func
 
@@ -107,7 +113,8 @@ def _same(a, b):
 @pytest.mark.timeout(120)
 def test_process_pool_survives_loop_raise_segfault_exit():
     texts = ["ab", "loop", "raise", "segv", "abc", "exit", "x", "four"]
-    wrapper = RewardFunctionWrapper(by_text, executor="process", timeout=TIMEOUT, max_workers=2, mp_context="fork")
+    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", max_workers=2, mp_context="fork"),
+                                    timeout=TIMEOUT)
     try:
         _same(_rewards(wrapper(_text_rollouts(["ab", "c"]))), [2.0, 1.0])  # warm pool
         pids = set(wrapper.executor.worker_pids)
@@ -138,7 +145,8 @@ def test_process_pool_survives_loop_raise_segfault_exit():
 def test_default_context_and_failure_reward_and_copy():
     """The default start method (fresh interpreters): workers import this module; a failed
     item gets failure_reward; a deep copy of the wrapper gets its own pool."""
-    wrapper = RewardFunctionWrapper(by_text, executor="process", timeout=TIMEOUT, max_workers=2, failure_reward=-1.0)
+    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", max_workers=2, failure_reward=-1.0),
+                                    timeout=TIMEOUT)
     clone = None
     try:
         assert wrapper.executor.mp_context == "spawn"
@@ -163,7 +171,7 @@ def test_thread_and_user_executor():
     """A stalled item times out while its thread still waits (RELEASE is set only after
     the results are in), and its thread is abandoned."""
     texts = ["ab", "stall", "raise", "abc"]
-    wrapper = RewardFunctionWrapper(stalls, executor="thread", timeout=THREAD_TIMEOUT, max_workers=2)
+    wrapper = RewardFunctionWrapper(stalls, executor=RewardExecutor("thread", max_workers=2), timeout=THREAD_TIMEOUT)
     try:
         with pytest.warns(UserWarning, match="thread abandoned"):
             _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))
@@ -220,26 +228,25 @@ def test_bad_arguments_raise_naming_them():
     # a lambda, and the closure variable it reads, are sent by value (cloudpickle)
     bonus = 10.0
     closure = RewardFunctionWrapper(lambda prompts, completions, **kw: [bonus + len(_text(completions[0]))],
-                                    executor="process", max_workers=1)
+                                    executor=RewardExecutor("process", max_workers=1))
     try:
         _same(_rewards(closure(_text_rollouts(["ab"]))), [12.0])
     finally:
         closure.shutdown()
     with pytest.raises(ValueError, match="executor must be None, 'process', 'thread', 'ray'"):
         RewardFunctionWrapper(by_text, executor="processes")
-    with pytest.raises(ValueError, match="max_workers"):
-        RewardFunctionWrapper(by_text, max_workers=2)
     with pytest.raises(ValueError, match="max_workers must be a positive int"):
-        RewardFunctionWrapper(by_text, executor="thread", max_workers=0)
-    with pytest.raises(ValueError, match="failure_reward applies with an executor"):
-        as_trl_reward_func(by_text, failure_reward=0.0)
+        RewardExecutor("thread", max_workers=0)
     with pytest.raises(ValueError, match="mp_context applies to executor='process'"):
-        RewardFunctionWrapper(by_text, executor="thread", mp_context="fork")
+        RewardFunctionWrapper(by_text, executor=RewardExecutor("thread", mp_context="fork"))
     with pytest.raises(ValueError, match="mp_context must be 'spawn', 'forkserver' or 'fork', got 'forks'"):
-        RewardFunctionWrapper(by_text, executor="process", mp_context="forks")
-    assert RewardFunctionWrapper(by_text, executor="process", mp_context="forkserver").executor.mp_context == "spawn"
+        RewardExecutor("process", mp_context="forks")
+    with pytest.raises(ValueError, match="startup_timeout must be a positive number"):
+        RewardExecutor("process", startup_timeout=0)
+    spawn = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", mp_context="forkserver"))
+    assert spawn.executor.mp_context == "spawn"
     # an argument that cannot cross a process: a clear error, and the pool is reusable
-    wrapper = RewardFunctionWrapper(by_text, executor="process", mp_context="fork", max_workers=1,
+    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", mp_context="fork", max_workers=1),
                                     trainer_state=lambda: None)
     try:
         with pytest.raises(TypeError, match=r"could not send the shared arguments \['trainer_state'\]"):
@@ -248,6 +255,31 @@ def test_bad_arguments_raise_naming_them():
         _same(_rewards(wrapper(_text_rollouts(["a"]))), [1.0])
     finally:
         wrapper.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_moved_executor_keywords_warn_and_still_apply():
+    """max_workers=, mp_context=, failure_reward= moved into RewardExecutor: for one release
+    the old keywords still work, each with a DeprecationWarning naming its new home."""
+    with pytest.warns(DeprecationWarning, match=r"RewardFunctionWrapper\(max_workers=\.\.\.\).*"
+                                                r"executor=RewardExecutor\(<kind>, max_workers=\.\.\.\)"):
+        wrapper = RewardFunctionWrapper(by_text, executor="thread", timeout=THREAD_TIMEOUT, max_workers=3)
+    assert wrapper.executor.max_workers == 3 and wrapper.executor.kind == "thread"
+    with pytest.warns(DeprecationWarning, match="failure_reward"):
+        wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("thread"), failure_reward=-2.0)
+    with pytest.warns(UserWarning, match="failure_reward=-2.0"):
+        _same(_rewards(wrapper(_text_rollouts(["raise", "ab"]))), [-2.0, 2.0])
+    with pytest.warns(DeprecationWarning, match=r"as_trl_reward_func\(mp_context=\.\.\.\)"):
+        func = as_trl_reward_func(by_text, executor="process", mp_context="fork", failure_reward=0.5)
+    assert func.executor.mp_context == "fork" and func.failure_reward == 0.5
+    func.shutdown()
+    # as before: they apply with an executor only, and a keyword that never existed is refused
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="max_workers applies with an executor"):
+        RewardFunctionWrapper(by_text, max_workers=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="failure_reward applies with an executor"):
+        as_trl_reward_func(by_text, failure_reward=0.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_worker'"):
+        RewardFunctionWrapper(by_text, executor="thread", max_worker=2)
 
 
 @pytest.mark.distributed
@@ -259,7 +291,7 @@ def test_functions_a_worker_cannot_import_raise(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import gone_module
 
-    wrapper = RewardFunctionWrapper(gone_module.gone, executor="process", timeout=TIMEOUT, max_workers=1)
+    wrapper = RewardFunctionWrapper(gone_module.gone, executor=RewardExecutor("process", max_workers=1), timeout=TIMEOUT)
     (tmp_path / "gone_module.py").unlink()
     monkeypatch.delitem(sys.modules, "gone_module")
     try:
@@ -271,10 +303,35 @@ def test_functions_a_worker_cannot_import_raise(tmp_path, monkeypatch):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
+def test_a_worker_that_cannot_load_the_functions_in_startup_timeout_raises(tmp_path, monkeypatch):
+    """RewardExecutor(startup_timeout=): a worker still loading the functions (here an
+    import that blocks in the workers only) is killed and a clear error raised."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, threading\n"
+        "if os.environ.get('SLOW_IMPORT'):\n"
+        "    threading.Event().wait(100)\n"
+        "def slow(prompts, completions, **kw):\n    return [1.0]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slow_module
+
+    monkeypatch.setenv("SLOW_IMPORT", "1")  # the workers, fresh interpreters, block on import
+    wrapper = RewardFunctionWrapper(slow_module.slow, executor=RewardExecutor("process", startup_timeout=1))
+    try:
+        with pytest.raises(RuntimeError, match=r"did not load the reward functions \['slow'\] within 1.0s"):
+            wrapper(_text_rollouts(["a"]))
+        assert wrapper.executor.worker_pids == []  # the stuck worker was killed, not left behind
+    finally:
+        wrapper.shutdown()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
 def test_trl_function_per_completion_with_logs():
     """as_trl_reward_func(plain TRL function, executor="process"): TRL's call, one
     completion per worker call, log_extra replayed aligned (None for a failed one)."""
-    func = as_trl_reward_func(by_column, executor="process", timeout=TIMEOUT, max_workers=2, mp_context="fork")
+    func = as_trl_reward_func(by_column, executor=RewardExecutor("process", max_workers=2, mp_context="fork"),
+                              timeout=TIMEOUT)
     assert func.is_trl_function and func.__name__ == "by_column"
     prompts = [[{"role": "user", "content": f"q{i}"}] for i in range(4)]
     completions = [[{"role": "assistant", "content": c}] for c in ("a", "bb", "ccc", "dddd")]
@@ -295,7 +352,7 @@ def test_trl_function_per_completion_with_logs():
         assert as_trl_reward_func(uses_envs, executor="thread")(prompts, completions, environments=envs) == [
             float(id(e)) for e in envs
         ]
-        refused = as_trl_reward_func(uses_envs, executor="process", mp_context="fork")
+        refused = as_trl_reward_func(uses_envs, executor=RewardExecutor("process", mp_context="fork"))
         with pytest.raises(TypeError, match="'uses_envs' takes TRL's environments.*executor='thread'"):
             refused(prompts, completions, environments=envs)
         assert refused.executor.worker_pids == []
@@ -314,7 +371,7 @@ def test_grpo_trainer_train_continues_past_hangs_and_crashes(checkpoints, tmp_pa
     from trl import GRPOConfig, GRPOTrainer
 
     behaviours = ["ok", "loop", "raise", "segv"]
-    func = as_trl_reward_func(by_column, executor="process", timeout=TIMEOUT, max_workers=2)
+    func = as_trl_reward_func(by_column, executor=RewardExecutor("process", max_workers=2), timeout=TIMEOUT)
     calls = []
 
     def recorded(prompts, completions, **kwargs):  # what TRL receives back
@@ -364,7 +421,8 @@ def test_inside_torchrl_chat_env_and_replay_buffer(policy_and_tokenizer):
     from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
 
     model, tok = policy_and_tokenizer
-    wrapper = RewardFunctionWrapper(by_answer, executor="process", timeout=TIMEOUT, max_workers=2, mp_context="fork")
+    wrapper = RewardFunctionWrapper(by_answer, executor=RewardExecutor("process", max_workers=2, mp_context="fork"),
+                                    timeout=TIMEOUT)
     try:
         env = make_chat_env(ROWS).append_transform(wrapper.as_transform())
         with pytest.warns(UserWarning, match="ran past its timeout"):
@@ -376,8 +434,8 @@ def test_inside_torchrl_chat_env_and_replay_buffer(policy_and_tokenizer):
         assert wrapper.failure_counts["by_answer"]["timeout"] >= answers.count("loop") > 0
         # the same wrapper scoring rollouts as they are written to a buffer: exact counts
         rb = ReplayBuffer(storage=LazyStackStorage(16))
-        scorer = RewardFunctionWrapper(by_answer, executor="process", timeout=TIMEOUT, max_workers=2,
-                                       mp_context="fork", failure_reward=0.0)
+        executor = RewardExecutor("process", max_workers=2, mp_context="fork", failure_reward=0.0)
+        scorer = RewardFunctionWrapper(by_answer, executor=executor, timeout=TIMEOUT)
         rb.append_transform(scorer.as_transform())
         rollouts = data.exclude(("next", "reward"))
         with pytest.warns(UserWarning):
@@ -401,7 +459,7 @@ def test_ray_tasks_survive_loop_raise_crash():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     try:
         texts = ["ab", "loop", "raise", "segv", "abc", "exit"]
-        wrapper = RewardFunctionWrapper(by_text, executor="ray", timeout=TIMEOUT, max_workers=2)
+        wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("ray", max_workers=2), timeout=TIMEOUT)
         wrapper(_text_rollouts(["warm"]))
         with pytest.warns(UserWarning):
             _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))

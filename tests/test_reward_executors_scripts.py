@@ -23,7 +23,7 @@ def length(prompts, completions, **kwargs):
 SCRIPT = """
 import os
 from tensordict import TensorDict
-from torchrl_trl.rewards.functions import RewardFunctionWrapper
+from torchrl_trl.rewards import RewardExecutor, RewardFunctionWrapper
 from next_to_the_script import length
 
 with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
@@ -34,8 +34,8 @@ BONUS = 100.0
 def length_plus_bonus(prompts, completions, **kwargs):
     return [BONUS + len(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
 
-wrapper = RewardFunctionWrapper([length_plus_bonus, length], weights=[1.0, 1000.0], executor="process",
-                                timeout=60, max_workers=2)
+wrapper = RewardFunctionWrapper([length_plus_bonus, length], weights=[1.0, 1000.0],
+                                executor=RewardExecutor("process", max_workers=2), timeout=60)
 texts = ["a", "bb", "cccc"]
 td = TensorDict({"text": {"prompt": ["q"] * 3, "response": texts}}, batch_size=[3])
 print("REWARDS", wrapper(td)["next", "reward"].reshape(-1).tolist(), flush=True)
@@ -77,7 +77,7 @@ TRAIN_SCRIPT = """
 import os
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
-from torchrl_trl.rewards.trl_funcs import as_trl_reward_func
+from torchrl_trl.rewards import RewardExecutor, as_trl_reward_func
 
 with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
     log.write("top level ran\\n")
@@ -85,7 +85,7 @@ with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
 def length_reward(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
 
-reward = as_trl_reward_func(length_reward, executor="process", timeout=60, max_workers=1)
+reward = as_trl_reward_func(length_reward, executor=RewardExecutor("process", max_workers=1), timeout=60)
 seen = []
 
 def recorded(prompts, completions, **kwargs):
@@ -119,3 +119,62 @@ def test_grpo_trainer_train_with_a_reward_function_of_an_unguarded_script(tmp_pa
     assert "STEPS 2 CALLS [True, True] SCORED 8" in out, out
     assert "FAILURES {'error': 0, 'timeout': 0, 'crash': 0}" in out, out
     assert top_level_runs == 1
+
+
+# a trainer whose pool is started from a helper thread (so the kernel's parent-death signal
+# is not set) and whose worker runs a task that never returns
+ORPHAN_SCRIPT = """
+import os
+import threading
+import time
+from tensordict import TensorDict
+from torchrl_trl.rewards import RewardExecutor, RewardFunctionWrapper
+
+def stuck(prompts, completions, **kwargs):
+    open(os.environ["STARTED"], "w").close()
+    while True:
+        pass
+
+wrapper = RewardFunctionWrapper(stuck, executor=RewardExecutor("process", max_workers=1))
+td = TensorDict({"text": {"prompt": ["q"], "response": ["a"]}}, batch_size=[1])
+threading.Thread(target=wrapper, args=(td,), daemon=True).start()
+while not os.path.exists(os.environ["STARTED"]):  # the worker runs the task
+    time.sleep(0.05)
+print("WORKERS", *wrapper.executor.worker_pids, flush=True)
+threading.Event().wait()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_worker_exits_when_its_trainer_is_killed(tmp_path):
+    """The trainer-death watch: a worker running a task that never returns exits once the
+    trainer that started it is SIGKILLed (nothing is left burning a CPU)."""
+    import signal
+    import time
+
+    (tmp_path / "train.py").write_text(ORPHAN_SCRIPT)
+    env = {**os.environ, "STARTED": str(tmp_path / "started")}
+    trainer = subprocess.Popen([sys.executable, str(tmp_path / "train.py")], stdout=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        line = trainer.stdout.readline()
+        assert line.startswith("WORKERS"), line
+        pids = [int(p) for p in line.split()[1:]]
+        assert pids and all(_alive(p) for p in pids)
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(30)
+    for _ in range(600):  # bounded against a hang; the watch reacts at once
+        if not any(_alive(p) for p in pids):
+            break
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), pids

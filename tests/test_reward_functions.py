@@ -345,3 +345,40 @@ def test_reward_shape_names_and_the_old_tuple_form():
             RewardFunctionWrapper(n_ids, reward_shape=old)
     with pytest.raises(ValueError, match=r"reward_shape must be one of \['flat', 'step', 'trailing'\]"):
         RewardFunctionWrapper(n_ids, reward_shape="scalar")
+
+
+def test_write_is_write_rewards_per_key():
+    """The module's write is the one every scorer writes with (writing.write_rewards): a
+    reward already at the key keeps its dtype, inside_next drops the leading "next"."""
+    from tensordict import TensorDict
+
+    wrapper = RewardFunctionWrapper(lambda prompts, completions, **kw: [1.0, 2.0], per_function_keys=True)
+    td = _text_rollouts().set(("next", "reward"), torch.zeros(2, 1, 1, dtype=torch.float64))
+    wrapper(td)
+    assert td["next", "reward"].dtype == torch.float64 and td["next", "reward"].flatten().tolist() == [1.0, 2.0]
+    assert td["next", "reward_<lambda>"].dtype == torch.get_default_dtype()
+    step = wrapper.write(TensorDict(batch_size=[2]), *wrapper.score(td), inside_next=True)
+    assert sorted(step.keys()) == ["reward", "reward_<lambda>"] and step["reward"].shape == (2, 1, 1)
+
+
+@pytest.mark.timeout(60)
+def test_run_in_thread_raises_the_named_error_and_carries_torch_modes():
+    """torchrl_trl._threads.run_in_thread, the one timeout-by-thread helper: the error
+    names what did not return and holds the abandoned thread; grad mode is the caller's."""
+    import threading
+
+    from torchrl_trl._threads import run_in_thread
+    from torchrl_trl.rewards.calling import FunctionTimeout
+
+    release = threading.Event()
+    with pytest.raises(FunctionTimeout, match="the judge did not return") as caught:
+        run_in_thread(release.wait, 0.05, "the judge did not return", error=FunctionTimeout)
+    assert caught.value.thread.is_alive()  # abandoned, not stopped
+    release.set()
+    caught.value.thread.join(10)
+    assert not caught.value.thread.is_alive()
+    with torch.no_grad():
+        assert run_in_thread(torch.is_grad_enabled, 10) is False
+    assert run_in_thread(torch.is_grad_enabled, 10) is True
+    with pytest.raises(KeyError, match="its own error"):
+        run_in_thread(lambda: {}["its own error"], 10)

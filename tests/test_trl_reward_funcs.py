@@ -8,7 +8,7 @@ from tensordict import TensorDict, lazy_stack
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 
 from torchrl_trl import layouts
-from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching
+from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching, RewardExecutor
 from torchrl_trl.rewards.trl_funcs import as_trl_reward_func, rollouts_from_trl
 
 QUESTIONS = ["what is two plus two?", "hello world", "a b c", "how are you today? " * 6]
@@ -163,14 +163,15 @@ def test_gsm8k_parser_per_completion_in_an_executor(executor):
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     expected = as_trl_reward_func(GSM8KRewardParser())(prompts, completions, [[1]] * 3, answer=answers)
     extra = {"mp_context": "fork"} if executor == "process" else {}
-    func = as_trl_reward_func(GSM8KRewardParser(), executor=executor, timeout=30, max_workers=2, **extra)
+    func = as_trl_reward_func(GSM8KRewardParser(), executor=RewardExecutor(executor, max_workers=2, **extra),
+                              timeout=30)
     try:
         assert not func.is_trl_function
         for ids in ([[1]] * 3, None):
             assert func(prompts, completions, ids, answer=answers, trainer_state=None) == pytest.approx(expected)
         assert func.failure_counts == {"error": 0, "timeout": 0, "crash": 0} and func.scored == 6
         with pytest.raises(KeyError, match="answer"):  # checked here, not once per completion
-            as_trl_reward_func(GSM8KRewardParser(), executor=executor, columns=["answer"], **extra)(
+            as_trl_reward_func(GSM8KRewardParser(), executor=RewardExecutor(executor, **extra), columns=["answer"])(
                 prompts, completions, [[1]] * 3
             )
     finally:

@@ -1,6 +1,7 @@
 """Public names of :mod:`torchrl_trl.rewards`: the one list (see :mod:`torchrl_trl._exports`)."""
 
 from .functions import RewardFunctionWrapper as RewardFunctionWrapper
+from .executors import RewardExecutor as RewardExecutor
 from .function_transform import RewardFunctionTransform as RewardFunctionTransform
 from .batching import RewardBatching as RewardBatching
 from .model import HFRewardModelWrapper as HFRewardModelWrapper, load_reward_model as load_reward_model

@@ -18,15 +18,18 @@ import asyncio
 import inspect
 import math
 import numbers
-import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from torchrl_trl._checks import WarnOnce
+from torchrl_trl._threads import run_async, run_in_thread
+
 __all__ = [
     "TRL_EXTRA_KWARGS",
+    "FailureCounter",
     "FunctionTimeout",
     "RewardFunctionError",
     "call_function",
@@ -35,8 +38,10 @@ __all__ = [
     "function_names",
     "named_error",
     "per_completion_items",
+    "replay_logs",
     "run_coroutines",
     "run_with_timeout",
+    "score_items",
     "to_rewards",
 ]
 
@@ -97,42 +102,24 @@ def named_error(err: BaseException, name: str) -> BaseException:
     return new if name in str(new) else RewardFunctionError(message)
 
 
-def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str, *, thread: bool = False) -> Any:
-    """``fn()``; with ``timeout`` (s) (or ``thread=True``) it runs in a daemon thread and a
-    :class:`FunctionTimeout` naming ``what`` is raised if it has not returned by then
-    (Python cannot stop the thread; it is abandoned). Exceptions of ``fn`` are re-raised as
-    they are. The caller's grad / inference mode applies in the thread too.
+def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
+    """``fn()``; with ``timeout`` (s) in a daemon thread
+    (:func:`torchrl_trl._threads.run_in_thread`), raising a :class:`FunctionTimeout`
+    naming ``what`` if it has not returned by then (the thread is abandoned).
 
     >>> run_with_timeout(lambda: 3, 1.0, "f")
     3
     """
-    if timeout is None and not thread:
+    if timeout is None:
         return fn()
-    out: dict[str, Any] = {}
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # per thread
-
-    def run():
-        try:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                out["value"] = fn()
-        except BaseException as err:
-            out["error"] = err
-
-    worker = threading.Thread(target=run, name="torchrl-trl-reward", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise FunctionTimeout(f"{what} did not return within timeout={timeout}s")
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    return run_in_thread(fn, timeout, f"{what} did not return within timeout={timeout}s",
+                         error=FunctionTimeout, name="torchrl-trl-reward")
 
 
 def run_coroutines(coros: list, names: list[str], timeout: float | None = None) -> list:
-    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop
-    (then in a fresh loop in a helper thread). With ``timeout`` (s), each must finish in
-    time, else :class:`FunctionTimeout` naming it; an exception raised by one is re-raised
-    with its function's name.
+    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop.
+    With ``timeout`` (s), each must finish in time, else :class:`FunctionTimeout` naming
+    it; an exception raised by one is re-raised with its function's name.
 
     >>> async def one(): return [1.0]
     >>> run_coroutines([one()], ["one"])
@@ -153,21 +140,11 @@ def run_coroutines(coros: list, names: list[str], timeout: float | None = None) 
     async def gather():
         return await asyncio.gather(*(one(c, n) for c, n in zip(coros, names)))
 
-    try:
-        asyncio.get_running_loop()
-        inside_loop = True
-    except RuntimeError:
-        inside_loop = False
-    if not inside_loop and timeout is None:
-        return asyncio.run(gather())
-    # inside an event loop (notebooks, async servers), or bounded: a fresh loop in a
-    # thread; the margin covers a coroutine that blocks the loop itself (no await)
-    return run_with_timeout(
-        lambda: asyncio.run(gather()),
-        None if timeout is None else timeout + 1.0,
-        f"the async reward functions {names} (one blocks the event loop without awaiting)",
-        thread=True,
-    )
+    # the margin covers a coroutine that blocks the loop itself (no await)
+    bound = None if timeout is None else timeout + 1.0
+    what = f"the async reward functions {names} (one blocks the event loop without awaiting)"
+    message = f"{what} did not return within timeout={bound}s"
+    return run_async(gather(), bound, message, error=FunctionTimeout)
 
 
 def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None = None) -> Any:
@@ -186,8 +163,35 @@ def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None
         raise named_error(err, name) from err
 
 
-def to_rewards(output: Any, *, name: str, expected: int) -> list[float]:
-    """Validate one reward function's output: ``expected`` numbers or ``None`` (-> NaN);
+def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict,
+                   timeout: float | None = None) -> list[list[float | None]]:
+    """Each function called once on the whole batch, as TRL calls them: sync ones one after
+    the other (:func:`call_function`), async ones concurrently (:func:`run_coroutines`),
+    ``timeout`` s each. One list of rewards per function (:func:`to_rewards`, ``None`` kept).
+
+    >>> call_functions([lambda prompts, **kw: [1.0, None]], ["f"], {"prompts": ["a", "b"]})
+    [[1.0, None]]
+    """
+    from trl.trainer.utils import is_async_callable
+
+    n = len(kwargs["prompts"])
+    out: list = [None] * len(funcs)
+    pending = [i for i, f in enumerate(funcs) if is_async_callable(f)]
+    for i, (func, name) in enumerate(zip(funcs, names)):
+        if i not in pending:
+            out[i] = call_function(func, name, kwargs, timeout)
+            out[i] = to_rewards(out[i], name=name, expected=n, none=None)
+    if pending:
+        coros = [funcs[i](**kwargs) for i in pending]
+        for i, value in zip(pending, run_coroutines(coros, [names[i] for i in pending], timeout)):
+            out[i] = to_rewards(value, name=names[i], expected=n, none=None)
+    return out
+
+
+def to_rewards(
+    output: Any, *, name: str, expected: int, none: float | None = math.nan
+) -> list[float | None]:
+    """Validate one reward function's output: ``expected`` numbers or ``None`` (-> ``none``);
     a tensor or a numpy array is read as a list. Raises ``TypeError``/``ValueError``
     naming the function otherwise.
 
@@ -215,7 +219,7 @@ def to_rewards(output: Any, *, name: str, expected: int) -> list[float]:
     rewards = []
     for i, value in enumerate(output):
         if value is None:
-            rewards.append(math.nan)
+            rewards.append(none)
             continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
@@ -235,7 +239,7 @@ def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[l
     function and completion (function-major), each argument holding one value per
     completion (prompts, completions, columns...) cut to a one-element list; ``shared``
     holds the rest (``trainer_state``...). ``log_extra``/``log_metric`` are set per item by
-    the executor, which records the calls (replay them with ``executors.replay_logs``).
+    the executor, which records the calls (replayed by :func:`score_items`).
 
     >>> items, shared = per_completion_items({"prompts": ["a", "b"], "trainer_state": None, "log_metric": print}, 2)
     >>> items, shared
@@ -306,3 +310,86 @@ def declares(func: Callable, arg: str) -> bool:
         return arg in inspect.signature(func).parameters
     except (TypeError, ValueError):
         return False
+
+
+class FailureCounter:
+    """Counts failed items by function name and kind, and warns once per (name, kind).
+
+    >>> import warnings
+    >>> from torchrl_trl.rewards.executors import ItemResult
+    >>> failures = FailureCounter(["f"], "RewardFunctionWrapper")
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     for _ in range(2):
+    ...         failures.add("f", ItemResult("timeout", detail="past timeout=1s"), "it is excluded")
+    >>> failures.counts, len(caught)
+    ({'f': {'error': 0, 'timeout': 2, 'crash': 0}}, 1)
+    """
+
+    def __init__(self, names: Sequence[str], owner: str):
+        self.owner = owner
+        self.names = list(names)
+        self._seen = WarnOnce()  # by (name, kind)
+
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        kinds = ("error", "timeout", "crash")
+        return {n: {kind: self._seen.counts[(n, kind)] for kind in kinds} for n in self.names}
+
+    def add(self, name: str, result, value_note: str) -> None:
+        what = {"error": "raised on", "timeout": "ran past its timeout on"}
+        self._seen.add(
+            (name, result.status),
+            f"reward function {name!r} {what.get(result.status, 'crashed its worker on')} a "
+            f"completion ({result.detail}); "
+            f"{value_note} (counted in {self.owner}.failure_counts), once per function and kind",
+            stacklevel=6,
+        )
+
+
+def replay_logs(results: Sequence, log_extra: Callable | None, log_metric: Callable | None) -> None:
+    """Replay the ``log_extra``/``log_metric`` calls the items' functions made in their
+    workers, in item order: each ``log_extra`` column once, joined over the items (``None``
+    for an item that did not log it, e.g. a failed one, so the column stays aligned with the
+    completions), then every ``log_metric`` call. A target that is not callable is skipped."""
+    columns = dict.fromkeys(e[1] for r in results for e in r.logs if e[0] == "extra")
+    if callable(log_extra):
+        for column in columns:
+            values: list = []
+            for result in results:
+                logged = [e[2] for e in result.logs if e[0] == "extra" and e[1] == column]
+                values.extend(logged[0] if logged else [None])
+            log_extra(column, values)
+    if callable(log_metric):
+        for result in results:
+            for entry in result.logs:
+                if entry[0] == "metric":
+                    log_metric(entry[1], entry[2])
+
+
+def score_items(
+    executor, call_kwargs: dict, n: int, names: Sequence[str], failures: FailureCounter,
+    failure_reward: float | None, excluded: str,
+) -> tuple[list[list[float | None]], list[list[bool]]]:
+    """Each function on each of the ``n`` completions alone, in ``executor`` (an item
+    executor of :mod:`~torchrl_trl.rewards.executors`). Returns ``(rewards, failed)``, one
+    list per function of one entry per completion: the reward (``None`` where the function
+    returned ``None``, ``failure_reward`` where it failed) and whether it failed. A failure
+    is counted in ``failures`` and warned about (``excluded``: what becomes of it without
+    a ``failure_reward``); the ``log_extra``/``log_metric`` calls of the items are replayed
+    into ``call_kwargs``'s, per function."""
+    results = executor.run(*per_completion_items(call_kwargs, n, len(names)))
+    note = excluded if failure_reward is None else f"its reward is failure_reward={failure_reward}"
+    rewards, failed = [], []
+    for i, name in enumerate(names):
+        mine = results[i * n : (i + 1) * n]
+        rewards.append([])
+        for result in mine:
+            if result.status == "ok":
+                rewards[-1] += to_rewards(result.value, name=name, expected=1, none=None)
+            else:
+                failures.add(name, result, note)
+                rewards[-1].append(failure_reward)
+        failed.append([r.status != "ok" for r in mine])
+        replay_logs(mine, call_kwargs.get("log_extra"), call_kwargs.get("log_metric"))
+    return rewards, failed

@@ -1,12 +1,5 @@
-"""TRL-style reward functions scoring TorchRL LLM rollouts (TRL -> TorchRL): the scorer.
-
-:class:`RewardFunctionWrapper` is a TensorDict module: it calls one or more TRL reward
-functions on a tensordict of rollouts with the arguments ``GRPOTrainer._calculate_rewards``
-would pass, combines them the way TRL does (weighted ``nansum``; ``None`` excluded, not
-zero) and writes the reward where TorchRL's GRPO pipeline reads it (``("next",
-"reward")``, shaped ``[*B, 1, 1]``). Use it alone, after a collector, in a
-``TensorDictSequential`` or as a replay-buffer transform; inside an env's step use
-``wrapper.as_transform()``, a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`.
+"""TRL-style reward functions scoring TorchRL LLM rollouts (TRL -> TorchRL):
+:class:`RewardFunctionWrapper`, a TensorDict module writing TorchRL's reward keys.
 """
 
 from __future__ import annotations
@@ -22,22 +15,22 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from torchrl_trl import layouts
-from torchrl_trl._checks import WarnOnce, key_tuple, positive_seconds, strip_next
+from torchrl_trl._checks import WarnOnce, key_tuple, moved_keywords, positive_seconds, strip_next
 
 from .calling import (
+    FailureCounter,
     FunctionTimeout,
     RewardFunctionError,
-    call_function,
+    call_functions,
     check_signature,
     function_names,
-    per_completion_items,
-    run_coroutines,
-    to_rewards,
+    score_items,
 )
-from .executors import FailureCounter, failure_value, make_item_executor, replay_logs
+from .executors import MOVED_TO_EXECUTOR, RewardExecutor, reward_executor
 from .reward_transform import RewardTransform
 from .rollout_arguments import InputMode, input_keys, trl_arguments
 from .shape import RewardShape, trailing_dims
+from .writing import write_rewards
 
 __all__ = ["FunctionTimeout", "RewardFunctionError", "RewardFunctionWrapper", "check_reward_shape"]
 
@@ -96,10 +89,6 @@ class RewardFunctionWrapper(TensorDictModuleBase):
       removed) as a list of ints (``None`` when the rollouts hold no tokens);
     - columns: per-row lists of the dataset fields carried in the rollouts (``"answer"``...).
 
-    With ``tokenizer`` given, completion texts are decoded from the token ids with
-    ``skip_special_tokens=True``, exactly as TRL decodes them (TorchRL's ``("text",
-    "response")`` keeps special tokens and its chat messages are stripped).
-
     Sync functions run one after the other, async ones concurrently (``asyncio.gather``).
     The reward is ``nansum(weights * rewards_per_func)``: a ``None`` (or NaN) is excluded,
     not counted as zero. An infinite reward is excluded the same way (TRL would let it turn
@@ -110,18 +99,13 @@ class RewardFunctionWrapper(TensorDictModuleBase):
     where possible, else :class:`~torchrl_trl.rewards.calling.RewardFunctionError`) with
     the function's name, the original chained as ``__cause__``.
 
-    Where to put it:
-
-    - alone, or after a collector: ``wrapper(td)`` (or :meth:`score` for the values);
-    - on a ``ChatEnv``: ``env.append_transform(wrapper.as_transform())`` (a
-      :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`): each
-      ``env.step`` writes ``("next", "reward")``. Passing the wrapper itself to
-      ``append_transform`` raises a ``KeyError`` saying so (TorchRL would call a plain
-      module on the reset and ``next`` tensordicts, which hold no response);
-    - on a replay buffer, scored once when rollouts are written:
-      ``rb.append_transform(wrapper.as_transform())``, appended *after* ``MCAdvantage``
-      (write transforms run last to first), or ``rb.append_transform(wrapper,
-      invert=True)``; ``rb.append_transform(wrapper)`` scores every sample instead.
+    Where to put it: alone or after a collector (``wrapper(td)``, or :meth:`score` for
+    the values); on a ``ChatEnv``, ``env.append_transform(wrapper.as_transform())`` (a
+    :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`; the wrapper itself
+    raises a ``KeyError`` saying so: TorchRL would call it on the reset tensordict); on a
+    replay buffer, ``rb.append_transform(wrapper.as_transform())`` after ``MCAdvantage``
+    (write transforms run last to first) or ``rb.append_transform(wrapper, invert=True)``
+    scores once on write, ``rb.append_transform(wrapper)`` every sample.
 
     Args:
         funcs: one reward function or a list of them.
@@ -136,7 +120,8 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         input_mode: ``"history"`` (chat messages), ``"text"`` or ``"auto"`` (history when
             ``("history", "response")`` is present).
         tokenizer: the policy tokenizer; when given, completion texts are decoded from the
-            response ids as TRL does.
+            response ids with ``skip_special_tokens=True``, as TRL does (TorchRL's
+            ``("text", "response")`` keeps special tokens, its chat messages are stripped).
         reward_key: where the combined reward is written. Default ``("next", "reward")``.
         per_function_keys: also write each function's raw (unweighted) reward, NaN where it
             returned ``None``: ``True`` for ``("next", "reward_<name>")`` (next to
@@ -149,32 +134,21 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         names: names of the functions (default: TRL's, ``__name__``, deduplicated).
         trainer_state: passed as ``trainer_state`` (TRL passes its ``TrainerState``).
         timeout: seconds (``None``: no limit, as TRL). Without ``executor``: the limit of
-            one call of each function on the whole batch; an async function is cancelled
-            at the timeout, a sync one runs in a helper thread that is abandoned; either
-            way a ``TimeoutError`` names the function. With ``executor``: the limit of one
-            completion (counted from when a worker takes it); a late item gets
-            ``failure_reward`` and the run goes on.
+            one call of each function on the whole batch (an async one is cancelled, a sync
+            one's helper thread abandoned); a ``TimeoutError`` names the function. With
+            ``executor``: the limit of one completion; a late one fails (below).
         executor: ``None`` (default: functions run in the caller, on the whole batch), or
-            run them **one completion at a time**, isolated: ``"process"`` (a pool of
-            worker processes; a worker that runs past ``timeout``, segfaults or exits is
-            killed/replaced), ``"thread"`` (daemon threads; a late thread is abandoned),
-            ``"ray"`` (Ray tasks, force-cancelled at the timeout) or a
-            ``concurrent.futures.Executor`` (timeout from submission). Each function is
-            then called with one-element lists (``prompts=[p]``, ``completions=[c]``,
-            ``completion_ids=[ids]``, each column ``[v]``) and must return one reward.
-            For ``"process"`` the functions are sent with cloudpickle (by value when
-            defined in ``__main__``: a script, guarded or not, a notebook, ``python -``)
-            and the arguments with pickle; ``log_extra``/``log_metric`` calls are
-            recorded in the worker and replayed here in completion order (a failed item
-            logs ``None`` in each column). See :mod:`torchrl_trl.rewards.executors`.
-        max_workers: how many completions run at once (default: the CPU count for
-            process/Ray, ``min(32, cpus + 4)`` threads, an executor's own size).
-        failure_reward: the reward of an item that raised, timed out or crashed its
-            worker (executor modes only). ``None`` (default): excluded like TRL's
-            ``None``. Failures are counted in :attr:`failure_counts` (by function and
-            ``"error" | "timeout" | "crash"``) and warned about once per function and kind.
-        mp_context: ``"spawn"`` (default: fresh interpreters; ``"forkserver"`` means the
-            same) or ``"fork"`` for ``executor="process"``.
+            a :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or just its kind:
+            ``"process"``, ``"thread"``, ``"ray"``, a ``concurrent.futures.Executor``):
+            each function is then called **once per completion**, isolated, with
+            one-element lists (``prompts=[p]``, ``completions=[c]``, each column ``[v]``),
+            and must return one reward; ``log_extra``/``log_metric`` calls are replayed here
+            in completion order. A completion that raised, timed out or crashed its worker
+            gets the executor's ``failure_reward`` (default ``None``: excluded like TRL's
+            ``None``), is counted in :attr:`failure_counts` (by function and ``"error" |
+            "timeout" | "crash"``) and warned about once per function and kind.
+        max_workers, failure_reward, mp_context: moved to ``executor=RewardExecutor(...)``
+            (accepted for one release, with a ``DeprecationWarning``).
 
     ``in_keys`` lists every key it may read: the prompt/response keys of ``input_mode``
     (both the history and the text ones for ``"auto"``), ``("tokens", "response")`` and
@@ -218,11 +192,11 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         names: Sequence[str] | None = None,
         trainer_state: Any = None,
         timeout: float | None = None,
-        executor: str | Executor | None = None,
-        max_workers: int | None = None,
-        failure_reward: float | None = None,
-        mp_context: str | None = None,
+        executor: str | Executor | RewardExecutor | None = None,
+        **moved,
     ):
+        moved = moved_keywords(type(self).__name__, moved, MOVED_TO_EXECUTOR)
+        config = reward_executor(executor, **moved)
         super().__init__()
         funcs = [funcs] if callable(funcs) else list(funcs)
         if not funcs:
@@ -270,12 +244,8 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self.unscorable_reward = float(unscorable_reward)
         self.trainer_state = trainer_state
         self.timeout = positive_seconds(timeout, "timeout")
-        if executor is None and failure_reward is not None:
-            raise ValueError("failure_reward applies with an executor (executor='process' | 'thread' | 'ray' | an Executor)")
-        self.failure_reward = failure_reward
-        self.executor = make_item_executor(
-            executor, funcs, self.names, timeout=self.timeout, max_workers=max_workers, mp_context=mp_context
-        )
+        self.failure_reward = None if config is None else config.failure_reward
+        self.executor = None if config is None else config.build(funcs, self.names, self.timeout)
         self._failures = FailureCounter(self.names, type(self).__name__)
         self.logs = _Logs()
         self._none = WarnOnce()  # by function name
@@ -347,32 +317,23 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         """One ``[N]`` tensor per out key: the reward, then each function's raw reward if
         ``per_function_keys`` (what :class:`RewardTransform` writes)."""
         rewards, per_func = self.score(td, columns_td)
-        return [rewards, *per_func.unbind(1)[: len(self.per_function_keys)]]
+        return [rewards, *per_func.unbind(1)][: len(self.out_keys)]
 
     def score_arguments(self, prompts, completions, completion_ids, **kwargs):
         """Score TRL-style arguments directly (see :meth:`score`)."""
-        from trl.trainer.utils import is_async_callable
-
         n = len(prompts)
         call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-        per_func = torch.full((n, len(self.funcs)), math.nan, dtype=torch.float32)
         for func, name in zip(self.funcs, self.names):
             check_signature(func, name, list(call_kwargs))
         failed = None
         if self.executor is not None:
-            failed = self._score_items(per_func, call_kwargs)
+            values, failed = score_items(self.executor, call_kwargs, n, self.names, self._failures,
+                                         self.failure_reward, "it is excluded like None")
+            failed = torch.tensor(failed, dtype=torch.bool).reshape(len(self.funcs), n).T
         else:
-            pending = []
-            for i, (func, name) in enumerate(zip(self.funcs, self.names)):
-                if is_async_callable(func):
-                    pending.append((i, name, func(**call_kwargs)))
-                else:
-                    out = call_function(func, name, call_kwargs, self.timeout)
-                    per_func[:, i] = torch.tensor(to_rewards(out, name=name, expected=n), dtype=torch.float32)
-            if pending:
-                outputs = run_coroutines([c for _, _, c in pending], [nm for _, nm, _ in pending], self.timeout)
-                for (i, name, _), out in zip(pending, outputs):
-                    per_func[:, i] = torch.tensor(to_rewards(out, name=name, expected=n), dtype=torch.float32)
+            values = call_functions(self.funcs, self.names, call_kwargs, self.timeout)
+        values = [[math.nan if v is None else v for v in column] for column in values]
+        per_func = torch.tensor(values, dtype=torch.float32).reshape(len(self.funcs), n).T
         self._count_missing(per_func, failed)
         self._exclude_infinite(per_func)
         rewards = (per_func * self.weights).nansum(dim=1)
@@ -380,29 +341,6 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self._count_unscorable(unscorable, prompts, completions)
         rewards[unscorable] = self.unscorable_reward
         return rewards, per_func
-
-    def _score_items(self, per_func: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
-        """Executor modes: each function on each completion alone; fills ``per_func`` and
-        returns the ``[N, n_funcs]`` mask of failed items."""
-        n = per_func.shape[0]
-        results = self.executor.run(*per_completion_items(call_kwargs, n, len(self.funcs)))
-        failed = torch.zeros(per_func.shape, dtype=torch.bool)
-        note = (
-            "it is excluded like None"
-            if self.failure_reward is None
-            else f"its reward is failure_reward={self.failure_reward}"
-        )
-        for i, name in enumerate(self.names):
-            mine = results[i * n : (i + 1) * n]
-            for row, result in enumerate(mine):
-                if result.status == "ok":
-                    per_func[row, i] = to_rewards(result.value, name=name, expected=1)[0]
-                else:
-                    failed[row, i] = True
-                    per_func[row, i] = failure_value(self.failure_reward)
-                    self._failures.add(name, result, note)
-            replay_logs(mine, self.logs.log_extra, self.logs.log_metric)
-        return failed
 
     def _exclude_infinite(self, per_func: torch.Tensor) -> None:
         infinite = per_func.isinf()
@@ -446,14 +384,12 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self, td: TensorDictBase, rewards: torch.Tensor, per_func: torch.Tensor, *, inside_next: bool = False
     ) -> TensorDictBase:
         """Write ``[N]`` rewards (and ``[N, n_funcs]`` per-function rewards, if
-        ``per_function_keys``) into ``td`` shaped ``[*td.batch_size, *reward_shape]``.
-        ``inside_next``: ``td`` is an env step's ``next`` tensordict, so a leading
-        ``"next"`` of the keys is dropped."""
-        shape = tuple(td.batch_size) + trailing_dims(self.reward_shape)
-        items = [(self.reward_key, rewards)]
-        items += [(k, per_func[:, i]) for i, k in enumerate(self.per_function_keys)]
-        for key, value in items:
-            td.set(strip_next(key) if inside_next else key, value.reshape(shape))
+        ``per_function_keys``) into ``td`` with
+        :func:`~torchrl_trl.rewards.writing.write_rewards` (shaped ``[*td.batch_size,
+        *reward_shape]``). ``inside_next``: ``td`` is an env step's ``next`` tensordict, so
+        a leading ``"next"`` of the keys is dropped."""
+        for key, value in zip(self.out_keys, [rewards, *per_func.unbind(1)]):
+            write_rewards(td, value, strip_next(key) if inside_next else key, self.reward_shape)
         return td
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:

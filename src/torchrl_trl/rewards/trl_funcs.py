@@ -28,21 +28,20 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from torchrl_trl import _compat, layouts
-from torchrl_trl._checks import WarnOnce, key_tuple, positive_seconds, strip_next
+from torchrl_trl._checks import WarnOnce, key_tuple, moved_keywords, positive_seconds, strip_next
 
 from .calling import (
     TRL_EXTRA_KWARGS,
+    FailureCounter,
     FunctionTimeout,
-    call_function,
+    call_functions,
     check_signature,
     declares,
     named_error,
-    per_completion_items,
-    run_coroutines,
     run_with_timeout,
-    to_rewards,
+    score_items,
 )
-from .executors import FailureCounter, make_item_executor, replay_logs
+from .executors import MOVED_TO_EXECUTOR, RewardExecutor, reward_executor
 from .trl_rollouts import is_conversational, rollouts_from_trl
 
 __all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "is_trl_function", "rollouts_from_trl"]
@@ -106,11 +105,11 @@ class TRLRewardFunc:
         reward_key: NestedKey | None = None,
         columns: Sequence[str] | None = None,
         timeout: float | None = None,
-        executor: str | Executor | None = None,
-        max_workers: int | None = None,
-        failure_reward: float | None = None,
-        mp_context: str | None = None,
+        executor: str | Executor | RewardExecutor | None = None,
+        **moved,
     ):
+        moved = moved_keywords(type(self).__name__, moved, MOVED_TO_EXECUTOR)
+        config = reward_executor(executor, **moved)
         if isinstance(reward, TRLRewardFunc):
             raise TypeError("reward is already a TRL reward function")
         if not callable(reward):
@@ -134,18 +133,15 @@ class TRLRewardFunc:
         self.scored = 0
         self._nonfinite = WarnOnce()
         self._parsers: dict[str, Any] = {}
-        if executor is None and failure_reward is not None:
-            raise ValueError("failure_reward applies with an executor (executor='process' | 'thread' | 'ray' | an Executor)")
-        self.failure_reward = failure_reward
+        self.failure_reward = None if config is None else config.failure_reward
         self.executor = None
         self._failures = FailureCounter([self.__name__], type(self).__name__)
         # the workers run the function itself, or this object without an executor
         inner = copy.copy(self)
         inner.timeout = None  # the executor bounds each completion
         work = reward if self.is_trl_function else inner.raw_rewards
-        self.executor = make_item_executor(
-            executor, [work], [self.__name__], timeout=self.timeout, max_workers=max_workers, mp_context=mp_context
-        )
+        if config is not None:
+            self.executor = config.build([work], [self.__name__], self.timeout)
 
     @property
     def nonfinite(self) -> int:
@@ -205,23 +201,10 @@ class TRLRewardFunc:
             call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
         if self.is_trl_function:  # as TRL would fail, but once here rather than per completion
             check_signature(self.reward, self.__name__, list(call_kwargs))
-        results = self.executor.run(*per_completion_items(call_kwargs, n))
-        note = (
-            "it is returned as None (excluded by TRL)"
-            if self.failure_reward is None
-            else f"its reward is failure_reward={self.failure_reward}"
-        )
-        out: list[float | None] = []
-        for result in results:
-            if result.status == "ok":
-                value = to_rewards(result.value, name=self.__name__, expected=1)[0]
-                returned_none = isinstance(result.value, (list, tuple)) and result.value[0] is None
-                out.append(None if returned_none else value)  # NaN/inf: counted by __call__
-            else:
-                self._failures.add(self.__name__, result, note)
-                out.append(self.failure_reward)
-        replay_logs(results, kwargs.get("log_extra"), kwargs.get("log_metric"))
-        return out
+        excluded = "it is returned as None (excluded by TRL)"
+        rewards, _ = score_items(self.executor, call_kwargs, n, [self.__name__], self._failures,
+                                 self.failure_reward, excluded)
+        return rewards[0]  # NaN/inf: counted by __call__
 
     def raw_rewards(self, prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
         """The rewards in the caller, without an executor: ``None`` where a TRL function
@@ -257,17 +240,8 @@ class TRLRewardFunc:
 
     def _call_function(self, prompts, completions, completion_ids, kwargs) -> list[float | None]:
         """A plain TRL reward function, called as TRL calls it (``None`` kept)."""
-        from trl.trainer.utils import is_async_callable
-
-        func, name = self.reward, self.__name__
         call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-        if is_async_callable(func):
-            out = run_coroutines([func(**call_kwargs)], [name], self.timeout)[0]
-        else:
-            out = call_function(func, name, call_kwargs, self.timeout)
-        values = to_rewards(out, name=name, expected=len(prompts))
-        returned_none = [r is None for r in (out.tolist() if hasattr(out, "tolist") else out)]
-        return [None if none else v for v, none in zip(values, returned_none)]
+        return call_functions([self.reward], [self.__name__], call_kwargs, self.timeout)[0]
 
     def _call_reward(self, fn, *args):
         """Call into the wrapped TorchRL reward; its exceptions carry this function's name."""
@@ -375,10 +349,8 @@ def as_trl_reward_func(
     reward_key: NestedKey | None = None,
     columns: Sequence[str] | None = None,
     timeout: float | None = None,
-    executor: str | Executor | None = None,
-    max_workers: int | None = None,
-    failure_reward: float | None = None,
-    mp_context: str | None = None,
+    executor: str | Executor | RewardExecutor | None = None,
+    **moved,
 ) -> TRLRewardFunc:
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
@@ -412,20 +384,15 @@ def as_trl_reward_func(
             call (the whole batch); scoring then runs in a helper thread and a
             ``TimeoutError`` names the function if it has not returned. With
             ``executor``: the limit of one completion; a late one gets ``failure_reward``.
-        executor: ``None`` (default: score the batch in the caller), or score **one
-            completion per call**, isolated: ``"process"`` (a pool of worker processes
-            killed and replaced when they run past ``timeout``, segfault or exit),
-            ``"thread"``, ``"ray"`` or a ``concurrent.futures.Executor``; as
-            :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` (``executor=``).
-            The function (or the TorchRL reward) gets one-element lists; for
-            ``"process"`` it is sent with cloudpickle (by value from ``__main__``), and
-            TRL's ``environments`` are not passed (live objects).
-        max_workers: completions scored at once (default: the CPU count for process/Ray).
-        failure_reward: the reward of a completion that raised, timed out or crashed
-            (executor modes); ``None`` (default): returned as ``None``, which TRL
-            excludes. Counted in :attr:`TRLRewardFunc.failure_counts`, warned once per kind.
-        mp_context: ``"spawn"`` (default: fresh interpreters; ``"forkserver"`` means the
-            same) or ``"fork"``.
+        executor: ``None`` (default: score the batch in the caller), or a
+            :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or its kind): score
+            **one completion per call**, isolated, as
+            :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` does (TRL's
+            ``environments``, live objects, are not sent to processes or Ray). A failed
+            completion gets the executor's ``failure_reward`` (default ``None``, which TRL
+            excludes), counted in :attr:`TRLRewardFunc.failure_counts`, warned once per kind.
+        max_workers, failure_reward, mp_context: moved to ``executor=RewardExecutor(...)``
+            (accepted for one release, with a ``DeprecationWarning``).
 
     An exception raised by ``reward`` is re-raised with the function's name (same type
     where possible, the original as ``__cause__``). Non-finite rewards come back as
@@ -450,7 +417,7 @@ def as_trl_reward_func(
         >>> len(rewards), all(isinstance(r, float) for r in rewards)
         (2, True)
     """
-    return TRLRewardFunc(
-        reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns, timeout=timeout,
-        executor=executor, max_workers=max_workers, failure_reward=failure_reward, mp_context=mp_context,
-    )
+    moved = moved_keywords("as_trl_reward_func", moved, MOVED_TO_EXECUTOR)
+    executor = reward_executor(executor, **moved)
+    return TRLRewardFunc(reward, tokenizer=tokenizer, name=name, reward_key=reward_key,
+                         columns=columns, timeout=timeout, executor=executor)

@@ -14,26 +14,7 @@ from tensordict.utils import NestedKey
 from .. import layouts
 from .shape import RewardShape, trailing_dims
 
-__all__ = ["shape_rewards", "write_rewards"]
-
-
-def shape_rewards(
-    rewards: torch.Tensor,
-    batch_size: torch.Size,
-    reward_shape: RewardShape,
-    *,
-    like: torch.Tensor | None = None,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """``[N]`` -> ``batch_size`` + the trailing dims of ``reward_shape``, in ``like``'s
-    floating dtype (else the default dtype), on ``device``.
-
-    >>> shape_rewards(torch.ones(4), torch.Size([2, 2]), "step").shape
-    torch.Size([2, 2, 1, 1])
-    """
-    dtype = like.dtype if like is not None and like.is_floating_point() else torch.get_default_dtype()
-    out = rewards.reshape(*batch_size, *trailing_dims(reward_shape)).to(dtype)
-    return out.to(device) if device is not None else out
+__all__ = ["write_rewards"]
 
 
 def write_rewards(
@@ -44,10 +25,11 @@ def write_rewards(
     *,
     accumulate: bool = False,
 ) -> TensorDictBase:
-    """Write ``[N]`` rewards into ``tensordict`` at ``key`` (in place), shaped per
-    ``reward_shape``, on the tensordict's device (else the device of a reward already
-    there, else CPU). ``accumulate``: add to a reward already at ``key`` (same shape
-    required) instead of overwriting it.
+    """Write ``[N]`` rewards into ``tensordict`` at ``key`` (in place), shaped
+    ``[*batch_size, *trailing dims of reward_shape]``, in the floating dtype of a reward
+    already there (else the default dtype), on the tensordict's device (else that reward's,
+    else CPU). ``accumulate``: add to the reward already at ``key`` (same shape required)
+    instead of overwriting it.
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({("next", "reward"): torch.ones(2, 1, 1)}, batch_size=[2])
@@ -60,7 +42,9 @@ def write_rewards(
     device = tensordict.device
     if device is None:
         device = existing.device if existing is not None else torch.device("cpu")
-    out = shape_rewards(rewards, tensordict.batch_size, reward_shape, like=existing, device=device)
+    floating = existing is not None and existing.is_floating_point()
+    dtype = existing.dtype if floating else torch.get_default_dtype()
+    out = rewards.reshape(*tensordict.batch_size, *trailing_dims(reward_shape)).to(device, dtype)
     if accumulate and existing is not None:
         if existing.shape != out.shape:
             raise ValueError(
