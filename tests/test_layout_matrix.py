@@ -368,13 +368,13 @@ def test_dataset_formats(produced, producer, storage, fmt):
         pytest.skip("no prompt text in this layout")
     if fmt != "sft_tokenized" and _strings_lost(produced, producer, storage):
         with _refused():
-            list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch", tokenizer=tok))
+            list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, reading="epoch", tokenizer=tok))
         return
-    ds = TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch", tokenizer=tok)
+    ds = TorchRLBufferDataset(rb, batch_size=3, format=fmt, reading="epoch", tokenizer=tok)
     rows = list(ds)
     assert len(rows) == len(samples) == len(ds)
     try:  # without the tokenizer: the same rows, or an error asking for it; never pads
-        assert list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch")) == rows
+        assert list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, reading="epoch")) == rows
     except ValueError as err:
         assert "tokenizer" in str(err) and "pad_output=True" in str(err)
     if fmt == "sft_tokenized":
@@ -434,7 +434,7 @@ def test_preference_builders(produced, reward_models, producer, storage):
     scored_rb.extend(scored)
 
     def read(buffer, fmt):  # the policy's tokenizer names the pad string for small batches
-        return list(TorchRLBufferDataset(buffer, batch_size=2, format=fmt, mode="epoch", tokenizer=tok))
+        return list(TorchRLBufferDataset(buffer, batch_size=2, format=fmt, reading="epoch", tokenizer=tok))
 
     pairs = read(preference_pairs(scored_rb), "dpo")
     assert pairs
@@ -494,10 +494,10 @@ def test_dataset_refuses_text_from_a_storage_that_loses_strings(produced):
     td, _ = produced["wrapper-text-pad1"]
     rb = ReplayBuffer(storage=LazyMemmapStorage(16))
     rb.extend(td)
-    rows = list(TorchRLBufferDataset(rb, batch_size=2, format="sft_tokenized", mode="epoch"))
+    rows = list(TorchRLBufferDataset(rb, batch_size=2, format="sft_tokenized", reading="epoch"))
     assert [r["input_ids"] for r in rows] == [ref_tokens(s, "full") for s in _samples(td)]
     if memmap_keeps_strings():
-        assert len(list(TorchRLBufferDataset(rb, batch_size=2, format="sft", mode="epoch"))) == len(rows)
+        assert len(list(TorchRLBufferDataset(rb, batch_size=2, format="sft", reading="epoch"))) == len(rows)
     else:
         with pytest.raises(ValueError, match="LazyMemmapStorage reads every stored string back"):
-            TorchRLBufferDataset(rb, batch_size=2, format="sft", mode="epoch").as_hf_dataset()
+            TorchRLBufferDataset(rb, batch_size=2, format="sft", reading="epoch").as_hf_dataset()
