@@ -16,7 +16,6 @@ model's score of that one sequence alone, unpadded.
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 
 import pytest
@@ -217,25 +216,22 @@ def reward_models(checkpoints):
     return same, other, other_tok
 
 
-@functools.lru_cache(maxsize=None)
-def _cell_cache():
-    return {}
+_STORED: dict = {}  # (producer, storage) -> the stored rollouts, built once per session
 
 
 def _cell(produced, producer, storage):
     """The stored rollouts of one cell and the policy tokenizer."""
     td, tok = produced[producer]
     key = (producer, storage)
-    cache = _cell_cache()
-    if key not in cache:
-        cache[key] = _store(td, storage)
-    return cache[key], tok
+    if key not in _STORED:
+        _STORED[key] = _store(td, storage)
+    return _STORED[key], tok
 
 
 def _strings_lost(produced, producer, storage) -> bool:
     """Whether this cell's storage gives back other strings than TorchRL wrote: TorchRL
     0.14.1's ``LazyMemmapStorage`` keeps only the first string of a column (probed on this
-    TorchRL), which matters when the produced responses are not all one string. Our
+    TorchRL by ``layouts.memmap_keeps_strings``), which matters when the produced responses are not all one string. Our
     readers must then refuse the text and chat, never return the first row's for all."""
     if not storage.startswith("lazymemmap") or layouts.memmap_keeps_strings():
         return False

@@ -133,9 +133,9 @@ def datasets_examples_iterable_base() -> type:
     TRL's collator one array each, see ``data/columns.py``) into plain Python lists, and it
     has no Arrow path (``with_format("torch")``, batched ``map`` go row by row). Measured by
     ``benchmarks/bench_dataset.py`` (fixed T=256, DataLoader + TRL's collator, 2 shared CPU
-    cores, datasets 5.2): the same rows through ``from_generator`` ran at 0.29-0.30x of
-    upstream where this path ran at 0.87-0.92x, about 3x slower (0.19x when the rows hold
-    tensors, which it converts to lists). Passes that share one buffer length across shards
+    cores, datasets 5.2): the same rows through ``from_generator`` ran at 0.31x of upstream
+    where this path ran at 0.93-0.94x, 3x slower (0.19x when the rows hold tensors, which
+    it converts to lists). Passes that share one buffer length across shards
     (``EpochPass(num_passes=)`` beside a live writer) and ``set_epoch`` reaching the buffer
     also need a class of our own.
     """

@@ -15,6 +15,7 @@ iterable (:meth:`start_pass` then :meth:`shard_batches`, one call per shard).
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -126,14 +127,12 @@ class EpochPass:
     def consumer_batches(self, reader: BufferReader, me: sharding.Consumer, *, rank: int,
                          with_index: bool) -> Iterator[Batch]:
         """The chunks of every pass dealt to ``me``: chunk ``i`` goes to reader ``i % count``."""
-        k = 0
-        while self.num_passes is None or k < self.num_passes:
+        for k in _up_to(self.num_passes):
             epoch = reader.epoch + k
             n = reader.pass_length(epoch, first=k == 0, pass_index=k)
             chunks = self.order(n, epoch).split(reader.batch_size)
             for i in range(me.index, len(chunks), me.count):
                 yield reader.fetch(chunks[i]), chunks[i]
-            k += 1
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ class OnlineSampling:
         reader.require_items()
 
     def num_rows(self, reader: BufferReader) -> int:
-        raise TypeError("TorchRLBufferDataset has no length in online mode; use mode='epoch'.")
+        raise TypeError("TorchRLBufferDataset has no length in online mode; use reading='epoch'.")
 
     def stream(self, reader: BufferReader, stream: int, budget: int | None, *, rank: int,
                with_index: bool) -> Iterator[Batch]:
@@ -190,8 +189,7 @@ class OnlineSampling:
         worker = sharding.worker_index()
         base = sharding.stream_seed(self.seed, rank, stream, worker, reader.iterations)
         gen = torch.Generator().manual_seed(base)
-        done = 0
-        while budget is None or done < budget:
+        for _ in _up_to(budget):
             seed = int(torch.randint(2**62, (), generator=gen))
             with torch.random.fork_rng(devices=[]):
                 # the CPU generator only (what fork_rng restores): torch.manual_seed would
@@ -199,7 +197,6 @@ class OnlineSampling:
                 torch.default_generator.manual_seed(seed)
                 batch = reader.sample(with_index)
             yield batch
-            done += 1
 
     def start_pass(self, reader: BufferReader, pass_index: int, first: bool) -> dict[str, Any]:
         return {}
@@ -223,6 +220,13 @@ class OnlineSampling:
 
 
 ReadingStrategy = EpochPass | OnlineSampling
+#: ``TorchRLBufferDataset``'s moved reading keywords and their defaults
+_SHORTHANDS = {"mode": None, "shuffle": False, "seed": None, "num_passes": 1}
+
+
+def _up_to(n: int | None) -> Iterator[int]:
+    """``0, 1, ..., n - 1``; endless for ``None``."""
+    return itertools.count() if n is None else iter(range(n))
 
 
 def _check_seed(seed: Any, name: str, expected: str) -> None:
@@ -231,30 +235,24 @@ def _check_seed(seed: Any, name: str, expected: str) -> None:
 
 
 def reading_from_arguments(
-    reading: ReadingStrategy | str | None = None,
-    *,
-    num_batches: int | None = 1,
-    mode: str | None = None,
-    shuffle: bool = False,
-    seed: int | None = None,
-    num_passes: int | None = 1,
+    reading: ReadingStrategy | str | None = None, *, num_batches: int | None = 1, **shorthands
 ) -> ReadingStrategy:
     """The strategy of ``TorchRLBufferDataset(reading=, num_batches=)``.
 
     ``reading`` is a strategy (then ``num_batches`` stays unset), ``"online"`` (the
     default: ``OnlineSampling(num_batches, seed)``) or ``"epoch"``
-    (``EpochPass(shuffle, seed, num_passes)``). ``mode``, ``shuffle``, ``seed`` and
-    ``num_passes`` are the dataset's moved keywords; a setting of the other kind raises.
+    (``EpochPass(shuffle, seed, num_passes)``). ``shorthands`` are the dataset's moved
+    ``mode``, ``shuffle``, ``seed`` and ``num_passes``; a setting of the other kind raises.
 
     >>> reading_from_arguments("epoch", shuffle=True)
     EpochPass(shuffle=True, seed=0, num_passes=1)
     >>> reading_from_arguments(num_batches=4, seed=3)
     OnlineSampling(num_batches=4, seed=3)
     """
-    values = {"mode": mode, "shuffle": shuffle, "seed": seed, "num_passes": num_passes,
-              "num_batches": num_batches}  # fmt: skip
-    defaults = {"mode": None, "shuffle": False, "seed": None, "num_passes": 1, "num_batches": 1}
-    given = sorted(k for k, v in values.items() if v is not defaults[k] and v != defaults[k])
+    defaults = {**_SHORTHANDS, "num_batches": 1}
+    values = {**defaults, **shorthands, "num_batches": num_batches}
+    given = sorted(k for k, v in values.items() if v != defaults[k])
+    mode, shuffle, seed, num_passes = (values[k] for k in _SHORTHANDS)
     if isinstance(reading, (EpochPass, OnlineSampling)):
         if given:
             raise TypeError(f"pass {given} inside reading={reading!r}, not beside it")
