@@ -60,9 +60,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         device: tensors yielded by ``__iter__`` are moved there.
         num_batches: online sampling: ``sample`` calls per iterator (``None``: unbounded),
             as ``reading=OnlineSampling(num_batches)``.
-        format: a registered format name (``"sft"``, ``"sft_conversational"``,
-            ``"sft_messages"``, ``"sft_tokenized"``, ``"grpo"``, ``"grpo_conversational"``,
-            see :mod:`torchrl_trl.data.formats`) or a :class:`BufferFormat`.
+        format: a registered format name (``"sft"``, ``"grpo_conversational"``, ...: see
+            :func:`~torchrl_trl.data.available_formats`) or a :class:`BufferFormat`.
         columns: ``{trl_column: spec}`` with ``spec`` a nested key (``"a.b"`` or tuple) or
             ``fn(batch) -> list`` (one value per row of the sampled batch).
         extra_columns: keys yielded alongside the format's columns under their flat name
