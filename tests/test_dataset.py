@@ -7,7 +7,16 @@ from torch.utils.data import DataLoader
 from torchrl.data import LazyMemmapStorage, LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
 
 from torchrl_trl import layouts
-from torchrl_trl.data import BufferFormat, TorchRLBufferDataset, available_formats, get_format, register_format
+from torchrl_trl.data import (
+    BufferFormat,
+    EpochPass,
+    OnlineSampling,
+    Sharding,
+    TorchRLBufferDataset,
+    available_formats,
+    get_format,
+    register_format,
+)
 
 
 def _dense(n=10, t=6, storage=LazyTensorStorage):
@@ -30,7 +39,7 @@ def test_dense_storages_epoch_and_upstream_keys(storage):
     from torchrl.modules.llm.trl_interop import TorchRLBufferDataset as Upstream
 
     rb, ids = _dense(storage=storage)
-    ds = TorchRLBufferDataset(rb, 4, mode="epoch")
+    ds = TorchRLBufferDataset(rb, 4, reading="epoch")
     rows = list(ds)
     assert len(ds) == 10 and _ids(rows) == [tuple(r) for r in ids.tolist()]
     assert [r["meta.score"].item() for r in rows] == list(range(10))
@@ -45,14 +54,14 @@ def test_dense_storages_epoch_and_upstream_keys(storage):
 def test_list_storage_dicts_and_tensordicts():
     rb = ReplayBuffer(storage=ListStorage(10))
     rb.extend([{"prompt": f"p{i}", "completion": f"c{i}", "x": i} for i in range(5)])
-    rows = list(TorchRLBufferDataset(rb, 2, columns={"prompt": "prompt", "completion": "completion"}, mode="epoch").as_hf_dataset())
+    rows = list(TorchRLBufferDataset(rb, 2, columns={"prompt": "prompt", "completion": "completion"}, reading="epoch").as_hf_dataset())
     assert rows == [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)]
     online = list(TorchRLBufferDataset(rb, 3, num_batches=2, keys=["x"]))
     assert len(online) == 6 and all(0 <= int(r["x"]) < 5 for r in online)
     rb2 = ReplayBuffer(storage=ListStorage(10))
     for i in range(5):
         rb2.add(TensorDict({"text": {"prompt": f"q{i}"}, "ids": torch.arange(i + 1)}, []))
-    ds = TorchRLBufferDataset(rb2, 2, columns={"prompt": "text.prompt", "input_ids": "ids"}, mode="epoch")
+    ds = TorchRLBufferDataset(rb2, 2, columns={"prompt": "text.prompt", "input_ids": "ids"}, reading="epoch")
     rows = list(ds.as_hf_dataset())
     assert rows == [{"prompt": f"q{i}", "input_ids": list(range(i + 1))} for i in range(5)]
 
@@ -73,7 +82,7 @@ def test_lazy_stack_rollouts_formats_and_features(rollouts, policy_and_tokenizer
     td = rollouts[:]
     prompts, responses = layouts.read_tokens(td, "prompt").tolist(), layouts.read_tokens(td, "response").tolist()
     for name in ["sft", "sft_conversational", "sft_messages", "sft_tokenized", "grpo", "grpo_conversational"]:
-        ds = TorchRLBufferDataset(rollouts, 3, format=name, extra_columns=["answer"], mode="epoch")
+        ds = TorchRLBufferDataset(rollouts, 3, format=name, extra_columns=["answer"], reading="epoch")
         hf = ds.as_hf_dataset()
         rows = list(hf)
         assert len(rows) == 8
@@ -90,13 +99,13 @@ def test_lazy_stack_rollouts_formats_and_features(rollouts, policy_and_tokenizer
             assert [r["completion"] for r in rows] == layouts.read_history(td, "response")
             assert set(rows[0]["completion"][0]) == {"role", "content"}
     # raw token keys yield only the real tokens (padded rollouts too)
-    raw = list(TorchRLBufferDataset(rollouts, 4, keys=["tokens.response"], mode="epoch"))
+    raw = list(TorchRLBufferDataset(rollouts, 4, keys=["tokens.response"], reading="epoch"))
     assert [r["tokens.response"].tolist() for r in raw] == responses
 
 
 def test_columns_callable_and_map_snapshot(rollouts):
     ds = TorchRLBufferDataset(
-        rollouts, 4, mode="epoch",
+        rollouts, 4, reading="epoch",
         columns={"prompt": "text.prompt", "n_tokens": lambda b: layouts.read_tokens(b, "full").lengths.tolist()},
     )
     snap = ds.as_hf_dataset(map_style=True)
@@ -113,15 +122,15 @@ def test_register_format():
     with pytest.raises(ValueError, match="already registered"):
         register_format(fmt)
     rb, ids = _dense()
-    assert [r["x"] for r in TorchRLBufferDataset(rb, 4, format="test_double", mode="epoch").as_hf_dataset()] == (ids[:, 0] * 2).tolist()
+    assert [r["x"] for r in TorchRLBufferDataset(rb, 4, format="test_double", reading="epoch").as_hf_dataset()] == (ids[:, 0] * 2).tolist()
 
 
 def test_epoch_shuffle_seed_and_set_epoch():
     rb, ids = _dense(20)
-    ds = TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, seed=3)
+    ds = TorchRLBufferDataset(rb, 4, reading=EpochPass(shuffle=True, seed=3))
     a = _ids(ds)
     assert sorted(a) == sorted(_ids([{"input_ids": r} for r in ids]))
-    assert a == _ids(TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, seed=3))
+    assert a == _ids(TorchRLBufferDataset(rb, 4, reading=EpochPass(shuffle=True, seed=3)))
     hf = ds.as_hf_dataset()
     assert _ids(hf) == a
     hf.set_epoch(1)  # what the trainer calls reaches the dataset
@@ -132,7 +141,7 @@ def test_epoch_shuffle_seed_and_set_epoch():
 @pytest.mark.parametrize("hf", [False, True], ids=["torch", "hf"])
 def test_epoch_exactly_once_two_workers(hf):
     rb, ids = _dense(22)
-    ds = TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True)
+    ds = TorchRLBufferDataset(rb, 4, reading=EpochPass(shuffle=True))
     source = ds.as_hf_dataset() if hf else ds
     loader = DataLoader(source, batch_size=3, num_workers=2, collate_fn=_as_list)
     seen = [tuple(torch.as_tensor(r["input_ids"]).tolist()) for batch in loader for r in batch]
@@ -141,12 +150,12 @@ def test_epoch_exactly_once_two_workers(hf):
 
 def test_epoch_rank_split_exactly_once():
     rb, ids = _dense(22)
-    seen = []
+    shuffled, seen = EpochPass(shuffle=True), []
     for rank in range(2):
-        seen += _ids(TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, rank=rank, world_size=2))
+        seen += _ids(TorchRLBufferDataset(rb, 4, reading=shuffled, sharding=Sharding(rank=rank, world_size=2)))
     assert sorted(seen) == sorted(tuple(r) for r in ids.tolist())
     # accelerate's sharding of the HF iterable (what it does when dispatch_batches=False)
-    hf = TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, num_shards=4).as_hf_dataset()
+    hf = TorchRLBufferDataset(rb, 4, reading=shuffled, sharding=Sharding(num_shards=4)).as_hf_dataset()
     seen = _ids(hf.shard(2, 0, contiguous=True)) + _ids(hf.shard(2, 1, contiguous=True))
     assert sorted(seen) == sorted(tuple(r) for r in ids.tolist())
 
@@ -154,12 +163,14 @@ def test_epoch_rank_split_exactly_once():
 @pytest.mark.distributed
 def test_online_streams_differ_per_worker_and_shard():
     rb, _ = _dense(32)
-    ds = TorchRLBufferDataset(rb, 8, num_batches=2, seed=0)
+    ds = TorchRLBufferDataset(rb, 8, reading=OnlineSampling(num_batches=2, seed=0))
     loader = DataLoader(ds, batch_size=None, num_workers=2)
     rows = [tuple(r["input_ids"].tolist()) for r in loader]
     assert len(rows) == 2 * 2 * 8  # each worker draws num_batches batches (as upstream)
     assert rows[0::2] != rows[1::2]  # distinct streams per worker
-    hf = TorchRLBufferDataset(rb, 8, num_batches=4, seed=0, num_shards=2).as_hf_dataset()
+    hf = TorchRLBufferDataset(
+        rb, 8, reading=OnlineSampling(num_batches=4, seed=0), sharding=Sharding(num_shards=2)
+    ).as_hf_dataset()
     a, b = _ids(hf.shard(2, 0)), _ids(hf.shard(2, 1))
     assert len(a) == len(b) == 16 and a != b
     assert len(_ids(hf)) == 32  # num_batches split over the shards
@@ -183,7 +194,7 @@ def test_bad_inputs_raise_at_once(rollouts):
     with pytest.raises(ValueError, match="unknown format 'no_such_format'; registered formats"):
         TorchRLBufferDataset(rb, 4, format="no_such_format")
     with pytest.raises(ValueError, match="holds 10 items, fewer than one epoch batch"):
-        TorchRLBufferDataset(rb, 16, mode="epoch")
+        TorchRLBufferDataset(rb, 16, reading="epoch")
     with pytest.raises(KeyError, match="format 'grpo_conversational' needs keys"):
         TorchRLBufferDataset(rb, 4, format="grpo_conversational")
     with pytest.raises(TypeError, match="no length in online mode"):
@@ -200,34 +211,65 @@ def test_bad_inputs_raise_at_once(rollouts):
 # ---------------------------------------------------------------------------
 
 
-def test_reading_strategies_and_their_shorthands():
-    from torchrl_trl.data import EpochPass, OnlineSampling
-
+def test_reading_strategies_and_their_names():
     rb, ids = _dense(12)
     stored = sorted(tuple(r) for r in ids.tolist())
     ds = TorchRLBufferDataset(rb, 4, keys=["input_ids"], reading=EpochPass(shuffle=True, seed=3, num_passes=2))
-    short = TorchRLBufferDataset(rb, 4, keys=["input_ids"], mode="epoch", shuffle=True, seed=3, num_passes=2)
-    assert short.reading == ds.reading == EpochPass(True, 3, 2) and ds.mode == "epoch"
+    assert ds.reading == EpochPass(True, 3, 2) and ds.mode == "epoch"
     rows = _ids(ds)
-    assert rows == _ids(short) and _ids(ds.as_hf_dataset()) == rows and len(ds) == 24
+    assert _ids(ds.as_hf_dataset()) == rows and len(ds) == 24
     assert sorted(rows[:12]) == sorted(rows[12:]) == stored and rows[:12] != rows[12:]  # 2 passes, 2 orders
     assert _ids(TorchRLBufferDataset(rb, 4, reading=EpochPass(shuffle=True, seed=4))) != rows[:12]
-    assert _ids(TorchRLBufferDataset(rb, 4, reading=EpochPass())) == [tuple(r) for r in ids.tolist()]
+    assert _ids(TorchRLBufferDataset(rb, 4, reading="epoch")) == [tuple(r) for r in ids.tolist()]
+    assert TorchRLBufferDataset(rb, 4, reading="epoch").reading == EpochPass()
     online = TorchRLBufferDataset(rb, 4, keys=["input_ids"], reading=OnlineSampling(num_batches=3, seed=0))
-    assert TorchRLBufferDataset(rb, 4, num_batches=3, seed=0).reading == online.reading
+    assert TorchRLBufferDataset(rb, 4, num_batches=3, reading="online").reading == OnlineSampling(3)
+    assert TorchRLBufferDataset(rb, 4, num_batches=3).reading == OnlineSampling(3)  # upstream's argument
     assert online.mode == "online" and len(_ids(online)) == 12 and set(_ids(online)) <= set(stored)
     assert len(_ids(online.as_hf_dataset())) == 12
+    assert TorchRLBufferDataset(rb, 4, sharding=Sharding(num_shards=3)).sharding.num_shards == 3
 
 
+@pytest.mark.parametrize("moved,new", [
+    ({"mode": "epoch"}, {"reading": "epoch"}),
+    ({"mode": "epoch", "shuffle": True, "seed": 3, "num_passes": 2}, {"reading": EpochPass(True, 3, 2)}),
+    ({"num_batches": 3, "seed": 5}, {"reading": OnlineSampling(3, 5)}),
+    ({"num_shards": 3}, {"sharding": Sharding(num_shards=3)}),
+    ({"rank": 1, "world_size": 2}, {"sharding": Sharding(rank=1, world_size=2)}),
+])
+def test_moved_keywords_warn_and_keep_their_meaning(moved, new):
+    """Each keyword that moved into ``reading=``/``sharding=`` warns, naming where it went,
+    and makes the dataset the new form makes."""
+    rb, _ = _dense(12)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = TorchRLBufferDataset(rb, 4, keys=["input_ids"], **moved)
+    homes = {name: str(w.message) for w in caught for name in moved if f"({name}=...)" in str(w.message)}
+    moved_names = sorted(k for k in moved if k != "num_batches")  # num_batches is upstream's: not moved
+    assert sorted(homes) == moved_names
+    for name in moved_names:
+        assert ("reading=" if name in ("mode", "shuffle", "seed", "num_passes") else "sharding=") in homes[name]
+    ref = TorchRLBufferDataset(rb, 4, keys=["input_ids"], **new)
+    assert old.reading == ref.reading and repr(old.sharding) == repr(ref.sharding)
+    if old.mode == "epoch":
+        assert _ids(old) == _ids(ref)
+    with pytest.raises(TypeError, match=r"TorchRLBufferDataset\(\) got an unexpected keyword argument 'shufle'"):
+        TorchRLBufferDataset(rb, 4, shufle=True)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("kwargs,error,match", [
-    ({"reading": "epoch"}, TypeError, "reading must be an EpochPass or an OnlineSampling, got str"),
+    ({"reading": 3}, TypeError, "reading must be 'epoch', 'online', an EpochPass or an OnlineSampling, got int"),
+    ({"reading": "offline"}, ValueError, "reading must be 'online' or 'epoch', got 'offline'"),
+    ({"reading": "epoch", "mode": "epoch"}, TypeError, "pass reading='epoch' or mode='epoch', not both"),
     ({"reading": "EPOCH", "mode": "epoch"}, TypeError, r"\['mode'\] inside reading="),
     ({"reading": "EPOCH", "num_passes": 2}, TypeError, r"\['num_passes'\] inside reading=EpochPass"),
     ({"reading": "ONLINE", "num_batches": 2}, TypeError, r"\['num_batches'\] inside reading=OnlineSampling"),
     ({"reading": "ONLINE", "seed": 1, "shuffle": True}, TypeError, r"\['seed', 'shuffle'\] inside reading="),
-    ({"mode": "epoch", "num_batches": 3}, ValueError, "num_batches=3 is for mode='online'.*num_passes"),
-    ({"num_passes": 2}, ValueError, "num_passes=2 is for mode='epoch'"),
-    ({"mode": "offline"}, ValueError, "mode must be 'online' or 'epoch', got 'offline'"),
+    ({"reading": "epoch", "num_batches": 3}, ValueError, r"num_batches=3 is for online sampling.*num_passes"),
+    ({"num_passes": 2}, ValueError, "num_passes=2 is for reading='epoch'"),
+    ({"mode": "offline"}, ValueError, "reading must be 'online' or 'epoch', got 'offline'"),
+    ({"sharding": 4}, TypeError, "sharding must be a torchrl_trl.data.Sharding, got int"),
+    ({"sharding": Sharding(), "num_shards": 2}, TypeError, r"\['num_shards'\] inside sharding=Sharding"),
     ({"batch_size": 0}, ValueError, "batch_size must be a positive integer, got 0"),
     ({"num_batches": 0}, ValueError, "num_batches must be a positive integer or None, got 0"),
     ({"num_shards": 0}, ValueError, "num_shards must be a positive integer or None, got 0"),
@@ -235,8 +277,6 @@ def test_reading_strategies_and_their_shorthands():
     ({"rank": 2, "world_size": 2}, ValueError, r"rank must be an int in \[0, world_size=2\), got 2"),
 ])
 def test_reading_and_sharding_arguments_are_checked(kwargs, error, match):
-    from torchrl_trl.data import EpochPass, OnlineSampling
-
     rb, _ = _dense()
     kwargs = {**kwargs}
     kwargs["reading"] = {"EPOCH": EpochPass(), "ONLINE": OnlineSampling()}.get(kwargs.get("reading"), kwargs.get("reading"))
@@ -251,8 +291,6 @@ def test_reading_and_sharding_arguments_are_checked(kwargs, error, match):
     ({"num_passes": 0}, "EpochPass.num_passes must be a positive integer or None"),
 ])
 def test_epoch_pass_settings_are_checked(kwargs, match):
-    from torchrl_trl.data import EpochPass
-
     with pytest.raises((TypeError, ValueError), match=match):
         EpochPass(**kwargs)
 
@@ -269,15 +307,15 @@ def test_in_keys_and_features_are_what_is_read_and_yielded(rollouts):
         {"format": "sft_tokenized", "index_column": "item"},
     ]
     for kwargs in cases:
-        ds = TorchRLBufferDataset(rollouts, 4, mode="epoch", **kwargs)
+        ds = TorchRLBufferDataset(rollouts, 4, reading="epoch", **kwargs)
         only = ReplayBuffer(storage=LazyStackStorage(16))
         only.extend(stored.select(*ds.in_keys))
-        ref = TorchRLBufferDataset(only, 4, mode="epoch", **kwargs)
+        ref = TorchRLBufferDataset(only, 4, reading="epoch", **kwargs)
         rows, ref_rows = list(ds.as_hf_dataset()), list(ref.as_hf_dataset())
         assert rows == ref_rows, kwargs
         assert list(rows[0]) == ds.column_names == ds.out_keys == list(ds.features), kwargs
         for row in rows:
             ds.features.encode_example(row)
         assert set(ds.in_keys) <= set(stored.keys(True, True)) | set(stored.keys(True)), kwargs
-    everything = TorchRLBufferDataset(_dense()[0], 4, mode="epoch")  # no keys: every leaf, as upstream
+    everything = TorchRLBufferDataset(_dense()[0], 4, reading="epoch")  # no keys: every leaf, as upstream
     assert everything.in_keys == ["input_ids", ("meta", "score")] and everything.column_names == ["input_ids", "meta.score"]

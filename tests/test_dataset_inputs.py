@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
 
 from torchrl_trl import testing
-from torchrl_trl.data import TorchRLBufferDataset, sharding
+from torchrl_trl.data import EpochPass, Sharding, TorchRLBufferDataset, sharding
 
 
 def _ids_buffer(n, storage=LazyTensorStorage, capacity=100_000):
@@ -34,7 +34,9 @@ def _xs(rows):
 @pytest.mark.parametrize("n,num_shards", [(1, None), (3, None), (5, 8)])
 def test_epoch_with_fewer_items_than_shards(n, num_shards):
     rb = _ids_buffer(n)
-    ds = TorchRLBufferDataset(rb, 1, mode="epoch", shuffle=True, keys=["x"], num_shards=num_shards)
+    ds = TorchRLBufferDataset(
+        rb, 1, reading=EpochPass(shuffle=True), keys=["x"], sharding=Sharding(num_shards=num_shards)
+    )
     assert sorted(_xs(ds.as_hf_dataset())) == list(range(n))
     assert sorted(_xs(ds)) == list(range(n))
     assert sorted(_xs(ds.as_hf_dataset(map_style=True))) == list(range(n))
@@ -59,7 +61,7 @@ def test_len_counts_rows_of_batch_shaped_items(grouped_rollouts, storage):
     rb = ReplayBuffer(storage=storage(20))
     rb.extend(grouped_rollouts.to_tensordict() if storage is LazyTensorStorage else grouped_rollouts)
     assert len(rb) == 3  # items of batch shape [2]
-    ds = TorchRLBufferDataset(rb, 2, mode="epoch", format="sft_tokenized", index_column="item")
+    ds = TorchRLBufferDataset(rb, 2, reading="epoch", format="sft_tokenized", index_column="item")
     hf_rows, rows = list(ds.as_hf_dataset()), list(ds)
     assert len(ds) == len(hf_rows) == len(rows) == 6
     # each item's two samples, with the item's storage index, in the item's order
@@ -71,7 +73,7 @@ def test_len_counts_rows_of_batch_shaped_items(grouped_rollouts, storage):
     assert [(r["input_ids"], r["completion_mask"]) for r in hf_rows] == [
         (p + c, [0] * len(p) + [1] * len(c)) for p, c in expected
     ]
-    assert len(TorchRLBufferDataset(rb, 2, mode="epoch", format="sft_tokenized", num_passes=3)) == 18
+    assert len(TorchRLBufferDataset(rb, 2, format="sft_tokenized", reading=EpochPass(num_passes=3))) == 18
 
 
 # ---------------------------------------------------------------------------
@@ -79,11 +81,12 @@ def test_len_counts_rows_of_batch_shaped_items(grouped_rollouts, storage):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_online_shuffle_is_refused():
     rb = _ids_buffer(8)
-    with pytest.raises(ValueError, match=r"shuffle=True is for mode='epoch'.*RandomSampler"):
+    with pytest.raises(ValueError, match=r"shuffle=True is for reading='epoch'.*RandomSampler"):
         TorchRLBufferDataset(rb, 4, shuffle=True)
-    TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True)  # the meaning it has
+    assert TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True).reading == EpochPass(shuffle=True)
 
 
 def _token_rows(dtype):
@@ -99,9 +102,9 @@ def test_non_integer_token_ids_raise_naming_the_key(dtype):
     rb = ReplayBuffer(storage=LazyTensorStorage(8))
     rb.extend(_token_rows(dtype))
     with pytest.raises(TypeError, match=rf"token ids at key 'tokens.prompt' must be integers, got dtype {dtype}"):
-        TorchRLBufferDataset(rb, 2, mode="epoch", format="sft_tokenized")
+        TorchRLBufferDataset(rb, 2, reading="epoch", format="sft_tokenized")
     with pytest.raises(TypeError, match=r"token ids at key 'tokens.response' must be integers"):
-        TorchRLBufferDataset(rb, 2, mode="epoch", keys=["tokens.response"])
+        TorchRLBufferDataset(rb, 2, reading="epoch", keys=["tokens.response"])
 
 
 @pytest.mark.parametrize("bad", [None, 123])
@@ -109,20 +112,20 @@ def test_non_string_text_raises_naming_the_key(bad):
     rb = ReplayBuffer(storage=ListStorage(8))
     rb.extend([{"text": {"prompt": f"p{i}", "response": f"r{i}" if i != 1 else bad}} for i in range(3)])
     with pytest.raises(TypeError, match=rf"'response'.*sample 1 holds {type(bad).__name__}.*expected a string"):
-        list(TorchRLBufferDataset(rb, 3, mode="epoch", format="sft").as_hf_dataset())
+        list(TorchRLBufferDataset(rb, 3, reading="epoch", format="sft").as_hf_dataset())
 
 
 def test_list_storage_dict_rows_must_share_keys():
     rb = ReplayBuffer(storage=ListStorage(10))
     rb.extend([{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(4)])
     rb.add({"prompt": "p4", "completion": "c4", "answer": "42"})  # an extra key, row 4
-    ds = TorchRLBufferDataset(rb, 2, mode="epoch", columns={"prompt": "prompt"})
+    ds = TorchRLBufferDataset(rb, 2, reading="epoch", columns={"prompt": "prompt"})
     with pytest.raises(ValueError, match=r"row 4 has key 'answer' that row \d lacks"):
         list(ds.as_hf_dataset())
     rb = ReplayBuffer(storage=ListStorage(10))
     rb.extend([{"prompt": f"p{i}", "meta": {"id": i, "src": "a"}} for i in range(3)])
     rb.add({"prompt": "p3", "meta": {"id": 3}})  # a nested key missing, row 3
-    ds = TorchRLBufferDataset(rb, 4, mode="epoch", keys=["prompt", "meta.id"])
+    ds = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["prompt", "meta.id"])
     with pytest.raises(KeyError, match=r"row 3 lacks key 'meta.src' that row 0 has"):
         list(ds)
     rb = ReplayBuffer(storage=ListStorage(10))
@@ -134,13 +137,13 @@ def test_list_storage_dict_rows_must_share_keys():
 def test_sample_filter_must_return_one_bool_per_row():
     rb = _ids_buffer(6)
     for wrong in (lambda b: torch.ones(3, dtype=torch.bool), lambda b: [True] * 7):
-        ds = TorchRLBufferDataset(rb, 4, mode="epoch", keys=["x"], sample_filter=wrong)
+        ds = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"], sample_filter=wrong)
         with pytest.raises(ValueError, match=r"sample_filter returned \d values .* expected shape \[4\]"):
             list(ds)
-    ds = TorchRLBufferDataset(rb, 4, mode="epoch", keys=["x"], sample_filter=lambda b: b["x"] % 2)
+    ds = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"], sample_filter=lambda b: b["x"] % 2)
     with pytest.raises(TypeError, match=r"sample_filter must return bools .* got dtype torch.int64"):
         list(ds)
-    keep_even = TorchRLBufferDataset(rb, 4, mode="epoch", keys=["x"], sample_filter=lambda b: b["x"] % 2 == 0)
+    keep_even = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"], sample_filter=lambda b: b["x"] % 2 == 0)
     assert _xs(keep_even) == [0, 2, 4]
     with pytest.raises(TypeError, match="sample_filter must be callable"):
         TorchRLBufferDataset(rb, 4, sample_filter=True)
@@ -173,7 +176,7 @@ def test_list_storage_ragged_rollouts_raw_keys_and_sft_tokenized(ragged_list_buf
     with pytest.raises(RuntimeError):  # the layout at stake: rows that cannot be stacked
         rb[:].get(("tokens", "prompt"))
     keys = ["tokens.prompt", "tokens.response", "log_probs.response", "text.response"]
-    ds = TorchRLBufferDataset(rb, 4, mode="epoch", keys=keys)
+    ds = TorchRLBufferDataset(rb, 4, reading="epoch", keys=keys)
     for rows in (list(ds.as_hf_dataset()), [{k: (v.tolist() if torch.is_tensor(v) else v) for k, v in r.items()}
                                              for r in ds]):
         assert len(rows) == 6
@@ -182,7 +185,7 @@ def test_list_storage_ragged_rollouts_raw_keys_and_sft_tokenized(ragged_list_buf
         assert [r["text.response"] for r in rows] == [t["text", "response"] for t in items]
         for r, t in zip(rows, items):
             assert r["log_probs.response"] == pytest.approx(t["log_probs", "response"].tolist())
-    hf = list(TorchRLBufferDataset(rb, 4, mode="epoch", format="sft_tokenized").as_hf_dataset())
+    hf = list(TorchRLBufferDataset(rb, 4, reading="epoch", format="sft_tokenized").as_hf_dataset())
     assert [r["input_ids"] for r in hf] == [
         t["tokens", "prompt"].tolist() + t["tokens", "response"].tolist() for t in items
     ]
@@ -254,7 +257,7 @@ def _assert_one_pass(xs, before, after):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_epoch_pass_beside_writer_thread(storage, shuffle):
     rb = _ids_buffer(40, storage)
-    ds = TorchRLBufferDataset(rb, 2, mode="epoch", shuffle=shuffle, keys=["x"])
+    ds = TorchRLBufferDataset(rb, 2, reading=EpochPass(shuffle=shuffle), keys=["x"])
     with _Writer(rb) as writer:
         for read in (lambda: ds.as_hf_dataset(), lambda: ds):
             before = len(rb)
@@ -269,7 +272,9 @@ def test_epoch_pass_beside_writer_with_forked_workers(hf):
     """Workers forked while the writer writes continuously: no deadlock (the fork waits
     for the write in progress), and every worker reads the same items."""
     rb = _ids_buffer(40)
-    ds = TorchRLBufferDataset(rb, 2, mode="epoch", shuffle=True, keys=["x"], columns={"slow": _slow})
+    ds = TorchRLBufferDataset(
+        rb, 2, reading=EpochPass(shuffle=True), keys=["x"], columns={"slow": _slow}
+    )
     with _Writer(rb, pause=0) as writer:
         for _ in range(2):
             loader = DataLoader(ds.as_hf_dataset() if hf else ds, batch_size=None, num_workers=2,
@@ -301,7 +306,7 @@ def test_worker_forked_mid_write_is_refused(monkeypatch):
     worker with a clear error, not read torn or waited on forever."""
     monkeypatch.setattr(sharding, "_FORK_WAIT_S", 0.2)
     rb = _ids_buffer(8)
-    ds = TorchRLBufferDataset(rb, 2, mode="epoch", keys=["x"])
+    ds = TorchRLBufferDataset(rb, 2, reading="epoch", keys=["x"])
     held, release = threading.Event(), threading.Event()
 
     def stuck_writer():

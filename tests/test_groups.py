@@ -167,7 +167,7 @@ def test_best_of_n_top_k_and_min_reward():
     with pytest.warns(SkippedRolloutsWarning, match="below_min_reward=1"):
         best = best_of_n(_buffer(QUERIES, REWARDS), k=2, min_reward=2.5)
     assert _idx(best) == [2, 1, 6]
-    ds = TorchRLBufferDataset(best, 3, format="sft", mode="epoch")
+    ds = TorchRLBufferDataset(best, 3, format="sft", reading="epoch")
     assert [r["completion"] for r in ds] == ["resp2", "resp1", "resp6"]
 
 
@@ -218,7 +218,7 @@ def test_format_on_rollouts_lacking_its_fields():
         TorchRLBufferDataset(pairs, 2, format="dpo_conversational")
     with pytest.raises(KeyError, match=r"'reward_tokenized' needs keys \['chosen.tokens.prompt'"):
         TorchRLBufferDataset(pairs, 2, format="reward_tokenized")
-    rows = list(TorchRLBufferDataset(pairs, 2, format="reward", mode="epoch"))
+    rows = list(TorchRLBufferDataset(pairs, 2, format="reward", reading="epoch"))
     assert rows == [
         {"prompt": "<p>a</p>", "chosen": "resp2", "rejected": "resp5", "margin": 3.0},
         {"prompt": "<p>b</p>", "chosen": "resp1", "rejected": "resp3", "margin": 3.0},

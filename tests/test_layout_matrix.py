@@ -16,7 +16,6 @@ model's score of that one sequence alone, unpadded.
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 
 import pytest
@@ -217,25 +216,22 @@ def reward_models(checkpoints):
     return same, other, other_tok
 
 
-@functools.lru_cache(maxsize=None)
-def _cell_cache():
-    return {}
+_STORED: dict = {}  # (producer, storage) -> the stored rollouts, built once per session
 
 
 def _cell(produced, producer, storage):
     """The stored rollouts of one cell and the policy tokenizer."""
     td, tok = produced[producer]
     key = (producer, storage)
-    cache = _cell_cache()
-    if key not in cache:
-        cache[key] = _store(td, storage)
-    return cache[key], tok
+    if key not in _STORED:
+        _STORED[key] = _store(td, storage)
+    return _STORED[key], tok
 
 
 def _strings_lost(produced, producer, storage) -> bool:
     """Whether this cell's storage gives back other strings than TorchRL wrote: TorchRL
     0.14.1's ``LazyMemmapStorage`` keeps only the first string of a column (probed on this
-    TorchRL), which matters when the produced responses are not all one string. Our
+    TorchRL by ``layouts.memmap_keeps_strings``), which matters when the produced responses are not all one string. Our
     readers must then refuse the text and chat, never return the first row's for all."""
     if not storage.startswith("lazymemmap") or layouts.memmap_keeps_strings():
         return False
@@ -368,13 +364,13 @@ def test_dataset_formats(produced, producer, storage, fmt):
         pytest.skip("no prompt text in this layout")
     if fmt != "sft_tokenized" and _strings_lost(produced, producer, storage):
         with _refused():
-            list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch", tokenizer=tok))
+            list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, reading="epoch", tokenizer=tok))
         return
-    ds = TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch", tokenizer=tok)
+    ds = TorchRLBufferDataset(rb, batch_size=3, format=fmt, reading="epoch", tokenizer=tok)
     rows = list(ds)
     assert len(rows) == len(samples) == len(ds)
     try:  # without the tokenizer: the same rows, or an error asking for it; never pads
-        assert list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, mode="epoch")) == rows
+        assert list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, reading="epoch")) == rows
     except ValueError as err:
         assert "tokenizer" in str(err) and "pad_output=True" in str(err)
     if fmt == "sft_tokenized":
@@ -434,7 +430,7 @@ def test_preference_builders(produced, reward_models, producer, storage):
     scored_rb.extend(scored)
 
     def read(buffer, fmt):  # the policy's tokenizer names the pad string for small batches
-        return list(TorchRLBufferDataset(buffer, batch_size=2, format=fmt, mode="epoch", tokenizer=tok))
+        return list(TorchRLBufferDataset(buffer, batch_size=2, format=fmt, reading="epoch", tokenizer=tok))
 
     pairs = read(preference_pairs(scored_rb), "dpo")
     assert pairs
@@ -494,10 +490,10 @@ def test_dataset_refuses_text_from_a_storage_that_loses_strings(produced):
     td, _ = produced["wrapper-text-pad1"]
     rb = ReplayBuffer(storage=LazyMemmapStorage(16))
     rb.extend(td)
-    rows = list(TorchRLBufferDataset(rb, batch_size=2, format="sft_tokenized", mode="epoch"))
+    rows = list(TorchRLBufferDataset(rb, batch_size=2, format="sft_tokenized", reading="epoch"))
     assert [r["input_ids"] for r in rows] == [ref_tokens(s, "full") for s in _samples(td)]
     if memmap_keeps_strings():
-        assert len(list(TorchRLBufferDataset(rb, batch_size=2, format="sft", mode="epoch"))) == len(rows)
+        assert len(list(TorchRLBufferDataset(rb, batch_size=2, format="sft", reading="epoch"))) == len(rows)
     else:
         with pytest.raises(ValueError, match="LazyMemmapStorage reads every stored string back"):
-            TorchRLBufferDataset(rb, batch_size=2, format="sft", mode="epoch").as_hf_dataset()
+            TorchRLBufferDataset(rb, batch_size=2, format="sft", reading="epoch").as_hf_dataset()

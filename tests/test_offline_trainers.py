@@ -77,7 +77,7 @@ def test_reward_trainer_from_pairs(rollouts, checkpoints, tmp_path, fmt):
     model = AutoModelForSequenceClassification.from_pretrained(checkpoints.reward_model)
     pairs = _quiet(preference_pairs, rollouts, group_size=GROUP)
     ref = _reference(rollouts)
-    ds = TorchRLBufferDataset(pairs, 4, format=fmt, mode="epoch")
+    ds = TorchRLBufferDataset(pairs, 4, format=fmt, reading="epoch")
     args = RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **TRAIN)
     trainer = RewardTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
     td = pairs[:]
@@ -120,7 +120,7 @@ def test_dpo_trainer_from_pairs(rollouts, checkpoints, tmp_path):
     tok = AutoTokenizer.from_pretrained(checkpoints.policy)
     model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)  # by path: the ref model is rebuilt from it
     pairs = _quiet(preference_pairs, rollouts, group_size=GROUP)
-    ds = TorchRLBufferDataset(pairs, 4, format="dpo_conversational", mode="epoch")
+    ds = TorchRLBufferDataset(pairs, 4, format="dpo_conversational", reading="epoch")
     args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_length=128, **TRAIN)
     trainer = DPOTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
     assert trainer.ref_model is not None
@@ -148,7 +148,7 @@ def test_kto_trainer_from_ranked_rows(rollouts, checkpoints, tmp_path):
     tok = AutoTokenizer.from_pretrained(checkpoints.policy)
     model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     rows = _quiet(kto_rows, rollouts, group_size=GROUP)
-    ds = TorchRLBufferDataset(rows, 4, format="kto", mode="epoch")
+    ds = TorchRLBufferDataset(rows, 4, format="kto", reading="epoch")
     args = KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_length=128, **TRAIN)
     trainer = KTOTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
     td = rows[:]
@@ -176,7 +176,7 @@ def test_sft_trainer_best_of_n(rollouts, checkpoints, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     best = _quiet(best_of_n, rollouts, k=1, group_size=GROUP)
     ref = _reference(rollouts)
-    ds = TorchRLBufferDataset(best, 4, format="sft_conversational", mode="epoch")
+    ds = TorchRLBufferDataset(best, 4, format="sft_conversational", reading="epoch")
     args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **TRAIN)
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds.as_hf_dataset(), processing_class=tok)
     td = best[:]
@@ -203,7 +203,7 @@ def test_rloo_trainer_prompts_from_buffer(rollouts, checkpoints, tmp_path):
         seen.extend(zip(prompts, answer))
         return [float(len(c[-1]["content"])) for c in completions]
 
-    ds = TorchRLBufferDataset(rollouts, 4, format="rloo_conversational", extra_columns=["answer"], mode="epoch")
+    ds = TorchRLBufferDataset(rollouts, 4, format="rloo_conversational", extra_columns=["answer"], reading="epoch")
     args = RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=4, shuffle_dataset=False, **TRAIN)
     trainer = RLOOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=ds.as_hf_dataset(),

@@ -35,7 +35,7 @@ def _received(batch, i):
 
 def test_sft_tokenized_receives_buffer_tokens(rollouts, policy_and_tokenizer, tmp_path):
     model, tok = policy_and_tokenizer
-    ds = TorchRLBufferDataset(rollouts, 4, format="sft_tokenized", mode="epoch")
+    ds = TorchRLBufferDataset(rollouts, 4, format="sft_tokenized", reading="epoch")
     # TRL folds completion_mask into the labels only with completion_only_loss=True
     trainer = _sft(model, tok, ds, tmp_path, completion_only_loss=True)
     batch = next(iter(trainer.get_train_dataloader()))
@@ -55,7 +55,7 @@ def test_sft_tokenized_receives_buffer_tokens(rollouts, policy_and_tokenizer, tm
 @pytest.mark.parametrize("fmt", ["sft", "sft_conversational", "sft_messages"])
 def test_sft_text_and_conversational(rollouts, policy_and_tokenizer, tmp_path, fmt):
     model, tok = policy_and_tokenizer
-    ds = TorchRLBufferDataset(rollouts, 4, format=fmt, mode="epoch")
+    ds = TorchRLBufferDataset(rollouts, 4, format=fmt, reading="epoch")
     trainer = _sft(model, tok, ds, tmp_path, steps=1)
     batch = next(iter(trainer.get_train_dataloader()))
     td = rollouts[:4]
@@ -81,7 +81,7 @@ def test_grpo_receives_prompts_and_answers(rollouts, checkpoints, tmp_path):
         seen.extend(zip(prompts, answer))
         return [float(len(c)) for c in completions]
 
-    ds = TorchRLBufferDataset(rollouts, 4, format="grpo", extra_columns=["answer"], mode="epoch")
+    ds = TorchRLBufferDataset(rollouts, 4, format="grpo", extra_columns=["answer"], reading="epoch")
     hf = ds.as_hf_dataset()
     assert list(hf.features) == ["prompt", "answer"]
     args = GRPOConfig(
@@ -110,7 +110,7 @@ def test_grpo_conversational_prompt(rollouts, checkpoints, tmp_path):
         seen.extend(zip(prompts, answer))
         return [0.0 for _ in completions]
 
-    ds = TorchRLBufferDataset(rollouts, 4, format="grpo_conversational", extra_columns=["answer"], mode="epoch")
+    ds = TorchRLBufferDataset(rollouts, 4, format="grpo_conversational", extra_columns=["answer"], reading="epoch")
     args = GRPOConfig(
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
         max_completion_length=4, use_cpu=True, bf16=False, report_to=[], save_strategy="no",

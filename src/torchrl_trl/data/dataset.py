@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from .._checks import positive_int
+from .._checks import moved_keywords, positive_int
 from . import hf
 from .buffer_reader import BufferReader, check_strings_survive
 from .columns import ColumnSpec
@@ -27,7 +27,17 @@ from .sharding import Sharding
 
 __all__ = ["TorchRLBufferDataset"]
 
-Mode = Literal["online", "epoch"]
+_READING_KEYWORDS = ("mode", "shuffle", "seed", "num_passes")
+#: keywords that moved into ``reading=`` / ``sharding=``, and where they went
+_MOVED = {
+    "mode": "pass reading='epoch' or reading='online' (or an EpochPass / OnlineSampling)",
+    "shuffle": "pass reading=EpochPass(shuffle=...)",
+    "seed": "pass reading=EpochPass(seed=...) or reading=OnlineSampling(seed=...)",
+    "num_passes": "pass reading=EpochPass(num_passes=...)",
+    "num_shards": "pass sharding=Sharding(num_shards=...)",
+    "rank": "pass sharding=Sharding(rank=..., world_size=...)",
+    "world_size": "pass sharding=Sharding(rank=..., world_size=...)",
+}
 
 
 class TorchRLBufferDataset(torch.utils.data.IterableDataset):
@@ -48,34 +58,25 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             ``format`` and ``columns``, all leaf keys are yielded (as upstream). A key the
             samples lack raises ``KeyError`` (upstream warns and drops it).
         device: tensors yielded by ``__iter__`` are moved there.
-        num_batches: online sampling: ``sample`` calls per iterator (``None``: unbounded);
-            shorthand for ``reading=OnlineSampling(num_batches, seed)``.
-        format: a registered format name (``"sft"``, ``"sft_conversational"``,
-            ``"sft_messages"``, ``"sft_tokenized"``, ``"grpo"``, ``"grpo_conversational"``,
-            see :mod:`torchrl_trl.data.formats`) or a :class:`BufferFormat`.
+        num_batches: online sampling: ``sample`` calls per iterator (``None``: unbounded),
+            as ``reading=OnlineSampling(num_batches)``.
+        format: a registered format name (``"sft"``, ``"grpo_conversational"``, ...: see
+            :func:`~torchrl_trl.data.available_formats`) or a :class:`BufferFormat`.
         columns: ``{trl_column: spec}`` with ``spec`` a nested key (``"a.b"`` or tuple) or
             ``fn(batch) -> list`` (one value per row of the sampled batch).
         extra_columns: keys yielded alongside the format's columns under their flat name
             (e.g. ``["answer"]`` for a GRPO reward function), or a ``{name: key}`` dict.
-        reading: the reading strategy: :class:`~torchrl_trl.data.EpochPass` (each item
-            stored when a pass starts read exactly once per pass; ``shuffle``, ``seed``,
-            ``num_passes``; ``__len__``, ``set_epoch``; also while a collector keeps
-            writing, see ``docs/source/distributed_dataset.md``) or
-            :class:`~torchrl_trl.data.OnlineSampling` (``num_batches`` batches drawn by
-            the buffer's sampler; ``seed`` of the sampling streams). Default: built from
-            the shorthands below (online sampling unless ``mode="epoch"``); with
-            ``reading`` given, they must stay unset.
-        mode: shorthand: ``"online"`` (default) or ``"epoch"``.
-        shuffle, seed, num_passes: shorthands for ``EpochPass(shuffle, seed, num_passes)``
-            with ``mode="epoch"``; ``seed`` alone for ``OnlineSampling(num_batches, seed)``
-            otherwise. ``shuffle``/``num_passes`` with online sampling, and
-            ``num_batches`` with an epoch pass, raise ``ValueError``.
-        num_shards: shards of the Hugging Face iterable (default: epoch ``4 * world_size``,
-            online ``world_size``); ranks and DataLoader workers split them.
-        rank, world_size: ``__iter__`` only: also split an epoch pass over processes (for
-            a plain ``DataLoader`` under ``torch.distributed``). Leave unset when a trainer
-            (accelerate) shards, as it does for :meth:`as_hf_dataset`. (These three make a
-            :class:`~torchrl_trl.data.sharding.Sharding`.)
+        reading: ``"online"`` (default: ``num_batches`` batches drawn by the buffer's
+            sampler), ``"epoch"`` (each item stored when a pass starts read once; has
+            ``__len__`` and ``set_epoch``), or the same with settings:
+            :class:`~torchrl_trl.data.OnlineSampling` (``num_batches``, ``seed``) or
+            :class:`~torchrl_trl.data.EpochPass` (``shuffle``, ``seed``, ``num_passes``; also
+            beside a live writer, see ``docs/source/distributed_dataset.md``).
+        sharding: a :class:`~torchrl_trl.data.Sharding`: the Hugging Face iterable's
+            ``num_shards`` (default: epoch ``4 * world_size``, online ``world_size``), and
+            ``rank``/``world_size`` to split ``__iter__``'s epoch pass over processes (a
+            plain ``DataLoader`` under ``torch.distributed``; leave them unset when a
+            trainer shards, as it does for :meth:`as_hf_dataset`).
         sample_filter: ``fn(batch) -> bool tensor [B]`` (one value per row, ``B`` the
             product of the batch's dims): rows where it is ``False`` are not yielded (e.g.
             :class:`torchrl_trl.online.StalenessFilter`, which counts what it drops). An
@@ -85,11 +86,14 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             the trainer can hand it back (e.g. to
             :func:`torchrl_trl.online.update_priorities`); needs
             ``remove_unused_columns=False`` in the trainer's config.
-        tokenizer: the policy's tokenizer, optional. Only its pad token is used: TorchRL's
-            history mode with ``pad_output=True`` decodes the padded sequence into
-            ``text``/``history``, and the pad string is removed from the rows; it is read
-            off the samples when they show it, and this names it when they do not (see
+        tokenizer: the policy's tokenizer, optional; only its pad string is used, to remove
+            the padding TorchRL's history mode with ``pad_output=True`` decodes into
+            ``text``/``history`` where the samples do not show it (see
             :func:`torchrl_trl.layouts.read_text`).
+
+    Moved keywords (they work for one more release, with a ``DeprecationWarning``):
+    ``mode``, ``shuffle``, ``seed``, ``num_passes`` (into ``reading=``) and ``num_shards``,
+    ``rank``, ``world_size`` (into ``sharding=``).
 
     Yields:
         ``dict[str, Any]`` rows: for ``format``/``columns`` Python values (str, lists of
@@ -107,14 +111,16 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     >>> from torchrl import torchrl_logger
     >>> from torchrl.data import LazyStackStorage, ReplayBuffer
     >>> from torchrl.modules.llm.policies import Text, Tokens
-    >>> from torchrl_trl.data import EpochPass, TorchRLBufferDataset
+    >>> from torchrl_trl.data import TorchRLBufferDataset
     >>> torchrl_logger.setLevel("WARNING")
     >>> def rollout(prompt, response, prompt_ids, response_ids):
-    ...     return TensorDict(text=Text(prompt=prompt, response=response),
-    ...                       tokens=Tokens(prompt=torch.tensor(prompt_ids), response=torch.tensor(response_ids)))
+    ...     tokens = Tokens(prompt=torch.tensor(prompt_ids), response=torch.tensor(response_ids))
+    ...     return TensorDict(text=Text(prompt=prompt, response=response), tokens=tokens)
     >>> rb = ReplayBuffer(storage=LazyStackStorage(8))
-    >>> _ = rb.extend(lazy_stack([rollout("2+2=", "4", [5, 6, 7], [8]), rollout("1+2=", "3", [4, 6], [9, 2])]))
-    >>> ds = TorchRLBufferDataset(rb, 2, format="sft_tokenized", reading=EpochPass())
+    >>> _ = rb.extend(lazy_stack([
+    ...     rollout("2+2=", "4", [5, 6, 7], [8]), rollout("1+2=", "3", [4, 6], [9, 2])
+    ... ]))
+    >>> ds = TorchRLBufferDataset(rb, 2, format="sft_tokenized", reading="epoch")
     >>> next(iter(ds))
     {'input_ids': [5, 6, 7, 8], 'completion_mask': [0, 0, 0, 1]}
     >>> len(ds), ds.in_keys, ds.column_names
@@ -135,44 +141,41 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         format: str | BufferFormat | None = None,
         columns: Mapping[str, ColumnSpec] | None = None,
         extra_columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
-        reading: EpochPass | OnlineSampling | None = None,
-        mode: Mode | None = None,
-        shuffle: bool = False,
-        seed: int | None = None,
-        num_shards: int | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
+        reading: Literal["online", "epoch"] | EpochPass | OnlineSampling | None = None,
+        sharding: Sharding | None = None,
         sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
         index_column: str | None = None,
-        num_passes: int | None = 1,
         tokenizer: Any = None,
+        **moved,
     ) -> None:
         from torchrl.data.replay_buffers import ReplayBuffer
 
+        moved = moved_keywords("TorchRLBufferDataset", moved, _MOVED)
         if not isinstance(replay_buffer, ReplayBuffer):
             raise TypeError(
-                f"replay_buffer must be a torchrl ReplayBuffer instance, got {type(replay_buffer).__name__}."
+                "replay_buffer must be a torchrl ReplayBuffer instance, got "
+                f"{type(replay_buffer).__name__}."
             )
         positive_int(batch_size, "batch_size")
         positive_int(num_batches, "num_batches", allow_none=True)
+        shorthands = {k: moved.pop(k) for k in _READING_KEYWORDS if k in moved}
         self._reading: ReadingStrategy = reading_from_arguments(
-            reading, mode=mode, shuffle=shuffle, seed=seed, num_passes=num_passes, num_batches=num_batches,
+            reading, num_batches=num_batches, **shorthands
         )
-        self._sharding = Sharding(num_shards, rank, world_size)
+        self._sharding = _sharding(sharding, moved)  # what is left: num_shards, rank, world_size
         # a string, not the tokenizer: cheap to send to DataLoader workers
-        pad_text = None if tokenizer is None else tokenizer.decode([tokenizer.pad_token_id], skip_special_tokens=False)
+        pad_text = None
+        if tokenizer is not None:
+            pad_text = tokenizer.decode([tokenizer.pad_token_id], skip_special_tokens=False)
         self._columns = RowColumns(
-            keys=keys, format=format, columns=columns, extra_columns=extra_columns, sample_filter=sample_filter,
-            index_column=index_column, device=device, pad_text=pad_text,
-        )
+            keys=keys, format=format, columns=columns, extra_columns=extra_columns,
+            sample_filter=sample_filter, index_column=index_column, device=device,
+            pad_text=pad_text,
+        )  # fmt: skip
         self._reader = BufferReader(replay_buffer, batch_size)
         self._features = None
         if len(replay_buffer) > 0:
             self._check()
-
-    # ------------------------------------------------------------------
-    # The pieces
-    # ------------------------------------------------------------------
 
     @property
     def replay_buffer(self):
@@ -223,10 +226,6 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
     out_keys = column_names
 
-    # ------------------------------------------------------------------
-    # Epochs
-    # ------------------------------------------------------------------
-
     def set_epoch(self, epoch: int) -> None:
         """Epoch pass: the pass number mixed into the shuffle seed (the trainer calls
         this on the Hugging Face iterable from :meth:`as_hf_dataset`, which forwards it).
@@ -251,10 +250,6 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         for items of batch shape ``[G]``), before ``sample_filter``."""
         return self._reading.num_rows(self._reader)
 
-    # ------------------------------------------------------------------
-    # torch IterableDataset protocol
-    # ------------------------------------------------------------------
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Rows for this DataLoader worker (and ``rank``, when given).
 
@@ -269,40 +264,36 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         for batch, index in batches:
             yield from self._columns.rows(batch, python=False, index=index)
 
-    # ------------------------------------------------------------------
-    # Hugging Face datasets
-    # ------------------------------------------------------------------
-
     def as_hf_dataset(self, *, map_style: bool = False, tensors: bool = False, **snapshot_kwargs):
-        """A ``datasets.IterableDataset`` (``map_style=True``: :meth:`to_hf_dataset`).
+        """A ``datasets.IterableDataset`` declaring :attr:`features` (``map_style=True``:
+        :meth:`to_hf_dataset`).
 
-        Rows hold Python values matching :attr:`features` (lists for token columns), what
-        TRL's per-row dataset preparation (e.g. ``SFTTrainer``'s label building) reads
-        fastest. ``tensors=True`` yields tensor and token columns as 1-D tensors instead
-        (as upstream does): about 4x cheaper for TRL's collator (``torch.tensor`` of a
-        Python list dominates it) when rows go straight to the collator, but slower through
-        per-row ``map`` functions that loop over tokens.
+        Rows hold Python values (lists for token columns), what TRL's per-row dataset
+        preparation (e.g. ``SFTTrainer``'s) reads fastest; ``tensors=True`` yields tensor and
+        token columns as 1-D tensors (as upstream), cheaper for a collator fed directly and
+        slower through per-row ``map`` functions.
 
-        It declares :attr:`features` and is made of ``num_shards`` shards, so under
-        several processes accelerate (``dataloader.dispatch_batches=False``, which
-        ``SFTTrainer`` forces) gives each rank its own shards, ``datasets`` splits a
-        rank's shards over its DataLoader workers, and with ``dispatch_batches=True``
-        rank 0 reads all of them: an epoch pass is read exactly once in each case.
-        Online, shard ``s`` is an independent sampling stream (``num_batches`` split
-        over the shards). Its ``set_epoch`` (what the trainer calls) reaches this dataset.
-
-        Epoch mode under ``torch.distributed`` with several ranks: call it on every rank
-        (it broadcasts rank 0's buffer length, which the first epoch's passes then read).
+        It is made of the sharding's shards: accelerate gives each rank its own (rank 0 all
+        of them with ``dispatch_batches=True``) and ``datasets`` splits a rank's over its
+        DataLoader workers, so an epoch pass is read exactly once either way; online, each
+        shard is its own sampling stream. Its ``set_epoch`` reaches this dataset. Epoch
+        reading under ``torch.distributed``: call it on every rank (it broadcasts rank 0's
+        buffer length, which the first epoch's passes then read).
         """
         if map_style:
             if tensors:
-                raise TypeError("tensors=True is for the iterable; use .with_format('torch') on the snapshot")
+                raise TypeError(
+                    "tensors=True is for the iterable; use .with_format('torch') on the snapshot"
+                )
             return self.to_hf_dataset(**snapshot_kwargs)
         if snapshot_kwargs:
-            raise TypeError(f"unexpected arguments {sorted(snapshot_kwargs)} (only with map_style=True)")
+            raise TypeError(
+                f"unexpected arguments {sorted(snapshot_kwargs)} (only with map_style=True)"
+            )
         features = self.features
-        ds = hf.iterable_dataset(self._reader, self._reading, self._columns, self._sharding, features,
-                                 tensors=tensors)
+        ds = hf.iterable_dataset(
+            self._reader, self._reading, self._columns, self._sharding, features, tensors=tensors
+        )
         self._pin_for_ranks()
         return ds
 
@@ -311,14 +302,30 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         """A map-style ``datasets.Dataset`` snapshot: one pass over what is stored now (in
         the epoch order), written to Arrow in chunks, so memory does not grow with the
         buffer (unless ``keep_in_memory``)."""
-        return hf.snapshot(self._reader, self._reading, self._columns, self.features, cache_dir=cache_dir,
-                           keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size)
+        return hf.snapshot(
+            self._reader, self._reading, self._columns, self.features, cache_dir=cache_dir,
+            keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         c = self._columns
         return (
             f"{self.__class__.__name__}(replay_buffer={self.replay_buffer!r}, "
-            f"batch_size={self._reader.batch_size}, keys={c.keys if c.keys is not None else '<all>'}, "
+            f"batch_size={self._reader.batch_size}, "
+            f"keys={c.keys if c.keys is not None else '<all>'}, "
             f"device={c.device}, format={c.format.name if c.format is not None else None}, "
             f"columns={list(c.columns)}, reading={self._reading!r}, sharding={self._sharding!r})"
         )
+
+
+def _sharding(sharding: Sharding | None, moved: dict[str, Any]) -> Sharding:
+    """``sharding``, or the one the moved ``num_shards``/``rank``/``world_size`` make."""
+    if sharding is None:
+        return Sharding(**moved)
+    if not isinstance(sharding, Sharding):
+        raise TypeError(
+            f"sharding must be a torchrl_trl.data.Sharding, got {type(sharding).__name__}"
+        )
+    if moved:
+        raise TypeError(f"pass {sorted(moved)} inside sharding={sharding!r}, not beside it")
+    return sharding

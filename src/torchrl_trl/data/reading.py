@@ -15,6 +15,7 @@ iterable (:meth:`start_pass` then :meth:`shard_batches`, one call per shard).
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,8 +75,7 @@ class EpochPass:
     def __post_init__(self) -> None:
         if not isinstance(self.shuffle, bool):
             raise TypeError(f"EpochPass.shuffle must be a bool, got {self.shuffle!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0:
-            raise ValueError(f"EpochPass.seed must be a non-negative int (equal on every rank), got {self.seed!r}")
+        _check_seed(self.seed, "EpochPass.seed", "a non-negative int (equal on every rank)")
         positive_int(self.num_passes, "EpochPass.num_passes", allow_none=True)
 
     @property
@@ -89,7 +89,9 @@ class EpochPass:
     def num_rows(self, reader: BufferReader) -> int:
         """Rows one iterator yields if nothing is written meanwhile (before any filter)."""
         if self.num_passes is None:
-            raise TypeError("TorchRLBufferDataset has no length with num_passes=None (endless passes).")
+            raise TypeError(
+                "TorchRLBufferDataset has no length with num_passes=None (endless passes)."
+            )
         n = len(reader.replay_buffer)
         return self.num_passes * n * (reader.rows_per_item() if n else 1)
 
@@ -100,11 +102,13 @@ class EpochPass:
     # -- the Hugging Face iterable: one call per pass, then per shard
     def start_pass(self, reader: BufferReader, pass_index: int, first: bool) -> dict[str, Any]:
         """``{"length": n}``: the items pass ``pass_index`` reads, taken once for all shards."""
-        return {"length": reader.pass_length(reader.epoch + pass_index, first=first, pass_index=pass_index)}
+        epoch = reader.epoch + pass_index
+        return {"length": reader.pass_length(epoch, first=first, pass_index=pass_index)}
 
-    def shard_batches(self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
-                      with_index: bool, pass_index: int = 0,
-                      length: int | None = None) -> Iterator[tuple[str, TensorDictBase, Any]]:
+    def shard_batches(
+        self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
+        with_index: bool, pass_index: int = 0, length: int | None = None,
+    ) -> Iterator[tuple[str, TensorDictBase, Any]]:  # fmt: skip
         """``(key, batch, storage index)`` chunks of shards ``shard_ids`` (of ``num_shards``)
         of pass ``pass_index`` over the first ``length`` items (default: taken now). A
         shard may be empty when there are fewer items than shards."""
@@ -123,14 +127,12 @@ class EpochPass:
     def consumer_batches(self, reader: BufferReader, me: sharding.Consumer, *, rank: int,
                          with_index: bool) -> Iterator[Batch]:
         """The chunks of every pass dealt to ``me``: chunk ``i`` goes to reader ``i % count``."""
-        k = 0
-        while self.num_passes is None or k < self.num_passes:
+        for k in _up_to(self.num_passes):
             epoch = reader.epoch + k
             n = reader.pass_length(epoch, first=k == 0, pass_index=k)
             chunks = self.order(n, epoch).split(reader.batch_size)
             for i in range(me.index, len(chunks), me.count):
                 yield reader.fetch(chunks[i]), chunks[i]
-            k += 1
 
 
 @dataclass(frozen=True)
@@ -169,15 +171,14 @@ class OnlineSampling:
 
     def __post_init__(self) -> None:
         positive_int(self.num_batches, "num_batches", allow_none=True)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-                                      or self.seed < 0):
-            raise ValueError(f"OnlineSampling.seed must be a non-negative int or None, got {self.seed!r}")
+        if self.seed is not None:
+            _check_seed(self.seed, "OnlineSampling.seed", "a non-negative int or None")
 
     def check(self, reader: BufferReader) -> None:
         reader.require_items()
 
     def num_rows(self, reader: BufferReader) -> int:
-        raise TypeError("TorchRLBufferDataset has no length in online mode; use mode='epoch'.")
+        raise TypeError("TorchRLBufferDataset has no length in online mode; use reading='epoch'.")
 
     def stream(self, reader: BufferReader, stream: int, budget: int | None, *, rank: int,
                with_index: bool) -> Iterator[Batch]:
@@ -186,27 +187,30 @@ class OnlineSampling:
         reader.require_items()
         reader.iterations += 1
         worker = sharding.worker_index()
-        gen = torch.Generator().manual_seed(sharding.stream_seed(self.seed, rank, stream, worker, reader.iterations))
-        done = 0
-        while budget is None or done < budget:
+        base = sharding.stream_seed(self.seed, rank, stream, worker, reader.iterations)
+        gen = torch.Generator().manual_seed(base)
+        for _ in _up_to(budget):
             seed = int(torch.randint(2**62, (), generator=gen))
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
+                # the CPU generator only (what fork_rng restores): torch.manual_seed would
+                # also seed every accelerator, ~1 ms a batch of lazy-init bookkeeping on CPU
+                torch.default_generator.manual_seed(seed)
                 batch = reader.sample(with_index)
             yield batch
-            done += 1
 
     def start_pass(self, reader: BufferReader, pass_index: int, first: bool) -> dict[str, Any]:
         return {}
 
-    def shard_batches(self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
-                      with_index: bool, pass_index: int = 0,
-                      length: int | None = None) -> Iterator[tuple[str, TensorDictBase, Any]]:
+    def shard_batches(
+        self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
+        with_index: bool, pass_index: int = 0, length: int | None = None,
+    ) -> Iterator[tuple[str, TensorDictBase, Any]]:  # fmt: skip
         """Shard ``s`` is stream ``s``, drawing its share of ``num_batches``."""
-        budgets = None if self.num_batches is None else sharding.split_count(self.num_batches, num_shards)
+        n = self.num_batches
+        budgets = [None] * num_shards if n is None else sharding.split_count(n, num_shards)
         for s in shard_ids:
-            budget = None if budgets is None else budgets[s]
-            for i, (batch, index) in enumerate(self.stream(reader, s, budget, rank=rank, with_index=with_index)):
+            batches = self.stream(reader, s, budgets[s], rank=rank, with_index=with_index)
+            for i, (batch, index) in enumerate(batches):
                 yield f"{s}_{i}", batch, index
 
     def consumer_batches(self, reader: BufferReader, me: sharding.Consumer, *, rank: int,
@@ -216,50 +220,69 @@ class OnlineSampling:
 
 
 ReadingStrategy = EpochPass | OnlineSampling
+#: ``TorchRLBufferDataset``'s moved reading keywords and their defaults
+_SHORTHANDS = {"mode": None, "shuffle": False, "seed": None, "num_passes": 1}
 
 
-def reading_from_arguments(reading: ReadingStrategy | None = None, *, mode: str | None = None,
-                           shuffle: bool = False, seed: int | None = None,
-                           num_passes: int | None = 1, num_batches: int | None = 1) -> ReadingStrategy:
-    """The strategy that ``TorchRLBufferDataset``'s shorthand arguments stand for.
+def _up_to(n: int | None) -> Iterator[int]:
+    """``0, 1, ..., n - 1``; endless for ``None``."""
+    return itertools.count() if n is None else iter(range(n))
 
-    ``reading`` given: returned as is, and every shorthand must be left at its default
-    (each means something only inside one strategy). Otherwise ``mode="epoch"`` builds
-    ``EpochPass(shuffle, seed, num_passes)`` and ``mode="online"`` (the default)
-    ``OnlineSampling(num_batches, seed)``; a setting of the other mode raises.
 
-    >>> reading_from_arguments(mode="epoch", shuffle=True)
+def _check_seed(seed: Any, name: str, expected: str) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"{name} must be {expected}, got {seed!r}")
+
+
+def reading_from_arguments(
+    reading: ReadingStrategy | str | None = None, *, num_batches: int | None = 1, **shorthands
+) -> ReadingStrategy:
+    """The strategy of ``TorchRLBufferDataset(reading=, num_batches=)``.
+
+    ``reading`` is a strategy (then ``num_batches`` stays unset), ``"online"`` (the
+    default: ``OnlineSampling(num_batches, seed)``) or ``"epoch"``
+    (``EpochPass(shuffle, seed, num_passes)``). ``shorthands`` are the dataset's moved
+    ``mode``, ``shuffle``, ``seed`` and ``num_passes``; a setting of the other kind raises.
+
+    >>> reading_from_arguments("epoch", shuffle=True)
     EpochPass(shuffle=True, seed=0, num_passes=1)
     >>> reading_from_arguments(num_batches=4, seed=3)
     OnlineSampling(num_batches=4, seed=3)
     """
-    defaults = {"mode": None, "shuffle": False, "seed": None, "num_passes": 1, "num_batches": 1}
-    values = {"mode": mode, "shuffle": shuffle, "seed": seed, "num_passes": num_passes, "num_batches": num_batches}
-    given = {name: v for name, v in values.items() if v is not defaults[name] and v != defaults[name]}
-    if reading is not None:
-        if not isinstance(reading, (EpochPass, OnlineSampling)):
-            raise TypeError(f"reading must be an EpochPass or an OnlineSampling, got {type(reading).__name__}")
+    defaults = {**_SHORTHANDS, "num_batches": 1}
+    values = {**defaults, **shorthands, "num_batches": num_batches}
+    given = sorted(k for k, v in values.items() if v != defaults[k])
+    mode, shuffle, seed, num_passes = (values[k] for k in _SHORTHANDS)
+    if isinstance(reading, (EpochPass, OnlineSampling)):
         if given:
-            raise TypeError(
-                f"pass {sorted(given)} inside reading={reading!r} (they are its settings), not beside it"
-            )
+            raise TypeError(f"pass {given} inside reading={reading!r}, not beside it")
         return reading
-    mode = "online" if mode is None else mode
+    if reading is not None and not isinstance(reading, str):
+        raise TypeError(
+            "reading must be 'epoch', 'online', an EpochPass or an OnlineSampling, "
+            f"got {type(reading).__name__}"
+        )
+    if reading is not None and mode is not None:
+        raise TypeError(f"pass reading={reading!r} or mode={mode!r}, not both")
+    mode = reading if reading is not None else (mode or "online")
     if mode == "epoch":
         if num_batches != 1:
             raise ValueError(
-                f"num_batches={num_batches!r} is for mode='online' (batches drawn by the sampler); an epoch "
-                "pass reads every stored item: set num_passes instead"
+                f"num_batches={num_batches!r} is for online sampling (batches drawn by the "
+                "sampler); an epoch pass reads every stored item: set EpochPass(num_passes=)"
             )
         return EpochPass(shuffle, 0 if seed is None else seed, num_passes)
     if mode != "online":
-        raise ValueError(f"mode must be 'online' or 'epoch', got {mode!r}.")
+        raise ValueError(f"reading must be 'online' or 'epoch', got {mode!r}.")
     if shuffle:
         raise ValueError(
-            "shuffle=True is for mode='epoch' (a permuted pass over the stored items); "
-            "mode='online' draws rows with the replay buffer's own sampler (give the buffer "
-            "a RandomSampler to sample at random)."
+            "shuffle=True is for reading='epoch' (a permuted pass over the stored items); "
+            "online sampling draws rows with the replay buffer's own sampler (give the "
+            "buffer a RandomSampler to sample at random)."
         )
     if "num_passes" in given:
-        raise ValueError(f"num_passes={num_passes!r} is for mode='epoch'; mode='online' draws num_batches batches")
+        raise ValueError(
+            f"num_passes={num_passes!r} is for reading='epoch'; online sampling draws "
+            "num_batches batches"
+        )
     return OnlineSampling(num_batches, seed)

@@ -13,6 +13,7 @@ Beside a live writer, everyone reading one pass must agree on ``len(buffer)``:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import tempfile
@@ -74,8 +75,9 @@ class Consumer:
 
 
 class Sharding:
-    """Who reads which part of a :class:`~torchrl_trl.data.TorchRLBufferDataset`: the one
-    place that knows ranks, DataLoader workers and Hugging Face shards.
+    """Who reads which part of a :class:`~torchrl_trl.data.TorchRLBufferDataset`
+    (``TorchRLBufferDataset(..., sharding=Sharding(...))``): the one place that knows ranks,
+    DataLoader workers and Hugging Face shards.
 
     Args:
         num_shards: shards of the Hugging Face iterable (``None``: the reading strategy's
@@ -289,10 +291,8 @@ class PassLengths:
 
 def _unlink_if_owner(path: str, pid: int) -> None:
     if os.getpid() == pid:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 # ---------------------------------------------------------------------------
