@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from .._checks import WarnOnce, moved_keywords, non_negative_int, positive_int, positive_seconds
 from .._buffers import local_sampler
+from .._threads import run_in_thread
 from .metrics import CollectorMetricsCallback, insert_before_reporters
 from .ray import is_ray_collector
 from .staleness import StalenessFilter, collector_policy_version
@@ -256,28 +257,16 @@ class CollectorCallback(TrainerCallback):
                     "and is still running; the collector is stuck"
                 )
             self._hung = None
-        result: dict[str, Any] = {}
-        grad = torch.is_grad_enabled()  # grad mode is per thread
-
-        def run():
-            try:
-                with torch.set_grad_enabled(grad):
-                    result["ok"] = self._next_batch()
-            except BaseException as err:  # re-raised in the caller's thread
-                result["error"] = err
-
-        worker = threading.Thread(target=run, name="torchrl-trl-collect", daemon=True)
-        worker.start()
-        worker.join(self.wait_timeout)
-        if worker.is_alive():
-            self._hung = worker  # cannot be killed; later calls refuse at once
-            raise TimeoutError(
+        try:
+            return run_in_thread(
+                self._next_batch, self.wait_timeout,
                 f"one collector batch did not finish within wait_timeout={self.wait_timeout}s "
-                "(the collector blocks: a stuck environment, generation server or iterator?)"
+                "(the collector blocks: a stuck environment, generation server or iterator?)",
+                name="torchrl-trl-collect",
             )
-        if "error" in result:
-            raise result["error"]
-        return result["ok"]
+        except TimeoutError as err:
+            self._hung = getattr(err, "thread", None)  # cannot be killed; later calls refuse at once
+            raise
 
     def collect(self, frames: int | None = None, *, model: torch.nn.Module | None = None) -> int:
         """Collect at least ``frames`` items (default ``frames_per_step``) now, in this
