@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from .._checks import positive_int
+from .._checks import non_negative_int, positive_int
 from ..layouts import Ragged
 
 __all__ = [
@@ -65,6 +65,9 @@ class RewardBatching:
             restarting per sequence, no padding (see :mod:`torchrl_trl.rewards.packing`;
             causal transformers ``*ForSequenceClassification`` models only). On CPU a
             pack's attention costs ``T^2``: keep the budget near the longest sequence.
+        pad_token_id: the id rows are right-padded with; ``None``: the model config's (the
+            id HF's sequence classifiers pool against). A model whose config has none gets
+            this one set on ``model.config``, so batched forwards work.
 
     Examples:
         >>> import torch
@@ -88,10 +91,13 @@ class RewardBatching:
     max_length: int | None = None
     truncation: Truncation = "keep_end"
     packing: bool = False
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_batch", "max_batch_size", "pad_to_multiple_of", "max_length"):
             positive_int(getattr(self, name), name, allow_none=True)
+        if self.pad_token_id is not None:
+            non_negative_int(self.pad_token_id, "pad_token_id")
         check_fraction("min_fill", self.min_fill)
         if self.truncation not in ("keep_end", "keep_start", "error"):
             raise ValueError(
