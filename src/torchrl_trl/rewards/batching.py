@@ -173,18 +173,9 @@ def plan_micro_batches(
     pad_to_multiple_of: int | None = None,
     min_fill: float | None = 0.95,
 ) -> list[torch.Tensor]:
-    """Split sample indices into micro-batches by a token budget.
-
-    Args:
-        lengths: int64 ``[N]`` sequence lengths.
-        max_tokens_per_batch: budget on ``rows * padded_width`` per micro-batch; ``None``
-            puts everything in one batch (still length-sorted). A sequence longer than
-            the budget gets a micro-batch of its own.
-        max_batch_size: optional cap on rows per micro-batch.
-        pad_to_multiple_of: the padded width is rounded up to this multiple.
-        min_fill: a micro-batch only takes sequences at least ``min_fill`` x its longest,
-            so each one's padding efficiency is >= ``min_fill`` (before rounding);
-            ``None`` packs by the budget alone.
+    """Split the indices of sequences of ``lengths`` (int64 ``[N]``) into micro-batches,
+    with the arguments of :class:`RewardBatching` (a sequence longer than the budget gets a
+    micro-batch of its own; ``min_fill`` holds before the width is rounded).
 
     Returns:
         index tensors, longest sequences first; together a permutation of ``range(N)``.

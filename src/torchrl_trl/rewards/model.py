@@ -78,9 +78,6 @@ class RenderingScorer:
         self.reward_key = reward_key
         self.out_keys = [reward_key]
 
-    def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
-        raise NotImplementedError
-
     def score_texts(self, texts: list[str]) -> torch.Tensor:
         """Rewards ``float32 [N]`` for plain texts (EOS rule applied)."""
         return self.score_ids(self.renderer.encode_texts(list(texts)))

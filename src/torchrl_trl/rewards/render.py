@@ -91,20 +91,13 @@ def same_tokenizer(a: Any, b: Any) -> bool:
         return False
     if a is b:
         return True
+    backend_a, backend_b = (getattr(t, "backend_tokenizer", None) for t in (a, b))
     return (
         a.get_vocab() == b.get_vocab()
         and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
-        and type(_backend(a)) is type(_backend(b))
-        and _backend_json(a) == _backend_json(b)
+        and type(backend_a) is type(backend_b)
+        and (backend_a is None or backend_a.to_str() == backend_b.to_str())
     )
-
-
-def _backend(tok: Any) -> Any:
-    return getattr(tok, "backend_tokenizer", None)
-
-
-def _backend_json(tok: Any) -> str | None:
-    return _backend(tok).to_str() if _backend(tok) is not None else None
 
 
 class RewardRenderer:
@@ -263,7 +256,9 @@ class RewardRenderer:
 
     @property
     def keeps_tokens(self) -> bool:
-        """Whether token inputs reach the model unchanged (no EOS appended)."""
+        """Whether token inputs reach the model unchanged (no EOS appended). With
+        ``add_eos="auto"`` and no tokenizer a trailing ``"\\n"`` after EOS cannot be told
+        from text: tokens are used as they are (upstream behaviour)."""
         return self.add_eos == "never" or self.eos_token_id is None or (
             self.add_eos == "auto" and self.tokenizer is None
         )
@@ -366,11 +361,7 @@ class RewardRenderer:
     def append_eos(self, ids: Ragged) -> Ragged:
         """Token inputs with the EOS rule applied (see module doc)."""
         eos = self.eos_token_id
-        if self.add_eos == "never" or eos is None or len(ids) == 0:
-            return ids
-        if self.add_eos == "auto" and self.tokenizer is None:
-            # without the tokenizer a trailing "\n" after EOS cannot be told from text:
-            # tokens are used as they are (upstream behaviour)
+        if self.keeps_tokens or len(ids) == 0:
             return ids
         seqs = list(ids.split())
         changed = False

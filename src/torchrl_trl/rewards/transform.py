@@ -63,8 +63,8 @@ class HFRewardTransform(RewardTransform):
         use_ray_service: serve ``scorer`` (a local path) from a named Ray actor shared by
             every transform given the same ``actor_name`` (TorchRL's ``ModuleTransform`` /
             ``RayRetrieveKL`` idiom). Defaults to ``False``.
-        service_backend: ``"ray"`` is the same as ``use_ray_service=True`` (TorchRL
-            0.14's newer spelling); ``"direct"``/``None``: in-process.
+        service_backend: ``"ray"`` is the same as ``use_ray_service=True`` (TorchRL's
+            newer spelling); ``"direct"``/``None``: in-process.
         actor_name, num_cpus, num_gpus: the service's name and Ray resources (only with
             ``use_ray_service=True``); for its other settings build the
             :class:`~torchrl_trl.rewards.service.RewardServiceClient` and pass it.
