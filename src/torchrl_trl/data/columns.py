@@ -51,7 +51,9 @@ def missing_key_error(td: TensorDictBase, key: NestedKey, what: str) -> KeyError
     )
 
 
-def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tuple[list, torch.dtype | None]:
+def read_key(
+    td: TensorDictBase, key: NestedKey, *, python: bool = True
+) -> tuple[list, torch.dtype | None]:
     """Per-row values of ``key`` in ``td`` (leading batch dims flattened).
 
     Returns:
@@ -153,8 +155,8 @@ def _dropping_array(name: str):
     return mutate
 
 
-for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop",
-              "remove", "clear", "sort", "reverse"):
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend",
+              "insert", "pop", "remove", "clear", "sort", "reverse"):
     setattr(ArrayRow, _name, _dropping_array(_name))
 del _name
 
@@ -191,7 +193,8 @@ def array_rows(values: Any) -> list[ArrayRow] | None:
     dtype = _row_dtype(flat.dtype)
     if dtype is None:
         return None
-    array = flat.detach().cpu().numpy().astype(dtype, copy=True)  # private: later buffer writes don't reach it
+    # a private copy: later buffer writes don't reach it
+    array = flat.detach().cpu().numpy().astype(dtype, copy=True)
     if lengths is None:
         pieces = array.reshape(values.shape)
         return [ArrayRow.from_array(a, v) for a, v in zip(pieces, pieces.tolist())]

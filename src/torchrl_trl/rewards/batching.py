@@ -233,7 +233,8 @@ def iter_micro_batches(
         min_fill=min_fill,
     ):
         lengths = ids.lengths[index]
-        width = _round_up(max(max(lengths.tolist()), 1), pad_to_multiple_of)  # no parallel reduction
+        # Python max, not a parallel reduction
+        width = _round_up(max(max(lengths.tolist()), 1), pad_to_multiple_of)
         mask = torch.arange(width) < lengths[:, None]
         input_ids = ids.values.new_full((len(index), width), pad_token_id)
         input_ids[mask] = torch.cat([rows[i] for i in index.tolist()])

@@ -14,7 +14,7 @@ from .batching import RewardBatching
 
 __all__ = [
     "CLIENT_DEPRECATED", "DEPRECATED", "MOVED", "RAY_OPTIONS", "checked_batching",
-    "moved_arguments_error",
+    "moved_arguments_error", "moved_line",
 ]  # fmt: skip
 
 _SCALE = (
@@ -67,12 +67,14 @@ def moved_arguments_error(owner: str, given: dict) -> TypeError:
     >>> print(moved_arguments_error("HFRewardModelWrapper", {"max_length": 8}))
     HFRewardModelWrapper: max_length moved to RewardBatching(max_length=...) (batching=)
     """
-    lines = [
-        f"{name} moved to {MOVED[name]}" if name in MOVED
-        else f"unexpected keyword argument {name!r}"
-        for name in sorted(given)
-    ]  # fmt: skip
-    return TypeError(f"{owner}: " + "; ".join(lines))
+    return TypeError(f"{owner}: " + "; ".join(moved_line(name) for name in sorted(given)))
+
+
+def moved_line(name: str) -> str:
+    """Where the removed keyword ``name`` went (or that it is unexpected)."""
+    if name in MOVED:
+        return f"{name} moved to {MOVED[name]}"
+    return f"unexpected keyword argument {name!r}"
 
 
 def checked_batching(batching: Any, moved: dict, owner: str) -> RewardBatching:

@@ -38,8 +38,9 @@ def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None) -> li
     """Every key the arguments may be read from: the prompt/response keys of ``input_mode``
     (history and text for ``"auto"``), the response tokens and mask, and ``columns``.
 
-    >>> input_keys("text", {"answer": ("answer",)})
-    [('text', 'prompt'), ('text', 'response'), ('tokens', 'response'), ('masks', 'all_attention_mask'), ('answer',)]
+    >>> input_keys("text", {"answer": ("answer",)})  # doctest: +NORMALIZE_WHITESPACE
+    [('text', 'prompt'), ('text', 'response'), ('tokens', 'response'),
+     ('masks', 'all_attention_mask'), ('answer',)]
     """
     history = [layouts.history_key("prompt"), layouts.history_key("response")]
     text = [layouts.text_key("prompt"), layouts.text_key("response")]

@@ -30,7 +30,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from .model import HFRewardModelWrapper
-from .moved import DEPRECATED, RAY_OPTIONS, moved_arguments_error
+from .moved import DEPRECATED, RAY_OPTIONS, moved_line
 from .reward_transform import RewardTransform
 from .service import RewardServiceClient
 from .shape import RewardShape
@@ -146,27 +146,19 @@ class HFRewardTransform(RewardTransform):
 
 def _removed_error(given: dict) -> TypeError:
     """Arguments the transform no longer forwards: each named with where it goes now."""
-    from .service import MODEL_SIDE_ARGS, SERVICE_ARGS
+    from .service import CALLER_SIDE_ARGS, MODEL_SIDE_ARGS, SERVICE_ARGS
 
-    scorer_args = MODEL_SIDE_ARGS | {
-        "tokenizer", "token_key", "attention_mask_key", "inference_mode", "renderer", "batching"
-    }  # fmt: skip
+    client = "RewardServiceClient(path, {}): pass the client as the scorer"
+    wrapper = "the scorer: HFRewardTransform(HFRewardModelWrapper.from_pretrained(path, {}))"
+    homes = [
+        (SERVICE_ARGS, client.format("{n}=...")),
+        (RAY_OPTIONS, client.format("remote_config={{{n!r}: ...}}")),
+        (DEPRECATED, wrapper.format("batching=RewardBatching({n}=...)")),
+        (MODEL_SIDE_ARGS | CALLER_SIDE_ARGS | {"inference_mode"}, wrapper.format("{n}=...")),
+    ]
     lines = []
     for name in sorted(given):
-        if name in SERVICE_ARGS:
-            lines.append(f"{name} moved to RewardServiceClient(path, {name}=...): pass the "
-                         "client as the scorer")  # fmt: skip
-        elif name in RAY_OPTIONS:
-            lines.append(f"{name} moved to RewardServiceClient(path, remote_config="
-                         f"{{{name!r}: ...}}): pass the client as the scorer")  # fmt: skip
-        elif name in DEPRECATED:
-            lines.append(f"{name} moved to the scorer's batching: HFRewardTransform("
-                         "HFRewardModelWrapper.from_pretrained(path, "
-                         f"batching=RewardBatching({name}=...)))")  # fmt: skip
-        elif name in scorer_args:
-            lines.append(f"{name} moved to the scorer: HFRewardTransform(HFRewardModelWrapper."
-                         f"from_pretrained(path, {name}=...))")  # fmt: skip
-        else:
-            error = moved_arguments_error("HFRewardTransform", {name: None})
-            lines.append(str(error).split(": ", 1)[1])
+        home = next((home for names, home in homes if name in names), None)
+        # else a removed keyword of the wrapper's, or an unknown one
+        lines.append(moved_line(name) if home is None else f"{name} moved to {home.format(n=name)}")
     return TypeError("HFRewardTransform composes a scorer: " + "; ".join(lines))
