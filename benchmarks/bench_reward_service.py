@@ -97,7 +97,8 @@ def run(mode: str, path: str, workload, args) -> dict:
     if mode == "shared":
         # every caller builds its own client, as each collector builds its own transform;
         # the first creates the actor, the others attach by name
-        first = RewardServiceClient(path, actor_name="bench-reward-service", num_cpus=args.threads,
+        first = RewardServiceClient(path, actor_name="bench-reward-service",
+                                    remote_config={"num_cpus": args.threads},
                                     max_wait_ms=args.max_wait_ms, **settings)  # fmt: skip
         clients = [first] + [
             RewardServiceClient(path, actor_name="bench-reward-service", **settings)
@@ -106,7 +107,8 @@ def run(mode: str, path: str, workload, args) -> dict:
         services = [first]
     else:
         clients = _in_threads(
-            lambda i: RewardServiceClient(path, num_cpus=0.5, max_wait_ms=0, **settings),
+            lambda i: RewardServiceClient(path, remote_config={"num_cpus": 0.5}, max_wait_ms=0,
+                                          **settings),
             n,
         )
         services = clients

@@ -101,9 +101,9 @@ def _token_rows(dtype):
 def test_non_integer_token_ids_raise_naming_the_key(dtype):
     rb = ReplayBuffer(storage=LazyTensorStorage(8))
     rb.extend(_token_rows(dtype))
-    with pytest.raises(TypeError, match=rf"token ids at key 'tokens.prompt' must be integers, got dtype {dtype}"):
+    with pytest.raises(TypeError, match=rf"key 'tokens.prompt': token ids must be integers, got dtype {dtype}"):
         TorchRLBufferDataset(rb, 2, reading="epoch", format="sft_tokenized")
-    with pytest.raises(TypeError, match=r"token ids at key 'tokens.response' must be integers"):
+    with pytest.raises(TypeError, match=r"key 'tokens.response': token ids must be integers"):
         TorchRLBufferDataset(rb, 2, reading="epoch", keys=["tokens.response"])
 
 

@@ -266,7 +266,7 @@ def test_bad_input_errors(checkpoints, tok, rm):
     from torchrl_trl.testing import make_reward_model, make_tokenizer
 
     td = TensorDict({"query": NonTensorStack("a", "b"), "foo": torch.zeros(2)}, [2])
-    with pytest.raises(KeyError, match=r"tokens.*history.*text.*Available keys.*foo"):
+    with pytest.raises(KeyError, match=r"found no reward-model input.*history.*text.*tokens.*Available keys.*foo"):
         HFRewardModelWrapper(checkpoints.reward_model)(td)
     with pytest.raises(KeyError, match="Available keys"):
         HFRewardModelWrapper(rm, renderer=RewardRenderer(input_mode="tokens"))(td)
@@ -276,7 +276,7 @@ def test_bad_input_errors(checkpoints, tok, rm):
     big = make_tokenizer(vocab_size=200)
     with pytest.raises(ValueError, match="200 tokens.*160 rows"):
         HFRewardModelWrapper(rm, tokenizer=big)
-    with pytest.raises(ValueError, match="outside the reward model's embedding"):
+    with pytest.raises(ValueError, match=r"token id 500 in sample 0 is outside the model's embedding.*policy_tokenizer"):
         HFRewardModelWrapper(rm)(_ragged_td([[1, 2, 500]]))
     # no pad token
     nopad = make_reward_model(tok, pad_token_id=None)
@@ -284,7 +284,7 @@ def test_bad_input_errors(checkpoints, tok, rm):
     with pytest.raises(ValueError, match="no pad token"):
         HFRewardModelWrapper(nopad, batching=RewardBatching(min_fill=None))(two.clone())
     one_by_one = HFRewardModelWrapper(nopad, batching=RewardBatching(max_batch_size=1), inference_mode=True)(two.clone())["reward"]
-    padded = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, batching=RewardBatching(min_fill=None), inference_mode=True)(two.clone())
+    padded = HFRewardModelWrapper(nopad, batching=RewardBatching(min_fill=None, pad_token_id=tok.pad_token_id), inference_mode=True)(two.clone())
     ref = torch.stack([_alone(nopad, i) for i in _ids(tok)[:2]])  # each alone, unpadded
     torch.testing.assert_close(one_by_one, ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(padded["reward"], ref, atol=1e-5, rtol=0)
@@ -308,7 +308,7 @@ class _NaNModel(torch.nn.Module):
 def test_nonfinite_rewards(tok):
     td = _ragged_td(_ids(tok))
     with pytest.raises(FloatingPointError, match="non-finite"):
-        HFRewardModelWrapper(_NaNModel(), pad_token_id=0)(td.clone())
+        HFRewardModelWrapper(_NaNModel(), batching=RewardBatching(pad_token_id=0))(td.clone())
     w = HFRewardModelWrapper(_NaNModel(), on_nonfinite=0.0, batching=RewardBatching(max_batch_size=1))
     with pytest.warns(RuntimeWarning, match="non-finite"):
         r = w(td.clone())["reward"]
@@ -362,6 +362,7 @@ def test_cuda_model_cpu_tensordict(checkpoints, tok, rm):
         ({"max_length": 0}, ValueError, "max_length"),
         ({"truncation": "middle"}, ValueError, "truncation"),
         ({"packing": 1}, TypeError, "packing"),
+        ({"pad_token_id": -1}, ValueError, "pad_token_id must be an integer >= 0, got -1"),
     ],
 )
 def test_batching_arguments_checked_at_construction(kwargs, error, words):
@@ -372,7 +373,6 @@ def test_batching_arguments_checked_at_construction(kwargs, error, words):
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        ({"pad_token_id": -1}, ValueError, "pad_token_id"),
         ({"head_index": 0.5}, TypeError, "head_index"),
         ({"on_nonfinite": float("inf")}, ValueError, "on_nonfinite"),
         ({"on_nonfinite": "ignore"}, ValueError, "on_nonfinite"),
@@ -412,6 +412,24 @@ def test_removed_keyword_names_its_replacement(rm, name, value, replacement):
         HFRewardModelWrapper(rm, **{name: value})
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         HFRewardModelWrapper(rm, bogus=1)
+
+
+def test_pad_token_id_keyword_moved_to_batching_still_works(tok):
+    """``pad_token_id=`` moved into RewardBatching: for one release the keyword warns,
+    naming its new home, and still pads the batch (two lengths, one forward, each equal
+    to the sequence alone); given twice with other values it is refused."""
+    from torchrl_trl.testing import make_reward_model
+
+    nopad = make_reward_model(tok, pad_token_id=None)
+    two = _ragged_td(_ids(tok)[:2])
+    with pytest.warns(DeprecationWarning, match=r"pad_token_id=...\) is deprecated.*RewardBatching\(pad_token_id=...\)"):
+        scorer = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, batching=RewardBatching(min_fill=None), inference_mode=True)
+    assert scorer.batching.pad_token_id == scorer.pad_token_id == nopad.config.pad_token_id == tok.pad_token_id
+    ref = torch.stack([_alone(nopad, i) for i in _ids(tok)[:2]])
+    torch.testing.assert_close(scorer(two.clone())["reward"], ref, atol=1e-5, rtol=0)
+    assert scorer.processed_tokens > scorer.real_tokens  # one padded forward, not one by one
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
+        HFRewardModelWrapper(nopad, pad_token_id=1, batching=RewardBatching(pad_token_id=2))
 
 
 def test_micro_batch_planner_refuses_zero_rows():

@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -78,7 +79,7 @@ def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_t
     model, tok = policy_and_tokenizer
     path = str(checkpoints.reward_model_other_tokenizer)
     client = RewardServiceClient(path, actor_name="rm-shared", renderer=RewardRenderer(policy_tokenizer=tok),
-                                 num_cpus=0, timeout=60)  # fmt: skip
+                                 remote_config={"num_cpus": 0}, timeout=60)  # fmt: skip
     tf = HFRewardTransform(client)
     assert tf.in_keys == [("history", "full")] and tf.out_keys == [("next", "reward")]
     # the second collector runs in another process, concurrently with the first
@@ -118,7 +119,7 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
     # 3 s of bounded wait: five threads released by one barrier meet in one flush even on
     # a busy machine
     client = RewardServiceClient(path, actor_name="rm-batching", batching=RewardBatching(max_tokens_per_batch=64), max_wait_ms=3000,
-                                 num_cpus=0, timeout=60)  # fmt: skip
+                                 remote_config={"num_cpus": 0}, timeout=60)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
 
     def seqs(lengths):
@@ -146,7 +147,7 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
         t.join(timeout=50)
     # only the caller who sent the bad ids gets the error, naming what was wrong
     assert errors[:4] == [None] * 4, errors
-    assert isinstance(errors[4], ValueError) and "outside the reward model's embedding" in str(errors[4])
+    assert isinstance(errors[4], ValueError) and "token id 500 in sample 0 is outside the model's embedding" in str(errors[4])
     for sequences, got in zip(requests, results):
         torch.testing.assert_close(got, _reference(path, sequences), atol=1e-5, rtol=0)
     stats = client.stats()
@@ -179,7 +180,7 @@ def test_restart_if_configured_then_killed_service_errors_within_bound(ray_sessi
     assert ref[0] != ref[1]
     torch.testing.assert_close(HFRewardModelWrapper(path, inference_mode=True).score_texts(texts), ref, atol=1e-5, rtol=0)
     # the caller's timeout outlasts the test's: an error by the timeout could not pass
-    client = RewardServiceClient(path, actor_name="rm-faults", num_cpus=0, timeout=600, max_restarts=1)
+    client = RewardServiceClient(path, actor_name="rm-faults", remote_config={"num_cpus": 0, "max_restarts": 1}, timeout=600)
     torch.testing.assert_close(client.score_texts(texts), ref, atol=1e-5, rtol=0)
     pid = client.info()["pid"]
     # max_restarts=1: Ray restarts the killed actor (weights reloaded) and the call goes through
@@ -204,10 +205,88 @@ def test_service_arguments_are_checked(checkpoints, policy_and_tokenizer):
         RewardServiceClient(path, inference_mode=False)
     with pytest.raises(TypeError, match="unexpected argument"):
         RewardServiceClient(path, max_tokens=3)
+    # a model-side loading argument is not refused as moved (it applies in the actor): the
+    # next error is the timeout's
+    with pytest.raises(ValueError, match="timeout must be a finite"):
+        RewardServiceClient(path, device="cpu", dtype=torch.float32, timeout=float("inf"))
+    with pytest.raises(ValueError, match="name the actor with actor_name="):
+        RewardServiceClient(path, remote_config={"name": "rm"})
     with pytest.raises(TypeError, match=r"max_tokens_per_batch moved to RewardBatching\(max_tokens_per_batch=...\)"):
         RewardServiceClient(path, max_tokens_per_batch=3)
     with pytest.raises(TypeError, match="use_ray_service=True serves the reward model from a local path"):
         HFRewardTransform(HFRewardModelWrapper(path), service_backend="ray")
+
+
+class _Created(Exception):
+    """Raised where the client would create the actor: what it asked Ray for is recorded."""
+
+
+class _RecordingRay:
+    """Stands in for ``ray`` up to the actor's creation: records the Ray options and the
+    actor's arguments (``ray.remote(cls).options(**options).remote(*args, **kwargs)``)."""
+
+    def __init__(self):
+        self.asked = {}
+
+    def is_initialized(self):
+        return True
+
+    def remote(self, cls):
+        asked = self.asked
+
+        class _Actor:
+            def options(self, **options):
+                asked["options"] = options
+                return self
+
+            def remote(self, *args, **kwargs):
+                asked["args"] = (args, kwargs)
+                raise _Created
+
+        return _Actor()
+
+
+@pytest.fixture
+def recording_ray(monkeypatch):
+    from torchrl_trl.rewards import service
+
+    fake = _RecordingRay()
+    monkeypatch.setattr(service, "_require_ray", lambda: fake)
+    return fake.asked
+
+
+@pytest.mark.parametrize("deprecated", [False, True])
+def test_ray_options_reach_the_actor(checkpoints, recording_ray, deprecated):
+    """``remote_config`` is the actor's Ray options; the one-by-one keywords it replaces
+    (and ``pad_token_id``, now in RewardBatching) still have their effect for one release,
+    each with a DeprecationWarning naming its new home."""
+    path = str(checkpoints.reward_model)
+    ray_options = {"num_cpus": 0.5, "num_gpus": 1, "namespace": "rl", "max_restarts": 2}
+    if deprecated:
+        with pytest.warns(DeprecationWarning) as caught, pytest.raises(_Created):
+            RewardServiceClient(path, actor_name="rm", pad_token_id=0, **ray_options)
+        homes = sorted(str(w.message).split(": ", 1)[1] for w in caught)
+        assert homes == sorted([f"pass it in remote_config={{{name!r}: ...}} (Ray actor options)" for name in ray_options]
+                               + ["pass it to RewardBatching(pad_token_id=...) (batching=)"])
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(_Created):
+                RewardServiceClient(path, actor_name="rm", remote_config=ray_options,
+                                    batching=RewardBatching(pad_token_id=0))
+    assert recording_ray["options"] == {**ray_options, "name": "rm", "get_if_exists": True, "lifetime": "detached",
+                                     "max_task_retries": -1, "max_concurrency": 1000}
+    (model_path, settings), kwargs = recording_ray["args"]
+    assert model_path == path and settings == {"batching": RewardBatching(pad_token_id=0)}
+    assert kwargs == {"max_wait_ms": 5.0}
+
+
+def test_private_actor_options(checkpoints, recording_ray):
+    with pytest.raises(_Created):
+        RewardServiceClient(str(checkpoints.reward_model), remote_config={"lifetime": "detached"}, device="cpu")
+    # unnamed: no name, no lifetime (it dies with its creator), no retries without restarts
+    assert recording_ray["options"] == {"max_restarts": 0, "max_task_retries": 0, "max_concurrency": 1000}
+    assert recording_ray["args"][0][1] == {"device": "cpu"}
 
 
 @pytest.mark.distributed  # starts Ray: a reward-model service actor
@@ -217,7 +296,7 @@ def test_service_killed_while_a_request_is_in_flight_errors_within_bound(ray_ses
     the caller gets RewardServiceError naming the death, not its timeout (600 s, longer
     than the test may run), and no hang."""
     path = str(checkpoints.reward_model)
-    client = RewardServiceClient(path, num_cpus=0, timeout=600, max_wait_ms=60_000)  # private actor
+    client = RewardServiceClient(path, remote_config={"num_cpus": 0}, timeout=600, max_wait_ms=60_000)  # private actor
     assert client.stats()["pending"] == 0  # started and loaded
     outcome = {}
 

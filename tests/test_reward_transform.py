@@ -167,7 +167,8 @@ def test_service_arguments_need_use_ray_service(checkpoints):
         ("device", "cpu", r"HFRewardModelWrapper.from_pretrained\(path, device=...\)"),
         ("inference_mode", False, r"HFRewardModelWrapper.from_pretrained\(path, inference_mode=...\)"),
         ("timeout", 3, r"RewardServiceClient\(path, timeout=...\)"),
-        ("max_restarts", 1, r"RewardServiceClient\(path, max_restarts=...\)"),
+        ("max_restarts", 1, r"RewardServiceClient\(path, remote_config=\{'max_restarts': ...\}\)"),
+        ("pad_token_id", 0, r"from_pretrained\(path, batching=RewardBatching\(pad_token_id=...\)\)"),
     ],
 )
 def test_removed_keyword_names_its_replacement(checkpoints, name, value, replacement):

@@ -150,7 +150,8 @@ def reward_transform(cfg: dict, policy_tokenizer):
     rm = cfg["reward"]
     scorer = HFRewardModelWrapper.for_grpo(
         cfg["reward_model"], device=cfg["device"], dtype=torch_dtype(rm.get("dtype", cfg["dtype"])),
-        renderer=RewardRenderer(policy_tokenizer=policy_tokenizer), pad_token_id=rm.get("pad_token_id"),
-        batching=RewardBatching(max_tokens_per_batch=rm["max_tokens_per_batch"], max_length=rm.get("max_length")),
+        renderer=RewardRenderer(policy_tokenizer=policy_tokenizer),
+        batching=RewardBatching(max_tokens_per_batch=rm["max_tokens_per_batch"], max_length=rm.get("max_length"),
+                                pad_token_id=rm.get("pad_token_id")),
     )
     return HFRewardTransform(scorer)

@@ -18,11 +18,12 @@ from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
 
 from .. import layouts
+from .._token_ids import check_integer_ids
 
 __all__ = [
-    "ArrayRow", "ColumnSpec", "array_rows", "column_name", "missing_key_error", "read_key", "read_key_columnar", "read_token_ids",
-    "to_nested_key", "to_pylist",
-]
+    "ArrayRow", "ColumnSpec", "array_rows", "column_name", "missing_key_error", "read_key",
+    "read_key_columnar", "read_token_ids", "to_nested_key", "to_pylist",
+]  # fmt: skip
 
 ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
 _PARTS = ("prompt", "response", "full")
@@ -50,7 +51,9 @@ def missing_key_error(td: TensorDictBase, key: NestedKey, what: str) -> KeyError
     )
 
 
-def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tuple[list, torch.dtype | None]:
+def read_key(
+    td: TensorDictBase, key: NestedKey, *, python: bool = True
+) -> tuple[list, torch.dtype | None]:
     """Per-row values of ``key`` in ``td`` (leading batch dims flattened).
 
     Returns:
@@ -152,8 +155,8 @@ def _dropping_array(name: str):
     return mutate
 
 
-for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop",
-              "remove", "clear", "sort", "reverse"):
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend",
+              "insert", "pop", "remove", "clear", "sort", "reverse"):
     setattr(ArrayRow, _name, _dropping_array(_name))
 del _name
 
@@ -190,7 +193,8 @@ def array_rows(values: Any) -> list[ArrayRow] | None:
     dtype = _row_dtype(flat.dtype)
     if dtype is None:
         return None
-    array = flat.detach().cpu().numpy().astype(dtype, copy=True)  # private: later buffer writes don't reach it
+    # a private copy: later buffer writes don't reach it
+    array = flat.detach().cpu().numpy().astype(dtype, copy=True)
     if lengths is None:
         pieces = array.reshape(values.shape)
         return [ArrayRow.from_array(a, v) for a, v in zip(pieces, pieces.tolist())]
@@ -242,19 +246,10 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
 
 
 def read_token_ids(td: TensorDictBase, part: layouts.Part) -> layouts.Ragged:
-    """:func:`layouts.read_tokens` of ``("tokens", part)``, refusing ids that are not
-    integers (a float id would be yielded as a float, or silently truncated by a cast).
-
-    Raises:
-        TypeError: naming the key and the dtype found.
-    """
+    """:func:`layouts.read_tokens` of ``("tokens", part)``; a ``TypeError`` naming the key
+    and the dtype when the ids are not integers (see :func:`check_integer_ids`)."""
     ragged = layouts.read_tokens(td, part)
-    dtype = ragged.values.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise TypeError(
-            f"token ids at key {column_name(layouts.token_key(part))!r} must be integers, got dtype {dtype}; "
-            "store the ids as int64 as TorchRL's wrappers do"
-        )
+    check_integer_ids(ragged.values.dtype, f"key {column_name(layouts.token_key(part))!r}")
     return ragged
 
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from .._checks import positive_int
+from .._checks import non_negative_int, positive_int
 from ..layouts import Ragged
 
 __all__ = [
@@ -65,6 +65,9 @@ class RewardBatching:
             restarting per sequence, no padding (see :mod:`torchrl_trl.rewards.packing`;
             causal transformers ``*ForSequenceClassification`` models only). On CPU a
             pack's attention costs ``T^2``: keep the budget near the longest sequence.
+        pad_token_id: the id rows are right-padded with; ``None``: the model config's (the
+            id HF's sequence classifiers pool against). A model whose config has none gets
+            this one set on ``model.config``, so batched forwards work.
 
     Examples:
         >>> import torch
@@ -88,10 +91,13 @@ class RewardBatching:
     max_length: int | None = None
     truncation: Truncation = "keep_end"
     packing: bool = False
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_batch", "max_batch_size", "pad_to_multiple_of", "max_length"):
             positive_int(getattr(self, name), name, allow_none=True)
+        if self.pad_token_id is not None:
+            non_negative_int(self.pad_token_id, "pad_token_id")
         check_fraction("min_fill", self.min_fill)
         if self.truncation not in ("keep_end", "keep_start", "error"):
             raise ValueError(
@@ -167,18 +173,9 @@ def plan_micro_batches(
     pad_to_multiple_of: int | None = None,
     min_fill: float | None = 0.95,
 ) -> list[torch.Tensor]:
-    """Split sample indices into micro-batches by a token budget.
-
-    Args:
-        lengths: int64 ``[N]`` sequence lengths.
-        max_tokens_per_batch: budget on ``rows * padded_width`` per micro-batch; ``None``
-            puts everything in one batch (still length-sorted). A sequence longer than
-            the budget gets a micro-batch of its own.
-        max_batch_size: optional cap on rows per micro-batch.
-        pad_to_multiple_of: the padded width is rounded up to this multiple.
-        min_fill: a micro-batch only takes sequences at least ``min_fill`` x its longest,
-            so each one's padding efficiency is >= ``min_fill`` (before rounding);
-            ``None`` packs by the budget alone.
+    """Split the indices of sequences of ``lengths`` (int64 ``[N]``) into micro-batches,
+    with the arguments of :class:`RewardBatching` (a sequence longer than the budget gets a
+    micro-batch of its own; ``min_fill`` holds before the width is rounded).
 
     Returns:
         index tensors, longest sequences first; together a permutation of ``range(N)``.
@@ -236,7 +233,8 @@ def iter_micro_batches(
         min_fill=min_fill,
     ):
         lengths = ids.lengths[index]
-        width = _round_up(max(max(lengths.tolist()), 1), pad_to_multiple_of)  # no parallel reduction
+        # Python max, not a parallel reduction
+        width = _round_up(max(max(lengths.tolist()), 1), pad_to_multiple_of)
         mask = torch.arange(width) < lengths[:, None]
         input_ids = ids.values.new_full((len(index), width), pad_token_id)
         input_ids[mask] = torch.cat([rows[i] for i in index.tolist()])

@@ -9,7 +9,7 @@ pieces, each an object with one job:
   or chat; which part; the EOS rule; re-tokenisation for a reward model with its own
   tokenizer or chat template);
 - :class:`~torchrl_trl.rewards.batching.RewardBatching`: how it is fed (token budget,
-  fill, longest input, truncation, packing);
+  fill, longest input, truncation, packing, pad id);
 - :meth:`HFRewardModelWrapper.from_pretrained`: loading (safetensors, device, dtype);
 - post-processing as TorchRL transforms composed after the scorer (``RewardScaling``,
   ``RewardClipping``, :class:`~torchrl_trl.rewards.postprocess.RunningRewardNorm`).
@@ -29,55 +29,91 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from .. import layouts
-from .._checks import WarnOnce
+from .._checks import WarnOnce, moved_keywords
+from .._token_ids import check_token_ids, check_tokenizer_fits, embedding_size
 from ..layouts import Ragged
 from .batching import RewardBatching
 from .loading import load_reward_model
+from .moved import DEPRECATED, checked_batching, moved_arguments_error
 from .packing import causal_classifier, packing_unsupported, score_pack
 from .postprocess import NonFiniteRewards, extract_scores, select_head
-from .render import RewardRenderer, check_ids
+from .render import RewardRenderer
 from .shape import RewardShape, trailing_dims
 from .writing import write_rewards
 
 __all__ = ["HFRewardModelWrapper", "load_reward_model", "moved_arguments_error"]
 
-_SCALE = "a TorchRL transform after the scorer: torchrl.envs.RewardScaling(loc=shift, scale=scale, in_keys=[reward_key])"
-#: keyword arguments that moved out of the constructor, and where they went
-MOVED = {
-    **{name: f"RewardRenderer({name}=...) (renderer=)" for name in
-       ("policy_tokenizer", "input_mode", "part", "add_eos", "chat_template_kwargs")},
-    **{name: f"RewardBatching({name}=...) (batching=)" for name in
-       ("max_tokens_per_batch", "max_batch_size", "pad_to_multiple_of", "min_fill", "packing",
-        "max_length", "truncation")},
-    "scale": _SCALE,
-    "shift": _SCALE,
-    "clip": "a TorchRL transform after the scorer: torchrl.envs.RewardClipping(clamp_min, clamp_max, in_keys=[reward_key]) "
-            "(both bounds: +-inf for a one-sided clip)",
-    "normalize": "a transform after the scorer: torchrl_trl.rewards.RunningRewardNorm(in_keys=[reward_key])",
-    "nonfinite_value": "on_nonfinite=<value> (the replacement value itself)",
-    "accumulate": "HFRewardTransform(scorer, accumulate=True), or scorer.write(td, rewards, accumulate=True)",
-    "reward_dtype": "a transform after the scorer: torchrl.envs.DTypeCastTransform (the reward is written "
-                    "in the dtype of a reward already at reward_key, else torch.get_default_dtype())",
-    **{name: f"HFRewardModelWrapper.from_pretrained(path, {name}=...) (a model object is used as it is: "
-             "model.to(device, dtype))" for name in ("device", "dtype", "trust_remote_code", "model_kwargs")},
-}  # fmt: skip
+_OTHER_TOKEN_IDS = (
+    ": the tokens come from another tokenizer; pass RewardRenderer(policy_tokenizer=...) "
+    "(and the reward model's tokenizer) to re-tokenise"
+)
 
 
-def moved_arguments_error(owner: str, given: dict) -> TypeError:
-    """The ``TypeError`` for keyword arguments ``owner`` no longer takes: each one named
-    with where it moved (unknown ones as unexpected).
+class RenderingScorer:
+    """What a reward-model scorer that renders its inputs itself shares: the bound
+    :class:`RewardRenderer`, and texts, chats and tensordicts scored through its
+    ``score_ids`` and written in TorchRL's convention."""
 
-    >>> print(moved_arguments_error("HFRewardModelWrapper", {"max_length": 8}))
-    HFRewardModelWrapper: max_length moved to RewardBatching(max_length=...) (batching=)
-    """
-    lines = [
-        f"{name} moved to {MOVED[name]}" if name in MOVED else f"unexpected keyword argument {name!r}"
-        for name in sorted(given)
-    ]
-    return TypeError(f"{owner}: " + "; ".join(lines))
+    renderer: RewardRenderer
+    reward_key: NestedKey
+    reward_shape: RewardShape
+
+    def _bind_renderer(self, renderer, tokenizer, *, token_key, attention_mask_key, eos_token_id,
+                       reward_key) -> None:  # fmt: skip
+        """Bind ``renderer`` (default ``RewardRenderer()``) to the reward model's tokenizer
+        (its EOS, else ``eos_token_id``) and keys; set the keys read and written."""
+        renderer = RewardRenderer() if renderer is None else renderer
+        if not isinstance(renderer, RewardRenderer):
+            raise TypeError(f"renderer must be a RewardRenderer, got {type(renderer).__name__}")
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.renderer = renderer.bind(
+            tokenizer, token_key=token_key, attention_mask_key=attention_mask_key,
+            eos_token_id=eos_token_id if eos is None else eos,
+        )  # fmt: skip
+        self.tokenizer = tokenizer
+        self.token_key = self.renderer.token_key
+        #: the keys read when every input is present (``input_mode="auto"`` falls back to
+        #: history or text, or to tokens, when the preferred input is absent)
+        self.in_keys = self.renderer.in_keys()
+        self.reward_key = reward_key
+        self.out_keys = [reward_key]
+
+    def score_texts(self, texts: list[str]) -> torch.Tensor:
+        """Rewards ``float32 [N]`` for plain texts (EOS rule applied)."""
+        return self.score_ids(self.renderer.encode_texts(list(texts)))
+
+    def score_messages(self, conversations: list[list[dict[str, str]]]) -> torch.Tensor:
+        """Rewards ``float32 [N]`` for chats (lists of ``{"role", "content"}`` dicts, or
+        TorchRL ``History``), rendered with the reward model's chat template."""
+        return self.score_ids(self.renderer.encode_messages(list(conversations)))
+
+    def score(self, tensordict: TensorDictBase) -> torch.Tensor:
+        """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened);
+        nothing is written."""
+        mode = self.renderer.resolve_mode(tensordict)
+        where = f"{mode} at {self.renderer.in_keys(mode)[0]!r}"
+        return self.score_ids(self.renderer.render(tensordict, mode), where=where)
+
+    def score_outputs(
+        self, tensordict: TensorDictBase, columns_td: TensorDictBase | None = None
+    ) -> list[torch.Tensor]:
+        """``[score(tensordict)]``: one ``[N]`` tensor per out key, as
+        :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` reads a scorer
+        (``columns_td`` is not read)."""
+        return [self.score(tensordict)]
+
+    def write(
+        self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None, *,
+        accumulate: bool = False,
+    ) -> TensorDictBase:
+        """Write ``[N]`` rewards into ``tensordict`` at ``key`` (default :attr:`reward_key`)
+        with :func:`~torchrl_trl.rewards.writing.write_rewards`, shaped per
+        :attr:`reward_shape` (``accumulate``: add to a reward already there)."""
+        key = self.reward_key if key is None else key
+        return write_rewards(tensordict, rewards, key, self.reward_shape, accumulate=accumulate)
 
 
-class HFRewardModelWrapper(TensorDictModuleBase):
+class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
     """Score TorchRL LLM samples with a Hugging Face sequence-classification reward model.
 
     Reads each sample's tokens, text or chat (as the :class:`RewardRenderer` says), scores
@@ -90,72 +126,58 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             where and as it is; or a local path, the same as :meth:`from_pretrained` with
             its defaults.
 
-    The first four keyword arguments are upstream's, with the same meaning and defaults;
-    the rest are added.
-
     Keyword Args:
         token_key: where token ids are read. Defaults to ``("tokens", part)``, i.e.
             ``("tokens", "full")`` as upstream.
         attention_mask_key: mask of real tokens; it must be present when tokens are read
             (``KeyError`` otherwise, as upstream). ``None``: every stored token is real and
-            the model is called with ``input_ids`` only, as upstream, unless a micro-batch
-            holds sequences of different lengths: then it also gets the padding mask (not
-            a causal transformers decoder, whose real tokens never see the right padding),
+            the model gets ``input_ids`` only, as upstream, unless a micro-batch holds
+            sequences of different lengths: then it also gets the padding mask (not a
+            causal transformers decoder, whose real tokens never see the right padding),
             or, when its ``forward`` takes no ``attention_mask``, only equal lengths are
             batched together.
         reward_key: where the reward is written. Defaults to ``"reward"``.
         inference_mode: ``True`` scores under ``torch.no_grad()``; ``False`` (default)
             keeps the graph.
-
         tokenizer: the reward model's tokenizer (loaded with a model given by path).
             Needed for text and chat inputs and for re-tokenisation.
-        renderer: a :class:`RewardRenderer`: input mode, part, EOS rule, chat template
-            arguments, policy tokenizer. Defaults to ``RewardRenderer()``.
-        batching: a :class:`RewardBatching`: token budget, max batch size, fill, pad
-            multiple, max length, truncation, packing. Defaults to ``RewardBatching()``
-            (16384-token budget, ``min_fill=0.95``, ``max_length`` from the model config).
+        renderer: a :class:`RewardRenderer` (input mode, part, EOS rule, chat template
+            arguments, policy tokenizer). Defaults to ``RewardRenderer()``.
+        batching: a :class:`RewardBatching` (token budget, max batch size, fill, pad
+            multiple, max length, truncation, packing, pad id). Defaults to
+            ``RewardBatching()``; ``max_length`` defaults to the model config's.
         head_index: which output of a multi-label head is the reward.
-        pad_token_id: pad id for right-padding; defaults to the model config's (the id
-            HF's sequence classifiers pool against). If the model has none, this value is
-            also set on ``model.config`` so batched forwards work.
         reward_shape: ``"flat"`` (``[*B]``, upstream), ``"trailing"`` (``[*B, 1]``) or
-            ``"step"`` (``[*B, 1, 1]``, TorchRL's GRPO convention as ``GSM8KRewardParser``
-            writes; see :mod:`torchrl_trl.rewards.shape`). Use :meth:`for_grpo` for
-            ``("next", "reward")`` + ``"step"``.
+            ``"step"`` (``[*B, 1, 1]``, TorchRL's GRPO convention; see
+            :mod:`torchrl_trl.rewards.shape`). :meth:`for_grpo` sets ``"step"`` and
+            ``("next", "reward")``.
         on_nonfinite: ``"raise"`` (default) on NaN/inf scores, ``"warn"`` (counted in
             :attr:`nonfinite_count`, warned once, kept) or a number written instead.
+        pad_token_id: deprecated, use ``RewardBatching(pad_token_id=...)``.
 
-    Scale, shift, clipping and running normalisation are not constructor flags: compose
-    TorchRL transforms after the scorer (see :mod:`torchrl_trl.rewards.postprocess`).
-
-    A module with no ``config`` and no ``pad_token_id=`` (a stand-in like upstream's
-    tests use) gets the stored ``input_ids`` + ``attention_mask`` as given, as upstream
-    passes them, in row chunks of the token budget, whenever the rows have one width and
-    nothing is truncated or appended; otherwise (ragged rows) they are right-padded with
-    0 next to their mask.
+    The first four keyword arguments are upstream's, with the same meaning and defaults.
+    A module with no ``config`` and no pad id (a stand-in like upstream's tests use) gets
+    the stored ``input_ids`` + ``attention_mask`` as given, in row chunks of the token
+    budget, whenever the rows have one width and nothing is truncated or appended;
+    otherwise they are right-padded with 0 next to their mask.
 
     Attributes:
-        in_keys: the keys read when every input is present: ``[token_key,
-            attention_mask_key]`` when tokens are used as they are, else
-            ``[("history", part)]`` (reward model with a chat template) or
-            ``[("text", part)]``; ``input_mode="auto"`` falls back to another input when
-            those are absent.
+        in_keys: the keys read when every input is present (see :meth:`RewardRenderer.in_keys`).
         renderer: the renderer bound to this model (tokenizer, keys, EOS).
-        max_length: the longest input fed to the model (``batching.max_length`` or the
-            model's ``max_position_embeddings``).
-        truncated_count: sequences truncated so far (warned about once).
-        nonfinite_count: non-finite rewards seen so far (``on_nonfinite`` not ``"raise"``).
-        real_tokens, processed_tokens: token counters over all calls (padding
-            efficiency = real / processed).
+        max_length: the longest input fed to the model.
+        num_embeddings: rows of the model's input embedding (``None`` if unknown).
+        truncated_count, nonfinite_count: inputs truncated / non-finite rewards so far.
+        real_tokens, processed_tokens: token counters over all calls
+            (:attr:`padding_efficiency` = real / processed).
 
     Examples:
         Ragged rollouts (TorchRL's default ``pad_output=False``) scored in TorchRL's GRPO
-        convention, then a chat rendered with the reward model's template:
+        convention, then texts:
 
         >>> import tempfile, torch
         >>> from tensordict import TensorDict, lazy_stack
         >>> from torchrl_trl import testing
-        >>> from torchrl_trl.rewards import RewardBatching, RewardRenderer
+        >>> from torchrl_trl.rewards import RewardBatching
         >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
         >>> scorer = HFRewardModelWrapper.for_grpo(
         ...     str(paths.reward_model), batching=RewardBatching(max_tokens_per_batch=64))
@@ -168,13 +190,6 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         torch.Size([2, 1, 1])
         >>> scorer.score_texts(["hello", "bye"]).shape
         torch.Size([2])
-
-        A removed keyword names its replacement:
-
-        >>> HFRewardModelWrapper(str(paths.reward_model), max_tokens_per_batch=64)
-        Traceback (most recent call last):
-        ...
-        TypeError: HFRewardModelWrapper: max_tokens_per_batch moved to RewardBatching(max_tokens_per_batch=...) (batching=)
     """
 
     def __init__(
@@ -189,61 +204,47 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         renderer: RewardRenderer | None = None,
         batching: RewardBatching | None = None,
         head_index: int | None = None,
-        pad_token_id: int | None = None,
         reward_shape: RewardShape = "flat",
         on_nonfinite: Literal["raise", "warn"] | float = "raise",
-        **removed,
+        **moved,
     ) -> None:
+        owner = type(self).__name__
+        removed = {k: v for k, v in moved.items() if k not in DEPRECATED}
         if removed:
-            raise moved_arguments_error(type(self).__name__, removed)
+            raise moved_arguments_error(owner, removed)
+        batching = checked_batching(batching, moved_keywords(owner, moved, DEPRECATED), owner)
         super().__init__()
         if isinstance(model, (str, os.PathLike)):
             model, loaded_tok = load_reward_model(model, load_tokenizer=tokenizer is None)
             tokenizer = tokenizer if tokenizer is not None else loaded_tok
-        renderer = RewardRenderer() if renderer is None else renderer
-        batching = RewardBatching() if batching is None else batching
-        if not isinstance(renderer, RewardRenderer):
-            raise TypeError(f"renderer must be a RewardRenderer, got {type(renderer).__name__}")
-        if not isinstance(batching, RewardBatching):
-            raise TypeError(f"batching must be a RewardBatching, got {type(batching).__name__}")
         trailing_dims(reward_shape)  # checks the name
-        if pad_token_id is not None and (
-            isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0
-        ):
-            raise ValueError(f"pad_token_id must be an int >= 0 or None, got {pad_token_id!r}")
-        if head_index is not None and (isinstance(head_index, bool) or not isinstance(head_index, int)):
+        if head_index is not None and (type(head_index) is bool or not isinstance(head_index, int)):
             raise TypeError(f"head_index must be an int or None, got {head_index!r}")
         if batching.packing and (reason := packing_unsupported(model)) is not None:
-            raise ValueError(f"RewardBatching(packing=True): {reason}; use packing=False (padded micro-batches)")
+            raise ValueError(
+                f"RewardBatching(packing=True): {reason}; use packing=False (padded micro-batches)"
+            )
         self.model = model
-        self.tokenizer = tokenizer
         self.inference_mode = inference_mode
-        self.attention_mask_key, self.reward_key = attention_mask_key, reward_key
-        self.out_keys = [reward_key]
+        self.attention_mask_key = attention_mask_key
         self.batching, self.reward_shape, self.head_index = batching, reward_shape, head_index
         config = getattr(model, "config", None)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._text_config = text_config
-        max_length = batching.max_length
-        if max_length is None:
-            max_length = getattr(text_config, "max_position_embeddings", None)
-        self.max_length = max_length
-        self._num_embeddings = self._embedding_size(model)
-        self._check_vocab(tokenizer, "tokenizer")
-        self.pad_token_id = self._resolve_pad(pad_token_id)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(text_config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-        self.renderer = renderer.bind(
-            tokenizer, token_key=token_key, attention_mask_key=attention_mask_key, eos_token_id=eos
-        )
-        self.token_key = self.renderer.token_key
-        #: the keys read when every input is present (``input_mode="auto"`` falls back to
-        #: history or text, or to tokens, when the preferred input is absent)
-        self.in_keys = self.renderer.in_keys()
+        self.max_length = batching.max_length
+        if self.max_length is None:
+            self.max_length = getattr(text_config, "max_position_embeddings", None)
+        self.num_embeddings = embedding_size(model)
+        check_tokenizer_fits(tokenizer, self.num_embeddings)
+        self.pad_token_id = self._resolve_pad(batching.pad_token_id)
+        eos = getattr(text_config, "eos_token_id", None)
+        self._bind_renderer(
+            renderer, tokenizer, token_key=token_key, attention_mask_key=attention_mask_key,
+            eos_token_id=eos[0] if isinstance(eos, (list, tuple)) and eos else eos,
+            reward_key=reward_key,
+        )  # fmt: skip
         # a stand-in module (no config, no pad id): stored ids + mask go in as given
-        self._as_given = self._text_config is None and self.pad_token_id is None
+        self._as_given = text_config is None and self.pad_token_id is None
         self._model_takes_mask = _takes_argument(model, "attention_mask")
         # right padding comes after every real token: a causal decoder needs no mask for it
         self._causal = causal_classifier(model)
@@ -264,19 +265,16 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         tokenizer: Any = None,
         **wrapper_kwargs,
     ) -> HFRewardModelWrapper:
-        """Load a reward model from a local directory and wrap it.
-
-        Loads ``AutoModelForSequenceClassification`` (safetensors only,
-        ``trust_remote_code=False`` unless asked, eval mode) and, unless ``tokenizer=`` is
-        given, its tokenizer, with :func:`load_reward_model`.
+        """Load a reward model from a local directory (e.g. ``trl.RewardTrainer``'s output)
+        with :func:`load_reward_model` (safetensors only, ``trust_remote_code=False``
+        unless asked, eval mode), and wrap it.
 
         Args:
-            path: the directory (e.g. ``trl.RewardTrainer``'s output).
+            path: the directory.
             device, dtype: where and in which dtype the model is placed.
             trust_remote_code, model_kwargs: for ``from_pretrained``.
             tokenizer: the reward model's tokenizer, instead of the one at ``path``.
-            **wrapper_kwargs: the constructor's keyword arguments (``renderer=``,
-                ``batching=``, ``reward_key=``, ...).
+            **wrapper_kwargs: the constructor's keyword arguments.
 
         Examples:
             >>> import tempfile
@@ -291,14 +289,15 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         """
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
-                f"from_pretrained takes a local directory, got a {type(path).__name__}; wrap a loaded "
-                "model with HFRewardModelWrapper(model, ...)"
+                f"from_pretrained takes a local directory, got a {type(path).__name__}; wrap a "
+                "loaded model with HFRewardModelWrapper(model, ...)"
             )
         model, loaded_tok = load_reward_model(
             path, trust_remote_code=trust_remote_code, dtype=dtype, device=device,
             load_tokenizer=tokenizer is None, **(model_kwargs or {}),
-        )
-        return cls(model, tokenizer=loaded_tok if tokenizer is None else tokenizer, **wrapper_kwargs)
+        )  # fmt: skip
+        tokenizer = loaded_tok if tokenizer is None else tokenizer
+        return cls(model, tokenizer=tokenizer, **wrapper_kwargs)
 
     @classmethod
     def for_grpo(cls, model, **kwargs) -> HFRewardModelWrapper:
@@ -312,24 +311,6 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             return cls.from_pretrained(model, **kwargs)
         return cls(model, **kwargs)
 
-    # -- checks --------------------------------------------------------------------
-
-    @staticmethod
-    def _embedding_size(model) -> int | None:
-        get = getattr(model, "get_input_embeddings", None)
-        emb = get() if callable(get) else None
-        return getattr(emb, "num_embeddings", None)
-
-    def _check_vocab(self, tokenizer, what: str) -> None:
-        if tokenizer is None or self._num_embeddings is None:
-            return
-        if len(tokenizer) > self._num_embeddings:
-            raise ValueError(
-                f"{what} has {len(tokenizer)} tokens but the reward model's embedding has "
-                f"{self._num_embeddings} rows: it is not this model's tokenizer (or call "
-                "model.resize_token_embeddings and fine-tune)"
-            )
-
     def _resolve_pad(self, pad_token_id: int | None) -> int | None:
         config_pad = getattr(self._text_config, "pad_token_id", None)
         if pad_token_id is None:
@@ -339,8 +320,9 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             self._text_config.pad_token_id = pad_token_id
         elif config_pad is not None and config_pad != pad_token_id:
             raise ValueError(
-                f"pad_token_id={pad_token_id} differs from model.config.pad_token_id={config_pad}, "
-                "which the model pools against: right-padding with another id changes rewards"
+                f"pad_token_id={pad_token_id} differs from model.config.pad_token_id="
+                f"{config_pad}, which the model pools against: right-padding with another id "
+                "changes rewards"
             )
         return pad_token_id
 
@@ -359,38 +341,37 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         """Real tokens / processed (padded) tokens over all calls so far."""
         return self.real_tokens / self.processed_tokens if self.processed_tokens else 1.0
 
+    def check_ids(self, ids: Ragged, where: str) -> Ragged:
+        """``ids`` if they are token ids this model can embed (see
+        :func:`~torchrl_trl._token_ids.check_token_ids`), else an error naming ``where``."""
+        hint = _OTHER_TOKEN_IDS
+        return check_token_ids(ids, where, num_embeddings=self.num_embeddings, hint=hint)
+
     def _model_device(self) -> torch.device:
         param = next(iter(self.model.parameters()), None)
         return param.device if param is not None else torch.device("cpu")
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _no_grad(self):
+        return torch.no_grad() if self.inference_mode else contextlib.nullcontext()
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         """One model call -> float ``[n]`` scores (head selected, not post-processed).
         ``attention_mask=`` is omitted when ``attention_mask_key`` is ``None`` and nothing
         is padding."""
         device = self._model_device()
-        if attention_mask is None or (self.attention_mask_key is None and bool(attention_mask.all())):
-            out = self.model(input_ids=input_ids.to(device))
-        else:
-            out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+        inputs = {"input_ids": input_ids.to(device)}
+        if attention_mask is not None and not (
+            self.attention_mask_key is None and bool(attention_mask.all())
+        ):
+            inputs["attention_mask"] = attention_mask.to(device)
+        out = self.model(**inputs)
         return select_head(extract_scores(out), self.head_index, input_ids.shape[0]).float()
-
-    def _check_vocab_range(self, ids: Ragged, where: str) -> None:
-        if self._num_embeddings is None or not ids.values.numel():
-            return
-        top = int(ids.values.max())
-        if top >= self._num_embeddings:
-            raise ValueError(
-                f"{where}: token id {top} is outside the reward model's embedding "
-                f"(num_embeddings={self._num_embeddings}): the tokens come from another "
-                "tokenizer; pass policy_tokenizer= (and the reward model's tokenizer) to "
-                "re-tokenise"
-            )
 
     def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
         """Rewards ``float32 [N]`` on the model's device for reward-model token ids (one
         sample per row of ``ids``), in the order given (head selected, non-finite scores
         handled per ``on_nonfinite``). ``where`` names the input in error messages."""
-        check_ids(ids, where)
+        self.check_ids(ids, where)
         ids, n_cut = self.batching.truncate(ids, self.max_length)
         self._truncations.add(
             "truncated",
@@ -402,31 +383,35 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         n = len(ids)
         if n == 0:
             return torch.zeros(0, device=self._model_device())
-        self._check_vocab_range(ids, where)
         pad = self.pad_token_id
-        no_mask = self.attention_mask_key is None and not self._model_takes_mask
-        ctx = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
+        # a model that takes no mask cannot tell padding: equal lengths only
+        equal_lengths = self.attention_mask_key is None and not self._model_takes_mask
         scores, order = [], []
-        with ctx:
+        with self._no_grad():
             if self.batching.packing:
                 for pack in self.batching.packs(ids, pad_token_id=pad):
                     self.real_tokens += pack.real_tokens
                     self.processed_tokens += pack.processed_tokens
-                    scores.append(select_head(score_pack(self.model, pack), self.head_index, len(pack.index)).float())
+                    score = score_pack(self.model, pack)
+                    scores.append(select_head(score, self.head_index, len(pack.index)).float())
                     order.append(pack.index)
             else:
-                # a model that takes no mask cannot tell padding: equal lengths only
-                for mb in self.batching.micro_batches(ids, pad_token_id=0 if pad is None else pad, equal_lengths=no_mask):
+                batches = self.batching.micro_batches(
+                    ids, pad_token_id=0 if pad is None else pad, equal_lengths=equal_lengths
+                )
+                for mb in batches:
                     needs_pad = mb.processed_tokens != mb.real_tokens or mb.index.numel() > 1
                     if pad is None and needs_pad and self._text_config is not None:
                         raise ValueError(
-                            "the reward model has no pad token (model.config.pad_token_id is None) "
-                            "so a padded batch cannot be pooled; pass pad_token_id= (RewardTrainer "
-                            "uses tokenizer.pad_token, else eos) or batching=RewardBatching(max_batch_size=1)"
+                            "the reward model has no pad token (model.config.pad_token_id is "
+                            "None) so a padded batch cannot be pooled; pass batching="
+                            "RewardBatching(pad_token_id=...) (RewardTrainer uses "
+                            "tokenizer.pad_token, else eos) or RewardBatching(max_batch_size=1)"
                         )
                     self.real_tokens += mb.real_tokens
                     self.processed_tokens += mb.processed_tokens
-                    scores.append(self._forward(mb.input_ids, None if self._causal else mb.attention_mask))
+                    mask = None if self._causal else mb.attention_mask
+                    scores.append(self._forward(mb.input_ids, mask))
                     order.append(mb.index)
         flat = torch.cat(scores)
         inverse = torch.empty_like(torch.cat(order))
@@ -437,8 +422,9 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         """The stored ``[N, T]`` ids (and mask) as they are, when a stand-in module gets
         them so (see the class doc); ``None`` when the general path applies."""
         r = self.renderer
-        if not self._as_given or r.part != "full" or not r.keeps_tokens:
+        if r.part != "full" or not r.keeps_tokens or r.resolve_mode(td) != "tokens":
             return None
+        self.check_ids(r.read_token_ids(td), f"tokens at {self.token_key!r}")  # mask present
         rows = layouts.read_column(td, self.token_key)
         if len({tuple(t.shape) for t in rows}) != 1 or rows[0].ndim != 1:
             return None
@@ -450,8 +436,9 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         mask = torch.stack(layouts.read_column(td, self.attention_mask_key))
         if mask.shape != ids.shape:
             raise ValueError(
-                f"the attention mask at {self.attention_mask_key!r} has shape {tuple(mask.shape)}, "
-                f"the tokens at {self.token_key!r} {tuple(ids.shape)}: expected the same shape"
+                f"the attention mask at {self.attention_mask_key!r} has shape "
+                f"{tuple(mask.shape)}, the tokens at {self.token_key!r} {tuple(ids.shape)}: "
+                "expected the same shape"
             )
         return ids, mask
 
@@ -461,8 +448,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         budget, cap = self.batching.max_tokens_per_batch, self.batching.max_batch_size
         rows = n if budget is None else max(1, budget // max(width, 1))
         rows = min(rows, cap or rows)
-        ctx = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
-        with ctx:
+        with self._no_grad():
             scores = [
                 self._forward(ids[i : i + rows], None if mask is None else mask[i : i + rows])
                 for i in range(0, n, rows)
@@ -471,47 +457,11 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         self.processed_tokens += ids.numel()
         return self._nonfinite(torch.cat(scores))
 
-    def score_texts(self, texts: list[str]) -> torch.Tensor:
-        """Rewards ``float32 [N]`` for plain texts (EOS rule applied), on the model's device."""
-        return self.score_ids(self.renderer.encode_texts(list(texts)))
-
-    def score_messages(self, conversations: list[list[dict[str, str]]]) -> torch.Tensor:
-        """Rewards ``float32 [N]`` for chats (lists of ``{"role", "content"}`` dicts, or
-        TorchRL ``History``), rendered with the reward model's chat template."""
-        return self.score_ids(self.renderer.encode_messages(list(conversations)))
-
     def score(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened),
         on the model's device; nothing is written."""
-        mode = self.renderer.resolve_mode(tensordict)
-        if mode == "tokens":
-            where = f"tokens at {self.token_key!r}"
-            ids = self.renderer.read_token_ids(tensordict)  # mask present, ids checked
-            self._check_vocab_range(ids, where)
-            given = self._given_tokens(tensordict)
-            if given is not None:
-                return self._score_given(*given)
-            return self.score_ids(self.renderer.append_eos(ids), where=where)
-        where = f"{mode} at {self.renderer.in_keys(mode)[0]!r}"
-        return self.score_ids(self.renderer.render(tensordict, mode), where=where)
-
-    # -- writing -------------------------------------------------------------------
-
-    def score_outputs(self, tensordict: TensorDictBase, columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
-        """``[score(tensordict)]``: one ``[N]`` tensor per out key, as
-        :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` reads a scorer
-        (``columns_td`` is not read)."""
-        return [self.score(tensordict)]
-
-    def write(
-        self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None, *,
-        accumulate: bool = False,
-    ) -> TensorDictBase:
-        """Write ``[N]`` rewards into ``tensordict`` at ``key`` (default :attr:`reward_key`),
-        shaped per :attr:`reward_shape` (see :func:`~torchrl_trl.rewards.writing.write_rewards`;
-        ``accumulate``: add to a reward already there)."""
-        key = self.reward_key if key is None else key
-        return write_rewards(tensordict, rewards, key, self.reward_shape, accumulate=accumulate)
+        given = self._given_tokens(tensordict) if self._as_given else None
+        return super().score(tensordict) if given is None else self._score_given(*given)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Score ``tensordict`` and write the reward at ``reward_key`` (in place).

@@ -20,15 +20,17 @@ applies, in this order):
 EOS rule (``add_eos="auto"``): text and tokens get the reward model's EOS appended
 unless they already end with it, optionally followed by whitespace (ChatML ends a turn
 with ``"<|im_end|>\\n"``); tokens are left as they are when the reward model's tokenizer
-is unknown (a model object passed without ``tokenizer=``, as upstream). Chat-template renders are left exactly as the template writes
-them. ``"always"``/``"never"`` force it either way. Decoding then re-encoding can give
-other token ids than the policy generated (BPE merges across the boundary): prefer
-history or a shared tokenizer when exactness matters.
+is unknown (a model object passed without ``tokenizer=``, as upstream). Chat-template
+renders are left exactly as the template writes them. ``"always"``/``"never"`` force it
+either way. Decoding then re-encoding can give other token ids than the policy generated
+(BPE merges across the boundary): prefer history or a shared tokenizer when exactness
+matters.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -37,11 +39,50 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import key_tuple
+from .._token_ids import check_token_ids
 from ..layouts import Ragged
 
-__all__ = ["RewardRenderer", "check_ids", "same_tokenizer"]
+__all__ = ["RewardRenderer", "resolve_input_mode", "same_tokenizer"]
 
 InputMode = Literal["auto", "tokens", "text", "history"]
+
+
+def resolve_input_mode(
+    td: TensorDictBase,
+    input_mode: str,
+    inputs: Mapping[str, Sequence[Sequence[NestedKey]]],
+    *,
+    what: str = "input",
+    hint: str = "",
+) -> str:
+    """The input read from ``td``: ``input_mode`` when its keys are present, or for
+    ``"auto"`` the first of ``inputs`` (in their order) that is. ``inputs[mode]`` lists
+    alternative key sets; a mode is present when every key of one of them is.
+
+    Raises:
+        KeyError: naming ``what`` was looked for, the keys tried and the keys available
+            (then ``hint``).
+
+    >>> from tensordict import TensorDict
+    >>> td = TensorDict({"text": {"response": ["a"]}}, [1])
+    >>> inputs = {"history": [[("history", "response")]], "text": [[("text", "response")]]}
+    >>> resolve_input_mode(td, "auto", inputs)
+    'text'
+    """
+    if input_mode != "auto" and input_mode not in inputs:
+        raise ValueError(f"input_mode must be 'auto' or one of {list(inputs)}, got {input_mode!r}")
+    tried = list(inputs) if input_mode == "auto" else [input_mode]
+    for mode in tried:
+        if any(all(layouts.has_key(td, k) for k in keys) for keys in inputs[mode]):
+            return mode
+    looked = "; ".join(
+        f"{mode} at " + " or ".join(" + ".join(repr(k) for k in keys) for keys in inputs[mode])
+        for mode in tried
+    )
+    raise KeyError(
+        f"found no {what} (input_mode={input_mode!r}): looked for {looked}. Available keys: "
+        f"{layouts.available_keys(td)}{hint}"
+    )
 
 
 def same_tokenizer(a: Any, b: Any) -> bool:
@@ -50,17 +91,13 @@ def same_tokenizer(a: Any, b: Any) -> bool:
         return False
     if a is b:
         return True
+    backend_a, backend_b = (getattr(t, "backend_tokenizer", None) for t in (a, b))
     return (
         a.get_vocab() == b.get_vocab()
         and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
-        and type(getattr(a, "backend_tokenizer", None)) is type(getattr(b, "backend_tokenizer", None))
-        and _backend_json(a) == _backend_json(b)
+        and type(backend_a) is type(backend_b)
+        and (backend_a is None or backend_a.to_str() == backend_b.to_str())
     )
-
-
-def _backend_json(tok: Any) -> str | None:
-    backend = getattr(tok, "backend_tokenizer", None)
-    return backend.to_str() if backend is not None else None
 
 
 class RewardRenderer:
@@ -115,7 +152,9 @@ class RewardRenderer:
         if add_eos not in ("auto", "always", "never"):
             raise ValueError(f"add_eos must be 'auto', 'always' or 'never', got {add_eos!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}")
+            raise TypeError(
+                f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}"
+            )
         self.policy_tokenizer = policy_tokenizer
         self.input_mode = input_mode
         self.part = part
@@ -148,11 +187,12 @@ class RewardRenderer:
         """
         if self.input_mode in ("text", "history") and tokenizer is None:
             raise ValueError(
-                f"input_mode={self.input_mode!r} needs the reward model's tokenizer: pass tokenizer= "
-                "(or load the model by path, which loads its tokenizer)"
+                f"input_mode={self.input_mode!r} needs the reward model's tokenizer: pass "
+                "tokenizer= (or load the model by path, which loads its tokenizer)"
             )
         part = self.part
-        if token_key is not None and part != "full" and key_tuple(token_key) == layouts.token_key("full"):
+        full = layouts.token_key("full")
+        if token_key is not None and part != "full" and key_tuple(token_key) == full:
             raise ValueError(
                 f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot "
                 f"score the {part}; leave token_key unset (it then reads "
@@ -170,68 +210,39 @@ class RewardRenderer:
         return bound
 
     def __repr__(self) -> str:
+        policy = type(self.policy_tokenizer).__name__ if self.policy_tokenizer else None
         return (
             f"{type(self).__name__}(input_mode={self.input_mode!r}, part={self.part!r}, "
             f"add_eos={self.add_eos!r}, chat_template_kwargs={self.chat_template_kwargs!r}, "
-            f"policy_tokenizer={type(self.policy_tokenizer).__name__ if self.policy_tokenizer else None})"
+            f"policy_tokenizer={policy})"
         )
 
     # -- choosing the input --------------------------------------------------------
 
+    def _inputs(self) -> dict[str, list[list[NestedKey]]]:
+        """The inputs ``"auto"`` tries, in order, each with its alternative key sets."""
+        inputs = {"tokens": [[self.token_key]]} if self.tokens_direct else {}
+        if self.input_mode == "history" or getattr(self.tokenizer, "chat_template", None):
+            inputs["history"] = [[layouts.history_key(self.part)]]
+        inputs["text"] = [[layouts.text_key(self.part)]]
+        if self.part == "full":
+            inputs["text"].append([layouts.text_key("prompt"), layouts.text_key("response")])
+        inputs.setdefault("tokens", [[self.token_key]])
+        return inputs
+
     def resolve_mode(self, td: TensorDictBase) -> str:
         """The input actually used for ``td``: ``"tokens"``, ``"tokens->text"``,
         ``"text"`` or ``"history"``."""
-        has_tokens = layouts.has_key(td, self.token_key)
-        has_history = layouts.has_key(td, layouts.history_key(self.part))
-        has_text = layouts.has_key(td, layouts.text_key(self.part)) or (
-            self.part == "full"
-            and layouts.has_key(td, layouts.text_key("prompt"))
-            and layouts.has_key(td, layouts.text_key("response"))
-        )
-        mode = self.input_mode
-        if mode == "auto":
-            if has_tokens and self.tokens_direct:
-                mode = "tokens"
-            elif has_history and getattr(self.tokenizer, "chat_template", None):
-                mode = "history"
-            elif has_text:
-                mode = "text"
-            elif has_tokens:
-                mode = "tokens"
-            else:
-                raise KeyError(
-                    f"no reward-model input found: looked for tokens at {self.token_key!r}, "
-                    f"history at {layouts.history_key(self.part)!r} and text at "
-                    f"{layouts.text_key(self.part)!r}. Available keys: {layouts.available_keys(td)}"
-                )
-        wanted = {"tokens": has_tokens, "text": has_text, "history": has_history}[mode]
-        if not wanted:
-            key = {
-                "tokens": self.token_key,
-                "text": layouts.text_key(self.part),
-                "history": layouts.history_key(self.part),
-            }[mode]
-            raise KeyError(
-                f"input_mode={mode!r}: key {key!r} not found. Available keys: "
-                f"{layouts.available_keys(td)}"
-            )
-        if mode == "tokens" and not self.tokens_direct:
-            if self.policy_tokenizer is None:
-                # the tokens are taken to be in the reward model's vocabulary
-                return "tokens"
+        mode = resolve_input_mode(td, self.input_mode, self._inputs(), what="reward-model input")
+        if mode == "tokens" and not self.tokens_direct and self.policy_tokenizer is not None:
             return "tokens->text"
+        # without a policy tokenizer the tokens are taken to be in the reward model's vocabulary
         return mode
 
     def preferred_mode(self) -> str:
         """The input read when every input is present (``input_mode``, or what ``"auto"``
         tries first)."""
-        if self.input_mode != "auto":
-            return self.input_mode
-        if self.tokens_direct:
-            return "tokens"
-        if getattr(self.tokenizer, "chat_template", None):
-            return "history"
-        return "text"
+        return next(iter(self._inputs())) if self.input_mode == "auto" else self.input_mode
 
     def in_keys(self, mode: str | None = None) -> list[NestedKey]:
         """The keys read for ``mode`` (default: :meth:`preferred_mode`)."""
@@ -245,7 +256,9 @@ class RewardRenderer:
 
     @property
     def keeps_tokens(self) -> bool:
-        """Whether token inputs reach the model unchanged (no EOS appended)."""
+        """Whether token inputs reach the model unchanged (no EOS appended). With
+        ``add_eos="auto"`` and no tokenizer a trailing ``"\\n"`` after EOS cannot be told
+        from text: tokens are used as they are (upstream behaviour)."""
         return self.add_eos == "never" or self.eos_token_id is None or (
             self.add_eos == "auto" and self.tokenizer is None
         )
@@ -275,10 +288,9 @@ class RewardRenderer:
             ids = layouts.read_tokens(td, self.part, key=self.token_key, mask_key=mask_key)
         except RuntimeError:
             # layouts cannot reshape a zero-length member of a lazy stack: name it
-            check_ids(Ragged.from_list(layouts.read_column(td, self.token_key)), where)
+            check_token_ids(Ragged.from_list(layouts.read_column(td, self.token_key)), where)
             raise
-        check_ids(ids, where)
-        return ids
+        return check_token_ids(ids, where)
 
     def render(self, td: TensorDictBase, mode: str | None = None) -> Ragged:
         """Reward-model token ids of every sample of ``td`` (batch flattened row-major);
@@ -287,9 +299,11 @@ class RewardRenderer:
         if mode == "tokens":
             return self.append_eos(self.read_token_ids(td))
         if mode == "history":
-            return self.encode_messages(layouts.read_history(td, self.part, tokenizer=self.policy_tokenizer))
+            chats = layouts.read_history(td, self.part, tokenizer=self.policy_tokenizer)
+            return self.encode_messages(chats)
         if mode == "text":
-            return self.encode_texts(layouts.read_text(td, self.part, tokenizer=self.policy_tokenizer))
+            texts = layouts.read_text(td, self.part, tokenizer=self.policy_tokenizer)
+            return self.encode_texts(texts)
         ids = self.read_token_ids(td)
         texts = self.policy_tokenizer.batch_decode(ids.tolist(), skip_special_tokens=False)
         return self.encode_texts(texts)
@@ -347,11 +361,7 @@ class RewardRenderer:
     def append_eos(self, ids: Ragged) -> Ragged:
         """Token inputs with the EOS rule applied (see module doc)."""
         eos = self.eos_token_id
-        if self.add_eos == "never" or eos is None or len(ids) == 0:
-            return ids
-        if self.add_eos == "auto" and self.tokenizer is None:
-            # without the tokenizer a trailing "\n" after EOS cannot be told from text:
-            # tokens are used as they are (upstream behaviour)
+        if self.keeps_tokens or len(ids) == 0:
             return ids
         seqs = list(ids.split())
         changed = False
@@ -383,24 +393,6 @@ class RewardRenderer:
                 }
         return self._whitespace_ids
 
-
-
-def check_ids(ids: Ragged, where: str) -> None:
-    """Raise unless ``ids`` are integer token ids >= 0 with at least one per sample;
-    ``where`` (e.g. ``"tokens at ('tokens', 'full')"``) goes into the message."""
-    dtype = ids.values.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise TypeError(f"{where}: token ids must be integers, got dtype {dtype}")
-    empty = (ids.lengths == 0).nonzero().flatten()
-    if empty.numel():
-        raise ValueError(
-            f"{where}: sample(s) {empty[:10].tolist()} (of {len(ids)}) have no tokens (an empty "
-            "sequence or an all-zero attention-mask row): there is nothing to score"
-        )
-    if ids.values.numel() and int(ids.values.min()) < 0:
-        bad = int(ids.values.min())
-        sample = int(torch.searchsorted(ids.offsets[1:], (ids.values < 0).nonzero()[0, 0], right=True))
-        raise ValueError(f"{where}: negative token id {bad} in sample {sample}; token ids must be >= 0")
 
 
 def _checked_messages(conversation: Any, index: int) -> list[dict]:

@@ -18,6 +18,7 @@ from tensordict.utils import NestedKey
 from torchrl_trl import layouts
 
 from .calling import declares
+from .render import resolve_input_mode
 
 __all__ = ["InputMode", "column_keys", "input_keys", "resolve_mode", "trl_arguments"]
 
@@ -25,14 +26,21 @@ InputMode = Literal["auto", "history", "text"]
 
 # reward functions take these as prompts/completions/completion_ids, not as columns
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids")
+_NO_RESPONSE = (
+    ". A reward needs the policy's output; on an env that is the root tensordict of a step, "
+    "which env.append_transform(RewardFunctionWrapper(...)) never sees (TorchRL calls a plain "
+    "module on the reset and 'next' tensordicts): attach RewardFunctionTransform(...) (or "
+    "wrapper.as_transform()) to the env instead"
+)
 
 
 def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None) -> list[NestedKey]:
     """Every key the arguments may be read from: the prompt/response keys of ``input_mode``
     (history and text for ``"auto"``), the response tokens and mask, and ``columns``.
 
-    >>> input_keys("text", {"answer": ("answer",)})
-    [('text', 'prompt'), ('text', 'response'), ('tokens', 'response'), ('masks', 'all_attention_mask'), ('answer',)]
+    >>> input_keys("text", {"answer": ("answer",)})  # doctest: +NORMALIZE_WHITESPACE
+    [('text', 'prompt'), ('text', 'response'), ('tokens', 'response'),
+     ('masks', 'all_attention_mask'), ('answer',)]
     """
     history = [layouts.history_key("prompt"), layouts.history_key("response")]
     text = [layouts.text_key("prompt"), layouts.text_key("response")]
@@ -43,22 +51,14 @@ def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None) -> li
 
 def resolve_mode(td: TensorDictBase, input_mode: InputMode) -> str:
     """``"history"`` or ``"text"``: ``input_mode``, or for ``"auto"`` history when
-    ``("history", "response")`` is present. Raises a ``KeyError`` naming what to use when
-    the rollouts hold no response at all (e.g. an env's reset or ``next`` tensordict)."""
-    wanted = {"history": [layouts.history_key("response")], "text": [layouts.text_key("response")]}.get(
-        input_mode, [layouts.history_key("response"), layouts.text_key("response")]
-    )
-    for key in wanted:
-        if layouts.has_key(td, key):
-            return key[0]
-    raise KeyError(
-        f"found no response to score: none of {wanted} is in the tensordict (input_mode="
-        f"{input_mode!r}). Available keys: {layouts.available_keys(td)}. A reward needs the "
-        "policy's output; on an env that is the root tensordict of a step, which "
-        "env.append_transform(RewardFunctionWrapper(...)) never sees (TorchRL calls a plain "
-        "module on the reset and 'next' tensordicts): attach RewardFunctionTransform(...) "
-        "(or wrapper.as_transform()) to the env instead"
-    )
+    ``("history", "response")`` is present (see :func:`.render.resolve_input_mode`). Raises
+    a ``KeyError`` naming what to use when the rollouts hold no response at all (e.g. an
+    env's reset or ``next`` tensordict)."""
+    inputs = {
+        "history": [[layouts.history_key("response")]],
+        "text": [[layouts.text_key("response")]],
+    }
+    return resolve_input_mode(td, input_mode, inputs, what="response to score", hint=_NO_RESPONSE)
 
 
 def column_keys(td: TensorDictBase, columns: Mapping[str, tuple] | None) -> dict[str, tuple]:
@@ -145,7 +145,8 @@ def trl_arguments(
     else:
         prompts = layouts.read_text(td, "prompt")
         completions = decoded if decoded is not None else layouts.read_text(td, "response")
-    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": ids if ids is not None else [None] * n}
+    completion_ids = ids if ids is not None else [None] * n
+    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
     for name, key in column_keys(td, columns).items():
         source = td if layouts.has_key(td, key) else columns_td
         if source is None or not layouts.has_key(source, key):

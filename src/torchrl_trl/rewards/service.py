@@ -2,24 +2,20 @@
 
 ``HFRewardTransform(path, use_ray_service=True, actor_name="rm")`` (or
 :class:`RewardServiceClient` directly) follows TorchRL's ``ModuleTransform(use_ray_service=
-True, actor_name=...)`` / ``RayRetrieveKL`` idiom: the first caller creates the named actor
-(``get_if_exists``, so two callers racing get the same one), later callers attach by name,
-and the weights are loaded once, in the actor, from a local path (safetensors,
-``trust_remote_code=False`` unless asked).
+True, actor_name=...)`` idiom: the first caller creates the named actor (``get_if_exists``,
+so two callers racing get the same one), later callers attach by name, and the weights are
+loaded once, in the actor, from a local path (safetensors, ``trust_remote_code=False``
+unless asked).
 
-TorchRL's ``RayModuleTransform`` is not reused: its actor is synchronous (one call at a
-time, so nothing to coalesce), takes and returns whole TensorDicts, waits on ``ray.get``
-without a timeout, and looks the name up before creating it (two workers can race). Here
-no TensorDict crosses the wire: each caller renders its samples into the reward model's
+No TensorDict crosses the wire: each caller renders its samples into the reward model's
 token ids locally (its own policy tokenizer, keys and chat layout) and sends flat int64
 ids + lengths; the actor answers one float32 score per sequence. Requests that arrive
-within ``max_wait_ms`` of each other (from any caller) are scored together, so the
-token-budget planner of :class:`HFRewardModelWrapper` fills its micro-batches across
-callers; each caller gets its own scores back, in its order.
+within ``max_wait_ms`` of each other (from any caller) are scored together, in
+micro-batches filled across callers; each caller gets its own scores back, in its order.
 
 Faults: every request has a finite ``timeout`` (:class:`RewardServiceError` when it
-passes, or at once when the actor is gone); ``max_restarts=n`` lets Ray restart a dead
-actor (weights reloaded from the path) and retry the calls in flight.
+passes, or at once when the actor is gone); ``remote_config={"max_restarts": n}`` lets Ray
+restart a dead actor (weights reloaded from the path) and retry the calls in flight.
 """
 
 from __future__ import annotations
@@ -35,15 +31,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from .. import layouts
+from .._checks import moved_keywords
+from .._token_ids import check_token_ids
 from ..layouts import Ragged
-from .model import MOVED, HFRewardModelWrapper, moved_arguments_error
-from .render import RewardRenderer, check_ids
+from .model import HFRewardModelWrapper, RenderingScorer
+from .moved import CLIENT_DEPRECATED, MOVED, RAY_OPTIONS, checked_batching, moved_arguments_error
 from .shape import trailing_dims
-from .writing import write_rewards
 
 __all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError", "SERVICE_ARGS"]
 
@@ -61,16 +57,13 @@ def _named_parameters(fn) -> set[str]:
 
 
 #: every other argument of :meth:`HFRewardModelWrapper.from_pretrained` applies inside the
-#: service (the model side: batching, head, pad id, non-finite policy, device, dtype, ...)
+#: service (the model side: batching, head, non-finite policy, device, dtype, ...)
 MODEL_SIDE_ARGS = frozenset(
-    (_named_parameters(HFRewardModelWrapper.__init__) | _named_parameters(HFRewardModelWrapper.from_pretrained))
-    - {"self", "cls", "model", "path"} - CALLER_SIDE_ARGS - WRITE_ARGS
-)
+    _named_parameters(HFRewardModelWrapper.__init__)
+    | _named_parameters(HFRewardModelWrapper.from_pretrained)
+) - {"self", "cls", "model", "path"} - CALLER_SIDE_ARGS - WRITE_ARGS
 #: arguments about the service itself (only valid with ``use_ray_service=True``)
-SERVICE_ARGS = frozenset({
-    "actor_name", "namespace", "num_cpus", "num_gpus", "timeout", "max_restarts",
-    "max_wait_ms", "lifetime", "start_timeout",
-})  # fmt: skip
+SERVICE_ARGS = frozenset({"actor_name", "remote_config", "timeout", "max_wait_ms", "start_timeout"})
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_START_TIMEOUT = 600.0
@@ -80,13 +73,11 @@ class RewardServiceError(RuntimeError):
     """The reward-model service did not answer: it died, or ``timeout`` passed.
 
     Raised by :class:`RewardServiceClient` calls (``score``, ``stats``, ...) within their
-    ``timeout``, never a hang; catch it to rebuild the client or skip the batch:
+    ``timeout``, never a hang; catch it (or ``RuntimeError``) to rebuild the client or skip
+    the batch:
 
-    >>> try:
-    ...     raise RewardServiceError("reward service 'rm' died or cannot be reached")
-    ... except RuntimeError as err:
-    ...     print(type(err).__name__, "-", err)
-    RewardServiceError - reward service 'rm' died or cannot be reached
+    >>> issubclass(RewardServiceError, RuntimeError)
+    True
     """
 
 
@@ -96,15 +87,6 @@ def _require_ray():
     except ImportError as e:  # pragma: no cover - ray is an optional dependency
         raise ImportError("use_ray_service=True needs Ray: pip install 'ray>=2.50'") from e
     return ray
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 @dataclass
@@ -129,22 +111,21 @@ class RewardModelService:
     awaited concurrently, scored one batch at a time in a worker thread).
     """
 
-    def __init__(self, model_path: str, settings: dict | None = None, *, max_wait_ms: float = 5.0) -> None:
+    def __init__(
+        self, model_path: str, settings: dict | None = None, *, max_wait_ms: float = 5.0
+    ) -> None:
         settings = dict(settings or {})
-        unknown = sorted(set(settings) - MODEL_SIDE_ARGS)
-        if unknown:
-            raise TypeError(f"settings {unknown} do not apply inside the service; expected some of "
-                            f"{sorted(MODEL_SIDE_ARGS)}")  # fmt: skip
         self.model_path = os.fspath(model_path)
         self.settings = dict(settings)  # as asked: what attaching callers are compared with
         self.max_wait = float(max_wait_ms) / 1000.0
         if "device" not in settings and torch.cuda.is_available():
             # Ray shows an actor only the GPUs it was given (num_gpus): use them
             settings = {**settings, "device": "cuda"}
-        self.wrapper = HFRewardModelWrapper.from_pretrained(self.model_path, inference_mode=True, **settings)
+        self.wrapper = HFRewardModelWrapper.from_pretrained(
+            self.model_path, inference_mode=True, **settings
+        )
         get_emb = getattr(self.wrapper.model, "get_input_embeddings", None)
         embedding = get_emb() if callable(get_emb) else None
-        self.num_embeddings = getattr(embedding, "num_embeddings", None)
         # the embedding runs once per forward, padded or packed
         (embedding if embedding is not None else self.wrapper.model).register_forward_hook(
             self._count_forward, with_kwargs=True
@@ -184,6 +165,7 @@ class RewardModelService:
         process's CPU seconds and torch threads; and ``pending``, the requests held now
         for others to join them (not yet flushed)."""
         w = self.wrapper
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         out = dict(self._stats)
         out.update(
             pending=len(self._pending),
@@ -192,8 +174,8 @@ class RewardModelService:
             padding_efficiency=w.padding_efficiency,
             truncated_count=w.truncated_count,
             nonfinite_count=w.nonfinite_count,
-            peak_rss_mib=_peak_rss_mib(),
-            cpu_seconds=_cpu_seconds(),
+            peak_rss_mib=usage.ru_maxrss / 1024.0,
+            cpu_seconds=usage.ru_utime + usage.ru_stime,
             pid=os.getpid(),
             torch_threads=torch.get_num_threads(),
         )
@@ -201,7 +183,7 @@ class RewardModelService:
             out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
         return out
 
-    async def score(self, values: Any, lengths: Any, where: str = "reward-model input") -> np.ndarray:
+    async def score(self, values: Any, lengths: Any, where: str = "reward-model input"):
         """Scores ``float32 [len(lengths)]`` for the sequences ``values`` (flat int ids)
         cut at ``lengths``; waits up to ``max_wait_ms`` for other requests to share the
         forwards with."""
@@ -254,9 +236,11 @@ class RewardModelService:
         if len(todo) > 1:
             try:
                 parts = [batch[i].ids for i in todo]
-                ids = Ragged(torch.cat([p.values for p in parts]), torch.cat([p.lengths for p in parts]))
+                values = torch.cat([p.values for p in parts])
+                ids = Ragged(values, torch.cat([p.lengths for p in parts]))
                 scores = self.wrapper.score_ids(ids, where=f"{len(todo)} coalesced requests")
-                split = np.split(scores.float().cpu().numpy(), np.cumsum([len(p) for p in parts])[:-1])
+                cuts = np.cumsum([len(p) for p in parts])[:-1]
+                split = np.split(scores.float().cpu().numpy(), cuts)
                 for i, part in zip(todo, split):
                     results[i] = part
                 return results
@@ -264,19 +248,17 @@ class RewardModelService:
                 st["coalesced_failures"] = st.get("coalesced_failures", 0) + 1
         for i in todo:
             try:
-                results[i] = self.wrapper.score_ids(batch[i].ids, where=batch[i].where).float().cpu().numpy()
+                scores = self.wrapper.score_ids(batch[i].ids, where=batch[i].where)
+                results[i] = scores.float().cpu().numpy()
             except Exception as e:  # routed to its caller
                 results[i] = e
         return results
 
     def _check_range(self, request: _Request) -> Exception | None:
-        top = int(request.ids.values.max())
-        if self.num_embeddings is not None and top >= self.num_embeddings:
-            return ValueError(
-                f"{request.where}: token id {top} is outside the reward model's embedding "
-                f"(num_embeddings={self.num_embeddings}): the tokens come from another tokenizer; "
-                "pass policy_tokenizer= (and the reward model's tokenizer) to re-tokenise"
-            )
+        try:
+            self.wrapper.check_ids(request.ids, request.where)
+        except ValueError as e:
+            return e
         return None
 
 
@@ -291,14 +273,13 @@ def _as_ragged(values: Any, lengths: Any, where: str) -> Ragged:
         raise ValueError(
             f"{where}: lengths sum to {int(lengths.sum())} but {values.numel()} token ids were sent"
         )
-    # non-integer ids stay as they are, for check_ids to name them
-    integer = not (values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool)
-    ids = Ragged(values.long() if integer else values, lengths.long())
-    check_ids(ids, where)
-    return ids
+    # non-integer ids stay as they are, for check_token_ids to name them
+    kind = values.dtype
+    integer = not (kind.is_floating_point or kind.is_complex or kind == torch.bool)
+    return check_token_ids(Ragged(values.long() if integer else values, lengths.long()), where)
 
 
-class RewardServiceClient:
+class RewardServiceClient(RenderingScorer):
     """A caller of a shared :class:`RewardModelService`: renders locally, scores remotely.
 
     It has the scorer interface :class:`~torchrl_trl.rewards.HFRewardTransform` uses
@@ -313,47 +294,41 @@ class RewardServiceClient:
         actor_name: name of the shared actor: created by the first caller, attached to by
             later ones (which must ask for the same path and model-side settings, else
             ``ValueError``). ``None``: a private, unnamed service.
-        namespace: Ray namespace of the named actor (default: the job's).
-        num_cpus, num_gpus: the actor's Ray resources (Ray's defaults when ``None``). With
-            a GPU the model goes onto it unless ``device=`` says otherwise.
+        remote_config: the actor's Ray options (``ray.remote(...).options(**remote_config)``,
+            as TorchRL's ``RayReplayBuffer(remote_config=)`` takes them): ``num_cpus``,
+            ``num_gpus`` (the model goes onto the GPU unless ``device=`` says otherwise),
+            ``namespace``, ``max_restarts`` (Ray restarts a dead actor, reloading the
+            weights, and retries the requests in flight; default 0), ``lifetime`` (default
+            ``"detached"`` for a named actor: it outlives its creator until
+            :meth:`shutdown`), ...
         timeout: seconds a request may take before :class:`RewardServiceError`. Finite;
             defaults to 300.
         start_timeout: seconds to wait for the actor to start (load the model) or to
             answer an attaching caller. Defaults to 600.
-        max_restarts: Ray restarts a dead actor this many times (reloading the weights)
-            and retries the requests in flight. Defaults to 0 (a dead actor is an error).
         max_wait_ms: how long the service holds a first request for others to join it.
             Defaults to 5.
-        lifetime: ``"detached"`` (default for a named actor, as ``RayRetrieveKL``: it
-            outlives the caller that created it; stop it with :meth:`shutdown`) or
-            ``None`` (it dies with its creator).
         reward_key, reward_shape: how rewards are written, as
             :class:`HFRewardModelWrapper` (default ``"reward"``, ``"flat"``).
         inference_mode: must be ``True`` (default): no gradients cross the wire.
         **kwargs: :meth:`HFRewardModelWrapper.from_pretrained` arguments: the rendering
             ones (``tokenizer``, ``renderer``, ``token_key``, ``attention_mask_key``) apply
-            here; the model ones (``batching``, ``head_index``, ``pad_token_id``,
-            ``on_nonfinite``, ``device``, ``dtype``, ...) in the actor.
+            here, the model ones (``batching``, ``head_index``, ``device``, ...) in the
+            actor. Deprecated: ``namespace``, ``num_cpus``, ``num_gpus``, ``max_restarts``,
+            ``lifetime`` (use ``remote_config``) and ``pad_token_id`` (use ``batching``).
 
     Examples:
         Starting the actor needs a Ray cluster (``tests/test_reward_service.py`` runs it)::
 
-            client = RewardServiceClient(path, actor_name="rm", num_gpus=1,
-                                         batching=RewardBatching(max_tokens_per_batch=32768),
+            client = RewardServiceClient(path, actor_name="rm", remote_config={"num_gpus": 1},
                                          renderer=RewardRenderer(policy_tokenizer=tok))
             env.append_transform(HFRewardTransform(client))
 
-        Arguments are checked before Ray is touched; a flat batching keyword names the
-        object it moved to:
+        Arguments are checked before Ray is touched:
 
-        >>> RewardServiceClient("rm_dir", actor_name="rm", max_tokens_per_batch=4096)
+        >>> RewardServiceClient("rm_dir", timeout=float("inf"))
         Traceback (most recent call last):
         ...
-        TypeError: RewardServiceClient: max_tokens_per_batch moved to RewardBatching(max_tokens_per_batch=...) (batching=)
-        >>> RewardServiceClient("rm_dir", inference_mode=False)
-        Traceback (most recent call last):
-        ...
-        ValueError: inference_mode=False: a reward-model service returns scores without gradients; use the in-process HFRewardTransform (use_ray_service=False) to keep the graph
+        ValueError: timeout must be a finite number of seconds > 0, got inf
     """
 
     def __init__(
@@ -361,27 +336,26 @@ class RewardServiceClient:
         model: str | os.PathLike,
         *,
         actor_name: str | None = None,
-        namespace: str | None = None,
-        num_cpus: float | None = None,
-        num_gpus: float | None = None,
+        remote_config: dict[str, Any] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         start_timeout: float = DEFAULT_START_TIMEOUT,
-        max_restarts: int = 0,
         max_wait_ms: float = 5.0,
-        lifetime: str | None = "detached",
         reward_key: NestedKey = "reward",
         reward_shape: str = "flat",
         inference_mode: bool = True,
         **kwargs,
     ) -> None:
+        owner = type(self).__name__
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(
                 f"a reward-model service loads its model from a local path (safetensors), got a "
                 f"{type(model).__name__}: save it with save_pretrained and pass the directory"
             )
-        moved = {k: v for k, v in kwargs.items() if k in MOVED}
-        if moved:
-            raise moved_arguments_error(type(self).__name__, moved)
+        removed = {k: v for k, v in kwargs.items() if k in MOVED and k not in MODEL_SIDE_ARGS}
+        if removed:
+            raise moved_arguments_error(owner, removed)
+        moved = {k: kwargs.pop(k) for k in list(kwargs) if k in CLIENT_DEPRECATED}
+        moved = moved_keywords(owner, moved, CLIENT_DEPRECATED)
         unknown = sorted(set(kwargs) - MODEL_SIDE_ARGS - CALLER_SIDE_ARGS)
         if unknown:
             raise TypeError(
@@ -395,28 +369,24 @@ class RewardServiceClient:
             )
         trailing_dims(reward_shape)  # checks the name
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            if not _is_number(value) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
-            raise ValueError(f"max_restarts must be an int >= 0 (or -1: unlimited), got {max_restarts!r}")
-        if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)) or max_wait_ms < 0:
+        if not _is_number(max_wait_ms) or max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
-        if lifetime not in ("detached", None):
-            raise ValueError(f"lifetime must be 'detached' or None, got {lifetime!r}")
+        options = _actor_options(remote_config, moved, actor_name)
         self.model_path = os.path.abspath(os.fspath(model))
-        self.actor_name, self.namespace, self.timeout = actor_name, namespace, float(timeout)
-        self.reward_key, self.reward_shape = reward_key, reward_shape
+        self.actor_name, self.timeout = actor_name, float(timeout)
+        self.namespace = options.get("namespace")
+        self.reward_shape = reward_shape
         self.inference_mode = True
         settings = {k: v for k, v in kwargs.items() if k in MODEL_SIDE_ARGS}
-        caller = {k: v for k, v in kwargs.items() if k in CALLER_SIDE_ARGS}
-        self._actor = self._create_or_attach(
-            settings,
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            max_restarts=max_restarts,
-            max_wait_ms=float(max_wait_ms),
-            lifetime=lifetime if actor_name is not None else None,
-        )
+        if "pad_token_id" in moved:
+            settings["batching"] = checked_batching(settings.get("batching"), moved, owner)
+        ray = _require_ray()
+        if not ray.is_initialized():
+            ray.init()
+        remote = ray.remote(RewardModelService).options(**options)
+        self._actor = remote.remote(self.model_path, settings, max_wait_ms=float(max_wait_ms))
         info = self._call("info", timeout=float(start_timeout))
         if info["model_path"] != self.model_path or info["settings"] != settings:
             raise ValueError(
@@ -424,48 +394,20 @@ class RewardServiceClient:
                 f"settings {info['settings']}, but this caller asks for {self.model_path!r} with "
                 f"{settings}: use another actor_name, or the same model and settings"
             )
-        tokenizer = caller.pop("tokenizer", None)
+        tokenizer = kwargs.get("tokenizer")
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(
                 self.model_path, trust_remote_code=bool(settings.get("trust_remote_code", False))
             )
-        eos = getattr(tokenizer, "eos_token_id", None)
-        renderer = caller.pop("renderer", None) or RewardRenderer()
-        if not isinstance(renderer, RewardRenderer):
-            raise TypeError(f"renderer must be a RewardRenderer, got {type(renderer).__name__}")
-        self.renderer = renderer.bind(
-            tokenizer,
-            token_key=caller.get("token_key"),
-            attention_mask_key=caller.get("attention_mask_key", layouts.ATTENTION_MASK_KEY),
-            eos_token_id=info["eos_token_id"] if eos is None else eos,
-        )
-        self.tokenizer = tokenizer
-        self.token_key = self.renderer.token_key
-        self.in_keys = self.renderer.in_keys()
-        self.out_keys = [reward_key]
+        self._bind_renderer(
+            kwargs.get("renderer"), tokenizer, token_key=kwargs.get("token_key"),
+            attention_mask_key=kwargs.get("attention_mask_key", layouts.ATTENTION_MASK_KEY),
+            eos_token_id=info["eos_token_id"], reward_key=reward_key,
+        )  # fmt: skip
 
     # -- the actor -------------------------------------------------------------------
-
-    def _create_or_attach(self, settings, *, num_cpus, num_gpus, max_restarts, max_wait_ms, lifetime):
-        ray = _require_ray()
-        if not ray.is_initialized():
-            ray.init()
-        options: dict[str, Any] = dict(max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0,
-                                       max_concurrency=1000)  # fmt: skip
-        if num_cpus is not None:
-            options["num_cpus"] = num_cpus
-        if num_gpus is not None:
-            options["num_gpus"] = num_gpus
-        if self.actor_name is not None:
-            options.update(name=self.actor_name, get_if_exists=True)
-            if self.namespace is not None:
-                options["namespace"] = self.namespace
-            if lifetime is not None:
-                options["lifetime"] = lifetime
-        remote = ray.remote(RewardModelService).options(**options)
-        return remote.remote(self.model_path, settings, max_wait_ms=max_wait_ms)
 
     @property
     def actor(self):
@@ -473,7 +415,8 @@ class RewardServiceClient:
         return self._actor
 
     def _describe(self) -> str:
-        return f"reward service {self.actor_name!r}" if self.actor_name else "the private reward service"
+        name = self.actor_name
+        return f"reward service {name!r}" if name else "the private reward service"
 
     def _call(self, method: str, *args, timeout: float | None = None):
         """``actor.method(*args)``, waited for at most ``timeout`` (default: ``self.timeout``)."""
@@ -490,14 +433,14 @@ class RewardServiceClient:
         except GetTimeoutError as e:
             ray.cancel(ref)
             raise RewardServiceError(
-                f"{self._describe()} did not answer {method}() within timeout={timeout}s (busy, hung "
-                "or still loading the model); pass a larger timeout= or check the actor"
+                f"{self._describe()} did not answer {method}() within timeout={timeout}s (busy, "
+                "hung or still loading the model); pass a larger timeout= or check the actor"
             ) from e
         except RayActorError as e:
             raise RewardServiceError(
                 f"{self._describe()} died or cannot be reached ({type(e).__name__}); pass "
-                "max_restarts=n to have Ray restart it, or create it again. Cause: "
-                f"{str(e).splitlines()[0] if str(e) else e!r}"
+                "remote_config={'max_restarts': n} to have Ray restart it, or create it again. "
+                f"Cause: {str(e).splitlines()[0] if str(e) else e!r}"
             ) from e
 
     def stats(self) -> dict:
@@ -511,46 +454,39 @@ class RewardServiceClient:
         """Kill the actor (every caller attached to it loses it)."""
         _require_ray().kill(self._actor, no_restart=True)
 
-    # -- scoring ---------------------------------------------------------------------
-
     def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
         """Rewards ``float32 [N]`` (CPU) for reward-model token ids, one per row."""
-        check_ids(ids, where)
+        check_token_ids(ids, where)
         if len(ids) == 0:
             return torch.zeros(0)
         values = ids.values.long().numpy()
         lengths = ids.lengths.long().numpy()
-        return torch.from_numpy(np.asarray(self._call("score", values, lengths, where), dtype=np.float32).copy())
-
-    def score_texts(self, texts: list[str]) -> torch.Tensor:
-        """Rewards ``float32 [N]`` for plain texts (EOS rule applied)."""
-        return self.score_ids(self.renderer.encode_texts(list(texts)))
-
-    def score_messages(self, conversations: list) -> torch.Tensor:
-        """Rewards ``float32 [N]`` for chats, rendered with the reward model's template."""
-        return self.score_ids(self.renderer.encode_messages(list(conversations)))
-
-    def score(self, tensordict: TensorDictBase) -> torch.Tensor:
-        """Rewards ``float32 [N]`` (CPU) for every sample of ``tensordict`` (batch
-        flattened), rendered here exactly as :meth:`HFRewardModelWrapper.score` does."""
-        mode = self.renderer.resolve_mode(tensordict)
-        key = self.token_key if mode == "tokens" else self.renderer.in_keys(mode)[0]
-        return self.score_ids(self.renderer.render(tensordict, mode), where=f"{mode} at {key!r}")
-
-    def score_outputs(self, tensordict: TensorDictBase, columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
-        """``[score(tensordict)]``: one ``[N]`` tensor per out key, as
-        :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` reads a scorer
-        (``columns_td`` is not read)."""
-        return [self.score(tensordict)]
-
-    def write(
-        self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None, *,
-        accumulate: bool = False,
-    ) -> TensorDictBase:
-        """Write ``[N]`` rewards at ``key`` (default :attr:`reward_key`), as
-        :meth:`HFRewardModelWrapper.write` does."""
-        key = self.reward_key if key is None else key
-        return write_rewards(tensordict, rewards, key, self.reward_shape, accumulate=accumulate)
+        scores = self._call("score", values, lengths, where)
+        return torch.from_numpy(np.asarray(scores, dtype=np.float32).copy())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.model_path!r}, actor_name={self.actor_name!r})"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _actor_options(remote_config: dict | None, moved: dict, actor_name: str | None) -> dict:
+    """The actor's Ray options: ``remote_config`` and the deprecated one-by-one options over
+    this service's defaults (restarts retry the calls in flight; a named actor is detached
+    and attached to by name, ``get_if_exists`` so two callers racing get the same one). Ray
+    checks the values."""
+    if remote_config is not None and not isinstance(remote_config, dict):
+        raise TypeError(f"remote_config must be a dict of Ray actor options, got {remote_config!r}")
+    given = {**{k: moved[k] for k in RAY_OPTIONS if k in moved}, **(remote_config or {})}
+    if "name" in given or "get_if_exists" in given:
+        raise ValueError("remote_config: name the actor with actor_name=, not in remote_config")
+    options = {"max_restarts": 0, "max_concurrency": 1000}
+    if actor_name is not None:
+        options.update(name=actor_name, get_if_exists=True, lifetime="detached")
+    options.update(given)
+    options.setdefault("max_task_retries", -1 if options["max_restarts"] else 0)
+    if actor_name is None:
+        options.pop("lifetime", None)  # an unnamed actor dies with its creator
+    return {k: v for k, v in options.items() if v is not None}

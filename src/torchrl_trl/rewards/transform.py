@@ -29,7 +29,8 @@ from typing import Any
 from tensordict.utils import NestedKey
 from torch import nn
 
-from .model import HFRewardModelWrapper, moved_arguments_error
+from .model import HFRewardModelWrapper
+from .moved import DEPRECATED, RAY_OPTIONS, moved_line
 from .reward_transform import RewardTransform
 from .service import RewardServiceClient
 from .shape import RewardShape
@@ -62,8 +63,8 @@ class HFRewardTransform(RewardTransform):
         use_ray_service: serve ``scorer`` (a local path) from a named Ray actor shared by
             every transform given the same ``actor_name`` (TorchRL's ``ModuleTransform`` /
             ``RayRetrieveKL`` idiom). Defaults to ``False``.
-        service_backend: ``"ray"`` is the same as ``use_ray_service=True`` (TorchRL
-            0.14's newer spelling); ``"direct"``/``None``: in-process.
+        service_backend: ``"ray"`` is the same as ``use_ray_service=True`` (TorchRL's
+            newer spelling); ``"direct"``/``None``: in-process.
         actor_name, num_cpus, num_gpus: the service's name and Ray resources (only with
             ``use_ray_service=True``); for its other settings build the
             :class:`~torchrl_trl.rewards.service.RewardServiceClient` and pass it.
@@ -110,45 +111,54 @@ class HFRewardTransform(RewardTransform):
         if removed:
             raise _removed_error(removed)
         if service_backend not in (None, "direct", "ray"):
-            raise ValueError(f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}")
+            raise ValueError(
+                f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}"
+            )
         if use_ray_service and service_backend == "direct":
             raise ValueError("use_ray_service=True conflicts with service_backend='direct'")
         use_ray_service = bool(use_ray_service) or service_backend == "ray"
-        service = {"actor_name": actor_name, "num_cpus": num_cpus, "num_gpus": num_gpus}
-        service = {k: v for k, v in service.items() if v is not None}
-        if service and not use_ray_service:
-            raise TypeError(f"{sorted(service)} only apply with use_ray_service=True")
+        ray_options = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        ray_options = {k: v for k, v in ray_options.items() if v is not None}
+        given = sorted([*ray_options, *(["actor_name"] if actor_name is not None else [])])
+        if given and not use_ray_service:
+            raise TypeError(f"{given} only apply with use_ray_service=True")
         if use_ray_service:
             if not isinstance(scorer, (str, os.PathLike)):
                 raise TypeError(
-                    "use_ray_service=True serves the reward model from a local path: pass the path, "
-                    f"or a RewardServiceClient itself (without use_ray_service), not a {type(scorer).__name__}"
+                    "use_ray_service=True serves the reward model from a local path: pass the "
+                    "path, or a RewardServiceClient itself (without use_ray_service), not a "
+                    f"{type(scorer).__name__}"
                 )
-            scorer = RewardServiceClient(scorer, **service)
+            scorer = RewardServiceClient(scorer, actor_name=actor_name, remote_config=ray_options)
         elif isinstance(scorer, (str, os.PathLike)) or (
             isinstance(scorer, nn.Module) and not isinstance(scorer, HFRewardModelWrapper)
         ):
             scorer = HFRewardModelWrapper(scorer, inference_mode=True)
         elif not isinstance(scorer, (HFRewardModelWrapper, RewardServiceClient)):
             raise TypeError(
-                "scorer must be an HFRewardModelWrapper, a RewardServiceClient, a reward model or a "
-                f"local path, got {type(scorer).__name__}"
+                "scorer must be an HFRewardModelWrapper, a RewardServiceClient, a reward model "
+                f"or a local path, got {type(scorer).__name__}"
             )
-        super().__init__(scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate)
+        super().__init__(
+            scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate
+        )
 
 
 def _removed_error(given: dict) -> TypeError:
     """Arguments the transform no longer forwards: each named with where it goes now."""
-    from .service import MODEL_SIDE_ARGS, SERVICE_ARGS
+    from .service import CALLER_SIDE_ARGS, MODEL_SIDE_ARGS, SERVICE_ARGS
 
+    client = "RewardServiceClient(path, {}): pass the client as the scorer"
+    wrapper = "the scorer: HFRewardTransform(HFRewardModelWrapper.from_pretrained(path, {}))"
+    homes = [
+        (SERVICE_ARGS, client.format("{n}=...")),
+        (RAY_OPTIONS, client.format("remote_config={{{n!r}: ...}}")),
+        (DEPRECATED, wrapper.format("batching=RewardBatching({n}=...)")),
+        (MODEL_SIDE_ARGS | CALLER_SIDE_ARGS | {"inference_mode"}, wrapper.format("{n}=...")),
+    ]
     lines = []
     for name in sorted(given):
-        if name in SERVICE_ARGS:
-            lines.append(f"{name} moved to RewardServiceClient(path, {name}=...): pass the client as the scorer")
-        elif name in MODEL_SIDE_ARGS or name in ("tokenizer", "token_key", "attention_mask_key",
-                                                 "inference_mode", "renderer", "batching"):
-            lines.append(f"{name} moved to the scorer: HFRewardTransform(HFRewardModelWrapper."
-                         f"from_pretrained(path, {name}=...))")
-        else:
-            lines.append(str(moved_arguments_error("HFRewardTransform", {name: None})).split(": ", 1)[1])
+        home = next((home for names, home in homes if name in names), None)
+        # else a removed keyword of the wrapper's, or an unknown one
+        lines.append(moved_line(name) if home is None else f"{name} moved to {home.format(n=name)}")
     return TypeError("HFRewardTransform composes a scorer: " + "; ".join(lines))
