@@ -224,7 +224,6 @@ class GroupRolloutFunc:
         consumed_staleness: the age of every group returned, in order.
         consumed_reuse: for every group returned, how many times it was used before (0: fresh).
         replay: the :class:`GroupReplay` (counters ``reused``, ``expired_stale``, ``expired_used``).
-        prompt_mismatches: how many of TRL's prompts differed from the generated ones.
     """
 
     #: completions per prompt, set by the subclass
