@@ -674,7 +674,14 @@ def test_trl_async_grpo_worker_and_weight_transfer(checkpoints, fresh_model, pol
     torch.manual_seed(0)
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     collector = _collector(generator, tok, CHATS, max_pending_groups=2)
-    worker = TorchRLRolloutWorker(collector, [lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]])
+
+    def mod7(completion_ids, **kw):
+        return [float(sum(c) % 7) for c in completion_ids]
+
+    def all_but_first(completion_ids, **kw):  # None (excluded, not 0) for a group's first
+        return [None] + [1.0] * (len(completion_ids) - 1)
+
+    worker = TorchRLRolloutWorker(collector, [mod7, all_but_first], reward_weights=[1.0, 3.0])
     transfer = TorchRLWeightTransfer(collector)
     for proto, obj in ((RolloutWorkerProtocol, worker), (WeightTransferProtocol, transfer)):
         assert all(hasattr(obj, name) for name in dir(proto) if not name.startswith("_"))
@@ -694,8 +701,15 @@ def test_trl_async_grpo_worker_and_weight_transfer(checkpoints, fresh_model, pol
         worker.stop()
     assert all(torch.equal(a, b) for a, b in zip(generator.parameters(), fresh_model.parameters()))
     assert [s.group_id for s in samples] == [0, 0, 1, 1] and {s.model_version for s in samples} == {1}
-    for a, b in (samples[:2], samples[2:]):
-        assert a.advantage == pytest.approx(-b.advantage) or a.advantage == b.advantage == 0
+    for group in (samples[:2], samples[2:]):  # TRL's weighted sum, recomputed from the ids
+        rewards = []
+        for i, s in enumerate(group):
+            completion = [int(t) for t, m in zip(s.input_ids, s.completion_mask) if m]
+            rewards.append(sum(completion) % 7 + (3.0 if i else 0.0))
+            assert s.metrics["reward"] == pytest.approx(rewards[-1])
+            assert s.metrics["rewards/all_but_first"] == pytest.approx(1.0 if i else float("nan"), nan_ok=True)
+        expected = (torch.tensor(rewards) - torch.tensor(rewards).mean()) / (torch.tensor(rewards).std(unbiased=False) + 1e-8)
+        assert [s.advantage for s in group] == pytest.approx(expected.tolist(), abs=1e-5)
     for s in samples:
         ids, mask = torch.as_tensor(s.input_ids), torch.as_tensor(s.completion_mask).bool()
         n_prompt = int((~mask).cumprod(0).sum())

@@ -23,7 +23,6 @@ the same collector drives ``GRPOTrainer`` through
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -33,14 +32,11 @@ import numpy as np
 import torch
 
 from .._checks import positive_int, positive_seconds
+from ..rewards.functions import RewardFunctionWrapper
 from .async_rollouts import AsyncGroupCollector, AsyncTorchRLRolloutFunc
 from .group_rollouts import GroupRolloutFunc, RolloutGroup
 
 __all__ = ["TorchRLRolloutWorker", "TorchRLWeightTransfer"]
-
-
-def _name(func) -> str:
-    return getattr(func, "__name__", type(func).__name__)
 
 
 class TorchRLRolloutWorker:
@@ -54,10 +50,15 @@ class TorchRLRolloutWorker:
             staleness itself), any :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`,
             or an :class:`~torchrl_trl.online.AsyncGroupCollector`.
         reward_funcs: TRL-style ``f(prompts, completions, completion_ids, **fields) -> list``
-            (``None`` entries allowed), summed with weight 1; ``fields`` are the rollout
-            func's forwarded fields (e.g. ``torchrl_reward``, ``answer``).
+            (``None`` entries allowed); ``fields`` are the rollout func's forwarded fields
+            (e.g. ``torchrl_reward``, ``answer``). They are scored by one
+            :class:`~torchrl_trl.RewardFunctionWrapper` (:attr:`scorer`): the reward is
+            ``nansum(reward_weights * rewards)``, a ``None`` or infinite value excluded and
+            counted (``scorer.none_counts``, ``scorer.nonfinite_counts``).
 
     Keyword Args:
+        reward_weights: one float per function (default: all ones), as
+            ``GRPOConfig.reward_weights``.
         queue_maxsize: bound of :attr:`rollout_buffer` (the pump waits when it is full).
         timeout: seconds the pump waits for a group before it counts as a failure (for an
             ``AsyncGroupCollector``; a ``GroupRolloutFunc`` has its own ``timeout``).
@@ -87,6 +88,7 @@ class TorchRLRolloutWorker:
         collector: GroupRolloutFunc | AsyncGroupCollector,
         reward_funcs: Sequence[Callable],
         *,
+        reward_weights: Sequence[float] | None = None,
         queue_maxsize: int = 1024,
         timeout: float = 600.0,
     ):
@@ -95,6 +97,7 @@ class TorchRLRolloutWorker:
         self.collector = collector
         self.source = _group_source(collector, timeout)
         self.reward_funcs = list(reward_funcs)
+        self.scorer = RewardFunctionWrapper(self.reward_funcs, weights=reward_weights)
         self.rollout_buffer: queue.Queue = queue.Queue(maxsize=positive_int(queue_maxsize, "queue_maxsize"))
         self.metrics_queue: queue.Queue = queue.Queue()
         self.timeout = positive_seconds(timeout, "timeout")
@@ -167,20 +170,13 @@ class TorchRLRolloutWorker:
         chat = isinstance(group.prompt, list)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         fields = {k: v for k, v in batch.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
-        columns = []
-        for func in self.reward_funcs:
-            values = func(prompts=prompts, completions=completions, completion_ids=batch["completion_ids"], **fields)
-            if len(values) != n:
-                raise ValueError(f"reward function {_name(func)!r} returned {len(values)} rewards for {n} completions")
-            columns.append([math.nan if v is None else float(v) for v in values])
-        per_func = np.array(columns, dtype=float)
-        unscorable = np.all(np.isnan(per_func), axis=0)
-        rewards = np.nansum(per_func, axis=0)
-        rewards[unscorable] = np.nan
+        rewards, per_func = self.scorer.score_arguments(prompts, completions, batch["completion_ids"], **fields)
+        rewards, per_func = rewards.double().numpy(), per_func.T.double().numpy()
+        scorable = ~np.isnan(rewards)  # NaN: no function could score it
         advantages = np.zeros(n)
-        scored = rewards[~unscorable]
+        scored = rewards[scorable]
         if scored.size:
-            advantages[~unscorable] = (scored - scored.mean()) / (scored.std() + 1e-8)
+            advantages[scorable] = (scored - scored.mean()) / (scored.std() + 1e-8)
         group_id = self._group_ids
         self._group_ids += 1
         samples = []
@@ -189,7 +185,7 @@ class TorchRLRolloutWorker:
             env_mask = batch["env_mask"][i] if "env_mask" in batch else [1] * len(completion_ids)
             logprobs = np.nan_to_num(np.asarray(batch["logprobs"][i], dtype=np.float32), nan=0.0)
             metrics = {"reward": float(rewards[i])}
-            metrics.update({f"rewards/{_name(f)}": float(per_func[j, i]) for j, f in enumerate(self.reward_funcs)})
+            metrics.update({f"rewards/{name}": float(per_func[j, i]) for j, name in enumerate(self.scorer.names)})
             samples.append(
                 RolloutSample(
                     prompt=group.prompt,
