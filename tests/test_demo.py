@@ -128,7 +128,7 @@ def test_quiet_libraries_keeps_our_warnings():
     import warnings
 
     from torchrl_trl.data.groups import SkippedRolloutsWarning
-    from torchrl_trl.demo import _quiet_libraries
+    from torchrl_trl.demo_output import _quiet_libraries
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -18,12 +18,8 @@ vowels. Nobody tells the policy or the reward model; they learn it from data:
 6. a summary table, a reward curve (PNG, both GRPO runs' true score) and a JSON of every
    number in ``output_dir``.
 
-Run it with ``torchrl-trl demo``. Measured with ``/usr/bin/time -v`` on this project's 2-core
-machine, otherwise idle: ``--quick`` 41 s wall, 55 s of CPU time (reward model 2 s, TorchRL
-GRPO 26 s, SFT 1 s, TRL GRPO 5 s); the full run (25 iterations, 3x the reward pairs, 2
-epochs) 82 s wall, 112 s of CPU time (reward model 6 s, TorchRL GRPO 56 s, TRL GRPO 10 s).
-With other jobs sharing the cores it took up to 6.6 min (``--quick``) and 27 min (full):
-every run and its load is in ``torchrl_trl.cli.QUICK_TIME``'s comment.
+Run it with ``torchrl-trl demo`` (run times and the load they were measured under: the
+comment of ``torchrl_trl.cli.QUICK_TIME``).
 Both trained policies are saved under ``output_dir`` (``policy_grpo``, ``policy_sft``,
 safetensors). Checkpoints given by path are loaded from safetensors only, with
 ``trust_remote_code=False``.
@@ -31,17 +27,15 @@ safetensors). Checkpoints given by path are loaded from safetensors only, with
 
 from __future__ import annotations
 
-import json
-import logging
 import random
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from ._checks import positive_int
+from .demo_output import _quiet_libraries, _say, plot_reward_curve, summary_table, write_outputs
 
 __all__ = ["DemoConfig", "plot_reward_curve", "run_demo", "run_trl_grpo", "true_score"]
 
@@ -160,7 +154,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         )
 
     results["timings_s"] = timings
-    _write_outputs(results, cfg.output_dir)
+    write_outputs(results, cfg.output_dir)
     _say(summary_table(results))
     _say(
         f"wrote {cfg.output_dir / 'results.json'}, {cfg.output_dir / 'reward_curve.png'} and the trained "
@@ -442,25 +436,8 @@ def measure_true_score(model, tokenizer, cfg: DemoConfig, samples_per_prompt: in
 
 
 # ---------------------------------------------------------------------------
-# Reporting
+# Helpers
 # ---------------------------------------------------------------------------
-
-
-def summary_table(results: dict) -> str:
-    grpo, sft = results["grpo"], results["sft_best_of_n"]
-    rows = [
-        ("reward model held-out pairwise accuracy", "", f"{results['reward_model']['heldout_pairwise_accuracy']:.3f}"),
-        ("GRPO reward-model score", f"{grpo['rm_score'][0]:.3f}", f"{grpo['rm_score'][-1]:.3f}"),
-        ("GRPO true score (hidden rule)", f"{grpo['true_score'][0]:.3f}", f"{grpo['true_score'][-1]:.3f}"),
-        ("SFT best-of-n true score", f"{sft['true_score_before']:.3f}", f"{sft['true_score_after']:.3f}"),
-    ]
-    if "trl_grpo" in results:
-        trl = results["trl_grpo"]
-        rows.append(("TRL GRPO (TorchRL rollouts) true score", f"{trl['true_score'][0]:.3f}", f"{trl['true_score'][-1]:.3f}"))
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'':{width}}  {'start':>7}  {'end':>7}", "-" * (width + 18)]
-    lines += [f"{name:{width}}  {start:>7}  {end:>7}" for name, start, end in rows]
-    return "\n".join(lines)
 
 
 def _json_value(value):
@@ -473,51 +450,6 @@ def _save_policy(model, tokenizer, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
-
-
-def _write_outputs(results: dict, output_dir: Path) -> None:
-    (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-    try:
-        import matplotlib
-    except ImportError:
-        _say("matplotlib is not installed (pip install 'torchrl-trl[demo]'): no reward_curve.png")
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = plot_reward_curve(results)
-    fig.savefig(output_dir / "reward_curve.png", dpi=100)
-    plt.close(fig)
-
-
-def plot_reward_curve(results: dict):
-    """The demo's figure (``reward_curve.png``) drawn from ``results`` as :func:`run_demo`
-    returns it (or ``results.json`` holds it): per GRPO iteration, the hidden rule's true
-    score of TorchRL GRPO's and (when run) TRL GRPO's samples on the left axis, the reward
-    model's score of TorchRL GRPO's samples on the right. Returns the pyplot figure
-    (needs ``matplotlib``: ``pip install 'torchrl-trl[demo]'``).
-
-    >>> fig = plot_reward_curve({"grpo": {"true_score": [0.18, 0.43], "rm_score": [-1.1, 1.4]}})
-    >>> [line.get_label() for ax in fig.axes for line in ax.get_lines()]
-    ['true score (hidden rule), TorchRL GRPO', 'reward-model score, TorchRL GRPO']
-    >>> import matplotlib.pyplot as plt; plt.close(fig)
-    """
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    ax.plot(results["grpo"]["true_score"], label="true score (hidden rule), TorchRL GRPO")
-    if "trl_grpo" in results:
-        ax.plot(results["trl_grpo"]["true_score"], color="tab:green", label="true score, TRL GRPO on TorchRL rollouts")
-    ax2 = ax.twinx()
-    ax2.plot(results["grpo"]["rm_score"], color="tab:orange", label="reward-model score, TorchRL GRPO")
-    ax.set_xlabel("GRPO iteration")
-    ax.set_ylabel("true score")
-    ax2.set_ylabel("reward-model score")
-    # under the axes: inside, it hides the curves' ends
-    fig.legend(loc="lower center", fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.17, 1, 1))
-    return fig
 
 
 def _quiet_trainer_args(cfg: DemoConfig, output_dir: Path) -> dict:
@@ -550,27 +482,3 @@ def _progress(iterable, cfg: DemoConfig, total: int, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, total=total, desc=desc)
-
-
-def _say(message: str) -> None:
-    print(message, flush=True)
-
-
-def _quiet_libraries() -> None:
-    # the libraries' own deprecation chatter; our SkippedRolloutsWarning etc. stay visible
-    for module in ("torch", "torchrl", "tensordict", "transformers", "trl", "datasets", "accelerate"):
-        # anchored: a bare "torch" also matches, and hid, torchrl_trl's own warnings
-        pattern = rf"{module}(\.|$)"
-        warnings.filterwarnings("ignore", category=UserWarning, module=pattern)
-        warnings.filterwarnings("ignore", category=FutureWarning, module=pattern)
-    # TRL's notice on every GRPOTrainer with a rollout_func (attributed to the caller's module)
-    warnings.filterwarnings("ignore", message=r"You are using 'rollout_func', which is an experimental", category=UserWarning)
-    logging.getLogger("torchrl").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()

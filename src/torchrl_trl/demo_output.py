@@ -1,0 +1,97 @@
+"""What the demo prints and writes: its messages (the libraries' own chatter silenced), the
+summary table, ``results.json`` and the reward curve (``reward_curve.png``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+__all__ = ["plot_reward_curve", "summary_table", "write_outputs"]
+
+
+def summary_table(results: dict) -> str:
+    grpo, sft = results["grpo"], results["sft_best_of_n"]
+    rows = [
+        ("reward model held-out pairwise accuracy", "", f"{results['reward_model']['heldout_pairwise_accuracy']:.3f}"),
+        ("GRPO reward-model score", f"{grpo['rm_score'][0]:.3f}", f"{grpo['rm_score'][-1]:.3f}"),
+        ("GRPO true score (hidden rule)", f"{grpo['true_score'][0]:.3f}", f"{grpo['true_score'][-1]:.3f}"),
+        ("SFT best-of-n true score", f"{sft['true_score_before']:.3f}", f"{sft['true_score_after']:.3f}"),
+    ]
+    if "trl_grpo" in results:
+        trl = results["trl_grpo"]
+        rows.append(("TRL GRPO (TorchRL rollouts) true score", f"{trl['true_score'][0]:.3f}", f"{trl['true_score'][-1]:.3f}"))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':{width}}  {'start':>7}  {'end':>7}", "-" * (width + 18)]
+    lines += [f"{name:{width}}  {start:>7}  {end:>7}" for name, start, end in rows]
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict, output_dir: Path) -> None:
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+    try:
+        import matplotlib
+    except ImportError:
+        _say("matplotlib is not installed (pip install 'torchrl-trl[demo]'): no reward_curve.png")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plot_reward_curve(results)
+    fig.savefig(output_dir / "reward_curve.png", dpi=100)
+    plt.close(fig)
+
+
+def plot_reward_curve(results: dict):
+    """The demo's figure (``reward_curve.png``) drawn from ``results`` as :func:`run_demo`
+    returns it (or ``results.json`` holds it): per GRPO iteration, the hidden rule's true
+    score of TorchRL GRPO's and (when run) TRL GRPO's samples on the left axis, the reward
+    model's score of TorchRL GRPO's samples on the right. Returns the pyplot figure
+    (needs ``matplotlib``: ``pip install 'torchrl-trl[demo]'``).
+
+    >>> fig = plot_reward_curve({"grpo": {"true_score": [0.18, 0.43], "rm_score": [-1.1, 1.4]}})
+    >>> [line.get_label() for ax in fig.axes for line in ax.get_lines()]
+    ['true score (hidden rule), TorchRL GRPO', 'reward-model score, TorchRL GRPO']
+    >>> import matplotlib.pyplot as plt; plt.close(fig)
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    ax.plot(results["grpo"]["true_score"], label="true score (hidden rule), TorchRL GRPO")
+    if "trl_grpo" in results:
+        ax.plot(results["trl_grpo"]["true_score"], color="tab:green", label="true score, TRL GRPO on TorchRL rollouts")
+    ax2 = ax.twinx()
+    ax2.plot(results["grpo"]["rm_score"], color="tab:orange", label="reward-model score, TorchRL GRPO")
+    ax.set_xlabel("GRPO iteration")
+    ax.set_ylabel("true score")
+    ax2.set_ylabel("reward-model score")
+    # under the axes: inside, it hides the curves' ends
+    fig.legend(loc="lower center", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
+    return fig
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _quiet_libraries() -> None:
+    # the libraries' own deprecation chatter; our SkippedRolloutsWarning etc. stay visible
+    for module in ("torch", "torchrl", "tensordict", "transformers", "trl", "datasets", "accelerate"):
+        # anchored: a bare "torch" also matches, and hid, torchrl_trl's own warnings
+        pattern = rf"{module}(\.|$)"
+        warnings.filterwarnings("ignore", category=UserWarning, module=pattern)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=pattern)
+    # TRL's notice on every GRPOTrainer with a rollout_func (attributed to the caller's module)
+    warnings.filterwarnings("ignore", message=r"You are using 'rollout_func', which is an experimental", category=UserWarning)
+    logging.getLogger("torchrl").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
