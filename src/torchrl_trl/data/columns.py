@@ -130,14 +130,11 @@ class ArrayRow(list):
         row._array = array
         return row
 
-    def _export(self):
-        array = getattr(self, "_array", None)
-        if array is None:  # built from a list, or changed in place since: torch's own rules
-            return torch.tensor(list(self))
-        return np.array(array)  # a copy: torch.as_tensor(row) must not alias the row's array
-
     def __dlpack__(self, **kwargs):
-        return self._export().__dlpack__(**kwargs)
+        array = getattr(self, "_array", None)  # inlined _export: TRL's collator calls this per row
+        if array is None:
+            return torch.tensor(list(self)).__dlpack__(**kwargs)
+        return array.copy().__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
         return _CPU_DEVICE
@@ -197,12 +194,14 @@ def array_rows(values: Any) -> list[ArrayRow] | None:
     array = flat.detach().cpu().numpy().astype(dtype, copy=True)
     if lengths is None:
         pieces = array.reshape(values.shape)
-        return [ArrayRow.from_array(a, v) for a, v in zip(pieces, pieces.tolist())]
-    flat_list = array.tolist()
-    rows, start = [], 0
-    for n in lengths.tolist():
-        rows.append(ArrayRow.from_array(array[start:start + n], flat_list[start:start + n]))
-        start += n
+        rows = [ArrayRow(v) for v in pieces.tolist()]
+    else:
+        ends = np.cumsum(np.asarray(lengths.tolist(), dtype=np.int64))
+        pieces = np.split(array, ends[:-1]) if len(ends) else []
+        flat_list = array.tolist()
+        rows = [ArrayRow(flat_list[e - len(a):e]) for a, e in zip(pieces, ends.tolist())]
+    for row, piece in zip(rows, pieces):
+        row._array = piece
     return rows
 
 
