@@ -11,8 +11,11 @@ One process, one tiny policy (CPU by default), fixed prompts and seeds; each mod
    at most twice, within ``max_staleness=1``) instead of waiting for fresh ones. Its
    samples/s counts trained samples, reuses included; the line also gives how many were fresh.
 5. ``llm-collector``: ``LLMCollectorRolloutFunc`` draining the groups a TorchRL
-   ``LLMCollector`` thread (own weights, ``ChatEnv``) writes through ``MCAdvantage``
-   (``max_staleness=1``; weights through ``collector.update_policy_weights_``);
+   ``LLMCollector`` thread (own weights, ``ChatEnv``) writes into a plain buffer
+   (``max_staleness=1``; weights through ``collector.update_policy_weights_``), at most one
+   step of groups ahead (``max_pending_groups``); ``llm-collector-free``: the same running
+   free (TorchRL's ``collector.start()`` alone); ``llm-collector-mc``: bounded, through
+   ``MCAdvantage``;
 6. ``llm-collector-ray``: the same collector in a ``RayLLMCollector`` actor (its own
    process, 1 thread) writing into a ``RayReplayBuffer``; the trainer gets the other
    ``--cores - 1`` threads. Equal cores: the synchronous modes get all ``--cores``.
@@ -49,7 +52,8 @@ POLICY_SIZES = {
     "25m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
             "num_attention_heads": 8, "num_key_value_heads": 4},
 }
-MODES = ("trl", "torchrl", "async", "async-reuse", "llm-collector", "llm-collector-mc", "llm-collector-ray")
+MODES = ("trl", "torchrl", "async", "async-reuse", "llm-collector", "llm-collector-free", "llm-collector-mc",
+         "llm-collector-ray")
 
 
 def make_trainer(mode, ckpt, tok, args, out_dir):
@@ -73,8 +77,9 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     func = None
-    if mode in ("llm-collector", "llm-collector-mc"):
-        func = _llm_collector_func(ckpt, tok, args, mc_advantage=mode == "llm-collector-mc")
+    if mode in ("llm-collector", "llm-collector-free", "llm-collector-mc"):
+        func = _llm_collector_func(ckpt, tok, args, mc_advantage=mode == "llm-collector-mc",
+                                   bounded=mode != "llm-collector-free")
     if mode == "llm-collector-ray":
         func = _ray_collector_func(ckpt, args)
     if mode == "torchrl":
@@ -102,7 +107,7 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     return trainer, func
 
 
-def _llm_collector_func(ckpt, tok, args, mc_advantage=False):
+def _llm_collector_func(ckpt, tok, args, mc_advantage=False, bounded=True):
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer
     from torchrl.objectives.llm import MCAdvantage
@@ -124,7 +129,9 @@ def _llm_collector_func(ckpt, tok, args, mc_advantage=False):
         env=env, policy=make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens),
         dialog_turns_per_batch=args.batch, replay_buffer=rb, track_policy_version=True, total_dialog_turns=-1,
     )
-    return LLMCollectorRolloutFunc(collector, rb, group_size=args.group, max_staleness=1, timeout=600)
+    ahead = args.batch // args.group if bounded else None  # one step ahead at most, as async
+    return LLMCollectorRolloutFunc(collector, rb, group_size=args.group, max_staleness=1, timeout=600,
+                                   max_pending_groups=ahead)
 
 
 def _bigger_policy(tok, root, config: dict) -> str:

@@ -195,6 +195,58 @@ def test_caller_pushes_weights_staleness_against_the_collectors_version(policy_a
         assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
 
 
+def test_max_pending_groups_holds_the_collector(policy_and_tokenizer):
+    """max_pending_groups=2: the collector writes 2 groups and waits in TorchRL's
+    post_collect_hook (generating nothing) until one is taken; a user's own hook still runs.
+    Without the bound TorchRL's collector.start() runs free (checked: dozens of items)."""
+    import copy
+    import time
+
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+
+    from torchrl_trl.testing import make_policy_wrapper
+
+    model, tok = policy_and_tokenizer
+
+    def written_after_a_while(func, rb, settle_s=1.5):
+        last, since = -1, time.monotonic()
+        end = since + 30
+        while time.monotonic() - since < settle_s:  # until the count stops moving
+            if rb.write_count != last:
+                last, since = rb.write_count, time.monotonic()
+            assert time.monotonic() < end, f"the collector kept writing: {rb.write_count} items"
+            time.sleep(0.05)
+        return rb.write_count
+
+    for bound in (2, None):
+        rb = ReplayBuffer(storage=LazyStackStorage(4096))
+        collector = LLMCollector(env=_env(), policy=make_policy_wrapper(copy.deepcopy(model), tok, max_new_tokens=2),
+                                 dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
+                                 total_dialog_turns=-1)  # one group (2 items) per batch
+        seen = []
+        collector.post_collect_hook = lambda batch: seen.append(batch.numel())
+        with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, max_pending_groups=bound,
+                                     timeout=60) as func:
+            func.start()
+            if bound is None:
+                _wait_until(lambda: rb.write_count > 20)
+                continue
+            assert written_after_a_while(func, rb) == 4  # 2 groups, the third batch held
+            assert len(func.next_groups(1, version=0)) == 1
+            assert written_after_a_while(func, rb) == 6  # room for one more
+            assert func.read_groups == 3 and set(seen) == {2}
+
+
+def _wait_until(predicate, timeout=120):
+    import time
+
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
 def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer):
     from types import SimpleNamespace
 

@@ -35,6 +35,7 @@ are at worst, one version old.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -46,6 +47,7 @@ from .._checks import positive_int, positive_seconds
 from .callback import CollectorError
 from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, episodes_to_trl
 from .group_rollouts import GroupRolloutFunc, RolloutGroup, split_groups, take_fresh
+from .ray import is_ray_collector
 from .staleness import read_policy_version
 from .weights import push_weights
 
@@ -77,6 +79,12 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             ``push_weights`` goes through ``collector.update_policy_weights_``, and a
             collector that stops raises at once whatever the timeout.
         poll_s: seconds between two reads of the buffer while waiting.
+        max_pending_groups: how far an in-process collector may run ahead: before writing a
+            batch, it waits (in TorchRL's ``post_collect_hook``, so it generates nothing
+            meanwhile) until the batch's groups and those written but not yet taken are at
+            most this many (``None``: no bound, TorchRL's free-running ``collector.start()``).
+            Unbounded, a collector on cores it shares with the trainer can generate groups
+            that go stale and are dropped.
         group_key: the key whose value all items of a group share (``MCAdvantage``'s
             ``prompt_key``).
 
@@ -126,6 +134,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         push_weights: bool = True,
         drop_zero_std: bool = False,
         reuse: int = 0,
+        max_pending_groups: int | None = None,
     ):
         super().__init__(
             max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
@@ -150,6 +159,15 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         self._pending: deque[tuple[int, TensorDictBase]] = deque()
         self._pushed_step: int | None = None
         self._started = False
+        self.max_pending_groups = None if max_pending_groups is None else positive_int(
+            max_pending_groups, "max_pending_groups")
+        if self.max_pending_groups is not None and is_ray_collector(collector):
+            raise ValueError(
+                "max_pending_groups bounds an in-process collector (its post_collect_hook runs in the "
+                "collector's thread and reads this process's buffer); a Ray collector runs free"
+            )
+        self._reading = threading.Condition()  # the trainer and the bounded collector both read
+        self._closing = threading.Event()
 
     # -- the source of groups ----------------------------------------------------------
 
@@ -165,8 +183,32 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     def start(self) -> None:
         if not self._started:
+            if self.max_pending_groups is not None:
+                self._install_hold()
             self.collector.start()
             self._started = True
+
+    def _install_hold(self) -> None:
+        """Make the collector wait, before writing each batch, until its groups fit under
+        ``max_pending_groups`` with those pending (TorchRL's ``post_collect_hook``, chained
+        after one the collector already has). The batch waiting was generated already: it
+        counts as ahead too, or it would go stale while it waits."""
+        previous = self.collector.post_collect_hook
+
+        def hold(batch: TensorDictBase) -> None:
+            if previous is not None:
+                previous(batch)
+            incoming = -(-_episodes_ending(batch) // self.group_size)
+            with self._reading:
+                while not self._closing.is_set():
+                    self._read_new()
+                    pending = len(self._pending)
+                    # a batch larger than the bound goes alone
+                    if pending == 0 or pending + incoming <= self.max_pending_groups:
+                        return
+                    self._reading.wait(self.poll_s)
+
+        self.collector.post_collect_hook = hold
 
     def next_groups(self, n: int, *, version: int | None = None, wait: bool = True, keep=None) -> list[RolloutGroup]:
         self.policy_version = self._collector_version() if version is None else version
@@ -240,11 +282,13 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     def _take_groups(self, n: int, out: list, start: float, wait: bool) -> list[tuple[int, TensorDictBase]]:
         while True:
             running = _is_running(self.collector)  # asked first: what it wrote before stopping counts
-            self._read_new()
-            taken, stale, _ = take_fresh(
-                self._pending, n - len(out), consumer_version=self.policy_version,
-                max_staleness=self.max_staleness, version=lambda group: group[0],
-            )
+            with self._reading:
+                self._read_new()
+                taken, stale, _ = take_fresh(
+                    self._pending, n - len(out), consumer_version=self.policy_version,
+                    max_staleness=self.max_staleness, version=lambda group: group[0],
+                )
+                self._reading.notify_all()  # room for a collector held by max_pending_groups
             out += taken
             self.dropped_stale_groups += stale
             if len(out) == n or not wait:
@@ -342,7 +386,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     # -- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the collector (``async_shutdown``)."""
+        """Stop the collector (``async_shutdown``), releasing it if it waits for room."""
+        self._closing.set()
         if self._started:
             self.collector.async_shutdown(timeout=30)
 
@@ -366,6 +411,13 @@ def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:
             "MCAdvantage(grpo_size=...), so whole episodes and groups are written"
         )
     return list(zip([0, *ends[:-1]], ends))
+
+
+def _episodes_ending(items: TensorDictBase) -> int:
+    """How many episodes end in ``items`` (every item one episode without a done key)."""
+    if not layouts.has_key(items, layouts.DONE_KEY):
+        return items.numel()
+    return sum(bool(d.all()) for d in layouts.read_column(items, layouts.DONE_KEY))
 
 
 def _hashable(value):
