@@ -28,6 +28,8 @@ and the GIL: read the numbers with that in mind.
 
     python benchmarks/bench_grpo_rollouts.py            # 6 steps x 16 completions
     python benchmarks/bench_grpo_rollouts.py --steps 3  # quicker
+    python benchmarks/bench_grpo_rollouts.py --learn --steps 40 --batch 8 --max-new-tokens 8 \
+        --modes trl,torchrl,llm-collector     # the same learning? (score per mode)
 """
 
 from __future__ import annotations
@@ -97,14 +99,38 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
         num_generations=args.group, max_completion_length=args.max_new_tokens, use_cpu=args.device == "cpu",
         bf16=False, report_to=[], save_strategy="no", logging_steps=10_000, shuffle_dataset=False,
         beta=0.0, gradient_checkpointing=False, seed=0, disable_tqdm=True,
+        **({"learning_rate": 3e-2, "epsilon_high": 0.28} if args.learn else {}),  # the tests' learning setup
     )
     # the same reward in every mode
+    reward = ShareOf(tok, LEARN_TARGETS) if args.learn else (
+        lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids])
     trainer = TimedTrainer(
-        model=model, args=config, processing_class=tok, rollout_func=func,
-        reward_funcs=[lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]],
+        model=model, args=config, processing_class=tok, rollout_func=func, reward_funcs=[reward],
         train_dataset=Dataset.from_dict({"prompt": chats}),
     )
+    trainer.learning_curve = getattr(reward, "means", None)
     return trainer, func
+
+
+#: ``--learn``'s reward: the share of these characters' tokens in a completion (about 3%
+#: under the untrained policy, so every mode starts from the same low score)
+LEARN_TARGETS = "abcd"
+
+
+class ShareOf:
+    """A learnable, verifiable reward: the share of a completion's tokens that are one of
+    ``chars``; each call's batch mean is kept in :attr:`means` (the learning curve)."""
+
+    __name__ = "share_of_targets"
+
+    def __init__(self, tok, chars: str):
+        self.targets = {tok.convert_tokens_to_ids(c) for c in chars}
+        self.means: list[float] = []
+
+    def __call__(self, completion_ids, **kwargs):
+        rewards = [sum(t in self.targets for t in c) / max(len(c), 1) for c in completion_ids]
+        self.means.append(sum(rewards) / len(rewards))
+        return rewards
 
 
 def _llm_collector_func(ckpt, tok, args, mc_advantage=False, bounded=True):
@@ -211,9 +237,12 @@ def run(mode, ckpt, tok, args):
         extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {c.dropped_stale_groups} "
                  f"of {c.produced_groups} groups, {func.replay.reused} of {len(func.consumed_reuse)} reused")
     samples = args.steps * args.batch
+    curve = trainer.learning_curve
+    if curve:
+        extra += f"  score {sum(curve[:4]) / 4:.3f} -> {sum(curve[-4:]) / 4:.3f} (first/last 4 steps)"
     print(f"{mode:13s} {wall:7.2f} s  {samples / wall:7.1f} samples/s  waited {100 * waited / wall:5.1f}%{extra}",
           flush=True)
-    return samples / wall, waited / wall
+    return samples / wall, waited / wall, (sum(curve[-4:]) / 4 if curve else None)
 
 
 def main():
@@ -227,6 +256,9 @@ def main():
     p.add_argument("--policy-size", choices=sorted(POLICY_SIZES), default="tiny",
                    help="tiny: the test suite's policy; 25m: about 25M parameters, where generation dominates")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
+    p.add_argument("--learn", action="store_true",
+                   help="reward the share of 'a'-'d' tokens with the tests' learning rate and print each "
+                        "mode's score over the first and last 4 steps (use with --steps 40)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     from tensordict import set_list_to_stack
@@ -250,6 +282,8 @@ def main():
     engine = next((m for m in ("llm-collector-ray", "llm-collector", "async") if m in results), None)
     ratio = {m: f"{results[m][0] / base:.2f}" if m in results else "n/a" for m in (engine, "torchrl")}
     idle = f"{results[engine][1]:.2f}" if engine else "n/a"
+    if args.learn:
+        print("score after the last 4 steps: " + ", ".join(f"{m} {r[2]:.3f}" for m, r in results.items()))
     print(f"ratio async/trl={ratio[engine]} sync/trl={ratio['torchrl']} idle={idle} (async: {engine})")
 
 
