@@ -130,11 +130,11 @@ class ArrayRow(list):
         row._array = array
         return row
 
-    def __dlpack__(self, **kwargs):
-        array = getattr(self, "_array", None)  # inlined _export: TRL's collator calls this per row
-        if array is None:
+    def __dlpack__(self, **kwargs):  # TRL's collator calls it twice per row: kept flat
+        array = getattr(self, "_array", None)
+        if array is None:  # built from a list, or changed in place since: torch's own rules
             return torch.tensor(list(self)).__dlpack__(**kwargs)
-        return array.copy().__dlpack__(**kwargs)
+        return array.copy().__dlpack__(**kwargs)  # torch.as_tensor(row) must not alias the row
 
     def __dlpack_device__(self):
         return _CPU_DEVICE
