@@ -3,7 +3,9 @@
 - :class:`TorchRLRolloutWorker` implements TRL's ``RolloutWorkerProtocol``: a TorchRL
   collector generates whole groups (a TorchRL ``LLMCollector`` through
   :class:`~torchrl_trl.online.LLMCollectorRolloutFunc`, locally or as a Ray actor, or an
-  :class:`~torchrl_trl.online.AsyncGroupCollector`); a pump thread scores each group with TRL-style reward functions, computes the group advantages as
+  :class:`~torchrl_trl.online.AsyncGroupCollector`); a pump thread scores each group with
+  TRL-style reward functions (weighted, through one
+  :class:`~torchrl_trl.RewardFunctionWrapper`), computes the group advantages as
   TRL's own worker does (``(r - mean) / (std + 1e-8)``; a completion no function could score
   gets advantage 0) and puts one ``RolloutSample`` per completion on :attr:`rollout_buffer`
   (``input_ids`` = prompt + completion, ``completion_mask`` and ``old_log_probs`` aligned with
