@@ -13,7 +13,7 @@
   wait (polled every ``poll_s``), a collector that produces nothing within ``timeout`` too.
 
 Off-policy correction: the behaviour log-probs the collector recorded are returned as
-``logprobs``; TRL 1.16 applies them only with ``use_vllm=True`` (importance-sampling
+``logprobs``; TRL applies them only with ``use_vllm=True`` (importance-sampling
 correction) or through ``off_policy_mask_threshold`` (sequence masking), see
 :mod:`torchrl_trl.online.rollout_func`. Without either, a stale group is trained as if it
 were on-policy (TRL's ratio is exactly 1). :class:`BehaviourLogProbsMixin` is the smallest

@@ -78,7 +78,7 @@ class BehaviourLogProbsPostproc:
     >>> policy = make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3, input_mode="text")
     >>> _ = torch.manual_seed(0)
     >>> out = BehaviourLogProbsPostproc(policy)(policy(TensorDict({"text": {"prompt": ["hi", "hello"]}}, [2])))
-    >>> generated = out[0]["log_probs", "response"]  # TorchRL 0.14.1: 0.0 for the first token
+    >>> generated = out[0]["log_probs", "response"]  # TorchRL's: 0.0 for the first token
     >>> behaviour = out[0]["behaviour_log_probs"]
     >>> generated[0].item(), behaviour[0].item() < 0, torch.allclose(behaviour[1:], generated[1:], atol=1e-4)
     (0.0, True, True)

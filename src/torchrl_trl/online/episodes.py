@@ -9,8 +9,8 @@ environment's reply) are not the policy's. One TRL row per episode:
 - ``completion_ids``: every turn's response, with the tokens between turns;
 - ``env_mask``: 1 on the policy's tokens, 0 on those in between (TRL's tool mask);
 - ``logprobs``: per completion token, NaN where unknown (the tokens in between, and each
-  turn's first generated token when read from TorchRL 0.14.1's generation, which writes
-  0.0 there).
+  turn's first generated token when read from TorchRL's generation, which writes 0.0
+  there).
 
 A tokenizer or chat template that does not round-trip (turn ``k + 1``'s prompt does not
 start with turn ``k``'s sequence) raises: TRL would train on tokens the policy did not

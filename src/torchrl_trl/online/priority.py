@@ -92,8 +92,8 @@ class TensorPrioritizedSampler(Sampler):
 
     Same protocol as TorchRL's ``PrioritizedSampler`` (``update_priority``, ``_weight`` in
     the sample info, new rows get the current max priority); use it when
-    ``torchrl._torchrl`` (TorchRL's C++ segment trees) cannot load, as with torch 2.13 and
-    torchrl 0.14.1 wheels.
+    ``torchrl._torchrl`` (TorchRL's C++ segment trees) cannot load (some torch/torchrl
+    wheel pairs).
 
     Args:
         max_capacity: the storage's capacity.

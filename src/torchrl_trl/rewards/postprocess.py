@@ -2,8 +2,8 @@
 and normalise with running statistics.
 
 Scale, shift and clipping are TorchRL's own transforms, composed after the scorer
-(``RewardScaling(loc=shift, scale=scale)``, ``RewardClipping(clamp_min, clamp_max)``, both bounds given: TorchRL 0.14.1 fails on
-``None``, so a one-sided clip passes ``float("inf")``):
+(``RewardScaling(loc=shift, scale=scale)``, ``RewardClipping(clamp_min, clamp_max)``, both
+bounds given, a one-sided clip passing ``float("inf")``: TorchRL's fails on ``None``):
 on an env with ``env.append_transform``, on a replay buffer with ``rb.append_transform``,
 or called on a tensordict. Running normalisation is :class:`RunningRewardNorm` here:
 TorchRL's ``VecNormV2`` only runs inside an env's ``step`` (it cannot be called on a
