@@ -18,9 +18,11 @@ MIN_TRUE_SCORE_GAIN = 0.1
 # iteration within 0.145-0.182. Fresh samples before -> after: +0.30, +0.14, +0.26 (lr=0: 0).
 MIN_TRL_GRPO_GAIN = 0.08
 # Phase 4, SFTTrainer on the best-of-n rollouts of phase 3 from the initial policy, --quick,
-# fresh samples before -> after, seeds 0-3: +0.095, +0.063, +0.086, +0.113. The samples are
-# drawn with a fixed seed, so without learning the two are equal (a gain of 0).
-MIN_SFT_GAIN = 0.03
+# fresh samples before -> after, seeds 0-3: +0.251, +0.215, +0.265, +0.196 (learning rate
+# 1e-2; at 1e-3 it was +0.063 to +0.113, and the full run went down, 0.176 -> 0.169; now
+# 0.176 -> 0.938). The samples are drawn with a fixed seed, so without learning the two are
+# equal (a gain of 0).
+MIN_SFT_GAIN = 0.1
 
 
 @pytest.mark.slow
