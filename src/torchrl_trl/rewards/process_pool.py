@@ -26,7 +26,7 @@ import weakref
 
 import cloudpickle
 
-from .executors import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
+from .scheduler import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
 
 # no torch import here: worker processes import this module, and start faster without it
 
