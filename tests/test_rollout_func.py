@@ -580,7 +580,10 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
     runs, after 40 steps 0.996-1.0 in 4 seeds (mean staleness 1.3-1.9); 40 steps here, with
     and without the behaviour log-prob correction. Corrected, stale samples are clipped, so
     it learns slower: 0.57-0.92 after 40 steps in 8 runs at mean staleness 1.7-1.95 (the
-    clip-higher of :func:`learning_args` keeps it from collapsing)."""
+    clip-higher of :func:`learning_args` keeps it from collapsing). Those numbers are for the
+    letter "a" alone; one clean-clone CI run still collapsed (0.012 -> 0.0), so the reward is
+    now the share of "a"-"d" (~3% at the start): 7 runs of each mode ended at 0.996 (sync),
+    0.99-1.0 (async), 0.93-1.0 (corrected)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
@@ -590,7 +593,9 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
     steps = 20 if mode == "sync" else 40
-    share_of_a = ShareOfA(tok)
+    # "a"-"d": ~3% of tokens at the start; "a" alone (~1%) let a corrected async run collapse
+    # to never writing it in a clean-clone CI run (0.012 -> 0.0), as in test_group_replay
+    share_of_a = ShareOfA(tok, targets="abcd")
     means, chats = share_of_a.means, LEARN_CHATS
     if mode == "sync":
         func = TorchRLRolloutFunc(make_policy_wrapper(fresh_model, tok, max_new_tokens=8))
@@ -613,9 +618,10 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
         torch.set_num_threads(threads)
         if mode != "sync":
             func.close()
-    first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
-    # async: the bar is lower than the measured 0.996-1.0, the schedule varies with the load
-    assert first < 0.05 and last > (0.5 if mode == "sync" else 0.3), (first, last)
+    first, last = means[0], sum(means[-4:]) / 4  # the first batch is the untrained policy's
+    # async: the bar is lower than the measured 0.93-1.0, the schedule varies with the load
+    print(f"{mode} learning: {first:.3f} -> {last:.3f}")
+    assert first < 0.1 and last > (0.5 if mode == "sync" else 0.3), (first, last)
     if mode != "sync":
         assert max(func.consumed_staleness) <= 2 and len(func.consumed_staleness) == steps * 2
 
