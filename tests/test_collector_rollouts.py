@@ -16,7 +16,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.online import CollectorError  # noqa: E402
 from torchrl_trl.online import LLMCollectorRolloutFunc, read_policy_version  # noqa: E402
-from test_rollout_func import Recorder  # noqa: E402
+from test_rollout_func import Recorder, _wait  # noqa: E402
 
 ROWS = [{"query": q, "answer": a} for q, a in [("what is two plus two?", "four"), ("hello world", "hi")]]
 ANSWERS = {r["query"]: r["answer"] for r in ROWS}
@@ -210,7 +210,7 @@ def test_max_pending_groups_holds_the_collector(policy_and_tokenizer):
     model, tok = policy_and_tokenizer
 
     def settles_at(rb, expected, settle_s=1.5):
-        _wait_until(lambda: rb.write_count >= expected)
+        _wait(lambda: rb.write_count >= expected)
         time.sleep(settle_s)  # free, it writes a batch every few ms here (2244 items in 30 s)
         return rb.write_count
 
@@ -225,21 +225,12 @@ def test_max_pending_groups_holds_the_collector(policy_and_tokenizer):
                                      timeout=60) as func:
             func.start()
             if bound is None:
-                _wait_until(lambda: rb.write_count > 20)
+                _wait(lambda: rb.write_count > 20)
                 continue
             assert settles_at(rb, 4) == 4  # 2 groups, the third batch held
             assert len(func.next_groups(1, version=0)) == 1
             assert settles_at(rb, 6) == 6  # room for one more
             assert func.read_groups == 3 and set(seen) == {2}
-
-
-def _wait_until(predicate, timeout=120):
-    import time
-
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
 
 
 def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer):

@@ -198,7 +198,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         def hold(batch: TensorDictBase) -> None:
             if previous is not None:
                 previous(batch)
-            incoming = -(-_episodes_ending(batch) // self.group_size)
+            incoming = -(-sum(_ends_episode(batch)) // self.group_size)  # groups, rounded up
             with self._reading:
                 while not self._closing.is_set():
                     self._read_new()
@@ -394,17 +394,14 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
 def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:
     """``(start, end)`` of each episode in ``items`` (steps in order), cut after each step
-    whose ``("next", "done")`` is set (every item one episode without it).
+    that ends one (:func:`_ends_episode`).
 
     Raises:
         ValueError: the last step does not end its episode.
     """
+    ends = [i + 1 for i, end in enumerate(_ends_episode(items)) if end]
     n = items.shape[0]
-    if not layouts.has_key(items, layouts.DONE_KEY):
-        return [(i, i + 1) for i in range(n)]
-    done = [bool(d.all()) for d in layouts.read_column(items, layouts.DONE_KEY)]
-    ends = [i + 1 for i, d in enumerate(done) if d]
-    if not ends or ends[-1] != n:
+    if n and (not ends or ends[-1] != n):
         raise ValueError(
             f"the new writes end inside an episode (their last step has {layouts.DONE_KEY!r} False): "
             "build the LLMCollector with yield_completed_trajectories=True and give the buffer "
@@ -413,11 +410,12 @@ def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends))
 
 
-def _episodes_ending(items: TensorDictBase) -> int:
-    """How many episodes end in ``items`` (every item one episode without a done key)."""
+def _ends_episode(items: TensorDictBase) -> list[bool]:
+    """Whether each step of ``items`` ends its episode: its ``("next", "done")`` is set
+    (every item is one episode without that key)."""
     if not layouts.has_key(items, layouts.DONE_KEY):
-        return items.numel()
-    return sum(bool(d.all()) for d in layouts.read_column(items, layouts.DONE_KEY))
+        return [True] * items.shape[0]
+    return [bool(d.all()) for d in layouts.read_column(items, layouts.DONE_KEY)]
 
 
 def _hashable(value):
