@@ -130,11 +130,11 @@ def test_quiet_libraries_keeps_our_warnings():
     import warnings
 
     from torchrl_trl.data.groups import SkippedRolloutsWarning
-    from torchrl_trl.demo_output import _quiet_libraries
+    from torchrl_trl.demo_output import quiet_libraries
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _quiet_libraries()
+        quiet_libraries()
         warnings.warn_explicit("ours", SkippedRolloutsWarning, "groups.py", 1, module="torchrl_trl.data.groups")
         warnings.warn_explicit("theirs", UserWarning, "functional.py", 1, module="torch.nn.functional")
         warnings.warn_explicit("theirs", FutureWarning, "base.py", 1, module="torchrl.collectors.llm.base")

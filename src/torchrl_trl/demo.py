@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ._checks import positive_int
-from .demo_output import _quiet_libraries, _say, plot_reward_curve, summary_table, write_outputs
+from .demo_output import quiet_libraries, say, plot_reward_curve, summary_table, write_outputs
 
 __all__ = ["DemoConfig", "plot_reward_curve", "run_demo", "run_trl_grpo", "true_score"]
 
@@ -100,7 +100,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     policy_arg = None if cfg.policy is None else resolve_model_dir(cfg.policy, "policy")
     rm_arg = None if cfg.reward_model is None else resolve_model_dir(cfg.reward_model, "reward_model")
     set_list_to_stack(True).set()
-    _quiet_libraries()
+    quiet_libraries()
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -113,20 +113,20 @@ def run_demo(cfg: DemoConfig) -> dict:
     rm_init_path = rm_arg or checkpoints.reward_model
     timings["build"] = time.perf_counter() - t0
     n_steps = 5 if cfg.trl_grpo else 4
-    _say(f"[1/{n_steps}] tiny models ready: policy={policy_path}, reward model={rm_init_path}")
+    say(f"[1/{n_steps}] tiny models ready: policy={policy_path}, reward model={rm_init_path}")
 
     t0 = time.perf_counter()
     rm_path, rm_accuracy = train_reward_model(rm_init_path, cfg)
     timings["reward_model"] = time.perf_counter() - t0
     results["reward_model"] = {"path": str(rm_path), "heldout_pairwise_accuracy": rm_accuracy}
-    _say(f"[2/{n_steps}] RewardTrainer done: held-out pairwise accuracy {rm_accuracy:.3f}")
+    say(f"[2/{n_steps}] RewardTrainer done: held-out pairwise accuracy {rm_accuracy:.3f}")
 
     t0 = time.perf_counter()
     grpo = run_grpo(policy_path, rm_path, cfg)
     timings["grpo"] = time.perf_counter() - t0
     results["grpo"] = {k: v for k, v in grpo.items() if k not in ("model", "tokenizer", "archive")}
     results["grpo"]["policy_path"] = str(_save_policy(grpo["model"], grpo["tokenizer"], cfg.output_dir / "policy_grpo"))
-    _say(
+    say(
         f"[3/{n_steps}] GRPO done: true score {grpo['true_score'][0]:.3f} -> {grpo['true_score'][-1]:.3f}, "
         f"reward-model score {grpo['rm_score'][0]:.3f} -> {grpo['rm_score'][-1]:.3f}"
     )
@@ -137,7 +137,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     sft_model = sft.pop("model")
     results["sft_best_of_n"] = sft
     sft["policy_path"] = str(_save_policy(sft_model, grpo["tokenizer"], cfg.output_dir / "policy_sft"))
-    _say(
+    say(
         f"[4/{n_steps}] SFTTrainer on best-of-n from the TorchRL buffer, initial policy: true score "
         f"{sft['true_score_before']:.3f} -> {sft['true_score_after']:.3f}"
     )
@@ -147,7 +147,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         trl = run_trl_grpo(policy_path, rm_path, cfg)
         timings["trl_grpo"] = time.perf_counter() - t0
         results["trl_grpo"] = trl
-        _say(
+        say(
             f"[5/5] TRL GRPOTrainer on TorchRL rollouts: true score {trl['true_score'][0]:.3f} -> "
             f"{trl['true_score'][-1]:.3f} (fresh samples {trl['true_score_before']:.3f} -> "
             f"{trl['true_score_after']:.3f})"
@@ -155,8 +155,8 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     results["timings_s"] = timings
     write_outputs(results, cfg.output_dir)
-    _say(summary_table(results))
-    _say(
+    say(summary_table(results))
+    say(
         f"wrote {cfg.output_dir / 'results.json'}, {cfg.output_dir / 'reward_curve.png'} and the trained "
         f"policies {results['grpo']['policy_path']}, {sft['policy_path']}"
     )

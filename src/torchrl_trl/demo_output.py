@@ -8,10 +8,11 @@ import logging
 import warnings
 from pathlib import Path
 
-__all__ = ["plot_reward_curve", "summary_table", "write_outputs"]
+__all__ = ["plot_reward_curve", "quiet_libraries", "say", "summary_table", "write_outputs"]
 
 
 def summary_table(results: dict) -> str:
+    """The start/end table the demo prints, one row per phase, from ``run_demo``'s results."""
     grpo, sft = results["grpo"], results["sft_best_of_n"]
     rows = [
         ("reward model held-out pairwise accuracy", "", f"{results['reward_model']['heldout_pairwise_accuracy']:.3f}"),
@@ -29,11 +30,12 @@ def summary_table(results: dict) -> str:
 
 
 def write_outputs(results: dict, output_dir: Path) -> None:
+    """``results.json`` and (with matplotlib) ``reward_curve.png`` into ``output_dir``."""
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     try:
         import matplotlib
     except ImportError:
-        _say("matplotlib is not installed (pip install 'torchrl-trl[demo]'): no reward_curve.png")
+        say("matplotlib is not installed (pip install 'torchrl-trl[demo]'): no reward_curve.png")
         return
 
     matplotlib.use("Agg")
@@ -73,11 +75,13 @@ def plot_reward_curve(results: dict):
     return fig
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
+    """One line of the demo's output, flushed at once."""
     print(message, flush=True)
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
+    """Silence the libraries' own warnings, logs and progress bars; torchrl_trl's stay."""
     # the libraries' own deprecation chatter; our SkippedRolloutsWarning etc. stay visible
     for module in ("torch", "torchrl", "tensordict", "transformers", "trl", "datasets", "accelerate"):
         # anchored: a bare "torch" also matches, and hid, torchrl_trl's own warnings

@@ -164,7 +164,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         if self.max_pending_groups is not None and is_ray_collector(collector):
             raise ValueError(
                 "max_pending_groups bounds an in-process collector (its post_collect_hook runs in the "
-                "collector's thread and reads this process's buffer); a Ray collector runs free"
+                "collector's thread and reads this process's buffer); leave it None for a Ray collector"
             )
         self._reading = threading.Condition()  # the trainer and the bounded collector both read
         self._closing = threading.Event()
