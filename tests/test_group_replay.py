@@ -83,8 +83,8 @@ def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenize
     with AsyncTorchRLRolloutFunc(collector, max_staleness=3, reuse=1, timeout=120) as func:
         collector.start()
         deadline = time.monotonic() + 120  # only stops a hang
-        while collector.pending < 4:
-            assert collector.alive and time.monotonic() < deadline, "the generator did not produce 4 groups"
+        while collector.pending < 4:  # (the collector stops once the 4 groups are written)
+            assert time.monotonic() < deadline, "the generator did not produce 4 groups"
             time.sleep(0.01)
         rollout = Recorder(func, "rollout")
         trainer = _make_trainer(model, tok, rollout, reward, tmp_path, max_steps=4, mixins=(BehaviourLogProbsMixin,))
@@ -171,7 +171,6 @@ def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
     of the full suite on the loaded 2-core machine never learned it (0.0 -> 0.0, 95% of the
     groups with zero reward spread): a signal that rare depends on which thread draws from
     torch's global generator first, which this test cannot fix."""
-    import itertools
     import threading
 
     from datasets import Dataset
@@ -189,18 +188,20 @@ def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=8))
 
-    budget = threading.Semaphore(4)  # prompts the generator may take: 4, then one per trainer call
+    budget = threading.Semaphore(4)  # generations (one group each) the generator may start: 4, then one per call
+    generate = generator.generate
 
-    def paced_prompts():
-        for chat in itertools.cycle(chats):
-            budget.acquire()
-            yield chat
+    def paced_generate(*args, **kwargs):
+        budget.acquire()
+        return generate(*args, **kwargs)
 
-    def paced(prompts, trainer):  # each call lets one more prompt (one group) through
+    generator.generate = paced_generate
+
+    def paced(prompts, trainer):  # each call lets one more group through, before it pushes weights
         budget.release()
         return func(prompts, trainer)
 
-    collector = AsyncGroupCollector(rollout, paced_prompts(), group_size=4, prompts_per_batch=2, max_pending_groups=4)
+    collector = AsyncGroupCollector(rollout, chats, group_size=4, max_pending_groups=4)
     func = AsyncTorchRLRolloutFunc(collector, max_staleness=2, reuse=1, timeout=120)
     args = learning_args(tmp_path, STEPS)
     trainer = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})(

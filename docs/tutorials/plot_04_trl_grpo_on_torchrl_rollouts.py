@@ -5,8 +5,8 @@ TRL GRPO on TorchRL rollouts
 TRL's ``GRPOTrainer`` normally generates its completions itself. Here TorchRL does it: a
 ``TransformersWrapper`` policy generates through :class:`torchrl_trl.TorchRLRolloutFunc`
 (TRL's ``rollout_func`` hook), every rollout lands in a TorchRL replay buffer, and TRL
-trains on exactly those tokens and log-probabilities. Then the same with generation in a
-background thread running ahead of the trainer (bounded staleness), stored groups reused
+trains on exactly those tokens and log-probabilities. Then the same with generation by
+TorchRL's ``LLMCollector`` running ahead of the trainer (bounded staleness), stored groups reused
 once, and the behaviour log-probs correcting the stale samples.
 """
 
@@ -113,8 +113,9 @@ print("a completion:  ", repr(items[-1]["text", "response"]))
 # %%
 # Async: generation runs ahead, groups are reused
 # -----------------------------------------------
-# :class:`~torchrl_trl.AsyncGroupCollector` generates whole groups in a background thread
-# with its *own* copy of the weights; :class:`~torchrl_trl.AsyncTorchRLRolloutFunc` pushes
+# :class:`~torchrl_trl.AsyncGroupCollector` builds a TorchRL ``LLMCollector`` over a
+# ``ChatEnv`` fed with the prompts; it generates whole groups in its background thread with
+# its *own* copy of the weights; :class:`~torchrl_trl.AsyncTorchRLRolloutFunc` pushes
 # the trainer's weights to it at every step and takes groups at most ``max_staleness``
 # steps old. With ``reuse=1`` each group may be trained on twice, so a step takes stored
 # groups instead of waiting when nothing fresh is ready.

@@ -8,9 +8,10 @@
 - :class:`BufferCheckpointCallback`, :func:`save_buffer`, :func:`load_buffer`: the buffer
   saved with, and restored from, the trainer's checkpoints.
 - :class:`TorchRLRolloutFunc`: TorchRL (policy, ``ChatEnv``, replay buffer) as the
-  ``rollout_func`` of TRL's ``GRPOTrainer``; :class:`AsyncGroupCollector` +
-  :class:`AsyncTorchRLRolloutFunc`: the same with generation in a background thread,
-  bounded staleness; :class:`BehaviourLogProbsMixin`: TRL's GRPO loss corrected with the
+  ``rollout_func`` of TRL's ``GRPOTrainer``; :class:`LLMCollectorRolloutFunc`: the same
+  with TorchRL's ``LLMCollector`` running ahead, bounded staleness and reuse;
+  :class:`AsyncGroupCollector` + :class:`AsyncTorchRLRolloutFunc`: that collector built from
+  TRL prompts (:class:`PromptPrimer` feeds them to a ``ChatEnv``); :class:`BehaviourLogProbsMixin`: TRL's GRPO loss corrected with the
   behaviour log-probs; :class:`TorchRLRolloutWorker`, :class:`TorchRLWeightTransfer`:
   the same collector behind ``trl.experimental.async_grpo.AsyncGRPOTrainer``'s protocols.
 - :func:`make_ray_replay_buffer`, :func:`connect_ray_replay_buffer`, :func:`make_ray_collector`:

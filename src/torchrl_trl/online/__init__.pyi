@@ -24,6 +24,7 @@ from .ray import (
     make_ray_collector as make_ray_collector,
     make_ray_replay_buffer as make_ray_replay_buffer,
 )
+from .prompt_primer import PromptPrimer as PromptPrimer
 from .rollout_func import TorchRLRolloutFunc as TorchRLRolloutFunc
 from .staleness import StalenessFilter as StalenessFilter, read_policy_version as read_policy_version
 from .trl_async_grpo import TorchRLRolloutWorker as TorchRLRolloutWorker, TorchRLWeightTransfer as TorchRLWeightTransfer

@@ -11,7 +11,8 @@ batches). At each trainer call the function
    trainer's ``global_step`` changed; with ``track_policy_version=True`` that bumps the
    collector's ``PolicyVersion``, which stamps ``policy_version`` into every rollout
    generated afterwards;
-2. reads what was written since its last read (by ``write_count``), cuts it into episodes at
+2. reads what was written since its last read (by ``write_count``; items in the buffer
+   before the function was built are not read), cuts it into episodes at
    ``("next", "done")`` and the episodes into groups of ``G`` consecutive episodes with the
    same prompt (anything else raises). A multi-turn ``ChatEnv`` episode is one TRL sample,
    the tokens between its turns masked (``env_mask``);
@@ -27,20 +28,24 @@ there (unknown) unless the collector records the behaviour log-probs with
 :meth:`BehaviourLogProbsPostproc.for_factory`), which
 :class:`~torchrl_trl.online.BehaviourLogProbsMixin` corrects stale groups with.
 
-TorchRL loads pushed weights while the collector may be generating (its thread, or the Ray
-actor, does not pause): a batch in flight at a push can mix two weight versions and is
-stamped with the new one; keep ``max_staleness >= 1`` so such batches count as what they
-are at worst, one version old.
+Weights reach an in-process collector between two of its batches: a push (:meth:`push`,
+:meth:`paused`) waits in TorchRL's ``post_collect_hook`` for the batch in flight to be
+generated, scored and stamped, so no batch mixes two weight versions. A Ray actor loads
+them while it generates: a batch in flight can mix two versions and is stamped with the new
+one; keep ``max_staleness >= 1`` there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import positive_int, positive_seconds
@@ -49,7 +54,7 @@ from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, episodes_to_trl
 from .group_rollouts import GroupRolloutFunc, RolloutGroup, split_groups, take_fresh
 from .ray import is_ray_collector
 from .staleness import read_policy_version
-from .weights import push_weights
+from .weights import push_weights, weights_td
 
 __all__ = ["LLMCollectorRolloutFunc"]
 
@@ -87,6 +92,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             that go stale and are dropped.
         group_key: the key whose value all items of a group share (``MCAdvantage``'s
             ``prompt_key``).
+        forward_keys: top-level keys passed to TRL's reward functions (``None``: every key
+            that is not TorchRL's, e.g. ``"answer"``), as in
+            :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
 
     Returned rows: see :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`.
 
@@ -135,6 +143,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         drop_zero_std: bool = False,
         reuse: int = 0,
         max_pending_groups: int | None = None,
+        forward_keys: Sequence[NestedKey] | None = None,
     ):
         super().__init__(
             max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
@@ -147,6 +156,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         if self.poll_s is None:
             raise ValueError("poll_s must be a positive number of seconds, got None")
         self.group_key = group_key
+        self.forward_keys = None if forward_keys is None else list(forward_keys)
         self.read_groups = 0
         self.consumed_groups = 0
         self.dropped_stale_groups = 0
@@ -155,7 +165,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         self.wait_s = 0.0
         self.push_s = 0.0
         self.policy_version = 0
-        self._cursor = 0  # write_count read so far
+        self._cursor = int(replay_buffer.stats()["write_count"])  # read so far: what was there before is not ours
         self._pending: deque[tuple[int, TensorDictBase]] = deque()
         self._pushed_step: int | None = None
         self._started = False
@@ -166,8 +176,11 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 "max_pending_groups bounds an in-process collector (its post_collect_hook runs in the "
                 "collector's thread and reads this process's buffer); leave it None for a Ray collector"
             )
-        self._reading = threading.Condition()  # the trainer and the bounded collector both read
+        self._in_process = not is_ray_collector(collector)
+        self._reading = threading.Condition()  # the trainer and the collector's batch boundary
         self._closing = threading.Event()
+        self._pauses = 0  # paused() callers waiting for, or holding, the collector at a boundary
+        self._at_boundary = False  # the collector's thread is in its post_collect_hook
 
     # -- the source of groups ----------------------------------------------------------
 
@@ -183,32 +196,61 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     def start(self) -> None:
         if not self._started:
-            if self.max_pending_groups is not None:
-                self._install_hold()
+            if self._in_process:
+                self._install_boundary()
             self.collector.start()
             self._started = True
 
-    def _install_hold(self) -> None:
-        """Make the collector wait, before writing each batch, until its groups fit under
-        ``max_pending_groups`` with those pending (TorchRL's ``post_collect_hook``, chained
-        after one the collector already has). The batch waiting was generated already: it
-        counts as ahead too, or it would go stale while it waits."""
+    def _install_boundary(self) -> None:
+        """Make the collector stop between two batches (TorchRL's ``post_collect_hook``,
+        chained after one it already has; the batch is generated, scored and stamped, not
+        yet written) while :meth:`paused` holds it, and, with ``max_pending_groups``, until
+        the batch's groups fit under the bound with those pending. The batch waiting counts
+        as ahead too, or it would go stale while it waits."""
         previous = self.collector.post_collect_hook
 
-        def hold(batch: TensorDictBase) -> None:
-            if previous is not None:
-                previous(batch)
-            incoming = -(-sum(_ends_episode(batch)) // self.group_size)  # groups, rounded up
+        def between_batches(batch: TensorDictBase) -> None:
             with self._reading:
-                while not self._closing.is_set():
-                    self._read_new()
-                    pending = len(self._pending)
-                    # a batch larger than the bound goes alone
-                    if pending == 0 or pending + incoming <= self.max_pending_groups:
-                        return
-                    self._reading.wait(self.poll_s)
+                self._at_boundary = True
+                self._reading.notify_all()
+            try:
+                if previous is not None:  # may wait on the trainer too: a push need not wait for it
+                    previous(batch)
+                incoming = -(-sum(_ends_episode(batch)) // self.group_size)  # groups, rounded up
+                with self._reading:
+                    while not self._closing.is_set() and (self._pauses or self._too_far_ahead(incoming)):
+                        self._reading.wait(self.poll_s)
+            finally:
+                with self._reading:
+                    self._at_boundary = False
 
-        self.collector.post_collect_hook = hold
+        self.collector.post_collect_hook = between_batches
+
+    def _too_far_ahead(self, incoming: int) -> bool:
+        if self.max_pending_groups is None:
+            return False
+        self._read_new()
+        pending = len(self._pending)
+        return pending > 0 and pending + incoming > self.max_pending_groups  # a batch over the bound goes alone
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold an in-process collector between two batches for the ``with`` block (after
+        the batch in flight; at once if it is not running); a Ray actor is not held."""
+        with self._reading:
+            self._pauses += 1
+            try:
+                while self._started and self._in_process and not self._at_boundary and _is_running(self.collector):
+                    self._reading.wait(self.poll_s)
+            except BaseException:
+                self._pauses -= 1
+                raise
+        try:
+            yield
+        finally:
+            with self._reading:
+                self._pauses -= 1
+                self._reading.notify_all()
 
     def next_groups(self, n: int, *, version: int | None = None, wait: bool = True, keep=None) -> list[RolloutGroup]:
         self.policy_version = self._collector_version() if version is None else version
@@ -219,7 +261,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 break
             episodes = [group[s:e] for _, group in groups for s, e in _episode_bounds(group)]
             recorded = layouts.has_key(episodes[0], BEHAVIOUR_KEY)
-            batch = episodes_to_trl(episodes, logprobs_key=BEHAVIOUR_KEY if recorded else GENERATED_LOGPROBS_KEY)
+            batch = episodes_to_trl(
+                episodes, logprobs_key=BEHAVIOUR_KEY if recorded else GENERATED_LOGPROBS_KEY, forward_keys=self.forward_keys
+            )
             prompts = _prompts(batch.steps[0])[:: self.group_size]
             for (group_version, _), prompt, part in zip(groups, prompts, split_groups(batch, self.group_size)):
                 group = RolloutGroup(group_version, prompt, part)
@@ -233,20 +277,24 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     # -- weights -----------------------------------------------------------------------
 
-    def push(self, model: torch.nn.Module | TensorDictBase) -> int:
-        """Send ``model``'s weights (or a TensorDict of them, by parameter name) to the
-        collector's policy through ``collector.update_policy_weights_`` and return the
-        collector's new policy version."""
+    def push(self, model: torch.nn.Module | TensorDictBase | None, *, version: int | None = None) -> int:
+        """Send ``model``'s weights (or a TensorDict of them, by parameter name; ``None``:
+        none) to the collector's policy through ``collector.update_policy_weights_``,
+        between two of its batches (:meth:`paused`), and return the collector's new policy
+        version: TorchRL's next one, or ``version`` when given (set on its ``PolicyVersion``)."""
         start = time.monotonic()
-        push_weights(self.collector, model, lock=getattr(getattr(self.collector, "postproc", None), "lock", None))
+        with self.paused():
+            if model is not None:
+                push_weights(self.collector, model, lock=getattr(getattr(self.collector, "postproc", None), "lock", None))
+                self.weight_pushes += 1
+            if version is not None:
+                self.collector.policy_version_tracker.version = int(version)
         self.push_s += time.monotonic() - start
-        self.weight_pushes += 1
         self.policy_version = self._collector_version()
         return self.policy_version
 
     def send_named_weights(self, named_tensors) -> None:
-        weights = TensorDict(dict(named_tensors), batch_size=[]).unflatten_keys(".")
-        self.push(weights)
+        self.push(weights_td(named_tensors))
 
     @property
     def tokenizer(self):
@@ -262,6 +310,13 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         return version
 
     # -- reading the buffer --------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Groups written and not yet taken."""
+        with self._reading:
+            self._read_new()
+            return len(self._pending)
 
     def take(self, n: int, *, wait: bool = True) -> list[tuple[int, TensorDictBase]]:
         """``n`` whole groups ``(version, items [G])``, oldest first, within ``max_staleness``
@@ -385,11 +440,11 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop the collector (``async_shutdown``), releasing it if it waits for room."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the collector (``async_shutdown``), releasing it if it waits at a batch boundary."""
         self._closing.set()
         if self._started:
-            self.collector.async_shutdown(timeout=30)
+            self.collector.async_shutdown(timeout=timeout)
 
 
 def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:

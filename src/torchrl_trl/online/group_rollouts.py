@@ -13,7 +13,7 @@ The one place for what both asynchronous ``rollout_func`` s share:
 
 Its subclasses differ only in where the groups come from:
 :class:`~torchrl_trl.online.AsyncTorchRLRolloutFunc` (an
-:class:`~torchrl_trl.online.AsyncGroupCollector` thread) and
+:class:`~torchrl_trl.online.AsyncGroupCollector`, an ``LLMCollector`` built from TRL prompts) and
 :class:`~torchrl_trl.online.LLMCollectorRolloutFunc` (a TorchRL ``LLMCollector`` writing
 into a replay buffer).
 """

@@ -50,6 +50,7 @@ from .. import layouts
 from .._checks import WarnOnce, positive_int
 from .behaviour import ResponseScorer
 from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, rollout_batch, turns_to_trl
+from .prompt_primer import columns_td, env_query
 from .weights import load_weights
 
 __all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
@@ -290,14 +291,9 @@ class TorchRLRolloutFunc:
         return [lazy_stack([s for c in per_chunk for s in c[t].tensordicts]) for t in range(n_turns.pop())]
 
     def _episode(self, policy, prompts: list, columns: dict) -> list[TensorDictBase]:
-        from tensordict import NonTensorStack
-
         env = self.env
-        query = _env_query(prompts)
-        reset = TensorDict({"query": query}, batch_size=env.batch_size)
-        for name, values in columns.items():
-            reset.set(name, NonTensorStack(*values) if not isinstance(values[0], torch.Tensor) else torch.stack(values))
-        td = env.reset(reset)
+        reset = TensorDict({"query": env_query(prompts)}, batch_size=env.batch_size)
+        td = env.reset(reset.update(columns_td(columns, env.batch_size)))
         steps = []
         for turn in range(self.max_turns):
             td = policy(td)
@@ -405,15 +401,3 @@ def _policy_input(policy, prompts: list) -> TensorDictBase:
     else:
         texts = [str(p) for p in prompts]
     return TensorDict({"text": {"prompt": texts}}, batch_size=[n])
-
-
-def _env_query(prompts: list):
-    from ..rewards.trl_funcs import is_conversational
-
-    if is_conversational(prompts):
-        from torchrl.data.llm import History
-
-        return History.from_chats([layouts.to_messages(p) for p in prompts])
-    from tensordict import NonTensorStack
-
-    return NonTensorStack(*[str(p) for p in prompts])

@@ -3,7 +3,7 @@
 - :class:`TorchRLRolloutWorker` implements TRL's ``RolloutWorkerProtocol``: a TorchRL
   collector generates whole groups (a TorchRL ``LLMCollector`` through
   :class:`~torchrl_trl.online.LLMCollectorRolloutFunc`, locally or as a Ray actor, or an
-  :class:`~torchrl_trl.online.AsyncGroupCollector`); a pump thread scores each group with
+  :class:`~torchrl_trl.online.AsyncGroupCollector`, the same built from TRL prompts); a pump thread scores each group with
   TRL-style reward functions (weighted, through one
   :class:`~torchrl_trl.RewardFunctionWrapper`), computes the group advantages as
   TRL's own worker does (``(r - mean) / (std + 1e-8)``; a completion no function could score
@@ -13,9 +13,8 @@
 - :class:`TorchRLWeightTransfer` implements ``WeightTransferProtocol``: ``send_weights``
   loads the trainer's ``(name, tensor)`` stream into the collector's policy by parameter
   name and bumps its policy version by one (the trainer bumps ``model_version`` by one per
-  sync): through ``update_policy_weights_`` for an ``LLMCollector`` (which does not pause:
-  a batch in flight may see the push), between ``pause`` and ``resume`` of the generation
-  loop for an ``AsyncGroupCollector``.
+  sync), through the collector's ``update_policy_weights_`` between two of its batches
+  (:meth:`~torchrl_trl.online.LLMCollectorRolloutFunc.push`).
 
 ``AsyncGRPOTrainer`` itself needs CUDA (its tree attention is a FlashAttention-3 kernel
 fetched from the Hub), so on a CPU machine these classes are tested against the protocols;
@@ -236,7 +235,7 @@ class TorchRLWeightTransfer:
 
     def pause(self) -> None:
         """Nothing to do: :meth:`send_weights` loads the weights in one step, between two
-        generation batches where the collector can pause (``AsyncGroupCollector``)."""
+        of the collector's batches."""
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         named = list(iterator)

@@ -18,7 +18,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .ray import is_ray_collector
 
-__all__ = ["GenerationLock", "collector_weights", "load_weights", "push_weights"]
+__all__ = ["GenerationLock", "collector_weights", "load_weights", "push_weights", "weights_td"]
 
 
 def collector_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDict:
@@ -58,10 +58,7 @@ def load_weights(module: torch.nn.Module, weights) -> int:
     ...
     KeyError: "weight 'lm_head.weight' is not a parameter or buffer of the policy model Linear"
     """
-    if isinstance(weights, torch.nn.Module):
-        weights = TensorDict.from_module(weights)
-    elif not isinstance(weights, TensorDictBase):
-        weights = TensorDict(dict(weights.items() if hasattr(weights, "items") else weights)).unflatten_keys(".")
+    weights = weights_td(weights)
     target = TensorDict.from_module(module)
     for name, tensor in weights.items(include_nested=True, leaves_only=True):
         dotted = ".".join(name) if isinstance(name, tuple) else name
@@ -72,6 +69,16 @@ def load_weights(module: torch.nn.Module, weights) -> int:
     with torch.no_grad():
         target.update_(weights.data)
     return len(list(weights.keys(include_nested=True, leaves_only=True)))
+
+
+def weights_td(weights) -> TensorDictBase:
+    """``weights`` (an ``nn.Module``, a TensorDict, a mapping or ``(name, tensor)`` pairs with
+    dotted names) as a TensorDict nested by module path."""
+    if isinstance(weights, torch.nn.Module):
+        return TensorDict.from_module(weights).data
+    if isinstance(weights, TensorDictBase):
+        return weights
+    return TensorDict(dict(weights.items() if hasattr(weights, "items") else weights)).unflatten_keys(".")
 
 
 def push_weights(
