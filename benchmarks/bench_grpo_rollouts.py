@@ -5,8 +5,9 @@ One process, one tiny policy (CPU by default), fixed prompts and seeds; each mod
 
 1. ``trl``: ``GRPOTrainer`` generating itself (``model.generate``);
 2. ``torchrl``: ``rollout_func=TorchRLRolloutFunc(TransformersWrapper(model))`` (shared weights);
-3. ``async``: ``AsyncTorchRLRolloutFunc`` draining an ``AsyncGroupCollector`` thread that
-   generates with its own copy of the weights (``max_staleness=1``);
+3. ``async``: ``AsyncTorchRLRolloutFunc`` over an ``AsyncGroupCollector``: TorchRL's
+   ``LLMCollector`` built from the same prompts (``PromptPrimer``), generating with its own
+   copy of the weights, one step ahead at most (``max_staleness=1``);
 4. ``async-reuse``: the same with ``reuse=1``: a step takes stored groups (each trained on
    at most twice, within ``max_staleness=1``) instead of waiting for fresh ones. Its
    samples/s counts trained samples, reuses included; the line also gives how many were fresh.

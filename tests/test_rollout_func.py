@@ -6,6 +6,7 @@ independent reference: the HF model's forward on each unpadded sequence alone, w
 weights that generated it.
 """
 
+import math
 import os
 
 import pytest
@@ -470,9 +471,13 @@ def test_async_grpo_train_bounded_staleness(checkpoints, fresh_model, policy_and
     generator_model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)  # the collector's own copy
     collector = _collector(generator_model, tok, CHATS, buffer, prompts_per_batch=2, max_pending_groups=4)
     reward = Recorder(lambda completion_ids, torchrl_prompt, **kw: [float(sum(c) % 7) for c in completion_ids], "r")
+
+    class ReadsLogprobs:  # this test checks them: the collector (logprobs="auto") records them
+        reads_rollout_logprobs = True
+
     with AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=120) as func:
         rollout = Recorder(func, "rollout")
-        trainer = _make_trainer(fresh_model, tok, rollout, reward, tmp_path, max_steps=3)
+        trainer = _make_trainer(fresh_model, tok, rollout, reward, tmp_path, max_steps=3, mixins=(ReadsLogprobs,))
         trainer.train()
     # behaviour log-probs are the collector's: equal to the trainer's weights' on fresh
     # groups, different on groups generated one optimizer step earlier
@@ -652,6 +657,9 @@ def test_behaviour_logprob_correction(corrected, checkpoints, fresh_model, polic
     captured = type(trainer).captured
     if not corrected:
         assert all(cap["old"] is None for cap in captured) and max(clipped) == 0.0
+        # a trainer that does not read the log-probs: no scoring pass, TorchRL's first one unknown
+        assert collector.collector.postproc is None
+        assert all(math.isnan(lp[0]) for _, _, batch in rollout.calls for lp in batch["logprobs"])
         return
     fresh, stale = [], []
     for (_, _, batch), cap in zip(rollout.calls, captured):

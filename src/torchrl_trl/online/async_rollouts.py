@@ -39,7 +39,7 @@ from .collector_rollouts import LLMCollectorRolloutFunc
 from .episodes import GROUP_ID_KEY, TURN_KEY
 from .group_rollouts import GroupReplay, GroupRolloutFunc, RolloutGroup
 from .prompt_primer import PromptPrimer, PromptSourceEnded
-from .rollout_func import TorchRLRolloutFunc
+from .rollout_func import TorchRLRolloutFunc, _reads_logprobs
 from .weights import load_weights, weights_td
 
 __all__ = ["AsyncGroupCollector", "AsyncTorchRLRolloutFunc", "GroupReplay", "RolloutGroup"]
@@ -56,7 +56,9 @@ class AsyncGroupCollector:
             its batch is filled with whole groups) and ``context_fn``; its replay buffer, if
             any, receives every rollout. Its ``logprobs="generate"`` keeps TorchRL's
             generated log-probs (first token unknown); otherwise the behaviour log-probs are
-            recorded (:class:`~torchrl_trl.online.BehaviourLogProbsPostproc`).
+            recorded (:class:`~torchrl_trl.online.BehaviourLogProbsPostproc`), except that
+            with ``"auto"`` an :class:`AsyncTorchRLRolloutFunc` whose trainer does not read
+            them turns that off before the collector starts (as ``TorchRLRolloutFunc`` does).
         prompts: the prompt source: a sequence (cycled forever) or an iterator (the
             collector stops when it ends), each item a TRL prompt (text or messages).
 
@@ -180,6 +182,11 @@ class AsyncGroupCollector:
     @property
     def dropped_filtered_groups(self) -> int:
         return self.source.dropped_filtered_groups
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds consumers spent waiting for (and reading) groups."""
+        return self.source.wait_s
 
     @property
     def policy_version(self) -> int:
@@ -306,6 +313,8 @@ class AsyncTorchRLRolloutFunc(GroupRolloutFunc):
                 "the collector's policy wraps the trainer's model object: the background thread would "
                 "generate with weights the optimizer is writing; give the collector its own copy"
             )
+        if not collector.alive and collector.rollout.logprobs == "auto" and not _reads_logprobs(trainer):
+            collector.collector.postproc = None  # TRL will not read them: no scoring pass per batch
         if version != collector.policy_version or not collector.alive:
             collector.update_policy_weights_(trainer_model if self.push_weights else None, version=version)
         collector.start()
