@@ -215,8 +215,15 @@ def _ray_collector_func(ckpt, args):
 
 def run(mode, ckpt, tok, args):
     torch.manual_seed(0)
-    # equal cores: the generator actor has one, the trainer the rest; sync modes all of them
-    torch.set_num_threads(max(args.cores - 1, 1) if mode == "llm-collector-ray" else args.cores)
+    # equal cores: the sync modes get all of them; the Ray generator actor has one and the
+    # trainer the rest; in one process the collector thread and the trainer share torch's
+    # intra-op threads, so each op gets half (both running at once fill the cores, not 2x them)
+    if mode == "llm-collector-ray":
+        torch.set_num_threads(max(args.cores - 1, 1))
+    elif mode.startswith("async") or mode.startswith("llm-collector"):
+        torch.set_num_threads(max(args.cores // 2, 1))
+    else:
+        torch.set_num_threads(args.cores)
     with tempfile.TemporaryDirectory() as out_dir:
         trainer, func = make_trainer(mode, ckpt, tok, args, out_dir)
         start = time.perf_counter()
