@@ -28,6 +28,7 @@ make the behaviour log-probs TRL's ``old_per_token_logps``, so the clipped ratio
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -127,6 +128,7 @@ class AsyncGroupCollector:
             track_policy_version=True, total_dialog_turns=-1,
             postproc=None if rollout.logprobs == "generate" else BehaviourLogProbsPostproc(policy),
         )
+        self._paused = contextlib.ExitStack()
         self.source = LLMCollectorRolloutFunc(
             self.collector, self.replay_buffer, group_size=group_size, group_key=GROUP_ID_KEY, max_staleness=None,
             push_weights=False, max_pending_groups=max_pending_groups, forward_keys=rollout.forward_keys,
@@ -203,14 +205,13 @@ class AsyncGroupCollector:
 
     def pause(self) -> None:
         """Hold the collector after the batch in flight until :meth:`resume`."""
-        self._paused = self.source.paused()
-        self._paused.__enter__()
+        self._paused.enter_context(self.source.paused())
 
     def resume(self, *, version: int | None = None) -> None:
         """Let the collector go on, with ``version`` as the policy version if given."""
         if version is not None:
             self.collector.policy_version_tracker.version = int(version)
-        self._paused.__exit__(None, None, None)
+        self._paused.close()
 
     def load_named_weights(self, named_tensors) -> int:
         """Copy ``(name, tensor)`` pairs into the policy's tensors of those names (call
@@ -239,19 +240,21 @@ class AsyncGroupCollector:
                 source ended, or fewer than ``n`` fresh groups came within ``timeout`` seconds.
         """
         self.source.max_staleness, self.source.timeout = max_staleness, timeout
+        cause = self.primer.error
         try:
             groups = self.source.next_groups(n, version=consumer_version, wait=wait, keep=keep)
         except CollectorError as err:
-            cause = self.primer.error
-            if cause is None:
+            if self.primer.error is None:
                 raise
-            if isinstance(cause, PromptSourceEnded):
-                raise CollectorError(f"{cause}; {err}") from cause
-            raise CollectorError(f"the collector died: {cause!r}; {err}") from cause
-        died = self.primer.error is not None and not isinstance(self.primer.error, PromptSourceEnded)
+            raise CollectorError(f"{self._source_failure()}; {err}") from self.primer.error
+        died = cause is not None and not isinstance(cause, PromptSourceEnded)
         if len(groups) < n and died and not self.alive:  # wait=False: stored groups must not hide it
-            raise CollectorError(f"the collector died: {self.primer.error!r}") from self.primer.error
+            raise CollectorError(self._source_failure()) from cause
         return groups
+
+    def _source_failure(self) -> str:
+        cause = self.primer.error
+        return str(cause) if isinstance(cause, PromptSourceEnded) else f"the collector died: {cause!r}"
 
 
 class AsyncTorchRLRolloutFunc(GroupRolloutFunc):

@@ -11,8 +11,6 @@ it, for importance correction of stale GRPO groups.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
@@ -66,8 +64,8 @@ class BehaviourLogProbsPostproc:
             weights). For a collector that builds its policy (``RayLLMCollector`` with a
             ``policy_factory``), use :meth:`for_factory` instead.
 
-    :attr:`lock` is held while scoring; :meth:`LLMCollectorRolloutFunc.push` holds it while
-    TorchRL loads new weights, so no score mixes two weight versions.
+    It runs in the collector's thread before the batch reaches its ``post_collect_hook``,
+    where :meth:`LLMCollectorRolloutFunc.push` loads new weights: no score mixes two versions.
 
     Example (on one policy call, as the collector calls it after each rollout batch):
 
@@ -86,7 +84,6 @@ class BehaviourLogProbsPostproc:
 
     def __init__(self, policy):
         self.policy = policy
-        self.lock = threading.Lock()
         self._scorer = ResponseScorer(policy)
 
     @classmethod
@@ -95,8 +92,8 @@ class BehaviourLogProbsPostproc:
         runs (a Ray actor): the returned factory builds the policy with ``policy_factory``
         and hands it to the returned postproc, which scores with it. Pass both to the same
         collector (``make_ray_collector(env_factory, factory, rb, postproc=postproc, ...)``).
-        There, a weight push is not serialised with scoring (no shared lock across the
-        actor's threads): keep ``max_staleness >= 1``."""
+        There, a weight push is not serialised with scoring (the actor loads weights while
+        it generates): keep ``max_staleness >= 1``."""
         import uuid
 
         token = uuid.uuid4().hex
@@ -106,8 +103,7 @@ class BehaviourLogProbsPostproc:
         td = per_sample(td)
         prompts = layouts.read_tokens(td, "prompt").tolist()
         responses = layouts.read_tokens(td, "response").tolist()
-        with self.lock:
-            scored = self._scorer(prompts, responses)
+        scored = self._scorer(prompts, responses)
         for sample, lp in zip(td.tensordicts, scored):
             sample.set(BEHAVIOUR_KEY, torch.tensor(lp, dtype=torch.float32))
         return td

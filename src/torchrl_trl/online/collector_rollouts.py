@@ -285,7 +285,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         start = time.monotonic()
         with self.paused():
             if model is not None:
-                push_weights(self.collector, model, lock=getattr(getattr(self.collector, "postproc", None), "lock", None))
+                push_weights(self.collector, model)
                 self.weight_pushes += 1
             if version is not None:
                 self.collector.policy_version_tracker.version = int(version)
