@@ -160,6 +160,56 @@ def test_local_collector_records_behaviour_logprobs_for_the_correction(checkpoin
     assert trainer.state.global_step == 3 and checked["fresh"] > 0
 
 
+def test_pushes_land_between_batches_never_inside_one(checkpoints, policy_and_tokenizer):
+    """Weights pushed into a running in-process collector, 5 times in a row while it
+    generates: every group's behaviour log-probs equal an independent forward of the weights
+    of the version stamped on it (a push landing inside a batch would mix two versions:
+    generated under one, scored or stamped under the next)."""
+    import copy
+
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from transformers import AutoModelForCausalLM
+
+    from test_rollout_func import _reference_logps, _wait
+    from torchrl_trl.online import BehaviourLogProbsPostproc
+    from torchrl_trl.online.episodes import GENERATED_LOGPROBS_KEY
+    from torchrl_trl.testing import make_policy_wrapper
+
+    _, tok = policy_and_tokenizer
+    torch.manual_seed(0)
+    own = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
+    policy = make_policy_wrapper(own, tok, max_new_tokens=12)
+    rb = ReplayBuffer(storage=LazyStackStorage(100_000))
+    collector = LLMCollector(env=_env(), policy=policy, dialog_turns_per_batch=2, replay_buffer=rb,
+                             track_policy_version=True, total_dialog_turns=-1,
+                             postproc=BehaviourLogProbsPostproc(policy))
+    weights = {0: copy.deepcopy(own)}
+    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=None, push_weights=False) as func:
+        func.start()
+        for version in range(1, 6):
+            written = rb.write_count
+            _wait(lambda: rb.write_count >= written + 4)  # generating when the push comes
+            trained = copy.deepcopy(weights[version - 1])
+            with torch.no_grad():
+                for p in trained.parameters():
+                    p.add_(0.2 * torch.randn_like(p))
+            weights[version] = trained
+            assert func.push(trained) == version and func.weight_pushes == version
+        written = rb.write_count
+        _wait(lambda: rb.write_count >= written + 4)
+        func.close()
+        groups = func.next_groups(func.pending, wait=False)
+    assert {g.version for g in groups} == set(range(6))
+    for group in groups:
+        batch = group.batch
+        reference = _reference_logps(weights[group.version], batch["prompt_ids"], batch["completion_ids"])
+        generated = layouts.read_column(batch.steps[0], GENERATED_LOGPROBS_KEY)  # while generating
+        for scored, sampled, ref in zip(batch["logprobs"], generated, reference):
+            torch.testing.assert_close(torch.tensor(scored), ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(sampled[1 : len(ref)], ref[1:], atol=1e-4, rtol=1e-4)  # first: TorchRL's 0.0
+
+
 def test_caller_pushes_weights_staleness_against_the_collectors_version(policy_and_tokenizer):
     """push_weights=False: the caller moves the collector's PolicyVersion itself; every call
     measures staleness against that version, so groups from before the caller's push are
