@@ -102,3 +102,21 @@ def test_a_failing_source_raises_at_the_next_step_not_before_the_served_batch(po
 
         _collector(tok, PromptPrimer(broken()), "history")[0].env.reset()
     assert torch.equal(rb[:]["group_id"], torch.tensor([0, 0]))
+
+
+def test_chats_of_different_lengths_in_one_batch_are_a_clear_error(policy_and_tokenizer):
+    """TorchRL's history-mode policy cannot generate chats of different lengths together
+    (a zip error deep in History.extend): named up front, in the sync path and in the
+    collector's; a text-mode policy generates them."""
+    from torchrl_trl.online import AsyncGroupCollector, TorchRLRolloutFunc
+
+    _, tok = policy_and_tokenizer
+    mixed = [CHATS[0], CHATS[0], CHATS[1], CHATS[1]]
+    func = TorchRLRolloutFunc(make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3))
+    with pytest.raises(ValueError, match=r"chats of \[1, 2\] messages"):
+        func.rollout(mixed, group_size=2, version=0)
+    text = TorchRLRolloutFunc(make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3, input_mode="text"))
+    assert len(text.rollout(mixed, group_size=2, version=0)["completion_ids"]) == 4
+
+    with pytest.raises(ValueError, match=r"chats of \[1, 2\] messages"):  # LLMCollector resets once when built
+        AsyncGroupCollector(func, CHATS[:2], group_size=2, prompts_per_batch=2)

@@ -21,7 +21,7 @@ from torchrl.envs import Transform
 from .. import layouts
 from .episodes import GROUP_ID_KEY
 
-__all__ = ["PromptPrimer", "PromptSourceEnded", "env_query"]
+__all__ = ["PromptPrimer", "PromptSourceEnded", "check_history_batch", "columns_td", "env_query"]
 
 
 class PromptSourceEnded(Exception):
@@ -38,6 +38,19 @@ def env_query(prompts: list):
 
         return History.from_chats([layouts.to_messages(p) for p in prompts])
     return NonTensorStack(*[str(p) for p in prompts])
+
+
+def check_history_batch(prompts: list) -> None:
+    """Raise if the chats of one batch have different numbers of messages: TorchRL's
+    ``TransformersWrapper(input_mode="history")`` cannot generate such a batch (its
+    ``History.extend`` fails with "zip() argument ... is longer"); text mode can."""
+    lengths = sorted({len(layouts.to_messages(p)) for p in prompts})
+    if len(lengths) > 1:
+        raise ValueError(
+            f"one generation batch holds chats of {lengths} messages: TorchRL's history-mode policy needs "
+            "chats of one length per batch; use a policy (and env) with input_mode='text', or batches of "
+            "one prompt (prompts_per_batch=1 / an env batch of num_generations)"
+        )
 
 
 def columns_td(columns: dict[str, Sequence[Any]], batch_size) -> TensorDict:
@@ -125,6 +138,8 @@ class PromptPrimer(Transform):
             self.error, self._filler = err, True  # generate what was served, fail at the next step
             return self._current
         prompts = [p for p, _ in items]
+        if getattr(self.parent, "input_mode", None) == "history":
+            check_history_batch(prompts)
         td = TensorDict(
             {"query": env_query(prompts), GROUP_ID_KEY: torch.tensor([g for _, g in items])}, batch_size=[n]
         )

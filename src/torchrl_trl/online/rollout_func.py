@@ -50,7 +50,7 @@ from .. import layouts
 from .._checks import WarnOnce, positive_int
 from .behaviour import ResponseScorer
 from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, rollout_batch, turns_to_trl
-from .prompt_primer import columns_td, env_query
+from .prompt_primer import check_history_batch, columns_td, env_query
 from .weights import load_weights
 
 __all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
@@ -292,6 +292,8 @@ class TorchRLRolloutFunc:
 
     def _episode(self, policy, prompts: list, columns: dict) -> list[TensorDictBase]:
         env = self.env
+        if env.input_mode == "history":
+            check_history_batch(prompts)
         reset = TensorDict({"query": env_query(prompts)}, batch_size=env.batch_size)
         td = env.reset(reset.update(columns_td(columns, env.batch_size)))
         steps = []
@@ -393,6 +395,7 @@ def _policy_input(policy, prompts: list) -> TensorDictBase:
                 "the policy reads chat history (input_mode='history') but TRL's prompts are plain text; "
                 "use a dataset of conversational prompts or a policy with input_mode='text'"
             )
+        check_history_batch(prompts)
         history = History.from_chats([layouts.to_messages(p) for p in prompts])
         return TensorDict({"history": {"prompt": history}}, batch_size=[n])
     if chat:
