@@ -80,12 +80,12 @@ print(len(buffer), "rollouts; first answer:", repr(buffer[0]["text", "response"]
 # ---------------------------
 # ``format="sft_tokenized"`` yields the rollouts' own token ids (``input_ids``) and a
 # ``completion_mask`` (1 on the generated tokens), read from TorchRL's ``Tokens`` with the
-# padding removed; ``mode="epoch"`` reads every stored rollout once per pass.
+# padding removed; ``reading="epoch"`` reads every stored rollout once per pass.
 # ``as_hf_dataset(map_style=True)`` is a ``datasets.Dataset`` with a length, so the trainer
 # can count epochs (the streaming ``as_hf_dataset()`` needs ``max_steps``).
 from torchrl_trl import TorchRLBufferDataset
 
-dataset = TorchRLBufferDataset(buffer, batch_size=4, format="sft_tokenized", mode="epoch")
+dataset = TorchRLBufferDataset(buffer, batch_size=4, format="sft_tokenized", reading="epoch")
 hf_dataset = dataset.as_hf_dataset(map_style=True)
 print(len(hf_dataset), "rows; columns:", hf_dataset.column_names)
 print(hf_dataset[0])

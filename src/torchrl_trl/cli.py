@@ -191,7 +191,7 @@ def cmd_export(args) -> int:
     if n == 0:
         raise CLIError(f"{args.path}: the buffer is empty; nothing to export")
     try:
-        dataset = TorchRLBufferDataset(rb, min(args.batch_size, n), format=args.format, mode="epoch")
+        dataset = TorchRLBufferDataset(rb, min(args.batch_size, n), format=args.format, reading="epoch")
         hf = dataset.as_hf_dataset(map_style=True)
     except KeyError as err:
         raise CLIError(f"--format {args.format}: {err.args[0] if err.args else err}") from err

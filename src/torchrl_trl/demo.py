@@ -397,7 +397,7 @@ def run_best_of_n_sft(policy_path: Path, archive, cfg: DemoConfig) -> dict:
     best = best_of_n(archive, k=1)
     # MCAdvantage's regrouping keeps ("history", "full") but not the prompt/response
     # split, so train on whole chats and let the template's generation tags mask the prompt
-    dataset = TorchRLBufferDataset(best, batch_size=8, format="sft_messages", mode="epoch")
+    dataset = TorchRLBufferDataset(best, batch_size=8, format="sft_messages", reading="epoch")
     before = measure_true_score(model, tokenizer, cfg)
     args = SFTConfig(
         **_quiet_trainer_args(cfg, cfg.output_dir / "sft"),

@@ -8,9 +8,9 @@ NEW ``ReplayBuffer(LazyStackStorage)`` that :class:`~torchrl_trl.data.TorchRLBuf
 reads with the matching format (see :mod:`torchrl_trl.data.offline_formats`)::
 
     pairs = preference_pairs(rb)                     # rows: chosen / rejected / margin
-    TorchRLBufferDataset(pairs, 8, format="dpo_conversational", mode="epoch")
-    TorchRLBufferDataset(kto_rows(rb), 8, format="kto_conversational", mode="epoch")
-    TorchRLBufferDataset(best_of_n(rb, k=1), 8, format="sft_conversational", mode="epoch")
+    TorchRLBufferDataset(pairs, 8, format="dpo_conversational", reading="epoch")
+    TorchRLBufferDataset(kto_rows(rb), 8, format="kto_conversational", reading="epoch")
+    TorchRLBufferDataset(best_of_n(rb, k=1), 8, format="sft_conversational", reading="epoch")
 
 What was skipped (ties, incomplete groups, groups of one, ...) is counted in the returned
 buffer's ``build_stats`` (a :class:`~torchrl_trl.data.groups.SkipStats`), warned about once
@@ -105,7 +105,7 @@ def preference_pairs(
     >>> len(pairs), pairs[0]["margin"].item(), pairs.build_stats.rows
     (1, 1.0, 1)
     >>> from torchrl_trl.data import TorchRLBufferDataset
-    >>> row = next(iter(TorchRLBufferDataset(pairs, 1, format="dpo_conversational", mode="epoch")))
+    >>> row = next(iter(TorchRLBufferDataset(pairs, 1, format="dpo_conversational", reading="epoch")))
     >>> row["chosen"], row["rejected"]
     ([{'role': 'assistant', 'content': '4'}], [{'role': 'assistant', 'content': '5'}])
     >>> len(preference_pairs(rollouts, strategy="all", margin=0.2))  # 4>22 (0.5), 4>5 (1.0), 22>5 (0.5)
@@ -283,7 +283,7 @@ def best_of_n(
     >>> [str(r["text", "response"]) for r in best[:]]
     ['4', '6']
     >>> from torchrl_trl.data import TorchRLBufferDataset
-    >>> list(TorchRLBufferDataset(best, 2, format="sft", mode="epoch"))
+    >>> list(TorchRLBufferDataset(best, 2, format="sft", reading="epoch"))
     [{'prompt': '2+2=', 'completion': '4'}, {'prompt': '3+3=', 'completion': '6'}]
     """
     positive_int(k, "k")
