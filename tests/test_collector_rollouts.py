@@ -329,7 +329,8 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
 def test_reuse_and_drop_zero_std_through_a_real_llm_collector(checkpoints, policy_and_tokenizer, tmp_path):
     """reuse=1 and drop_zero_std on the LLMCollector path, trained by GRPOTrainer: the
     collector writes 4 groups and stops (total_dialog_turns=8); the 2 groups of the prompt
-    whose env reward is constant are dropped; each of the other 2 is trained on exactly twice
+    whose env reward is constant are dropped (or left pending, never trained on); each of
+    the other 2 is trained on exactly twice
     (fresh at step 1, reused at step 2, once the collector has nothing new), with the rows
     it was generated with."""
     from torchrl.collectors.llm import LLMCollector
@@ -358,7 +359,9 @@ def test_reuse_and_drop_zero_std_through_a_real_llm_collector(checkpoints, polic
         model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
         trainer = _trainer(model, tok, rollout, _reward, tmp_path, max_steps=2)
         trainer.train()
-    assert func.read_groups == 4 and func.dropped_filtered_groups == 2
+    # the env's prompt order depends on the RNG: a zero-spread group may still be pending
+    # (written after the last step read) instead of dropped
+    assert func.pending + func.dropped_filtered_groups == 2 and func.read_groups == 4
     assert func.consumed_reuse == [0, 0, 1, 1] and func.replay.reused == 2
     (_, _, first), (_, _, second) = rollout.calls
     assert first["reuse"] == [0] * 4 and second["reuse"] == [1] * 4
