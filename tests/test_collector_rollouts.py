@@ -7,6 +7,7 @@ RayReplayBuffer."""
 import gc
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -208,6 +209,44 @@ def test_pushes_land_between_batches_never_inside_one(checkpoints, policy_and_to
         for scored, sampled, ref in zip(batch["logprobs"], generated, reference):
             torch.testing.assert_close(torch.tensor(scored), ref, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(sampled[1 : len(ref)], ref[1:], atol=1e-4, rtol=1e-4)  # first: TorchRL's 0.0
+
+
+@pytest.mark.timeout(60)
+def test_a_push_into_a_stalled_collector_is_a_named_error(policy_and_tokenizer):
+    """A push waits for the batch in flight; a collector stuck inside one (an env step that
+    never returns) raises CollectorError after ``timeout``, not a hang."""
+    import threading
+
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.envs import Transform
+
+    from torchrl_trl.testing import make_policy, make_policy_wrapper
+
+    model, tok = policy_and_tokenizer
+    gate = threading.Event()
+
+    class Stall(Transform):  # the env step waits for the gate
+        def _step(self, tensordict, next_tensordict):
+            gate.wait()
+            return next_tensordict
+
+        def _reset(self, tensordict, tensordict_reset):
+            return tensordict_reset
+
+    rb = ReplayBuffer(storage=LazyStackStorage(64))
+    collector = LLMCollector(env=_env().append_transform(Stall()),
+                             policy=make_policy_wrapper(make_policy(tok), tok, max_new_tokens=2),
+                             dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
+                             total_dialog_turns=-1)
+    func = LLMCollectorRolloutFunc(collector, rb, group_size=2, timeout=1)
+    func.start()
+    start = time.monotonic()
+    with pytest.raises(CollectorError, match="did not end within timeout=1"):
+        func.push(model)
+    assert time.monotonic() - start < 10 and func.weight_pushes == 0
+    gate.set()
+    func.close()
 
 
 def test_caller_pushes_weights_staleness_against_the_collectors_version(policy_and_tokenizer):

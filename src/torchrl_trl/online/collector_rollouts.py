@@ -236,11 +236,21 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     @contextlib.contextmanager
     def paused(self):
         """Hold an in-process collector between two batches for the ``with`` block (after
-        the batch in flight; at once if it is not running); a Ray actor is not held."""
+        the batch in flight; at once if it is not running); a Ray actor is not held.
+
+        Raises:
+            CollectorError: the batch in flight did not end within ``timeout`` seconds.
+        """
+        start = time.monotonic()
         with self._reading:
             self._pauses += 1
             try:
                 while self._started and self._in_process and not self._at_boundary and _is_running(self.collector):
+                    if self.timeout is not None and time.monotonic() - start > self.timeout:
+                        raise CollectorError(
+                            f"the collector's batch in flight did not end within timeout={self.timeout} s "
+                            "(a weight push waits for it)"
+                        )
                     self._reading.wait(self.poll_s)
             except BaseException:
                 self._pauses -= 1
