@@ -19,6 +19,7 @@ from tensordict import NonTensorStack, TensorDict, TensorDictBase
 from torchrl.envs import Transform
 
 from .. import layouts
+from .._checks import positive_int
 from .episodes import GROUP_ID_KEY
 
 __all__ = ["PromptPrimer", "PromptSourceEnded", "check_history_batch", "columns_td", "env_query"]
@@ -108,7 +109,7 @@ class PromptPrimer(Transform):
         super().__init__()
         if isinstance(prompts, Sequence) and not prompts:
             raise ValueError("prompts is empty")
-        self.repeats = repeats
+        self.repeats = positive_int(repeats, "repeats")
         self.context_fn = context_fn
         self.raw_text = raw_text
         self.served_prompts = 0
@@ -132,14 +133,14 @@ class PromptPrimer(Transform):
                 raise PromptSourceEnded(
                     f"the prompt source ended ({len(items)} prompt copies left over, fewer than the env's batch of {n})"
                 )
+            prompts = [p for p, _ in items]
+            if getattr(self.parent, "input_mode", None) == "history":
+                check_history_batch(prompts)
         except Exception as err:
             if self._current is None:
                 raise
             self.error, self._filler = err, True  # generate what was served, fail at the next step
             return self._current
-        prompts = [p for p, _ in items]
-        if getattr(self.parent, "input_mode", None) == "history":
-            check_history_batch(prompts)
         td = TensorDict(
             {"query": env_query(prompts), GROUP_ID_KEY: torch.tensor([g for _, g in items])}, batch_size=[n]
         )
@@ -177,6 +178,6 @@ class PromptPrimer(Transform):
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         if self._filler:
-            raise self.error if self.error is not None else PromptSourceEnded("the prompt source ended")
+            raise self.error
         self._stepped = True
         return next_tensordict
