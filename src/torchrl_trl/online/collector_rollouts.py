@@ -81,8 +81,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         max_staleness, timeout, push_weights, drop_zero_std, reuse: see
             :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`; a group's age is
             ``collector.policy_version`` minus the ``policy_version`` stamped in its items,
-            ``push_weights`` goes through ``collector.update_policy_weights_``, and a
-            collector that stops raises at once whatever the timeout.
+            ``push_weights`` goes through ``collector.update_policy_weights_`` (waiting at
+            most ``timeout`` for the batch in flight), and a collector that stops raises at
+            once whatever the timeout.
         poll_s: seconds between two reads of the buffer while waiting.
         max_pending_groups: how far an in-process collector may run ahead: before writing a
             batch, it waits (in TorchRL's ``post_collect_hook``, so it generates nothing
