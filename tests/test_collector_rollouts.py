@@ -39,6 +39,19 @@ def _env(rows=ROWS, batch_size=2):
     return env.append_transform(RewardFunctionWrapper(_length_reward).as_transform())
 
 
+def _recording_collector(model, tok, rb, max_new_tokens=4):
+    """A real LLMCollector over :func:`_env` writing into ``rb``, its policy around ``model``,
+    recording the behaviour log-probs (``BehaviourLogProbsPostproc``)."""
+    from torchrl.collectors.llm import LLMCollector
+
+    from torchrl_trl.online import BehaviourLogProbsPostproc
+    from torchrl_trl.testing import make_policy_wrapper
+
+    policy = make_policy_wrapper(model, tok, max_new_tokens=max_new_tokens)
+    return LLMCollector(env=_env(), policy=policy, dialog_turns_per_batch=2, replay_buffer=rb,
+                        track_policy_version=True, total_dialog_turns=-1, postproc=BehaviourLogProbsPostproc(policy))
+
+
 def _trainer(model, tok, func, reward, tmp_path, max_steps, cls=None):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -122,7 +135,6 @@ def test_local_collector_records_behaviour_logprobs_for_the_correction(checkpoin
     """BehaviourLogProbsPostproc on the LLMCollector: the log-probs TRL gets are complete (no
     unknown first token) and, on groups generated after the step's push, equal an
     independent forward of the trainer's weights; BehaviourLogProbsMixin trains on them."""
-    from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer
     from torchrl.objectives.llm import MCAdvantage
     from transformers import AutoModelForCausalLM
@@ -130,17 +142,12 @@ def test_local_collector_records_behaviour_logprobs_for_the_correction(checkpoin
 
     from test_rollout_func import _reference_logps
     from torchrl_trl.online import BehaviourLogProbsMixin
-    from torchrl_trl.online import BehaviourLogProbsPostproc
-    from torchrl_trl.testing import make_policy_wrapper
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
-    policy = make_policy_wrapper(AutoModelForCausalLM.from_pretrained(checkpoints.policy), tok, max_new_tokens=4)
     rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=MCAdvantage(grpo_size=2))
-    collector = LLMCollector(env=_env(), policy=policy, dialog_turns_per_batch=2, replay_buffer=rb,
-                             track_policy_version=True, total_dialog_turns=-1,
-                             postproc=BehaviourLogProbsPostproc(policy))
+    collector = _recording_collector(AutoModelForCausalLM.from_pretrained(checkpoints.policy), tok, rb)
     checked = {"fresh": 0}
 
     def reward(completions, **kwargs):  # after this step's push and rollout, before its optimizer step
@@ -168,23 +175,17 @@ def test_pushes_land_between_batches_never_inside_one(checkpoints, policy_and_to
     generated under one, scored or stamped under the next)."""
     import copy
 
-    from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer
     from transformers import AutoModelForCausalLM
 
     from test_rollout_func import _reference_logps, _wait
-    from torchrl_trl.online import BehaviourLogProbsPostproc
     from torchrl_trl.online.episodes import GENERATED_LOGPROBS_KEY
-    from torchrl_trl.testing import make_policy_wrapper
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
     own = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
-    policy = make_policy_wrapper(own, tok, max_new_tokens=12)
     rb = ReplayBuffer(storage=LazyStackStorage(100_000))
-    collector = LLMCollector(env=_env(), policy=policy, dialog_turns_per_batch=2, replay_buffer=rb,
-                             track_policy_version=True, total_dialog_turns=-1,
-                             postproc=BehaviourLogProbsPostproc(policy))
+    collector = _recording_collector(own, tok, rb, max_new_tokens=12)
     weights = {0: copy.deepcopy(own)}
     with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=None, push_weights=False) as func:
         func.start()
@@ -415,14 +416,12 @@ def test_async_grpo_protocols_on_a_real_llm_collector(checkpoints, policy_and_to
     trainer's named parameters (TorchRL's update_policy_weights_ loads them and bumps its
     PolicyVersion to 1), the worker queues RolloutSamples of whole groups whose old
     log-probs are an independent forward of the synced weights."""
-    from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer
     from transformers import AutoModelForCausalLM
     from trl.experimental.async_grpo.async_grpo_trainer import RolloutWorkerProtocol, WeightTransferProtocol
 
     from test_rollout_func import _reference_logps
-    from torchrl_trl.online import BehaviourLogProbsPostproc, TorchRLRolloutWorker, TorchRLWeightTransfer
-    from torchrl_trl.testing import make_policy_wrapper
+    from torchrl_trl.online import TorchRLRolloutWorker, TorchRLWeightTransfer
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
@@ -431,11 +430,8 @@ def test_async_grpo_protocols_on_a_real_llm_collector(checkpoints, policy_and_to
         for p in trained.parameters():
             p.add_(0.05 * torch.randn_like(p))
     own = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
-    policy = make_policy_wrapper(own, tok, max_new_tokens=4)
     rb = ReplayBuffer(storage=LazyStackStorage(1024))
-    collector = LLMCollector(env=_env(), policy=policy, dialog_turns_per_batch=2, replay_buffer=rb,
-                             track_policy_version=True, total_dialog_turns=-1,
-                             postproc=BehaviourLogProbsPostproc(policy))
+    collector = _recording_collector(own, tok, rb)
     source = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=None, timeout=120)
     worker = TorchRLRolloutWorker(source, [lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]])
     transfer = TorchRLWeightTransfer(source)
