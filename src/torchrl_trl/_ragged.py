@@ -1,7 +1,5 @@
-"""Variable-length values in tensordicts: the :class:`Ragged` container, and reading a key
-through lazy stacks (of samples of different lengths, or of separately padded batches)
-that ``td.get`` cannot stack. Knows nothing of TorchRL's LLM keys (:mod:`.layouts` does).
-"""
+"""The :class:`Ragged` container, and reading a key through lazy stacks that ``td.get``
+cannot stack. Knows nothing of TorchRL's LLM keys (:mod:`.layouts` does)."""
 
 from __future__ import annotations
 
@@ -113,15 +111,7 @@ def chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
     """The tensor at ``key`` as dense ``[n_i, T_i]`` chunks in row-major order of ``td``'s
     batch: one per dense member of a lazy stack, one per sample where values are ragged."""
     if isinstance(td, LazyStackedTensorDict):
-        out = []
-        for sub in members(td):
-            if sub.batch_dims == 0:  # one rollout (LazyStackStorage): the common, short way
-                value = sub.get(key)
-                if isinstance(value, torch.Tensor) and value.ndim <= 1 and not value.is_nested:
-                    out.append(value.reshape(1, -1))
-                    continue
-            out.extend(chunks(sub, key))
-        return out
+        return [chunk for sub in members(td) for chunk in chunks(sub, key)]
     value = get_values(td, key)
     if isinstance(value, list):  # one tensor per sample
         return [torch.as_tensor(v).reshape(1, -1) for v in value]
@@ -134,8 +124,7 @@ def chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
 
 def get_values(td: TensorDictBase, key: NestedKey) -> Any:
     """``td.get(key)``, or a flat list with one value per sample where the values cannot be
-    stacked (a dense tensordict holding a lazy stack of ragged ``Tokens``/``Masks``).
-    ``KeyError`` when ``key`` is not set."""
+    stacked. ``KeyError`` when ``key`` is not set."""
     try:
         value = td.get(key)
     except RuntimeError:
@@ -155,10 +144,9 @@ def flatten(value: Any, depth: int) -> list:
 
 
 def has_key(td: TensorDictBase, key: NestedKey) -> bool:
-    """Whether ``key`` is set (and not ``None``) in every sample of ``td``, looking inside
-    lazy stacks: a key that is present but cannot be stacked counts as present."""
+    """Whether ``key`` is set (and not ``None``) in every sample of ``td``, even where its
+    values cannot be stacked."""
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
-        # ask the members: getting the key from the stack would stack it first
         return all(has_key(sub, key) for sub in td.tensordicts)
     try:
         return td.get(key, None) is not None
@@ -170,8 +158,7 @@ def has_key(td: TensorDictBase, key: NestedKey) -> bool:
 
 
 def first_member(td: TensorDictBase) -> TensorDictBase:
-    """The first tensordict a (nested) lazy stack is made of, ``td`` itself otherwise: it
-    lists the keys every member of a rollout stack carries, without stacking anything.
+    """The first tensordict a (nested) lazy stack is made of, ``td`` itself otherwise.
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack

@@ -1,17 +1,12 @@
-"""The ``torchrl-trl`` command (also ``python -m torchrl_trl``).
-
-Commands: ``env`` (versions for a bug report), ``inspect`` / ``export`` / ``score`` (a
-replay buffer saved with :func:`torchrl_trl.save_buffer`), ``demo`` (the end-to-end demo).
-Heavy libraries are imported by the command that needs them, so ``--help`` and
-``--version`` answer at once.
-"""
+"""The ``torchrl-trl`` command (also ``python -m torchrl_trl``): ``env``, ``inspect`` /
+``export`` / ``score`` (a buffer saved with :func:`torchrl_trl.save_buffer`) and ``demo``.
+Heavy libraries are imported by the command that needs them."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import platform
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,27 +23,22 @@ EPILOG = "Run 'torchrl-trl COMMAND --help' for the options of a command."
 #: packages whose versions ``torchrl-trl env`` reports
 ENV_PACKAGES = ("torch", "torchrl", "tensordict", "trl", "transformers", "datasets", "accelerate", "tokenizers", "safetensors", "ray")
 
-#: ``torchrl-trl demo`` run times, stated in its help: ``/usr/bin/time -v torchrl-trl demo
-#: [--quick]`` on this project's 2-core machine, 1-minute load averages sampled during each
-#: run. Otherwise idle (load 1.1-1.3, the demo itself): --quick 41 s wall / 55 s CPU, full
-#: 82 s wall / 112 s CPU. With other jobs sharing the cores (contention inflates CPU time
-#: too: threads spin): --quick 87 s / 93 s (load 2.9-3.5), 261 s / 143 s (load 1.5-5.8),
-#: 393 s / 191 s (load 4.5-7.2); full 426 s / 339 s (load 3.0-4.8), 1615 s / 464 s (load 6-12).
+#: ``torchrl-trl demo [--quick]`` wall times under ``/usr/bin/time -v`` on a 2-core machine:
+#: idle, 41 s (--quick) and 82 s; with other jobs (load 1.5-12), 87-393 s and 426-1615 s.
 QUICK_TIME = "about 40 s on 2 otherwise idle CPU cores, measured; up to 6.6 min measured with other jobs sharing them"
 FULL_TIME = "about 80 s on 2 otherwise idle CPU cores, measured; 7 to 27 min measured with other jobs sharing them"
 DEMO_DESCRIPTION = (
     "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
     "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the "
     "initial policy with trl.SFTTrainer on the best-of-n rollouts read from the TorchRL buffer, and train it "
-    "again with TRL's GRPOTrainer generating through TorchRL (TorchRLRolloutFunc). "
-    "Prints a table, "
+    "again with TRL's GRPOTrainer generating through TorchRL (TorchRLRolloutFunc). Prints a table, "
     "writes results.json and reward_curve.png, and saves both trained policies (safetensors) "
     "under --output-dir. Tiny built-in models, no downloads."
 )
 
 
 def _positive_int(text: str) -> int:
-    """argparse ``type=``: an integer > 0 (checked by :func:`torchrl_trl._checks.positive_int`)."""
+    """argparse ``type=``: an integer > 0."""
     try:
         return positive_int(int(text), "the value")
     except ValueError as err:  # not an integer, or <= 0
@@ -71,11 +61,9 @@ def _require_dir(path: str | os.PathLike) -> Path:
 def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
     """``(ReplayBuffer, manifest)`` holding what :func:`torchrl_trl.save_buffer` wrote at ``path``.
 
-    The buffer is built with the storage kind the manifest names (a ``LazyStackStorage``
-    for list storages, a ``LazyTensorStorage`` for tensor ones) and the saved length as
-    capacity, with the default sampler and writer. ``restore_state=False`` (default) loads
-    the items only, so a buffer saved with any sampler/writer reads; ``True`` also restores
-    the writer's state, and raises when the saved state does not fit the default ones.
+    The buffer has the manifest's storage kind (``LazyStackStorage`` or ``LazyTensorStorage``),
+    the saved length as capacity and the default sampler and writer. ``restore_state=True``
+    also restores the writer's state. Raises :class:`~torchrl_trl.model_paths.CLIError`.
     """
     path = _require_dir(path)
     from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
@@ -103,9 +91,8 @@ def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
 
 
 def _layout(td) -> str:
-    """``"padded (...)"``, ``"ragged (...)"`` or ``"mixed (...)"`` for the token key, or
-    ``"no tokens"``. TorchRL's ``Tokens.padded`` flag says which when present (ragged
-    samples of equal length would otherwise look padded); else the stored widths do."""
+    """``"padded (...)"``, ``"ragged (...)"``, ``"mixed (...)"`` or ``"no tokens"``, from
+    TorchRL's ``Tokens.padded`` flags when present, else from the stored widths."""
     from . import layouts
 
     key = layouts.token_key("full")
@@ -122,12 +109,11 @@ def _layout(td) -> str:
         return f"mixed padded and ragged samples ({span})"
     if flags == {False}:
         return f"ragged ({span})"
-    # no flag (tokens written by other code than TorchRL's wrappers), or padded: the widths say
     try:
         value = td.get(key)
-    except RuntimeError:  # a lazy stack of samples of different widths cannot be stacked
-        return f"ragged ({span})"
-    if value.is_nested:
+    except RuntimeError:  # samples of different widths cannot be stacked
+        value = None
+    if value is None or value.is_nested:
         return f"ragged ({span})"
     return f"padded (width {value.shape[-1]}, {span})"
 
@@ -311,19 +297,11 @@ def cmd_demo(args) -> int:
         os.environ.setdefault(var, "1")
     from .demo import DemoConfig, run_demo
 
-    run_demo(
-        DemoConfig(
-            output_dir=args.output_dir,
-            iterations=args.iterations,
-            seed=args.seed,
-            device=args.device,
-            policy=policy,
-            reward_model=reward_model,
-            quick=args.quick,
-            progress=not args.no_progress,
-            trl_grpo=not args.no_trl_grpo,
-        )
+    cfg = DemoConfig(
+        output_dir=args.output_dir, iterations=args.iterations, seed=args.seed, device=args.device, policy=policy,
+        reward_model=reward_model, quick=args.quick, progress=not args.no_progress, trl_grpo=not args.no_trl_grpo,
     )
+    run_demo(cfg)
     return 0
 
 
@@ -398,7 +376,3 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except CLIError as err:
         parser.exit(2, f"torchrl-trl {args.command}: error: {err}\n")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

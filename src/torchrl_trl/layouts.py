@@ -1,7 +1,5 @@
-"""Read TorchRL LLM layouts into per-sample sequences, texts and chat messages.
-
-The one place that knows the key layout TorchRL's ``TransformersWrapper``/``vLLMWrapper``,
-``ChatEnv`` and ``LLMCollector`` write::
+"""Read TorchRL LLM layouts into per-sample sequences, texts and chat messages: the one
+place that knows the keys TorchRL's LLM wrappers, ``ChatEnv`` and ``LLMCollector`` write::
 
     ("tokens", "prompt" | "response" | "full")       int64 [*B, T] padded, or ragged
     ("masks", "all_attention_mask")                   [*B, T_full], 1 on real tokens
@@ -10,10 +8,8 @@ The one place that knows the key layout TorchRL's ``TransformersWrapper``/``vLLM
     ("next", "reward")                                float [*B, 1, 1] (GRPO convention)
 
 Any leading batch shape is flattened in row-major order, so sample ``i`` of every reader
-is the same rollout. Inputs may be dense padded tensors (the prompt left-padded, the
-response right-padded), lazy stacks of per-sample tensors of different lengths, lazy
-stacks of separately padded batches, or nested tensors. Padding is removed with the
-attention mask.
+is the same rollout. Inputs may be padded (prompt left, response right), lazy stacks of
+ragged samples or of padded batches, or nested tensors; the attention mask removes padding.
 """
 
 from __future__ import annotations
@@ -41,16 +37,14 @@ Part = Literal["prompt", "response", "full"]
 _PARTS = ("prompt", "response", "full")
 
 ATTENTION_MASK_KEY: NestedKey = ("masks", "all_attention_mask")
-#: Top-level keys TorchRL's LLM envs, wrappers, collectors and losses write into rollouts
-#: (anything else at the top level, e.g. ``"answer"``, came from the dataset).
+#: Top-level keys TorchRL writes into LLM rollouts (any other, e.g. ``"answer"``, came from the dataset).
 TORCHRL_ROOT_KEYS = frozenset({
     "text", "history", "tokens", "masks", "log_probs", "next", "done", "terminated",
     "truncated", "step_count", "reward", "action", "is_init", "collector", "advantage",
 })  # fmt: skip
 #: Where TorchRL's GRPO pipeline (``MCAdvantage``, reward parsers) reads the reward.
 REWARD_KEY: NestedKey = ("next", "reward")
-#: Whether a step ended its episode (``[*B, 1]`` bool); ``False`` on the inner turns of a
-#: multi-turn ``ChatEnv`` episode.
+#: Whether a step ended its episode (``[*B, 1]`` bool).
 DONE_KEY: NestedKey = ("next", "done")
 
 
@@ -87,16 +81,11 @@ def read_tokens(
     key: NestedKey | None = None,
     mask_key: NestedKey | None = ATTENTION_MASK_KEY,
 ) -> Ragged:
-    """The real (unpadded) token ids of each sample at ``("tokens", part)``.
+    """The real (unpadded) token ids of each sample at ``("tokens", part)`` (or ``key``).
 
-    Padding is removed with the mask at ``mask_key`` when it is present (the full
-    sequence's: the prompt lines up with its first columns, the response with its last,
-    as TorchRL pads the prompt left and the response right); without one, or with
-    ``mask_key=None``, every stored token is real. ``key`` reads another token key
-    (``part`` then says how the mask lines up with it).
-
-    Returns:
-        :class:`Ragged` int64 token ids, one sample per batch element (flattened).
+    Padding is removed with the full sequence's mask at ``mask_key`` when present; ``part``
+    says how it lines up. Returns :class:`Ragged` int64 ids, one sample per batch element.
+    Raises ``KeyError`` naming the available keys, ``ValueError`` for a mask that does not fit.
 
     Examples:
         Left-padded tokens (``pad_output=True``) and ragged ones read the same:
@@ -119,7 +108,7 @@ def read_tokens(
     try:
         tokens = _ragged.chunks(td, key)
     except KeyError:
-        _ragged.require(td, key, "read_tokens")  # raises naming the key and the available ones
+        _ragged.require(td, key, "read_tokens")
         raise
     if mask_key is None or not has_key(td, mask_key):
         values = [t.reshape(-1) for t in tokens]
@@ -127,8 +116,7 @@ def read_tokens(
         return Ragged(torch.cat(values), torch.tensor(lengths, dtype=torch.long))
     masks = _ragged.chunks(td, mask_key)
     if [t.shape[0] for t in tokens] != [m.shape[0] for m in masks]:
-        # one side stacks and the other does not (e.g. equal response widths, mask widths
-        # differing between collector batches): line them up sample by sample
+        # one side stacks and the other does not: line them up sample by sample
         tokens, masks = _rows(tokens), _rows(masks)
     if part != "full":
         masks = [_slice_mask(m, t.shape[-1], part) for m, t in zip(masks, tokens)]
@@ -139,7 +127,7 @@ def read_tokens(
                 f"{None if m is None else m.shape[-1]}) does not line up with the tokens at "
                 f"{key!r} (shape {tuple(t.shape)}); expected the full sequence's attention mask"
             )
-    if len({t.shape[-1] for t in tokens}) == 1:  # one vectorised pass over everything
+    if len({t.shape[-1] for t in tokens}) == 1:  # one vectorised pass
         tokens, masks = [torch.cat(tokens)], [torch.cat(masks)]
     masks = [m.bool() for m in masks]
     values = torch.cat([t[m] for t, m in zip(tokens, masks)])
@@ -188,13 +176,8 @@ def _strings(td: TensorDictBase, key: NestedKey) -> list[str]:
 
 def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None) -> list[str]:
     """The text of each sample at ``("text", part)``; ``"full"`` falls back to
-    prompt + response when only those are stored.
-
-    Where TorchRL decoded padded tokens into the text (history mode with
-    ``pad_output=True``: pad strings in ``text.full``, a ``text.response`` starting inside
-    the prompt), the padding is removed where the mask says it is (see
-    :func:`padding_text`, whose ``tokenizer`` this is) and the response is what follows
-    the prompt in the clean full text.
+    prompt + response. Pad strings TorchRL decoded into the text (``input_mode="history"``,
+    ``pad_output=True``) are removed where the mask says (``tokenizer``: see :func:`padding_text`).
 
     Raises:
         TypeError: a sample's text is not a string.
@@ -223,10 +206,6 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
     return out
 
 
-# ---------------------------------------------------------------------------
-# Strings a storage lost
-# ---------------------------------------------------------------------------
-
 _LOST_STRINGS = (
     "this TorchRL's LazyMemmapStorage reads every stored string back as the first one "
     "written (text, chat and string columns). Store LLM rollouts in a LazyStackStorage, "
@@ -237,18 +216,10 @@ _LOST_STRINGS = (
 def check_strings_kept(
     td: TensorDictBase, part: Part = "full", strings: list[str] | None = None
 ) -> None:
-    """Refuse text and chat that cannot be what TorchRL wrote: ``td`` is memory-mapped and
-    this TorchRL's ``LazyMemmapStorage`` loses strings (:func:`memmap_keeps_strings`), or
-    every sample holds the same ``("text", part)`` while their ``("tokens", part)`` differ
-    (a sample of such a storage, copied out of it).
-
-    Args:
-        part: the text part to compare with its tokens (skipped when either is missing).
-        strings: that part's strings when the caller has read them already.
-
-    Raises:
-        ValueError: naming the key, with the storages that keep strings.
-    """
+    """Raise ``ValueError`` (naming the key and the storages that keep strings) where text
+    cannot be what TorchRL wrote: ``td`` is memory-mapped and :func:`memmap_keeps_strings`
+    is false, or every sample holds the same ``("text", part)`` (``strings`` if already
+    read) while their ``("tokens", part)`` differ."""
     key, ids_key = text_key(part), token_key(part)
     _refuse_memmap_strings(td, key)
     if batch_numel(td) < 2 or not has_key(td, ids_key):
@@ -274,8 +245,7 @@ def _refuse_memmap_strings(td: TensorDictBase, key: NestedKey | None) -> None:
 
 @functools.cache
 def memmap_keeps_strings() -> bool:
-    """Whether this TorchRL's ``LazyMemmapStorage`` reads strings back as written, probed
-    once in a temporary directory."""
+    """Whether this TorchRL's ``LazyMemmapStorage`` reads strings back as written (probed once)."""
     import tempfile
 
     from tensordict import TensorDict
@@ -287,19 +257,13 @@ def memmap_keeps_strings() -> bool:
         return [str(s) for s in rb[:].get("s")] == ["a", "b"]
 
 
-# ---------------------------------------------------------------------------
-# Padding TorchRL decoded into text
-# ---------------------------------------------------------------------------
-
-
 def _padded_text_possible(td: TensorDictBase) -> bool:
-    # only a padded (dense) full sequence with a mask, text and a prompt can carry pads
     keys = (ATTENTION_MASK_KEY, text_key("full"), text_key("prompt"), token_key("full"))
     return all(has_key(td, k) for k in keys)
 
 
 def _pad_counts(td: TensorDictBase) -> tuple[list[int], list[int]]:
-    """Per sample, the pad columns before and after the real tokens of the full mask."""
+    """Per sample, the pad columns before and after the real tokens."""
     lead, trail = [], []
     for m in _ragged.chunks(td, ATTENTION_MASK_KEY):
         m = m.bool()
@@ -309,8 +273,7 @@ def _pad_counts(td: TensorDictBase) -> tuple[list[int], list[int]]:
 
 
 def _unpad(text: str, pad: str, lead: int, trail: int) -> str:
-    """``text`` without ``lead`` pads before and ``trail`` after, where they are there
-    (``text`` itself when nothing is removed)."""
+    """``text`` without ``lead`` pads before and ``trail`` after, where present."""
     if lead and text.startswith(pad * lead):
         text = text[len(pad) * lead :]
     if trail and text.endswith(pad * trail):
@@ -325,16 +288,11 @@ def _pad_string(tokenizer: Any, pad_id: int | None = None) -> str:
 
 
 def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
-    """The string one pad token decodes to in ``td``'s stored text, or ``None`` when the
-    text holds no padding.
+    """The string one pad token decodes to in ``td``'s stored text, or ``None`` if none.
 
-    With ``tokenizer``, its decoding of the pad id in the padded ``tokens.full``. Without,
-    read off a sample whose text starts with pads before its prompt, else one whose text
-    ends with two or more pads, else the one set by :func:`decoded_padding`.
-
-    Raises:
-        ValueError: samples disagree on the pad string, or the text may hold padding that
-            cannot be told apart from real text without the tokenizer.
+    ``tokenizer`` decodes the pad id; without it, the pad string is read off the samples,
+    else taken from :func:`decoded_padding`. Raises ``ValueError`` when samples disagree or
+    the padding cannot be told apart from text without the tokenizer.
     """
     lead, trail = _pad_counts(td)
     if not any(lead) and not any(trail):
@@ -388,10 +346,8 @@ _PAD_TEXT: ContextVar[str | None] = ContextVar("torchrl_trl_pad_text", default=N
 
 @contextmanager
 def decoded_padding(tokenizer: Any = None, *, pad_text: str | None = None):
-    """Within this context, readers take ``pad_text`` (default: ``tokenizer``'s pad token
-    as it decodes) as the pad string of TorchRL's padded history-mode text wherever the
-    samples do not show it (e.g. equal-length prompts whose responses end with one pad).
-    They still strip it only where the mask says padding is."""
+    """Within this context, readers take ``pad_text`` (default: ``tokenizer``'s decoded pad
+    token) as the pad string of padded text wherever the samples do not show it."""
     if pad_text is None and tokenizer is not None:
         pad_text = _pad_string(tokenizer)
     token = _PAD_TEXT.set(pad_text)
@@ -409,16 +365,11 @@ def _pad_id(td: TensorDictBase) -> int:
 
 
 def _strip_padding(td: TensorDictBase, full: list[str], tokenizer: Any) -> list[str] | None:
-    """``full`` with each sample's decoded padding removed, or ``None`` if it has none."""
+    """``full`` without decoded padding, or ``None`` if it has none."""
     pad = padding_text(td, tokenizer)
     if not pad:
         return None
     return [_unpad(text, pad, n, m) for text, n, m in zip(full, *_pad_counts(td))]
-
-
-# ---------------------------------------------------------------------------
-# Chat
-# ---------------------------------------------------------------------------
 
 
 def _messages(conversation: Any) -> list[dict]:
@@ -431,13 +382,9 @@ def _messages(conversation: Any) -> list[dict]:
 
 
 def to_messages(history: Any) -> list[dict[str, str]]:
-    """A TorchRL ``History`` (one conversation) or list of message dicts -> plain
-    ``[{"role", "content"}, ...]``, TRL's conversational format (TorchRL's extra
-    ``is_complete``/tool fields and ``"<none>"`` padding messages dropped).
-
-    Raises:
-        TypeError: a message's role or content is not a string.
-    """
+    """A TorchRL ``History`` (one conversation) or list of message dicts -> TRL's
+    ``[{"role", "content"}, ...]`` (extra fields and ``"<none>"`` padding dropped).
+    Raises ``TypeError`` for a role or content that is not a string."""
     out = []
     for i, m in enumerate(_messages(history)):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
@@ -452,24 +399,18 @@ def to_messages(history: Any) -> list[dict[str, str]]:
 def read_history(
     td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None
 ) -> list[list[dict[str, str]]]:
-    """The chat of each sample at ``("history", part)`` as plain role/content dicts.
-
-    Where TorchRL parsed the response out of padded text, pad strings trailing a message
-    are removed and a message of padding only is dropped (``tokenizer`` as in
-    :func:`read_text`).
-    """
+    """The chat of each sample at ``("history", part)`` as role/content dicts, pad strings
+    TorchRL left in an open turn removed (``tokenizer`` as in :func:`read_text`)."""
     key = history_key(part)
     _ragged.require(td, key, "read_history")
     check_strings_kept(td)  # chat content is no witness: two token rows can parse to one chat
     raw = []
     for sub in _ragged.leaves(td):
         history = sub.get(key)
-        # a History of batch [n_messages] gives one conversation; [k, n] gives k
         raw.extend(_ragged.flatten(history.tolist(), history.batch_dims - 1))
     out = [to_messages(c) for c in raw]
     if part != "prompt" and _padded_text_possible(td):
-        # a turn TorchRL closed at its end-of-turn marker holds nothing after it; one left
-        # open by an early EOS that is not that marker holds the pads that followed
+        # a turn left open (an EOS that is not the end-of-turn marker) holds the pads that followed
         _, trail = _pad_counts(td)
         open_rows = [i for i, (c, t) in enumerate(zip(raw, trail)) if t and not _complete(c)]
         pad = padding_text(td, tokenizer) if open_rows else None
