@@ -1,15 +1,11 @@
-"""The few places where torchrl-trl relies on another library's private internals.
-
-Each function wraps one private use with no public equivalent, names the library version it
-was checked against, and is covered by ``tests/test_compat.py``.
-"""
+"""The only uses of other libraries' private internals, one function each, naming the
+version it was checked against; covered by ``tests/test_compat.py``."""
 from __future__ import annotations
 
 
 def replay_lock(replay_buffer):
     """The ``threading.RLock`` a ``torchrl.data.ReplayBuffer`` holds while it writes or
-    samples: holding it freezes its storage, sampler and writer. A no-op context for a
-    buffer whose storage lives in a Ray actor.
+    samples (a no-op context for a buffer whose storage lives in a Ray actor).
 
     Private: ``ReplayBuffer._replay_lock`` (torchrl 0.14.1).
 
@@ -28,13 +24,10 @@ def replay_lock(replay_buffer):
 
 
 def bind_ray_replay_buffer(buffer, actor) -> None:
-    """Make ``buffer``, a ``torchrl.data.RayReplayBuffer`` (subclass) instance created without
-    ``RayReplayBuffer.__init__``, read and write through ``actor``, an existing replay-buffer
-    actor. ``actor=None`` unbinds it (``buffer.is_alive`` is then ``False``); the actor is
-    never killed here.
+    """Make ``buffer``, a ``RayReplayBuffer`` (subclass) instance made without its
+    ``__init__``, use ``actor``, an existing replay-buffer actor; ``actor=None`` unbinds it.
 
-    Private: the attributes ``RayReplayBuffer.__init__`` sets (``_rb``, ``has_gpu``,
-    ``_transport_kind``, ``_delayed_init``, ``_client``; torchrl 0.14.1).
+    Private: the attributes ``RayReplayBuffer.__init__`` sets (torchrl 0.14.1).
     """
     if actor is None:
         for name in ("_rb", "_client"):
@@ -48,9 +41,8 @@ def bind_ray_replay_buffer(buffer, actor) -> None:
 
 
 def ray_runtime_lease(ray_init_config: dict | None = None):
-    """A share of this process's Ray runtime: ``ray.init(**ray_init_config)`` if Ray is not
-    running; ``.release()`` of the last share shuts Ray down only if a share started it.
-    Counted with TorchRL's own Ray owners, so ours never shuts Ray down under theirs.
+    """A share of this process's Ray runtime, counted with TorchRL's own: ``ray.init`` if
+    needed; the last ``.release()`` shuts Ray down only if a share started it.
 
     Private: ``torchrl._comm.ray_runtime._RayRuntimeLease`` (torchrl 0.14.1).
     """
@@ -60,8 +52,7 @@ def ray_runtime_lease(ray_init_config: dict | None = None):
 
 
 def reset_replay_lock(replay_buffer) -> None:
-    """Give ``replay_buffer`` a fresh, unheld lock (in a forked child, a lock held by a parent
-    thread would never be released). A buffer without that lock (a Ray client) is left alone.
+    """Give ``replay_buffer`` a fresh, unheld lock (for a forked child); a Ray client is left alone.
 
     Private: sets ``ReplayBuffer._replay_lock`` (torchrl 0.14.1).
 
@@ -78,16 +69,8 @@ def reset_replay_lock(replay_buffer) -> None:
         replay_buffer._replay_lock = threading.RLock()
 
 
-class _FixedLength:
-    """A process-private stand-in for a ``TensorStorage``'s shared length counter."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-
 def pin_storage_length(storage, n: int) -> None:
-    """Make ``len(storage)`` of a ``torchrl.data.TensorStorage`` read ``n`` in this process
-    only (a forked child whose tensors stop at the fork while the shared counter advances).
+    """Make ``len(storage)`` of a ``TensorStorage`` read ``n`` in this process only (a forked child).
 
     Private: ``TensorStorage._len_value`` (torchrl 0.14.1).
 
@@ -102,17 +85,17 @@ def pin_storage_length(storage, n: int) -> None:
     >>> len(rb.storage)
     3
     """
-    storage._len_value = _FixedLength(int(n))
+    from types import SimpleNamespace
+
+    storage._len_value = SimpleNamespace(value=int(n))  # a process-private length counter
 
 
 def datasets_examples_iterable_base() -> type:
-    """The base class of ``datasets``' examples iterables: what a ``datasets.IterableDataset``
-    iterates, shards (``shard_data_sources``, ``num_shards``), resumes (``state_dict``) and
-    reads as Arrow (``iter_arrow``).
+    """The base class of what a ``datasets.IterableDataset`` iterates, shards, resumes and
+    reads as Arrow.
 
-    Private: ``datasets.iterable_dataset._BaseExamplesIterable`` (datasets 5.2). The public
-    ``IterableDataset.from_generator`` re-encodes every row and has no Arrow path: 3x slower
-    in ``benchmarks/bench_dataset.py``.
+    Private: ``datasets.iterable_dataset._BaseExamplesIterable`` (datasets 5.2); the public
+    ``from_generator`` re-encodes every row, 3x slower in ``benchmarks/bench_dataset.py``.
     """
     from datasets.iterable_dataset import _BaseExamplesIterable
 
@@ -120,20 +103,15 @@ def datasets_examples_iterable_base() -> type:
 
 
 def iterable_dataset_from_examples(ex_iterable, features, cls: type | None = None):
-    """A ``datasets.IterableDataset`` (or subclass ``cls``) iterating ``ex_iterable`` (a
-    :func:`datasets_examples_iterable_base` subclass instance) and declaring ``features``.
-
-    Private: ``IterableDataset(ex_iterable, info=...)`` (datasets 5.2).
-    """
+    """A ``datasets.IterableDataset`` (or subclass ``cls``) iterating ``ex_iterable`` with
+    ``features``. Private: ``IterableDataset(ex_iterable, info=...)`` (datasets 5.2)."""
     from datasets import DatasetInfo, IterableDataset
 
     return (cls or IterableDataset)(ex_iterable, info=DatasetInfo(features=features))
 
 
 def has_own_step(transform) -> bool:
-    """Whether ``transform`` is a TorchRL ``Transform`` overriding ``_step``: a reward parser
-    (``GSM8KRewardParser``...) that reads the step's input and writes ``next``.
-
+    """Whether ``transform`` is a TorchRL ``Transform`` overriding ``_step`` (a reward parser).
     Private: ``Transform._step`` (torchrl 0.14.1).
 
     >>> from torchrl.envs.llm import GSM8KRewardParser

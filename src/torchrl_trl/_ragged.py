@@ -19,12 +19,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Ragged:
-    """Variable-length 1-D sequences stored flat: sample ``i`` is
-    ``values[offsets[i]:offsets[i + 1]]``.
-
-    Attributes:
-        values: ``[sum(lengths)]`` all samples' elements, concatenated.
-        lengths: int64 ``[N]`` length of each sample.
+    """Variable-length 1-D sequences stored flat: ``values`` (``[sum(lengths)]``, the samples
+    concatenated) and int64 ``lengths`` (``[N]``); sample ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 
     Examples:
         >>> seqs = Ragged.from_list([[1, 2, 3], [4]])
@@ -69,21 +65,12 @@ class Ragged:
         return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def select(self, index: torch.Tensor | Sequence[int]) -> Ragged:
-        """The samples at ``index`` (in that order), gathered without a Python loop."""
-        index = torch.as_tensor(index, dtype=torch.long)
-        lengths = self.lengths[index]
-        starts = self.offsets[:-1][index]
-        # position of each output element inside its own sample
-        new_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
-        within = torch.arange(int(lengths.sum())) - new_starts.repeat_interleave(lengths)
-        return Ragged(self.values[starts.repeat_interleave(lengths) + within], lengths)
+        """The samples at ``index``, in that order."""
+        seqs = self.split()
+        return Ragged.from_list([seqs[i] for i in torch.as_tensor(index, dtype=torch.long).tolist()], self.values.dtype)
 
     def to_padded(
-        self,
-        pad_value: int | float = 0,
-        *,
-        side: Literal["left", "right"] = "right",
-        width: int | None = None,
+        self, pad_value: int | float = 0, *, side: Literal["left", "right"] = "right", width: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(padded, mask)``, both ``[N, width]`` (default: the longest sample); ``mask``
         is ``True`` on real elements."""
@@ -93,10 +80,7 @@ class Ragged:
         if width < longest:
             raise ValueError(f"width={width} is shorter than the longest sample ({longest})")
         cols = torch.arange(width).expand(n, width)
-        if side == "right":
-            mask = cols < self.lengths[:, None]
-        else:
-            mask = cols >= (width - self.lengths)[:, None]
+        mask = cols < self.lengths[:, None] if side == "right" else cols >= (width - self.lengths)[:, None]
         padded = self.values.new_full((n, width), pad_value)
         padded[mask] = self.values
         return padded, mask

@@ -8,7 +8,6 @@ import argparse
 import os
 import platform
 from pathlib import Path
-from typing import Any
 
 from . import __version__
 from ._checks import positive_int
@@ -45,11 +44,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
 
 
-# ---------------------------------------------------------------------------
-# saved buffers
-# ---------------------------------------------------------------------------
-
-
 def _require_dir(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.is_dir():
@@ -75,13 +69,11 @@ def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
         meta = read_meta(path)
     except (FileNotFoundError, ValueError) as err:
         raise CLIError(str(err)) from err
-    n, kind = int(meta["len"]), meta.get("storage")
-    if kind == "tensor":
-        rb = ReplayBuffer(storage=LazyTensorStorage(max(n, 1)))
-    elif kind == "list":
-        rb = ReplayBuffer(storage=LazyStackStorage(max(n, 1)))
-    else:
+    kind = meta.get("storage")
+    storage = {"tensor": LazyTensorStorage, "list": LazyStackStorage}.get(kind)
+    if storage is None:
         raise CLIError(f"{str(path)!r}: unknown storage kind {kind!r} in the manifest (expected 'list' or 'tensor')")
+    rb = ReplayBuffer(storage=storage(max(int(meta["len"]), 1)))
     try:
         load_buffer(rb, path, restore_state=restore_state)
     except (ValueError, TypeError, RuntimeError) as err:
@@ -122,20 +114,9 @@ def _layout(td) -> str:
 _SAMPLE_FORMATS = ("sft_conversational", "dpo_conversational", "kto_conversational", "sft", "sft_tokenized")
 
 
-def _formats_that_apply(td) -> list[str]:
-    from .data import available_formats, get_format
-
-    return [name for name in available_formats() if not get_format(name).missing_keys(td)]
-
-
-def _short(value: Any, limit: int = 160) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def cmd_inspect(args) -> int:
     from . import layouts
-    from .data import get_format
+    from .data import available_formats, get_format
 
     rb, _ = load_saved_buffer(args.path)
     n = len(rb)
@@ -150,7 +131,7 @@ def cmd_inspect(args) -> int:
     print("keys:")
     for key in layouts.available_keys(td):
         print(f"  {key}")
-    formats = _formats_that_apply(td)
+    formats = [name for name in available_formats() if not get_format(name).missing_keys(td)]
     print(f"formats: {', '.join(formats) if formats else '(none: no format finds its keys)'}")
     preferred = [f for f in _SAMPLE_FORMATS if f in formats] + formats
     fmt = args.format or (preferred[0] if preferred else None)
@@ -162,7 +143,8 @@ def cmd_inspect(args) -> int:
         raise CLIError(f"--format {fmt}: {err}") from err
     print(f"sample row ({fmt}):")
     for column, values in row.items():
-        print(f"  {column}: {_short(values[0])}")
+        text = repr(values[0])
+        print(f"  {column}: {text if len(text) <= 160 else text[:157] + '...'}")
     return 0
 
 
@@ -233,7 +215,7 @@ def cmd_score(args) -> int:
     save_buffer(rb, out, extra=meta.get("extra", {}))
     r = torch.cat(rewards)
     finite = r[torch.isfinite(r)]
-    print(f"scored {n} rollouts with {rm_dir} -> {'.'.join(key) if isinstance(key, tuple) else key}")
+    print(f"scored {n} rollouts with {rm_dir} -> {args.reward_key}")
     if finite.numel():
         print(
             f"reward: mean {finite.mean():.4f}  std {finite.std(unbiased=False):.4f}  "
@@ -248,11 +230,6 @@ def cmd_score(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------
-# env, demo
-# ---------------------------------------------------------------------------
-
-
 def environment() -> dict[str, str]:
     """Versions and devices, as ``torchrl-trl env`` prints them."""
     from importlib.metadata import PackageNotFoundError, version
@@ -263,12 +240,12 @@ def environment() -> dict[str, str]:
             info[name] = version(name)
         except PackageNotFoundError:
             info[name] = "not installed"
-    info["python"] = platform.python_version()
-    info["platform"] = platform.platform()
     import torch
 
-    info["cpu cores"] = str(os.cpu_count())
-    info["torch threads"] = str(torch.get_num_threads())
+    info.update({
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu cores": str(os.cpu_count()), "torch threads": str(torch.get_num_threads()),
+    })
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["cuda"] = f"{torch.version.cuda} ({len(names)} device(s): {', '.join(names)})"

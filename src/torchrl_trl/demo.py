@@ -1,20 +1,10 @@
-"""The end-to-end demo: both integration paths on a task that really learns, on a CPU.
-
-The hidden rule: an answer is better the larger the fraction of its characters that are
-vowels; the policy and the reward model learn it from data:
-
-1. tiny tokenizer, policy and reward model (:mod:`torchrl_trl.testing`);
-2. ``trl.RewardTrainer`` learns the rule from synthetic preference pairs;
-3. TorchRL GRPO with that reward model (``LLMCollector`` over ``ChatEnv`` +
-   ``HFRewardTransform`` -> ``MCAdvantage`` -> ``GRPOLoss``);
-4. ``trl.SFTTrainer`` trains the *initial* policy on step 3's best-of-n rollouts, read
-   from the TorchRL buffer;
-5. TRL's ``GRPOTrainer`` generating through :class:`TorchRLRolloutFunc`, rewarded by
-   :func:`as_trl_reward_func` (``trl_grpo=False`` skips it).
-
-Writes a summary table, ``results.json``, ``reward_curve.png`` and both trained policies
-(``policy_grpo``, ``policy_sft``) to ``output_dir``. Checkpoints are loaded from
-safetensors only, with ``trust_remote_code=False``.
+"""The end-to-end demo on a CPU: the policy and the reward model learn a hidden rule (an
+answer is better the larger its fraction of vowels) from data. Steps: 1. tiny models
+(:mod:`torchrl_trl.testing`); 2. ``trl.RewardTrainer`` on synthetic preference pairs;
+3. TorchRL GRPO with that reward model; 4. ``trl.SFTTrainer`` on step 3's best-of-n rollouts
+from the TorchRL buffer, from the initial policy; 5. TRL's ``GRPOTrainer`` generating through
+:class:`TorchRLRolloutFunc` (``trl_grpo=False`` skips it). Writes a table, ``results.json``,
+``reward_curve.png`` and both trained policies (safetensors) to ``output_dir``.
 """
 
 from __future__ import annotations
@@ -88,7 +78,6 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     from .model_paths import resolve_model_dir
 
-    # refuse a missing path, a hub id while offline or a pickle-only checkpoint up front
     policy_arg = None if cfg.policy is None else resolve_model_dir(cfg.policy, "policy")
     rm_arg = None if cfg.reward_model is None else resolve_model_dir(cfg.reward_model, "reward_model")
     set_list_to_stack(True).set()
@@ -116,18 +105,16 @@ def run_demo(cfg: DemoConfig) -> dict:
     results["reward_model"] = {"path": str(rm_path), "heldout_pairwise_accuracy": rm_accuracy}
     say(f"[2/{n_steps}] RewardTrainer done: held-out pairwise accuracy {rm_accuracy:.3f}")
 
-    grpo = timed("grpo", run_grpo, policy_path, rm_path, cfg)
-    results["grpo"] = {k: v for k, v in grpo.items() if k not in ("model", "tokenizer", "archive")}
-    results["grpo"]["policy_path"] = str(_save_policy(grpo["model"], grpo["tokenizer"], cfg.output_dir / "policy_grpo"))
+    grpo, model, tokenizer, archive = timed("grpo", run_grpo, policy_path, rm_path, cfg)
+    results["grpo"] = grpo
+    grpo["policy_path"] = str(_save_policy(model, tokenizer, cfg.output_dir / "policy_grpo"))
     say(
         f"[3/{n_steps}] GRPO done: true score {grpo['true_score'][0]:.3f} -> {grpo['true_score'][-1]:.3f}, "
         f"reward-model score {grpo['rm_score'][0]:.3f} -> {grpo['rm_score'][-1]:.3f}"
     )
 
-    sft = timed("sft", run_best_of_n_sft, policy_path, grpo["archive"], cfg)
-    sft_model = sft.pop("model")
-    results["sft_best_of_n"] = sft
-    sft["policy_path"] = str(_save_policy(sft_model, grpo["tokenizer"], cfg.output_dir / "policy_sft"))
+    sft = results["sft_best_of_n"] = timed("sft", run_best_of_n_sft, policy_path, archive, cfg)
+    sft["policy_path"] = str(_save_policy(sft.pop("model"), tokenizer, cfg.output_dir / "policy_sft"))
     say(
         f"[4/{n_steps}] SFTTrainer on best-of-n from the TorchRL buffer, initial policy: true score "
         f"{sft['true_score_before']:.3f} -> {sft['true_score_after']:.3f}"
@@ -147,32 +134,28 @@ def run_demo(cfg: DemoConfig) -> dict:
     say(summary_table(results))
     say(
         f"wrote {cfg.output_dir / 'results.json'}, {cfg.output_dir / 'reward_curve.png'} and the trained "
-        f"policies {results['grpo']['policy_path']}, {sft['policy_path']}"
+        f"policies {grpo['policy_path']}, {sft['policy_path']}"
     )
     cfg.results = results
     return results
 
 
-def _random_answers(tokenizer, n: int, rng: random.Random, max_tokens: int) -> list[str]:
-    """Answers that look like what the untrained policy writes: random non-special tokens."""
+def preference_pairs(tokenizer, n: int, seed: int, max_tokens: int) -> list[dict]:
+    """``n`` conversational pairs (``prompt``/``chosen``/``rejected``) of random non-special
+    tokens, as the untrained policy writes, ranked by the hidden rule (near-ties skipped)."""
+    rng = random.Random(seed)
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(len(tokenizer)) if i not in special]
-    out = []
-    while len(out) < n:
-        ids = [rng.choice(vocab) for _ in range(rng.randint(3, max_tokens))]
-        text = tokenizer.decode(ids)
-        if text.strip():
-            out.append(text)
-    return out
 
+    def answer() -> str:
+        while True:
+            text = tokenizer.decode([rng.choice(vocab) for _ in range(rng.randint(3, max_tokens))])
+            if text.strip():
+                return text
 
-def preference_pairs(tokenizer, n: int, seed: int, max_tokens: int) -> list[dict]:
-    """``n`` conversational pairs (``prompt``/``chosen``/``rejected``) ranked by the hidden rule
-    (ties and near-ties under 0.05 apart are skipped)."""
-    rng = random.Random(seed)
     pairs = []
     while len(pairs) < n:
-        a, b = _random_answers(tokenizer, 2, rng, max_tokens)
+        a, b = answer(), answer()
         sa, sb = true_score(a), true_score(b)
         if abs(sa - sb) < 0.05:
             continue
@@ -216,8 +199,9 @@ def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
 
 
 def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
-    """Step 3, TorchRL GRPO: per-iteration scores, the trained policy, and a buffer
-    (``archive``) of every scored rollout for step 4."""
+    """Step 3, TorchRL GRPO (``LLMCollector`` over ``ChatEnv`` + ``HFRewardTransform`` ->
+    ``MCAdvantage`` -> ``GRPOLoss``): ``(per-iteration scores, model, tokenizer, archive)``,
+    ``archive`` a buffer of every scored rollout."""
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
     from torchrl.objectives.llm.grpo import GRPOLoss, MCAdvantage
@@ -267,8 +251,7 @@ def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
             optimizer.step()
         buffer.empty()
     collector.shutdown()
-    scores = {"rm_score": rm_scores, "true_score": true_scores}
-    return {**scores, "model": model, "tokenizer": tokenizer, "archive": archive}
+    return {"rm_score": rm_scores, "true_score": true_scores}, model, tokenizer, archive
 
 
 def run_trl_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:

@@ -69,16 +69,8 @@ def history_key(part: Part) -> NestedKey:
     return _part_key("history", part)
 
 
-# ---------------------------------------------------------------------------
-# Readers
-# ---------------------------------------------------------------------------
-
-
 def read_tokens(
-    td: TensorDictBase,
-    part: Part = "full",
-    *,
-    key: NestedKey | None = None,
+    td: TensorDictBase, part: Part = "full", *, key: NestedKey | None = None,
     mask_key: NestedKey | None = ATTENTION_MASK_KEY,
 ) -> Ragged:
     """The real (unpadded) token ids of each sample at ``("tokens", part)`` (or ``key``).
@@ -168,9 +160,7 @@ def _strings(td: TensorDictBase, key: NestedKey) -> list[str]:
     values = read_column(td, key)
     for i, v in enumerate(values):
         if not isinstance(v, str):
-            raise TypeError(
-                f"key {key!r}: sample {i} holds {type(v).__name__} {v!r:.40}, expected a string"
-            )
+            raise TypeError(f"key {key!r}: sample {i} holds {type(v).__name__} {v!r:.40}, expected a string")
     return values
 
 
@@ -213,9 +203,7 @@ _LOST_STRINGS = (
 )
 
 
-def check_strings_kept(
-    td: TensorDictBase, part: Part = "full", strings: list[str] | None = None
-) -> None:
+def check_strings_kept(td: TensorDictBase, part: Part = "full", strings: list[str] | None = None) -> None:
     """Raise ``ValueError`` (naming the key and the storages that keep strings) where text
     cannot be what TorchRL wrote: ``td`` is memory-mapped and :func:`memmap_keeps_strings`
     is false, or every sample holds the same ``("text", part)`` (``strings`` if already
@@ -237,10 +225,9 @@ def check_strings_kept(
         )
 
 
-def _refuse_memmap_strings(td: TensorDictBase, key: NestedKey | None) -> None:
+def _refuse_memmap_strings(td: TensorDictBase, key: NestedKey) -> None:
     if td.is_memmap() and not memmap_keeps_strings():
-        where = f"key {key!r}: " if key is not None else ""
-        raise ValueError(f"{where}these rollouts are memory-mapped, and {_LOST_STRINGS}")
+        raise ValueError(f"key {key!r}: these rollouts are memory-mapped, and {_LOST_STRINGS}")
 
 
 @functools.cache
@@ -314,9 +301,7 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
         elif not before and after >= 2 and (period := _shortest_period(f, after)):
             found.add(period)
     if len(found) > 1:
-        raise ValueError(
-            f"the stored text holds different pad strings {sorted(found)}; pass tokenizer="
-        )
+        raise ValueError(f"the stored text holds different pad strings {sorted(found)}; pass tokenizer=")
     if found:
         return found.pop()
     if clean_rows:
@@ -396,9 +381,7 @@ def to_messages(history: Any) -> list[dict[str, str]]:
     return out
 
 
-def read_history(
-    td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None
-) -> list[list[dict[str, str]]]:
+def read_history(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None) -> list[list[dict[str, str]]]:
     """The chat of each sample at ``("history", part)`` as role/content dicts, pad strings
     TorchRL left in an open turn removed (``tokenizer`` as in :func:`read_text`)."""
     key = history_key(part)
