@@ -1,8 +1,5 @@
-"""Lazy public names, declared once per package in its ``__init__.pyi`` stub (SPEC 1).
-
-``from .module import Name as Name`` declares ``Name``, imported from ``.module`` on first
-access; ``from .subpackage import *`` re-exports every name of the subpackage's own stub.
-"""
+"""Lazy public names, declared once per package in its ``__init__.pyi`` stub (SPEC 1):
+``from .module import Name as Name`` (imported on first access) or ``from .subpackage import *``."""
 
 from __future__ import annotations
 
@@ -26,20 +23,16 @@ def read_stub(package: str, init_file: str) -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) or isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             continue  # the docstring, ``__version__: str``
         if not (isinstance(node, ast.ImportFrom) and node.level == 1 and node.module):
-            raise ValueError(
-                f"{stub}:{node.lineno}: expected 'from .module import Name as Name' or "
-                "'from .subpackage import *'"
-            )
+            forms = "'from .module import Name as Name' or 'from .subpackage import *'"
+            raise ValueError(f"{stub}:{node.lineno}: expected {forms}")
         module = f"{package}.{node.module}"
         if [a.name for a in node.names] == ["*"]:
             names = dict.fromkeys(importlib.import_module(module).__all__, module)
         else:
-            redundant = [a for a in node.names if a.asname == a.name]
-            if len(redundant) != len(node.names):
+            if any(a.asname != a.name for a in node.names):
                 raise ValueError(f"{stub}:{node.lineno}: write each name as 'Name as Name' (PEP 484's re-export form)")
             names = {a.name: module for a in node.names}
-        twice = sorted(set(names) & set(exports))
-        if twice:
+        if twice := sorted(set(names) & set(exports)):
             raise ValueError(f"{stub}:{node.lineno}: {twice} declared twice")
         exports.update(names)
     return exports

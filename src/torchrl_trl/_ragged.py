@@ -174,10 +174,7 @@ def available_keys(td: TensorDictBase) -> list[str]:
 def require(td: TensorDictBase, key: NestedKey, what: str) -> None:
     """A ``KeyError`` naming ``what``, ``key`` and the available keys unless ``key`` is set."""
     if not has_key(td, key):
-        raise KeyError(
-            f"{what}: key {key!r} not found in the rollouts. Available keys: "
-            f"{available_keys(td)}"
-        )
+        raise KeyError(f"{what}: key {key!r} not found in the rollouts. Available keys: {available_keys(td)}")
 
 
 def batch_numel(td: TensorDictBase) -> int:

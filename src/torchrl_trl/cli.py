@@ -27,12 +27,11 @@ ENV_PACKAGES = ("torch", "torchrl", "tensordict", "trl", "transformers", "datase
 QUICK_TIME = "about 40 s on 2 otherwise idle CPU cores, measured; up to 6.6 min measured with other jobs sharing them"
 FULL_TIME = "about 80 s on 2 otherwise idle CPU cores, measured; 7 to 27 min measured with other jobs sharing them"
 DEMO_DESCRIPTION = (
-    "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
-    "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the "
-    "initial policy with trl.SFTTrainer on the best-of-n rollouts read from the TorchRL buffer, and train it "
-    "again with TRL's GRPOTrainer generating through TorchRL (TorchRLRolloutFunc). Prints a table, "
-    "writes results.json and reward_curve.png, and saves both trained policies (safetensors) "
-    "under --output-dir. Tiny built-in models, no downloads."
+    "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it (LLMCollector + "
+    "ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the initial policy with trl.SFTTrainer on "
+    "the best-of-n rollouts read from the TorchRL buffer, and train it again with TRL's GRPOTrainer generating "
+    "through TorchRL (TorchRLRolloutFunc). Prints a table, writes results.json and reward_curve.png, and saves both "
+    "trained policies (safetensors) under --output-dir. Tiny built-in models, no downloads."
 )
 
 
@@ -128,9 +127,7 @@ def cmd_inspect(args) -> int:
     td = rb[:]
     print(f"storage: {type(rb.storage).__name__}")
     print(f"layout:  {_layout(td)}")
-    print("keys:")
-    for key in layouts.available_keys(td):
-        print(f"  {key}")
+    print("keys:", *(f"  {key}" for key in layouts.available_keys(td)), sep="\n")
     formats = [name for name in available_formats() if not get_format(name).missing_keys(td)]
     print(f"formats: {', '.join(formats) if formats else '(none: no format finds its keys)'}")
     preferred = [f for f in _SAMPLE_FORMATS if f in formats] + formats
@@ -246,13 +243,11 @@ def environment() -> dict[str, str]:
         "python": platform.python_version(), "platform": platform.platform(),
         "cpu cores": str(os.cpu_count()), "torch threads": str(torch.get_num_threads()),
     })
+    info["cuda"] = "not available"
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["cuda"] = f"{torch.version.cuda} ({len(names)} device(s): {', '.join(names)})"
-    else:
-        info["cuda"] = "not available"
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         info["mps"] = "available"
     return info
 
@@ -266,7 +261,6 @@ def cmd_env(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    # checked before anything heavy is imported or trained
     policy = resolve_model_dir(args.policy, "--policy") if args.policy is not None else None
     reward_model = resolve_model_dir(args.reward_model, "--reward-model") if args.reward_model is not None else None
     # every checkpoint is local now: the demo itself never needs the hub
@@ -301,9 +295,8 @@ def _parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser(
         "export", help="a saved buffer as a datasets dataset on disk, or a parquet file",
-        description="Read every stored rollout of a saved buffer once, in storage order, in a "
-        "TorchRLBufferDataset format, and write it with datasets' save_to_disk (OUT a directory) "
-        "or to_parquet (OUT ending with .parquet).",
+        description="Read every stored rollout of a saved buffer once, in storage order, in a TorchRLBufferDataset "
+        "format, and write it with datasets' save_to_disk (OUT a directory) or to_parquet (OUT ending with .parquet).",
     )
     exp.add_argument("path", type=Path, help="directory written by save_buffer")
     exp.add_argument("--format", required=True, help="a dataset format, e.g. sft_conversational (see 'inspect')")
@@ -313,10 +306,9 @@ def _parser() -> argparse.ArgumentParser:
 
     sco = sub.add_parser(
         "score", help="score a saved buffer with a reward model and write the rewards back",
-        description="Score every stored rollout with a one-label sequence-classification model "
-        "loaded by path (safetensors only, trust_remote_code=False) through HFRewardModelWrapper, "
-        "write the rewards into the saved buffer (TorchRL's GRPO convention: next.reward shaped "
-        "[1, 1] per rollout) and print summary statistics.",
+        description="Score every stored rollout with a one-label sequence-classification model loaded by path "
+        "(safetensors only, trust_remote_code=False) through HFRewardModelWrapper, write the rewards into the saved "
+        "buffer (TorchRL's GRPO convention: next.reward shaped [1, 1] per rollout) and print summary statistics.",
     )
     sco.add_argument("path", type=Path, help="directory written by save_buffer (rewritten in place unless --out)")
     sco.add_argument("--out", type=Path, default=None, help="write the scored items to this new directory instead")

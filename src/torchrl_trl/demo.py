@@ -17,18 +17,18 @@ from pathlib import Path
 import torch
 
 from ._checks import positive_int
+from .model_paths import resolve_model_dir
 from .demo_output import quiet_libraries, say, plot_reward_curve, summary_table, write_outputs
 
 __all__ = ["DemoConfig", "plot_reward_curve", "run_demo", "run_trl_grpo", "true_score"]
 
-VOWELS = frozenset("aeiouAEIOU")
 #: how every checkpoint is loaded (with ``use_safetensors=True`` for weights)
 SAFE_LOADING = {"trust_remote_code": False}
 
 
 def true_score(text: str) -> float:
     """The hidden rule: the fraction of ``text``'s characters that are vowels (0 if empty)."""
-    return sum(c in VOWELS for c in text) / len(text) if text else 0.0
+    return sum(c in "aeiouAEIOU" for c in text) / len(text) if text else 0.0
 
 
 @dataclass
@@ -74,9 +74,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     """Run the whole demo; returns (and writes to ``output_dir/results.json``) the numbers."""
     from tensordict import set_list_to_stack
 
-    from torchrl_trl import testing
-
-    from .model_paths import resolve_model_dir
+    from . import testing
 
     policy_arg = None if cfg.policy is None else resolve_model_dir(cfg.policy, "policy")
     rm_arg = None if cfg.reward_model is None else resolve_model_dir(cfg.reward_model, "reward_model")
@@ -108,26 +106,19 @@ def run_demo(cfg: DemoConfig) -> dict:
     grpo, model, tokenizer, archive = timed("grpo", run_grpo, policy_path, rm_path, cfg)
     results["grpo"] = grpo
     grpo["policy_path"] = str(_save_policy(model, tokenizer, cfg.output_dir / "policy_grpo"))
-    say(
-        f"[3/{n_steps}] GRPO done: true score {grpo['true_score'][0]:.3f} -> {grpo['true_score'][-1]:.3f}, "
-        f"reward-model score {grpo['rm_score'][0]:.3f} -> {grpo['rm_score'][-1]:.3f}"
-    )
+    rm_span = _span(grpo["rm_score"])
+    say(f"[3/{n_steps}] GRPO done: true score {_span(grpo['true_score'])}, reward-model score {rm_span}")
 
     sft = results["sft_best_of_n"] = timed("sft", run_best_of_n_sft, policy_path, archive, cfg)
     sft["policy_path"] = str(_save_policy(sft.pop("model"), tokenizer, cfg.output_dir / "policy_sft"))
-    say(
-        f"[4/{n_steps}] SFTTrainer on best-of-n from the TorchRL buffer, initial policy: true score "
-        f"{sft['true_score_before']:.3f} -> {sft['true_score_after']:.3f}"
-    )
+    sft_span = _span([sft["true_score_before"], sft["true_score_after"]])
+    say(f"[4/{n_steps}] SFTTrainer on best-of-n from the TorchRL buffer, initial policy: true score {sft_span}")
 
     if cfg.trl_grpo:
         trl = timed("trl_grpo", run_trl_grpo, policy_path, rm_path, cfg)
         results["trl_grpo"] = trl
-        say(
-            f"[5/5] TRL GRPOTrainer on TorchRL rollouts: true score {trl['true_score'][0]:.3f} -> "
-            f"{trl['true_score'][-1]:.3f} (fresh samples {trl['true_score_before']:.3f} -> "
-            f"{trl['true_score_after']:.3f})"
-        )
+        fresh = _span([trl["true_score_before"], trl["true_score_after"]])
+        say(f"[5/5] TRL GRPOTrainer on TorchRL rollouts: true score {_span(trl['true_score'])} (fresh samples {fresh})")
 
     results["timings_s"] = timings
     write_outputs(results, cfg.output_dir)
@@ -160,9 +151,8 @@ def preference_pairs(tokenizer, n: int, seed: int, max_tokens: int) -> list[dict
         if abs(sa - sb) < 0.05:
             continue
         chosen, rejected = (a, b) if sa > sb else (b, a)
-        prompt = rng.choice(PROMPTS)
         pairs.append({
-            "prompt": [{"role": "user", "content": prompt}],
+            "prompt": [{"role": "user", "content": rng.choice(PROMPTS)}],
             "chosen": [{"role": "assistant", "content": chosen}],
             "rejected": [{"role": "assistant", "content": rejected}],
         })
@@ -179,14 +169,13 @@ def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
 
     tokenizer = AutoTokenizer.from_pretrained(init_path, **SAFE_LOADING)
     model = AutoModelForSequenceClassification.from_pretrained(init_path, use_safetensors=True, **SAFE_LOADING)
-    train_pairs = preference_pairs(tokenizer, cfg.reward_pairs, cfg.seed, cfg.max_new_tokens)
+    dataset = Dataset.from_list(preference_pairs(tokenizer, cfg.reward_pairs, cfg.seed, cfg.max_new_tokens))
     heldout = preference_pairs(tokenizer, 200, cfg.seed + 10_000, cfg.max_new_tokens)
     out_dir = cfg.output_dir / "reward_model"
     args = RewardConfig(
         **_quiet_trainer_args(cfg, out_dir), per_device_train_batch_size=16, num_train_epochs=cfg.reward_epochs,
         learning_rate=3e-3,
     )
-    dataset = Dataset.from_list(train_pairs)
     trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     _train_quietly(trainer)
     trainer.save_model(str(out_dir))
@@ -205,6 +194,7 @@ def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
     from torchrl.objectives.llm.grpo import GRPOLoss, MCAdvantage
+    from tqdm.auto import tqdm
 
     from torchrl_trl import HFRewardModelWrapper, HFRewardTransform, RewardRenderer, layouts, testing
 
@@ -229,13 +219,8 @@ def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
         env=env, policy=sampler, dialog_turns_per_batch=turns_per_iteration, replay_buffer=buffer,
         total_dialog_turns=turns_per_iteration * cfg.iterations,
     )
-    batches = collector
-    if cfg.progress:
-        from tqdm.auto import tqdm
-
-        batches = tqdm(collector, total=cfg.iterations, desc="GRPO")
     rm_scores, true_scores = [], []
-    for _ in batches:
+    for _ in tqdm(collector, total=cfg.iterations, desc="GRPO", disable=not cfg.progress):
         rollouts = buffer[:]
         archive.extend(rollouts)
         rewards = torch.stack(layouts.read_column(rollouts, layouts.REWARD_KEY)).float()
@@ -278,10 +263,9 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
         return batch
 
     reward = as_trl_reward_func(HFRewardModelWrapper.from_pretrained(rm_path, inference_mode=True, device=cfg.device))
-    batch = cfg.prompts_per_batch * cfg.group_size
     args = GRPOConfig(
-        **_quiet_trainer_args(cfg, cfg.output_dir / "trl_grpo"), per_device_train_batch_size=batch,
-        steps_per_generation=4, num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens,
+        **_quiet_trainer_args(cfg, cfg.output_dir / "trl_grpo"), steps_per_generation=4, num_generations=cfg.group_size,
+        per_device_train_batch_size=cfg.prompts_per_batch * cfg.group_size, max_completion_length=cfg.max_new_tokens,
         max_steps=4 * cfg.iterations, learning_rate=cfg.lr, beta=0.0, gradient_checkpointing=False,
     )
     trainer = GRPOTrainer(
@@ -294,6 +278,10 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
         "true_score": true_scores, "true_score_before": before, "true_score_after": after,
         "rollout_calls": rollout.calls, "samples": rollout.samples,
     }
+
+
+def _span(scores: list[float]) -> str:
+    return f"{scores[0]:.3f} -> {scores[-1]:.3f}"
 
 
 def _mean_true_score(texts: list[str]) -> float:
@@ -330,13 +318,11 @@ def measure_true_score(model, tokenizer, cfg: DemoConfig, samples_per_prompt: in
     inputs = tokenizer.apply_chat_template(
         conversations, add_generation_prompt=True, return_tensors="pt", padding=True, return_dict=True
     ).to(cfg.device)
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(cfg.seed + 1)
-    with torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # the caller's CPU generator is left as it was
+        torch.manual_seed(cfg.seed + 1)
         out = model.generate(
             **inputs, max_new_tokens=cfg.max_new_tokens, do_sample=True, num_return_sequences=samples_per_prompt
         )
-    torch.random.set_rng_state(generator_state)
     texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     return _mean_true_score(texts)
 
@@ -358,8 +344,7 @@ def _save_policy(model, tokenizer, path: Path) -> Path:
 
 
 def _quiet_trainer_args(cfg: DemoConfig, output_dir: Path) -> dict:
-    """TRL config arguments shared by the demo's trainers: constant LR, no checkpoints or
-    loggers, float32."""
+    """TRL config arguments shared by the demo's trainers: constant LR, no checkpoints or loggers, float32."""
     return dict(
         output_dir=str(output_dir), lr_scheduler_type="constant", logging_steps=1000, save_strategy="no",
         report_to=[], use_cpu=cfg.device == "cpu", bf16=False, seed=cfg.seed, disable_tqdm=True,

@@ -64,8 +64,7 @@ def plot_reward_curve(results: dict):
         ax.plot(results["trl_grpo"]["true_score"], color="tab:green", label="true score, TRL GRPO on TorchRL rollouts")
     ax2 = ax.twinx()
     ax2.plot(results["grpo"]["rm_score"], color="tab:orange", label="reward-model score, TorchRL GRPO")
-    ax.set_xlabel("GRPO iteration")
-    ax.set_ylabel("true score")
+    ax.set(xlabel="GRPO iteration", ylabel="true score")
     ax2.set_ylabel("reward-model score")
     # under the axes: inside, it hides the curves' ends
     fig.legend(loc="lower center", fontsize=8, frameon=False)

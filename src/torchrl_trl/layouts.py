@@ -7,9 +7,8 @@ place that knows the keys TorchRL's LLM wrappers, ``ChatEnv`` and ``LLMCollector
     ("history", "prompt" | "response" | "full")       History [*B, n_messages]
     ("next", "reward")                                float [*B, 1, 1] (GRPO convention)
 
-Any leading batch shape is flattened in row-major order, so sample ``i`` of every reader
-is the same rollout. Inputs may be padded (prompt left, response right), lazy stacks of
-ragged samples or of padded batches, or nested tensors; the attention mask removes padding.
+Leading batch dims are flattened row-major (sample ``i`` is the same rollout in every reader);
+inputs may be padded, ragged lazy stacks, lazy stacks of padded batches, or nested tensors.
 """
 
 from __future__ import annotations
@@ -84,15 +83,11 @@ def read_tokens(
 
         >>> import torch
         >>> from tensordict import TensorDict, lazy_stack
-        >>> padded = TensorDict({
-        ...     "tokens": {"full": torch.tensor([[0, 5, 6], [7, 8, 9]])},
-        ...     "masks": {"all_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])},
-        ... }, batch_size=[2])
+        >>> padded = TensorDict({"tokens": {"full": torch.tensor([[0, 5, 6], [7, 8, 9]])},
+        ...                      "masks": {"all_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}}, [2])
         >>> read_tokens(padded).tolist()
         [[5, 6], [7, 8, 9]]
-        >>> ragged = lazy_stack([
-        ...     TensorDict({"tokens": {"full": torch.tensor(t)}}) for t in ([5, 6], [7, 8, 9])
-        ... ])
+        >>> ragged = lazy_stack([TensorDict({"tokens": {"full": torch.tensor(t)}}) for t in ([5, 6], [7, 8, 9])])
         >>> read_tokens(ragged).tolist()
         [[5, 6], [7, 8, 9]]
     """
@@ -115,9 +110,8 @@ def read_tokens(
     for m, t in zip(masks, tokens):
         if m is None or m.shape != t.shape:
             raise ValueError(
-                f"read_tokens: the mask at {mask_key!r} (width "
-                f"{None if m is None else m.shape[-1]}) does not line up with the tokens at "
-                f"{key!r} (shape {tuple(t.shape)}); expected the full sequence's attention mask"
+                f"read_tokens: the mask at {mask_key!r} (width {None if m is None else m.shape[-1]}) does not line "
+                f"up with the tokens at {key!r} (shape {tuple(t.shape)}); expected the full sequence's attention mask"
             )
     if len({t.shape[-1] for t in tokens}) == 1:  # one vectorised pass
         tokens, masks = [torch.cat(tokens)], [torch.cat(masks)]
@@ -147,8 +141,7 @@ def read_column(td: TensorDictBase, key: NestedKey) -> list[Any]:
         return value  # one value per sample already
     if isinstance(value, (NonTensorData, NonTensorStack)):
         _refuse_memmap_strings(td, key)
-        value = value.tolist()
-        return _ragged.flatten(value, td.batch_dims) if td.batch_dims else [value]
+        return _ragged.flatten(value.tolist(), td.batch_dims)
     if isinstance(value, torch.Tensor) and not value.is_nested:
         return list(value.reshape(-1, *value.shape[td.batch_dims :]).unbind(0))
     if isinstance(value, torch.Tensor):
@@ -168,11 +161,8 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
     """The text of each sample at ``("text", part)``; ``"full"`` falls back to
     prompt + response. Pad strings TorchRL decoded into the text (``input_mode="history"``,
     ``pad_output=True``) are removed where the mask says (``tokenizer``: see :func:`padding_text`).
-
-    Raises:
-        TypeError: a sample's text is not a string.
-        ValueError: the strings were lost in storage (see :func:`check_strings_kept`).
-    """
+    Raises ``TypeError`` for a non-string, ``ValueError`` for strings lost in storage
+    (:func:`check_strings_kept`)."""
     key = text_key(part)
     if part == "full" and not has_key(td, key) and has_key(td, text_key("prompt")):
         prompts, responses = read_text(td, "prompt"), read_text(td, "response")
@@ -182,9 +172,12 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
     if part == "prompt" or not _padded_text_possible(td):
         return texts
     full = texts if part == "full" else _strings(td, text_key("full"))
-    clean = _strip_padding(td, full, tokenizer)
-    if clean is None or part == "full":
-        return texts if clean is None else clean
+    pad = padding_text(td, tokenizer)
+    if not pad:
+        return texts
+    clean = [_unpad(text, pad, n, m) for text, n, m in zip(full, *_pad_counts(td))]
+    if part == "full":
+        return clean
     out = []
     for i, (c, f, p, t) in enumerate(zip(clean, full, read_text(td, "prompt"), texts)):
         if c is f:  # nothing was stripped
@@ -197,9 +190,8 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
 
 
 _LOST_STRINGS = (
-    "this TorchRL's LazyMemmapStorage reads every stored string back as the first one "
-    "written (text, chat and string columns). Store LLM rollouts in a LazyStackStorage, "
-    "ListStorage or LazyTensorStorage, or read only their tokens"
+    "this TorchRL's LazyMemmapStorage reads every stored string back as the first one written (text, chat and string "
+    "columns). Store LLM rollouts in a LazyStackStorage, ListStorage or LazyTensorStorage, or read only their tokens"
 )
 
 
@@ -210,9 +202,7 @@ def check_strings_kept(td: TensorDictBase, part: Part = "full", strings: list[st
     read) while their ``("tokens", part)`` differ."""
     key, ids_key = text_key(part), token_key(part)
     _refuse_memmap_strings(td, key)
-    if batch_numel(td) < 2 or not has_key(td, ids_key):
-        return
-    if strings is None and not has_key(td, key):
+    if batch_numel(td) < 2 or not has_key(td, ids_key) or (strings is None and not has_key(td, key)):
         return
     first, *rest = strings if strings is not None else read_column(td, key)
     if any(v != first for v in rest):
@@ -309,12 +299,11 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
     if _PAD_TEXT.get() is not None:
         return _PAD_TEXT.get()
     raise ValueError(
-        "the text at ('text', 'full') was decoded by TorchRL from padded tokens "
-        "(input_mode='history', pad_output=True) and its pad string cannot be read off "
-        "these samples; pass the policy's tokenizer to what reads them "
-        "(TorchRLBufferDataset(tokenizer=), RewardFunctionWrapper(tokenizer=), "
-        "HFRewardModelWrapper(renderer=RewardRenderer(policy_tokenizer=)), "
-        "read_text(tokenizer=)) or read within torchrl_trl.layouts.decoded_padding(tokenizer)"
+        "the text at ('text', 'full') was decoded by TorchRL from padded tokens (input_mode='history', "
+        "pad_output=True) and its pad string cannot be read off these samples; pass the policy's tokenizer to what "
+        "reads them (TorchRLBufferDataset(tokenizer=), RewardFunctionWrapper(tokenizer=), HFRewardModelWrapper("
+        "renderer=RewardRenderer(policy_tokenizer=)), read_text(tokenizer=)) or read within "
+        "torchrl_trl.layouts.decoded_padding(tokenizer)"
     )
 
 
@@ -349,14 +338,6 @@ def _pad_id(td: TensorDictBase) -> int:
     raise ValueError("no padded position in ('tokens', 'full')")
 
 
-def _strip_padding(td: TensorDictBase, full: list[str], tokenizer: Any) -> list[str] | None:
-    """``full`` without decoded padding, or ``None`` if it has none."""
-    pad = padding_text(td, tokenizer)
-    if not pad:
-        return None
-    return [_unpad(text, pad, n, m) for text, n, m in zip(full, *_pad_counts(td))]
-
-
 def _messages(conversation: Any) -> list[dict]:
     """The message dicts of one conversation, TorchRL's ``"<none>"`` padding dropped."""
     if hasattr(conversation, "tolist"):
@@ -373,10 +354,8 @@ def to_messages(history: Any) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(_messages(history)):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-            raise TypeError(
-                f"chat message {i} has role {type(m['role']).__name__} and content "
-                f"{type(m['content']).__name__} ({m['content']!r:.40}); expected strings"
-            )
+            role, content = type(m["role"]).__name__, type(m["content"]).__name__
+            raise TypeError(f"chat message {i}: role {role}, content {content} ({m['content']!r:.40}), expected str")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

@@ -23,9 +23,7 @@ def _offline() -> bool:
 def resolve_model_dir(value: str | os.PathLike, what: str) -> Path:
     """A local checkpoint directory for ``value`` (a directory, or a hub id downloaded when
     online) holding safetensors weights; pickle-only checkpoints are refused unloaded.
-
-    Raises :class:`CLIError` naming ``what`` (e.g. ``"--policy"``) and what was expected.
-    """
+    Raises :class:`CLIError` naming ``what`` (e.g. ``"--policy"``) and what was expected."""
     text = os.fspath(value)
     path = Path(text).expanduser()
     if not path.exists():

@@ -46,32 +46,20 @@ BRACKET_TEMPLATE = (
 )
 
 _CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "a b c d e f g h i j k l m n o p q r s t u v w x y z",
-    "user assistant system you are a helpful assistant",
-    "what is two plus two? the answer is four.",
-    "0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000",
-    "hello world! how are you today? i am fine, thank you.",
+    "the quick brown fox jumps over the lazy dog", "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    "user assistant system you are a helpful assistant", "what is two plus two? the answer is four.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000", "hello world! how are you today? i am fine, thank you.",
 ]
 
 
 def make_tokenizer(
-    *,
-    vocab_size: int = 160,
-    chat_template: str = CHATML_TEMPLATE,
-    padding_side: Literal["left", "right"] = "left",
+    *, vocab_size: int = 160, chat_template: str = CHATML_TEMPLATE, padding_side: Literal["left", "right"] = "left",
     eos_token: str = IM_END,
 ):
     """A small character-level BPE ``transformers.PreTrainedTokenizerFast`` with ``<|pad|>``
-    and ``<|im_end|>``; ``decode(encode(s)) == s`` for any printable text.
-
-    Args:
-        vocab_size: >= 104 (100 printable characters + 4 special tokens); the rest are BPE
-            merges, so tokenizers of different sizes tokenise text differently.
-        chat_template: Jinja chat template (ChatML by default).
-        padding_side: the tokenizer's padding side.
-        eos_token: the EOS token; one other than ``<|im_end|>`` is added as a special token.
-    """
+    and ``<|im_end|>``; ``decode(encode(s)) == s`` for any printable text. ``vocab_size`` >= 104
+    (printable characters and 4 special tokens; the rest are BPE merges); an ``eos_token``
+    other than ``<|im_end|>`` is added as a special token."""
     from tokenizers import Tokenizer, decoders, models, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -154,10 +142,9 @@ def tiny_checkpoints(root: str | os.PathLike, *, seed: int = 0) -> TinyCheckpoin
         (paths.reward_model_other_tokenizer, rm_tok, lambda: make_reward_model(rm_tok, kind="qwen2", seed=seed + 2)),
     ]
     for path, tok, build in builds:
-        if (path / "config.json").exists():
-            continue
-        build().save_pretrained(path, safe_serialization=True)
-        tok.save_pretrained(path)
+        if not (path / "config.json").exists():
+            build().save_pretrained(path, safe_serialization=True)
+            tok.save_pretrained(path)
     return paths
 
 
@@ -166,10 +153,9 @@ def prompt_dataloader(rows: Sequence[dict[str, Any]], batch_size: int):
     that collates to a dict of lists, the shape ``ChatEnv.from_dataloader`` reads."""
     from torch.utils.data import DataLoader
 
-    def collate(batch):
-        return {k: [row[k] for row in batch] for k in batch[0]}
-
-    return DataLoader(list(rows), batch_size=batch_size, collate_fn=collate)
+    return DataLoader(
+        list(rows), batch_size=batch_size, collate_fn=lambda batch: {k: [r[k] for r in batch] for k in batch[0]}
+    )
 
 
 def make_chat_env(
