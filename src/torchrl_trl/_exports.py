@@ -1,17 +1,5 @@
-"""Lazy public names, declared once per package in its ``__init__.pyi`` stub.
-
-A package's stub is its one list of public names, read by type checkers and IDEs as any
-stub is, and parsed here at import time (the scheme of Scientific Python's SPEC 1 "lazy
-loading of submodules and functions"):
-
-- ``from .module import Name as Name`` declares ``Name``, defined in ``.module`` and
-  imported from it on first access;
-- ``from .subpackage import *`` re-exports every public name of ``.subpackage`` (read from
-  its own stub), which is how the top level derives its list from the subpackages'.
-
-Nothing but the stub's text is read until a name is used, so ``import torchrl_trl`` does
-not import torch, torchrl, trl, datasets or ray.
-"""
+"""Lazy public names, declared once per package in its ``__init__.pyi`` stub (SPEC 1):
+``from .module import Name as Name`` (imported on first access) or ``from .subpackage import *``."""
 
 from __future__ import annotations
 
@@ -23,44 +11,36 @@ from typing import Any
 
 
 def read_stub(package: str, init_file: str) -> dict[str, str]:
-    """``{public name: absolute module that defines it}`` declared by the ``__init__.pyi``
-    next to ``init_file`` (the package's ``__file__``); ``package`` is its ``__name__``.
+    """``{public name: module that defines it}`` declared by the ``__init__.pyi`` next to
+    ``init_file``; ``package`` is the package's ``__name__``.
 
-    Raises ``ValueError`` naming the stub and line for anything that is not one of the two
-    declaration forms (a stub that silently declared nothing would hide a name), and for a
-    name declared twice.
+    Raises ``ValueError`` naming the stub and line for any other statement, and for a name
+    declared twice.
     """
     stub = Path(init_file).with_suffix(".pyi")
     exports: dict[str, str] = {}
     for node in ast.parse(stub.read_text(), filename=str(stub)).body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # the docstring
-        if isinstance(node, ast.AnnAssign):
-            continue  # e.g. ``__version__: str``, defined in __init__.py itself
+        if isinstance(node, ast.AnnAssign) or isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring, ``__version__: str``
         if not (isinstance(node, ast.ImportFrom) and node.level == 1 and node.module):
-            raise ValueError(
-                f"{stub}:{node.lineno}: expected 'from .module import Name as Name' or "
-                "'from .subpackage import *'"
-            )
+            forms = "'from .module import Name as Name' or 'from .subpackage import *'"
+            raise ValueError(f"{stub}:{node.lineno}: expected {forms}")
         module = f"{package}.{node.module}"
         if [a.name for a in node.names] == ["*"]:
             names = dict.fromkeys(importlib.import_module(module).__all__, module)
         else:
-            redundant = [a for a in node.names if a.asname == a.name]
-            if len(redundant) != len(node.names):
+            if any(a.asname != a.name for a in node.names):
                 raise ValueError(f"{stub}:{node.lineno}: write each name as 'Name as Name' (PEP 484's re-export form)")
             names = {a.name: module for a in node.names}
-        twice = sorted(set(names) & set(exports))
-        if twice:
+        if twice := sorted(set(names) & set(exports)):
             raise ValueError(f"{stub}:{node.lineno}: {twice} declared twice")
         exports.update(names)
     return exports
 
 
 def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
-    """``(__getattr__, __dir__, __all__)`` for the package ``package`` whose public names
-    its ``__init__.pyi`` declares (see :func:`read_stub`). A name is imported from its
-    module on first access and then cached in the package's namespace.
+    """``(__getattr__, __dir__, __all__)`` for ``package``, whose names :func:`read_stub`
+    reads; a name is imported on first access, then cached in the package.
 
     >>> import torchrl_trl.online as online
     >>> "CollectorCallback" in online.__all__
@@ -68,7 +48,6 @@ def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable
     >>> online.nope
     Traceback (most recent call last):
     AttributeError: module 'torchrl_trl.online' has no attribute 'nope'
-
     """
     exports = read_stub(package, init_file)
     public = sorted(exports)

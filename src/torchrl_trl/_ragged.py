@@ -1,7 +1,5 @@
-"""Variable-length values in tensordicts: the :class:`Ragged` container, and reading a key
-through lazy stacks (of samples of different lengths, or of separately padded batches)
-that ``td.get`` cannot stack. Knows nothing of TorchRL's LLM keys (:mod:`.layouts` does).
-"""
+"""The :class:`Ragged` container, and reading a key through lazy stacks that ``td.get``
+cannot stack. Knows nothing of TorchRL's LLM keys (:mod:`.layouts` does)."""
 
 from __future__ import annotations
 
@@ -21,12 +19,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Ragged:
-    """Variable-length 1-D sequences stored flat: sample ``i`` is
-    ``values[offsets[i]:offsets[i + 1]]``.
-
-    Attributes:
-        values: ``[sum(lengths)]`` all samples' elements, concatenated.
-        lengths: int64 ``[N]`` length of each sample.
+    """Variable-length 1-D sequences stored flat: ``values`` (``[sum(lengths)]``, the samples
+    concatenated) and int64 ``lengths`` (``[N]``); sample ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 
     Examples:
         >>> seqs = Ragged.from_list([[1, 2, 3], [4]])
@@ -71,21 +65,12 @@ class Ragged:
         return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def select(self, index: torch.Tensor | Sequence[int]) -> Ragged:
-        """The samples at ``index`` (in that order), gathered without a Python loop."""
-        index = torch.as_tensor(index, dtype=torch.long)
-        lengths = self.lengths[index]
-        starts = self.offsets[:-1][index]
-        # position of each output element inside its own sample
-        new_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
-        within = torch.arange(int(lengths.sum())) - new_starts.repeat_interleave(lengths)
-        return Ragged(self.values[starts.repeat_interleave(lengths) + within], lengths)
+        """The samples at ``index``, in that order."""
+        seqs = self.split()
+        return Ragged.from_list([seqs[i] for i in torch.as_tensor(index, dtype=torch.long).tolist()], self.values.dtype)
 
     def to_padded(
-        self,
-        pad_value: int | float = 0,
-        *,
-        side: Literal["left", "right"] = "right",
-        width: int | None = None,
+        self, pad_value: int | float = 0, *, side: Literal["left", "right"] = "right", width: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(padded, mask)``, both ``[N, width]`` (default: the longest sample); ``mask``
         is ``True`` on real elements."""
@@ -95,10 +80,7 @@ class Ragged:
         if width < longest:
             raise ValueError(f"width={width} is shorter than the longest sample ({longest})")
         cols = torch.arange(width).expand(n, width)
-        if side == "right":
-            mask = cols < self.lengths[:, None]
-        else:
-            mask = cols >= (width - self.lengths)[:, None]
+        mask = cols < self.lengths[:, None] if side == "right" else cols >= (width - self.lengths)[:, None]
         padded = self.values.new_full((n, width), pad_value)
         padded[mask] = self.values
         return padded, mask
@@ -113,15 +95,7 @@ def chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
     """The tensor at ``key`` as dense ``[n_i, T_i]`` chunks in row-major order of ``td``'s
     batch: one per dense member of a lazy stack, one per sample where values are ragged."""
     if isinstance(td, LazyStackedTensorDict):
-        out = []
-        for sub in members(td):
-            if sub.batch_dims == 0:  # one rollout (LazyStackStorage): the common, short way
-                value = sub.get(key)
-                if isinstance(value, torch.Tensor) and value.ndim <= 1 and not value.is_nested:
-                    out.append(value.reshape(1, -1))
-                    continue
-            out.extend(chunks(sub, key))
-        return out
+        return [chunk for sub in members(td) for chunk in chunks(sub, key)]
     value = get_values(td, key)
     if isinstance(value, list):  # one tensor per sample
         return [torch.as_tensor(v).reshape(1, -1) for v in value]
@@ -134,8 +108,7 @@ def chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
 
 def get_values(td: TensorDictBase, key: NestedKey) -> Any:
     """``td.get(key)``, or a flat list with one value per sample where the values cannot be
-    stacked (a dense tensordict holding a lazy stack of ragged ``Tokens``/``Masks``).
-    ``KeyError`` when ``key`` is not set."""
+    stacked. ``KeyError`` when ``key`` is not set."""
     try:
         value = td.get(key)
     except RuntimeError:
@@ -155,10 +128,9 @@ def flatten(value: Any, depth: int) -> list:
 
 
 def has_key(td: TensorDictBase, key: NestedKey) -> bool:
-    """Whether ``key`` is set (and not ``None``) in every sample of ``td``, looking inside
-    lazy stacks: a key that is present but cannot be stacked counts as present."""
+    """Whether ``key`` is set (and not ``None``) in every sample of ``td``, even where its
+    values cannot be stacked."""
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
-        # ask the members: getting the key from the stack would stack it first
         return all(has_key(sub, key) for sub in td.tensordicts)
     try:
         return td.get(key, None) is not None
@@ -170,8 +142,7 @@ def has_key(td: TensorDictBase, key: NestedKey) -> bool:
 
 
 def first_member(td: TensorDictBase) -> TensorDictBase:
-    """The first tensordict a (nested) lazy stack is made of, ``td`` itself otherwise: it
-    lists the keys every member of a rollout stack carries, without stacking anything.
+    """The first tensordict a (nested) lazy stack is made of, ``td`` itself otherwise.
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack
@@ -203,10 +174,7 @@ def available_keys(td: TensorDictBase) -> list[str]:
 def require(td: TensorDictBase, key: NestedKey, what: str) -> None:
     """A ``KeyError`` naming ``what``, ``key`` and the available keys unless ``key`` is set."""
     if not has_key(td, key):
-        raise KeyError(
-            f"{what}: key {key!r} not found in the rollouts. Available keys: "
-            f"{available_keys(td)}"
-        )
+        raise KeyError(f"{what}: key {key!r} not found in the rollouts. Available keys: {available_keys(td)}")
 
 
 def batch_numel(td: TensorDictBase) -> int:

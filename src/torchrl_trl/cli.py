@@ -1,19 +1,13 @@
-"""The ``torchrl-trl`` command (also ``python -m torchrl_trl``).
-
-Commands: ``env`` (versions for a bug report), ``inspect`` / ``export`` / ``score`` (a
-replay buffer saved with :func:`torchrl_trl.save_buffer`), ``demo`` (the end-to-end demo).
-Heavy libraries are imported by the command that needs them, so ``--help`` and
-``--version`` answer at once.
-"""
+"""The ``torchrl-trl`` command (also ``python -m torchrl_trl``): ``env``, ``inspect`` /
+``export`` / ``score`` (a buffer saved with :func:`torchrl_trl.save_buffer`) and ``demo``.
+Heavy libraries are imported by the command that needs them."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import platform
-import sys
 from pathlib import Path
-from typing import Any
 
 from . import __version__
 from ._checks import positive_int
@@ -28,36 +22,25 @@ EPILOG = "Run 'torchrl-trl COMMAND --help' for the options of a command."
 #: packages whose versions ``torchrl-trl env`` reports
 ENV_PACKAGES = ("torch", "torchrl", "tensordict", "trl", "transformers", "datasets", "accelerate", "tokenizers", "safetensors", "ray")
 
-#: ``torchrl-trl demo`` run times, stated in its help: ``/usr/bin/time -v torchrl-trl demo
-#: [--quick]`` on this project's 2-core machine, 1-minute load averages sampled during each
-#: run. Otherwise idle (load 1.1-1.3, the demo itself): --quick 41 s wall / 55 s CPU, full
-#: 82 s wall / 112 s CPU. With other jobs sharing the cores (contention inflates CPU time
-#: too: threads spin): --quick 87 s / 93 s (load 2.9-3.5), 261 s / 143 s (load 1.5-5.8),
-#: 393 s / 191 s (load 4.5-7.2); full 426 s / 339 s (load 3.0-4.8), 1615 s / 464 s (load 6-12).
+#: ``torchrl-trl demo [--quick]`` wall times under ``/usr/bin/time -v`` on a 2-core machine:
+#: idle, 41 s (--quick) and 82 s; with other jobs (load 1.5-12), 87-393 s and 426-1615 s.
 QUICK_TIME = "about 40 s on 2 otherwise idle CPU cores, measured; up to 6.6 min measured with other jobs sharing them"
 FULL_TIME = "about 80 s on 2 otherwise idle CPU cores, measured; 7 to 27 min measured with other jobs sharing them"
 DEMO_DESCRIPTION = (
-    "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it "
-    "(LLMCollector + ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the "
-    "initial policy with trl.SFTTrainer on the best-of-n rollouts read from the TorchRL buffer, and train it "
-    "again with TRL's GRPOTrainer generating through TorchRL (TorchRLRolloutFunc). "
-    "Prints a table, "
-    "writes results.json and reward_curve.png, and saves both trained policies (safetensors) "
-    "under --output-dir. Tiny built-in models, no downloads."
+    "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it (LLMCollector + "
+    "ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the initial policy with trl.SFTTrainer on "
+    "the best-of-n rollouts read from the TorchRL buffer, and train it again with TRL's GRPOTrainer generating "
+    "through TorchRL (TorchRLRolloutFunc). Prints a table, writes results.json and reward_curve.png, and saves both "
+    "trained policies (safetensors) under --output-dir. Tiny built-in models, no downloads."
 )
 
 
 def _positive_int(text: str) -> int:
-    """argparse ``type=``: an integer > 0 (checked by :func:`torchrl_trl._checks.positive_int`)."""
+    """argparse ``type=``: an integer > 0."""
     try:
         return positive_int(int(text), "the value")
     except ValueError as err:  # not an integer, or <= 0
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
-
-
-# ---------------------------------------------------------------------------
-# saved buffers
-# ---------------------------------------------------------------------------
 
 
 def _require_dir(path: str | os.PathLike) -> Path:
@@ -71,11 +54,9 @@ def _require_dir(path: str | os.PathLike) -> Path:
 def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
     """``(ReplayBuffer, manifest)`` holding what :func:`torchrl_trl.save_buffer` wrote at ``path``.
 
-    The buffer is built with the storage kind the manifest names (a ``LazyStackStorage``
-    for list storages, a ``LazyTensorStorage`` for tensor ones) and the saved length as
-    capacity, with the default sampler and writer. ``restore_state=False`` (default) loads
-    the items only, so a buffer saved with any sampler/writer reads; ``True`` also restores
-    the writer's state, and raises when the saved state does not fit the default ones.
+    The buffer has the manifest's storage kind (``LazyStackStorage`` or ``LazyTensorStorage``),
+    the saved length as capacity and the default sampler and writer. ``restore_state=True``
+    also restores the writer's state. Raises :class:`~torchrl_trl.model_paths.CLIError`.
     """
     path = _require_dir(path)
     from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
@@ -87,13 +68,11 @@ def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
         meta = read_meta(path)
     except (FileNotFoundError, ValueError) as err:
         raise CLIError(str(err)) from err
-    n, kind = int(meta["len"]), meta.get("storage")
-    if kind == "tensor":
-        rb = ReplayBuffer(storage=LazyTensorStorage(max(n, 1)))
-    elif kind == "list":
-        rb = ReplayBuffer(storage=LazyStackStorage(max(n, 1)))
-    else:
+    kind = meta.get("storage")
+    storage = {"tensor": LazyTensorStorage, "list": LazyStackStorage}.get(kind)
+    if storage is None:
         raise CLIError(f"{str(path)!r}: unknown storage kind {kind!r} in the manifest (expected 'list' or 'tensor')")
+    rb = ReplayBuffer(storage=storage(max(int(meta["len"]), 1)))
     try:
         load_buffer(rb, path, restore_state=restore_state)
     except (ValueError, TypeError, RuntimeError) as err:
@@ -103,9 +82,8 @@ def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
 
 
 def _layout(td) -> str:
-    """``"padded (...)"``, ``"ragged (...)"`` or ``"mixed (...)"`` for the token key, or
-    ``"no tokens"``. TorchRL's ``Tokens.padded`` flag says which when present (ragged
-    samples of equal length would otherwise look padded); else the stored widths do."""
+    """``"padded (...)"``, ``"ragged (...)"``, ``"mixed (...)"`` or ``"no tokens"``, from
+    TorchRL's ``Tokens.padded`` flags when present, else from the stored widths."""
     from . import layouts
 
     key = layouts.token_key("full")
@@ -122,12 +100,11 @@ def _layout(td) -> str:
         return f"mixed padded and ragged samples ({span})"
     if flags == {False}:
         return f"ragged ({span})"
-    # no flag (tokens written by other code than TorchRL's wrappers), or padded: the widths say
     try:
         value = td.get(key)
-    except RuntimeError:  # a lazy stack of samples of different widths cannot be stacked
-        return f"ragged ({span})"
-    if value.is_nested:
+    except RuntimeError:  # samples of different widths cannot be stacked
+        value = None
+    if value is None or value.is_nested:
         return f"ragged ({span})"
     return f"padded (width {value.shape[-1]}, {span})"
 
@@ -136,20 +113,9 @@ def _layout(td) -> str:
 _SAMPLE_FORMATS = ("sft_conversational", "dpo_conversational", "kto_conversational", "sft", "sft_tokenized")
 
 
-def _formats_that_apply(td) -> list[str]:
-    from .data import available_formats, get_format
-
-    return [name for name in available_formats() if not get_format(name).missing_keys(td)]
-
-
-def _short(value: Any, limit: int = 160) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def cmd_inspect(args) -> int:
     from . import layouts
-    from .data import get_format
+    from .data import available_formats, get_format
 
     rb, _ = load_saved_buffer(args.path)
     n = len(rb)
@@ -161,10 +127,8 @@ def cmd_inspect(args) -> int:
     td = rb[:]
     print(f"storage: {type(rb.storage).__name__}")
     print(f"layout:  {_layout(td)}")
-    print("keys:")
-    for key in layouts.available_keys(td):
-        print(f"  {key}")
-    formats = _formats_that_apply(td)
+    print("keys:", *(f"  {key}" for key in layouts.available_keys(td)), sep="\n")
+    formats = [name for name in available_formats() if not get_format(name).missing_keys(td)]
     print(f"formats: {', '.join(formats) if formats else '(none: no format finds its keys)'}")
     preferred = [f for f in _SAMPLE_FORMATS if f in formats] + formats
     fmt = args.format or (preferred[0] if preferred else None)
@@ -176,7 +140,8 @@ def cmd_inspect(args) -> int:
         raise CLIError(f"--format {fmt}: {err}") from err
     print(f"sample row ({fmt}):")
     for column, values in row.items():
-        print(f"  {column}: {_short(values[0])}")
+        text = repr(values[0])
+        print(f"  {column}: {text if len(text) <= 160 else text[:157] + '...'}")
     return 0
 
 
@@ -247,7 +212,7 @@ def cmd_score(args) -> int:
     save_buffer(rb, out, extra=meta.get("extra", {}))
     r = torch.cat(rewards)
     finite = r[torch.isfinite(r)]
-    print(f"scored {n} rollouts with {rm_dir} -> {'.'.join(key) if isinstance(key, tuple) else key}")
+    print(f"scored {n} rollouts with {rm_dir} -> {args.reward_key}")
     if finite.numel():
         print(
             f"reward: mean {finite.mean():.4f}  std {finite.std(unbiased=False):.4f}  "
@@ -262,11 +227,6 @@ def cmd_score(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------
-# env, demo
-# ---------------------------------------------------------------------------
-
-
 def environment() -> dict[str, str]:
     """Versions and devices, as ``torchrl-trl env`` prints them."""
     from importlib.metadata import PackageNotFoundError, version
@@ -277,19 +237,17 @@ def environment() -> dict[str, str]:
             info[name] = version(name)
         except PackageNotFoundError:
             info[name] = "not installed"
-    info["python"] = platform.python_version()
-    info["platform"] = platform.platform()
     import torch
 
-    info["cpu cores"] = str(os.cpu_count())
-    info["torch threads"] = str(torch.get_num_threads())
+    info.update({
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu cores": str(os.cpu_count()), "torch threads": str(torch.get_num_threads()),
+    })
+    info["cuda"] = "not available"
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["cuda"] = f"{torch.version.cuda} ({len(names)} device(s): {', '.join(names)})"
-    else:
-        info["cuda"] = "not available"
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         info["mps"] = "available"
     return info
 
@@ -303,7 +261,6 @@ def cmd_env(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    # checked before anything heavy is imported or trained
     policy = resolve_model_dir(args.policy, "--policy") if args.policy is not None else None
     reward_model = resolve_model_dir(args.reward_model, "--reward-model") if args.reward_model is not None else None
     # every checkpoint is local now: the demo itself never needs the hub
@@ -311,19 +268,11 @@ def cmd_demo(args) -> int:
         os.environ.setdefault(var, "1")
     from .demo import DemoConfig, run_demo
 
-    run_demo(
-        DemoConfig(
-            output_dir=args.output_dir,
-            iterations=args.iterations,
-            seed=args.seed,
-            device=args.device,
-            policy=policy,
-            reward_model=reward_model,
-            quick=args.quick,
-            progress=not args.no_progress,
-            trl_grpo=not args.no_trl_grpo,
-        )
+    cfg = DemoConfig(
+        output_dir=args.output_dir, iterations=args.iterations, seed=args.seed, device=args.device, policy=policy,
+        reward_model=reward_model, quick=args.quick, progress=not args.no_progress, trl_grpo=not args.no_trl_grpo,
     )
+    run_demo(cfg)
     return 0
 
 
@@ -346,9 +295,8 @@ def _parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser(
         "export", help="a saved buffer as a datasets dataset on disk, or a parquet file",
-        description="Read every stored rollout of a saved buffer once, in storage order, in a "
-        "TorchRLBufferDataset format, and write it with datasets' save_to_disk (OUT a directory) "
-        "or to_parquet (OUT ending with .parquet).",
+        description="Read every stored rollout of a saved buffer once, in storage order, in a TorchRLBufferDataset "
+        "format, and write it with datasets' save_to_disk (OUT a directory) or to_parquet (OUT ending with .parquet).",
     )
     exp.add_argument("path", type=Path, help="directory written by save_buffer")
     exp.add_argument("--format", required=True, help="a dataset format, e.g. sft_conversational (see 'inspect')")
@@ -358,10 +306,9 @@ def _parser() -> argparse.ArgumentParser:
 
     sco = sub.add_parser(
         "score", help="score a saved buffer with a reward model and write the rewards back",
-        description="Score every stored rollout with a one-label sequence-classification model "
-        "loaded by path (safetensors only, trust_remote_code=False) through HFRewardModelWrapper, "
-        "write the rewards into the saved buffer (TorchRL's GRPO convention: next.reward shaped "
-        "[1, 1] per rollout) and print summary statistics.",
+        description="Score every stored rollout with a one-label sequence-classification model loaded by path "
+        "(safetensors only, trust_remote_code=False) through HFRewardModelWrapper, write the rewards into the saved "
+        "buffer (TorchRL's GRPO convention: next.reward shaped [1, 1] per rollout) and print summary statistics.",
     )
     sco.add_argument("path", type=Path, help="directory written by save_buffer (rewritten in place unless --out)")
     sco.add_argument("--out", type=Path, default=None, help="write the scored items to this new directory instead")
@@ -398,7 +345,3 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except CLIError as err:
         parser.exit(2, f"torchrl-trl {args.command}: error: {err}\n")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,28 +1,10 @@
-"""The end-to-end demo: both integration paths on a task that really learns, on a CPU.
-
-The hidden rule: an answer is better the larger the fraction of its characters that are
-vowels. Nobody tells the policy or the reward model; they learn it from data:
-
-1. build a tiny tokenizer, policy and reward model (:mod:`torchrl_trl.testing`);
-2. TRL -> TorchRL: ``trl.RewardTrainer`` learns the rule from synthetic preference pairs;
-   its held-out pairwise accuracy is reported;
-3. TorchRL GRPO with that reward model: ``LLMCollector`` over a ``ChatEnv`` carrying
-   ``HFRewardTransform`` -> replay buffer with ``MCAdvantage`` -> ``GRPOLoss``, reporting
-   the reward-model score and the hidden rule's true score per iteration;
-4. TorchRL -> TRL: the best-scored rollouts of step 3, kept in a TorchRL buffer, train the
-   *initial* policy with ``trl.SFTTrainer`` (best-of-n distillation), reporting its true
-   score before and after;
-5. TRL's ``GRPOTrainer`` with TorchRL as its rollout engine (:class:`TorchRLRolloutFunc`
-   around a ``TransformersWrapper``), the same reward model as a TRL reward function
-   (:func:`as_trl_reward_func`), from the same initial policy (``trl_grpo=False`` skips it);
-6. a summary table, a reward curve (PNG, both GRPO runs' true score) and a JSON of every
-   number in ``output_dir``.
-
-Run it with ``torchrl-trl demo`` (run times and the load they were measured under: the
-comment of ``torchrl_trl.cli.QUICK_TIME``).
-Both trained policies are saved under ``output_dir`` (``policy_grpo``, ``policy_sft``,
-safetensors). Checkpoints given by path are loaded from safetensors only, with
-``trust_remote_code=False``.
+"""The end-to-end demo on a CPU: the policy and the reward model learn a hidden rule (an
+answer is better the larger its fraction of vowels) from data. Steps: 1. tiny models
+(:mod:`torchrl_trl.testing`); 2. ``trl.RewardTrainer`` on synthetic preference pairs;
+3. TorchRL GRPO with that reward model; 4. ``trl.SFTTrainer`` on step 3's best-of-n rollouts
+from the TorchRL buffer, from the initial policy; 5. TRL's ``GRPOTrainer`` generating through
+:class:`TorchRLRolloutFunc` (``trl_grpo=False`` skips it). Writes a table, ``results.json``,
+``reward_curve.png`` and both trained policies (safetensors) to ``output_dir``.
 """
 
 from __future__ import annotations
@@ -35,18 +17,18 @@ from pathlib import Path
 import torch
 
 from ._checks import positive_int
+from .model_paths import resolve_model_dir
 from .demo_output import quiet_libraries, say, plot_reward_curve, summary_table, write_outputs
 
 __all__ = ["DemoConfig", "plot_reward_curve", "run_demo", "run_trl_grpo", "true_score"]
 
-VOWELS = frozenset("aeiouAEIOU")
-#: how every checkpoint given by path is loaded (with ``use_safetensors=True`` for weights)
+#: how every checkpoint is loaded (with ``use_safetensors=True`` for weights)
 SAFE_LOADING = {"trust_remote_code": False}
 
 
 def true_score(text: str) -> float:
     """The hidden rule: the fraction of ``text``'s characters that are vowels (0 if empty)."""
-    return sum(c in VOWELS for c in text) / len(text) if text else 0.0
+    return sum(c in "aeiouAEIOU" for c in text) / len(text) if text else 0.0
 
 
 @dataclass
@@ -92,11 +74,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     """Run the whole demo; returns (and writes to ``output_dir/results.json``) the numbers."""
     from tensordict import set_list_to_stack
 
-    from torchrl_trl import testing
+    from . import testing
 
-    from .model_paths import resolve_model_dir
-
-    # refuse a missing path, a hub id while offline or a pickle-only checkpoint up front
     policy_arg = None if cfg.policy is None else resolve_model_dir(cfg.policy, "policy")
     rm_arg = None if cfg.reward_model is None else resolve_model_dir(cfg.reward_model, "reward_model")
     set_list_to_stack(True).set()
@@ -104,108 +83,84 @@ def run_demo(cfg: DemoConfig) -> dict:
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    results: dict = {"config": {k: _json_value(v) for k, v in asdict(cfg).items() if k != "results"}}
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "results"}
+    results: dict = {"config": config}
     timings: dict[str, float] = {}
 
-    t0 = time.perf_counter()
-    checkpoints = testing.tiny_checkpoints(cfg.output_dir / "checkpoints", seed=cfg.seed)
+    def timed(name, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        timings[name] = time.perf_counter() - t0
+        return out
+
+    checkpoints = timed("build", testing.tiny_checkpoints, cfg.output_dir / "checkpoints", seed=cfg.seed)
     policy_path = policy_arg or checkpoints.policy
     rm_init_path = rm_arg or checkpoints.reward_model
-    timings["build"] = time.perf_counter() - t0
     n_steps = 5 if cfg.trl_grpo else 4
     say(f"[1/{n_steps}] tiny models ready: policy={policy_path}, reward model={rm_init_path}")
 
-    t0 = time.perf_counter()
-    rm_path, rm_accuracy = train_reward_model(rm_init_path, cfg)
-    timings["reward_model"] = time.perf_counter() - t0
+    rm_path, rm_accuracy = timed("reward_model", train_reward_model, rm_init_path, cfg)
     results["reward_model"] = {"path": str(rm_path), "heldout_pairwise_accuracy": rm_accuracy}
     say(f"[2/{n_steps}] RewardTrainer done: held-out pairwise accuracy {rm_accuracy:.3f}")
 
-    t0 = time.perf_counter()
-    grpo = run_grpo(policy_path, rm_path, cfg)
-    timings["grpo"] = time.perf_counter() - t0
-    results["grpo"] = {k: v for k, v in grpo.items() if k not in ("model", "tokenizer", "archive")}
-    results["grpo"]["policy_path"] = str(_save_policy(grpo["model"], grpo["tokenizer"], cfg.output_dir / "policy_grpo"))
-    say(
-        f"[3/{n_steps}] GRPO done: true score {grpo['true_score'][0]:.3f} -> {grpo['true_score'][-1]:.3f}, "
-        f"reward-model score {grpo['rm_score'][0]:.3f} -> {grpo['rm_score'][-1]:.3f}"
-    )
+    grpo, model, tokenizer, archive = timed("grpo", run_grpo, policy_path, rm_path, cfg)
+    results["grpo"] = grpo
+    grpo["policy_path"] = str(_save_policy(model, tokenizer, cfg.output_dir / "policy_grpo"))
+    rm_span = _span(grpo["rm_score"])
+    say(f"[3/{n_steps}] GRPO done: true score {_span(grpo['true_score'])}, reward-model score {rm_span}")
 
-    t0 = time.perf_counter()
-    sft = run_best_of_n_sft(policy_path, grpo["archive"], cfg)
-    timings["sft"] = time.perf_counter() - t0
-    sft_model = sft.pop("model")
-    results["sft_best_of_n"] = sft
-    sft["policy_path"] = str(_save_policy(sft_model, grpo["tokenizer"], cfg.output_dir / "policy_sft"))
-    say(
-        f"[4/{n_steps}] SFTTrainer on best-of-n from the TorchRL buffer, initial policy: true score "
-        f"{sft['true_score_before']:.3f} -> {sft['true_score_after']:.3f}"
-    )
+    sft = results["sft_best_of_n"] = timed("sft", run_best_of_n_sft, policy_path, archive, cfg)
+    sft["policy_path"] = str(_save_policy(sft.pop("model"), tokenizer, cfg.output_dir / "policy_sft"))
+    sft_span = _span([sft["true_score_before"], sft["true_score_after"]])
+    say(f"[4/{n_steps}] SFTTrainer on best-of-n from the TorchRL buffer, initial policy: true score {sft_span}")
 
     if cfg.trl_grpo:
-        t0 = time.perf_counter()
-        trl = run_trl_grpo(policy_path, rm_path, cfg)
-        timings["trl_grpo"] = time.perf_counter() - t0
+        trl = timed("trl_grpo", run_trl_grpo, policy_path, rm_path, cfg)
         results["trl_grpo"] = trl
-        say(
-            f"[5/5] TRL GRPOTrainer on TorchRL rollouts: true score {trl['true_score'][0]:.3f} -> "
-            f"{trl['true_score'][-1]:.3f} (fresh samples {trl['true_score_before']:.3f} -> "
-            f"{trl['true_score_after']:.3f})"
-        )
+        fresh = _span([trl["true_score_before"], trl["true_score_after"]])
+        say(f"[5/5] TRL GRPOTrainer on TorchRL rollouts: true score {_span(trl['true_score'])} (fresh samples {fresh})")
 
     results["timings_s"] = timings
     write_outputs(results, cfg.output_dir)
     say(summary_table(results))
     say(
         f"wrote {cfg.output_dir / 'results.json'}, {cfg.output_dir / 'reward_curve.png'} and the trained "
-        f"policies {results['grpo']['policy_path']}, {sft['policy_path']}"
+        f"policies {grpo['policy_path']}, {sft['policy_path']}"
     )
     cfg.results = results
     return results
 
 
-# ---------------------------------------------------------------------------
-# Step 2: a reward model from synthetic preference pairs (TRL RewardTrainer)
-# ---------------------------------------------------------------------------
-
-
-def _random_answers(tokenizer, n: int, rng: random.Random, max_tokens: int) -> list[str]:
-    """Answers that look like what the untrained policy writes: random non-special tokens."""
+def preference_pairs(tokenizer, n: int, seed: int, max_tokens: int) -> list[dict]:
+    """``n`` conversational pairs (``prompt``/``chosen``/``rejected``) of random non-special
+    tokens, as the untrained policy writes, ranked by the hidden rule (near-ties skipped)."""
+    rng = random.Random(seed)
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(len(tokenizer)) if i not in special]
-    out = []
-    while len(out) < n:
-        ids = [rng.choice(vocab) for _ in range(rng.randint(3, max_tokens))]
-        text = tokenizer.decode(ids)
-        if text.strip():
-            out.append(text)
-    return out
 
+    def answer() -> str:
+        while True:
+            text = tokenizer.decode([rng.choice(vocab) for _ in range(rng.randint(3, max_tokens))])
+            if text.strip():
+                return text
 
-def preference_pairs(tokenizer, n: int, seed: int, max_tokens: int) -> list[dict]:
-    """``n`` conversational pairs (``prompt``/``chosen``/``rejected``) ranked by the hidden rule
-    (ties and near-ties under 0.05 apart are skipped)."""
-    rng = random.Random(seed)
     pairs = []
     while len(pairs) < n:
-        a, b = _random_answers(tokenizer, 2, rng, max_tokens)
+        a, b = answer(), answer()
         sa, sb = true_score(a), true_score(b)
         if abs(sa - sb) < 0.05:
             continue
         chosen, rejected = (a, b) if sa > sb else (b, a)
-        prompt = rng.choice(PROMPTS)
-        pairs.append(
-            {
-                "prompt": [{"role": "user", "content": prompt}],
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": rejected}],
-            }
-        )
+        pairs.append({
+            "prompt": [{"role": "user", "content": rng.choice(PROMPTS)}],
+            "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}],
+        })
     return pairs
 
 
 def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
-    """Train ``init_path`` with ``trl.RewardTrainer``; return its output dir and held-out accuracy."""
+    """Step 2: train ``init_path`` with ``trl.RewardTrainer``; its output dir and held-out accuracy."""
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
@@ -214,18 +169,14 @@ def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
 
     tokenizer = AutoTokenizer.from_pretrained(init_path, **SAFE_LOADING)
     model = AutoModelForSequenceClassification.from_pretrained(init_path, use_safetensors=True, **SAFE_LOADING)
-    train_pairs = preference_pairs(tokenizer, cfg.reward_pairs, cfg.seed, cfg.max_new_tokens)
+    dataset = Dataset.from_list(preference_pairs(tokenizer, cfg.reward_pairs, cfg.seed, cfg.max_new_tokens))
     heldout = preference_pairs(tokenizer, 200, cfg.seed + 10_000, cfg.max_new_tokens)
     out_dir = cfg.output_dir / "reward_model"
     args = RewardConfig(
-        **_quiet_trainer_args(cfg, out_dir),
-        per_device_train_batch_size=16,
-        num_train_epochs=cfg.reward_epochs,
+        **_quiet_trainer_args(cfg, out_dir), per_device_train_batch_size=16, num_train_epochs=cfg.reward_epochs,
         learning_rate=3e-3,
     )
-    trainer = RewardTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list(train_pairs), processing_class=tokenizer
-    )
+    trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     _train_quietly(trainer)
     trainer.save_model(str(out_dir))
     tokenizer.save_pretrained(out_dir)
@@ -236,53 +187,40 @@ def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
     return out_dir, float((chosen > rejected).float().mean())
 
 
-# ---------------------------------------------------------------------------
-# Step 3: TorchRL GRPO with the reward model in the environment
-# ---------------------------------------------------------------------------
-
-
 def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
-    """GRPO: ``LLMCollector`` over ``ChatEnv`` + ``HFRewardTransform`` -> buffer with
-    ``MCAdvantage`` -> ``GRPOLoss``. Returns per-iteration scores, the trained policy, and a
-    buffer (``archive``) of every scored rollout for step 4."""
+    """Step 3, TorchRL GRPO (``LLMCollector`` over ``ChatEnv`` + ``HFRewardTransform`` ->
+    ``MCAdvantage`` -> ``GRPOLoss``): ``(per-iteration scores, model, tokenizer, archive)``,
+    ``archive`` a buffer of every scored rollout."""
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
     from torchrl.objectives.llm.grpo import GRPOLoss, MCAdvantage
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tqdm.auto import tqdm
 
     from torchrl_trl import HFRewardModelWrapper, HFRewardTransform, RewardRenderer, layouts, testing
 
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, **SAFE_LOADING)
-    model = AutoModelForCausalLM.from_pretrained(policy_path, use_safetensors=True, **SAFE_LOADING)
-    model = model.to(cfg.device).eval()
+    model, tokenizer = _load_policy(policy_path, cfg)
     rows = [{"query": p} for p in PROMPTS]
     env = testing.make_chat_env(rows, batch_size=cfg.prompts_per_batch, group_size=cfg.group_size)
     scorer = HFRewardModelWrapper.for_grpo(str(rm_path), renderer=RewardRenderer(policy_tokenizer=tokenizer))
     env = env.append_transform(HFRewardTransform(scorer))
-    sampler = testing.make_policy_wrapper(
-        model, tokenizer, max_new_tokens=cfg.max_new_tokens, device=cfg.device
-    )
+    sampler = testing.make_policy_wrapper(model, tokenizer, max_new_tokens=cfg.max_new_tokens, device=cfg.device)
     learner = testing.make_policy_wrapper(model, tokenizer, generate=False, device=cfg.device)
     loss_fn = GRPOLoss(learner, entropy_coeff=0.0)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
     turns_per_iteration = cfg.prompts_per_batch * cfg.group_size * 4
     buffer = ReplayBuffer(
-        storage=LazyStackStorage(turns_per_iteration * 2),
-        sampler=SamplerWithoutReplacement(),
+        storage=LazyStackStorage(turns_per_iteration * 2), sampler=SamplerWithoutReplacement(),
         batch_size=cfg.prompts_per_batch * cfg.group_size,
     )
     buffer.append_transform(MCAdvantage(grpo_size=cfg.group_size))
     archive = ReplayBuffer(storage=LazyStackStorage(turns_per_iteration * cfg.iterations))
     collector = LLMCollector(
-        env=env,
-        policy=sampler,
-        dialog_turns_per_batch=turns_per_iteration,
-        replay_buffer=buffer,
+        env=env, policy=sampler, dialog_turns_per_batch=turns_per_iteration, replay_buffer=buffer,
         total_dialog_turns=turns_per_iteration * cfg.iterations,
     )
     rm_scores, true_scores = [], []
-    for _ in _progress(collector, cfg, total=cfg.iterations, desc="GRPO"):
+    for _ in tqdm(collector, total=cfg.iterations, desc="GRPO", disable=not cfg.progress):
         rollouts = buffer[:]
         archive.extend(rollouts)
         rewards = torch.stack(layouts.read_column(rollouts, layouts.REWARD_KEY)).float()
@@ -298,38 +236,22 @@ def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
             optimizer.step()
         buffer.empty()
     collector.shutdown()
-    return {
-        "rm_score": rm_scores,
-        "true_score": true_scores,
-        "model": model,
-        "tokenizer": tokenizer,
-        "archive": archive,
-    }
-
-
-# ---------------------------------------------------------------------------
-# Step 5: TRL's GRPOTrainer generating through TorchRL (rollout_func)
-# ---------------------------------------------------------------------------
+    return {"rm_score": rm_scores, "true_score": true_scores}, model, tokenizer, archive
 
 
 def run_trl_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
-    """TRL's ``GRPOTrainer`` on the same task, from the same initial policy: completions
-    generated by a TorchRL ``TransformersWrapper`` through :class:`TorchRLRolloutFunc`, scored
-    by the same reward model (:func:`as_trl_reward_func`). One iteration = one generation of
-    ``prompts_per_batch * group_size * 4`` completions and 4 optimizer steps, as in step 3.
-    Returns the mean true score of each iteration's completions and before/after samples."""
+    """Step 5, TRL's ``GRPOTrainer`` generating through :class:`TorchRLRolloutFunc`: one
+    iteration = ``prompts_per_batch * group_size * 4`` completions and 4 optimizer steps, as
+    in step 3. Returns each iteration's mean true score and before/after samples'."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from torchrl_trl import HFRewardModelWrapper, as_trl_reward_func, testing
     from torchrl_trl.online import TorchRLRolloutFunc
 
     torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, **SAFE_LOADING)
-    model = AutoModelForCausalLM.from_pretrained(policy_path, use_safetensors=True, **SAFE_LOADING)
-    model = model.to(cfg.device)
-    before = measure_true_score(model.eval(), tokenizer, cfg)
+    model, tokenizer = _load_policy(policy_path, cfg)
+    before = measure_true_score(model, tokenizer, cfg)
     policy = testing.make_policy_wrapper(model, tokenizer, max_new_tokens=cfg.max_new_tokens, device=cfg.device)
     rollout = TorchRLRolloutFunc(policy)  # shares the trainer's weights: on-policy
     true_scores: list[float] = []
@@ -341,79 +263,52 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
         return batch
 
     reward = as_trl_reward_func(HFRewardModelWrapper.from_pretrained(rm_path, inference_mode=True, device=cfg.device))
-    batch = cfg.prompts_per_batch * cfg.group_size
     args = GRPOConfig(
-        **_quiet_trainer_args(cfg, cfg.output_dir / "trl_grpo"),
-        per_device_train_batch_size=batch,
-        steps_per_generation=4,
-        num_generations=cfg.group_size,
-        max_completion_length=cfg.max_new_tokens,
-        max_steps=4 * cfg.iterations,
-        learning_rate=cfg.lr,
-        beta=0.0,
-        gradient_checkpointing=False,
+        **_quiet_trainer_args(cfg, cfg.output_dir / "trl_grpo"), steps_per_generation=4, num_generations=cfg.group_size,
+        per_device_train_batch_size=cfg.prompts_per_batch * cfg.group_size, max_completion_length=cfg.max_new_tokens,
+        max_steps=4 * cfg.iterations, learning_rate=cfg.lr, beta=0.0, gradient_checkpointing=False,
     )
     trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[reward],
-        args=args,
+        model=model, reward_funcs=[reward], args=args, processing_class=tokenizer, rollout_func=rollout_func,
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]}),
-        processing_class=tokenizer,
-        rollout_func=rollout_func,
     )
     _train_quietly(trainer)
-    model.eval()
+    after = measure_true_score(model.eval(), tokenizer, cfg)
     return {
-        "true_score": true_scores,
-        "true_score_before": before,
-        "true_score_after": measure_true_score(model, tokenizer, cfg),
-        "rollout_calls": rollout.calls,
-        "samples": rollout.samples,
+        "true_score": true_scores, "true_score_before": before, "true_score_after": after,
+        "rollout_calls": rollout.calls, "samples": rollout.samples,
     }
+
+
+def _span(scores: list[float]) -> str:
+    return f"{scores[0]:.3f} -> {scores[-1]:.3f}"
 
 
 def _mean_true_score(texts: list[str]) -> float:
     return sum(map(true_score, texts)) / max(len(texts), 1)
 
 
-# ---------------------------------------------------------------------------
-# Step 4: TRL SFTTrainer on best-of-n read from the TorchRL buffer
-# ---------------------------------------------------------------------------
-
-
 def run_best_of_n_sft(policy_path: Path, archive, cfg: DemoConfig) -> dict:
-    """Best-of-n rows from the scored rollouts in ``archive`` (each prompt group's
-    best-rewarded reply) train the initial policy at ``policy_path`` with
-    ``trl.SFTTrainer``; the true score of fresh samples is measured before and after.
-    Returns those scores, the number of rows and the trained ``model``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Step 4: each prompt group's best-rewarded reply in ``archive`` trains the initial
+    policy with ``trl.SFTTrainer``. Returns the true score of fresh samples before and after,
+    the number of rows and the trained ``model``."""
     from trl import SFTConfig, SFTTrainer
 
     from torchrl_trl import TorchRLBufferDataset, best_of_n
 
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, **SAFE_LOADING)
-    model = AutoModelForCausalLM.from_pretrained(policy_path, use_safetensors=True, **SAFE_LOADING)
-    model = model.to(cfg.device).eval()
+    model, tokenizer = _load_policy(policy_path, cfg)
     best = best_of_n(archive, k=1)
     # MCAdvantage's regrouping keeps ("history", "full") but not the prompt/response
     # split, so train on whole chats and let the template's generation tags mask the prompt
     dataset = TorchRLBufferDataset(best, batch_size=8, format="sft_messages", reading="epoch")
     before = measure_true_score(model, tokenizer, cfg)
     args = SFTConfig(
-        **_quiet_trainer_args(cfg, cfg.output_dir / "sft"),
-        per_device_train_batch_size=8,
-        max_steps=cfg.sft_steps,
-        # at 1e-3 the tiny policy's greedy reply became the best rows' but its sampled ones
-        # did not (loss 4.9 -> 3.9 from ~log(vocab)): the full run's true score fell 0.176 -> 0.169
-        learning_rate=1e-2,
-        assistant_only_loss=True,
+        **_quiet_trainer_args(cfg, cfg.output_dir / "sft"), per_device_train_batch_size=8, max_steps=cfg.sft_steps,
+        learning_rate=1e-2, assistant_only_loss=True,
     )
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset.as_hf_dataset(), processing_class=tokenizer
-    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset.as_hf_dataset(), processing_class=tokenizer)
     _train_quietly(trainer)
-    model.eval()
-    after = measure_true_score(model, tokenizer, cfg)
+    after = measure_true_score(model.eval(), tokenizer, cfg)
     return {"rows": len(best), "true_score_before": before, "true_score_after": after, "model": model}
 
 
@@ -423,28 +318,22 @@ def measure_true_score(model, tokenizer, cfg: DemoConfig, samples_per_prompt: in
     inputs = tokenizer.apply_chat_template(
         conversations, add_generation_prompt=True, return_tensors="pt", padding=True, return_dict=True
     ).to(cfg.device)
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(cfg.seed + 1)
-    with torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # the caller's CPU generator is left as it was
+        torch.manual_seed(cfg.seed + 1)
         out = model.generate(
-            **inputs,
-            max_new_tokens=cfg.max_new_tokens,
-            do_sample=True,
-            num_return_sequences=samples_per_prompt,
+            **inputs, max_new_tokens=cfg.max_new_tokens, do_sample=True, num_return_sequences=samples_per_prompt
         )
-    torch.random.set_rng_state(generator_state)
     texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     return _mean_true_score(texts)
 
 
-# ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
+def _load_policy(path: Path, cfg: DemoConfig):
+    """``(model, tokenizer)`` of the causal LM at ``path``, on ``cfg.device``, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
-def _json_value(value):
-    """``value`` as JSON keeps it: numbers, booleans and ``None`` as they are, paths as strings."""
-    return str(value) if isinstance(value, Path) else value
+    tokenizer = AutoTokenizer.from_pretrained(path, **SAFE_LOADING)
+    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **SAFE_LOADING)
+    return model.to(cfg.device).eval(), tokenizer
 
 
 def _save_policy(model, tokenizer, path: Path) -> Path:
@@ -455,18 +344,10 @@ def _save_policy(model, tokenizer, path: Path) -> Path:
 
 
 def _quiet_trainer_args(cfg: DemoConfig, output_dir: Path) -> dict:
-    """TRL config arguments shared by the demo's trainers: constant LR, no checkpoints,
-    no loggers, float32 (TRL defaults to bf16, which CPUs run slowly or not at all)."""
+    """TRL config arguments shared by the demo's trainers: constant LR, no checkpoints or loggers, float32."""
     return dict(
-        output_dir=str(output_dir),
-        lr_scheduler_type="constant",
-        logging_steps=1000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=cfg.device == "cpu",
-        bf16=False,
-        seed=cfg.seed,
-        disable_tqdm=True,
+        output_dir=str(output_dir), lr_scheduler_type="constant", logging_steps=1000, save_strategy="no",
+        report_to=[], use_cpu=cfg.device == "cpu", bf16=False, seed=cfg.seed, disable_tqdm=True,
     )
 
 
@@ -476,11 +357,3 @@ def _train_quietly(trainer) -> None:
 
     trainer.remove_callback(PrinterCallback)
     trainer.train()
-
-
-def _progress(iterable, cfg: DemoConfig, total: int, desc: str):
-    if not cfg.progress:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, total=total, desc=desc)

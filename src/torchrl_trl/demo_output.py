@@ -47,11 +47,9 @@ def write_outputs(results: dict, output_dir: Path) -> None:
 
 
 def plot_reward_curve(results: dict):
-    """The demo's figure (``reward_curve.png``) drawn from ``results`` as :func:`run_demo`
-    returns it (or ``results.json`` holds it): per GRPO iteration, the hidden rule's true
-    score of TorchRL GRPO's and (when run) TRL GRPO's samples on the left axis, the reward
-    model's score of TorchRL GRPO's samples on the right. Returns the pyplot figure
-    (needs ``matplotlib``: ``pip install 'torchrl-trl[demo]'``).
+    """The demo's ``reward_curve.png`` from ``run_demo``'s ``results``: per GRPO iteration, the
+    true score (left axis) and the reward model's score (right axis). Returns the pyplot
+    figure (needs ``matplotlib``: ``pip install 'torchrl-trl[demo]'``).
 
     >>> fig = plot_reward_curve({"grpo": {"true_score": [0.18, 0.43], "rm_score": [-1.1, 1.4]}})
     >>> [line.get_label() for ax in fig.axes for line in ax.get_lines()]
@@ -66,8 +64,7 @@ def plot_reward_curve(results: dict):
         ax.plot(results["trl_grpo"]["true_score"], color="tab:green", label="true score, TRL GRPO on TorchRL rollouts")
     ax2 = ax.twinx()
     ax2.plot(results["grpo"]["rm_score"], color="tab:orange", label="reward-model score, TorchRL GRPO")
-    ax.set_xlabel("GRPO iteration")
-    ax.set_ylabel("true score")
+    ax.set(xlabel="GRPO iteration", ylabel="true score")
     ax2.set_ylabel("reward-model score")
     # under the axes: inside, it hides the curves' ends
     fig.legend(loc="lower center", fontsize=8, frameon=False)
@@ -82,7 +79,6 @@ def say(message: str) -> None:
 
 def quiet_libraries() -> None:
     """Silence the libraries' own warnings, logs and progress bars; torchrl_trl's stay."""
-    # the libraries' own deprecation chatter; our SkippedRolloutsWarning etc. stay visible
     for module in ("torch", "torchrl", "tensordict", "transformers", "trl", "datasets", "accelerate"):
         # anchored: a bare "torch" also matches, and hid, torchrl_trl's own warnings
         pattern = rf"{module}(\.|$)"

@@ -1,7 +1,5 @@
-"""Read TorchRL LLM layouts into per-sample sequences, texts and chat messages.
-
-The one place that knows the key layout TorchRL's ``TransformersWrapper``/``vLLMWrapper``,
-``ChatEnv`` and ``LLMCollector`` write::
+"""Read TorchRL LLM layouts into per-sample sequences, texts and chat messages: the one
+place that knows the keys TorchRL's LLM wrappers, ``ChatEnv`` and ``LLMCollector`` write::
 
     ("tokens", "prompt" | "response" | "full")       int64 [*B, T] padded, or ragged
     ("masks", "all_attention_mask")                   [*B, T_full], 1 on real tokens
@@ -9,11 +7,8 @@ The one place that knows the key layout TorchRL's ``TransformersWrapper``/``vLLM
     ("history", "prompt" | "response" | "full")       History [*B, n_messages]
     ("next", "reward")                                float [*B, 1, 1] (GRPO convention)
 
-Any leading batch shape is flattened in row-major order, so sample ``i`` of every reader
-is the same rollout. Inputs may be dense padded tensors (the prompt left-padded, the
-response right-padded), lazy stacks of per-sample tensors of different lengths, lazy
-stacks of separately padded batches, or nested tensors. Padding is removed with the
-attention mask.
+Leading batch dims are flattened row-major (sample ``i`` is the same rollout in every reader);
+inputs may be padded, ragged lazy stacks, lazy stacks of padded batches, or nested tensors.
 """
 
 from __future__ import annotations
@@ -41,16 +36,14 @@ Part = Literal["prompt", "response", "full"]
 _PARTS = ("prompt", "response", "full")
 
 ATTENTION_MASK_KEY: NestedKey = ("masks", "all_attention_mask")
-#: Top-level keys TorchRL's LLM envs, wrappers, collectors and losses write into rollouts
-#: (anything else at the top level, e.g. ``"answer"``, came from the dataset).
+#: Top-level keys TorchRL writes into LLM rollouts (any other, e.g. ``"answer"``, came from the dataset).
 TORCHRL_ROOT_KEYS = frozenset({
     "text", "history", "tokens", "masks", "log_probs", "next", "done", "terminated",
     "truncated", "step_count", "reward", "action", "is_init", "collector", "advantage",
 })  # fmt: skip
 #: Where TorchRL's GRPO pipeline (``MCAdvantage``, reward parsers) reads the reward.
 REWARD_KEY: NestedKey = ("next", "reward")
-#: Whether a step ended its episode (``[*B, 1]`` bool); ``False`` on the inner turns of a
-#: multi-turn ``ChatEnv`` episode.
+#: Whether a step ended its episode (``[*B, 1]`` bool).
 DONE_KEY: NestedKey = ("next", "done")
 
 
@@ -75,43 +68,26 @@ def history_key(part: Part) -> NestedKey:
     return _part_key("history", part)
 
 
-# ---------------------------------------------------------------------------
-# Readers
-# ---------------------------------------------------------------------------
-
-
 def read_tokens(
-    td: TensorDictBase,
-    part: Part = "full",
-    *,
-    key: NestedKey | None = None,
+    td: TensorDictBase, part: Part = "full", *, key: NestedKey | None = None,
     mask_key: NestedKey | None = ATTENTION_MASK_KEY,
 ) -> Ragged:
-    """The real (unpadded) token ids of each sample at ``("tokens", part)``.
+    """The real (unpadded) token ids of each sample at ``("tokens", part)`` (or ``key``).
 
-    Padding is removed with the mask at ``mask_key`` when it is present (the full
-    sequence's: the prompt lines up with its first columns, the response with its last,
-    as TorchRL pads the prompt left and the response right); without one, or with
-    ``mask_key=None``, every stored token is real. ``key`` reads another token key
-    (``part`` then says how the mask lines up with it).
-
-    Returns:
-        :class:`Ragged` int64 token ids, one sample per batch element (flattened).
+    Padding is removed with the full sequence's mask at ``mask_key`` when present; ``part``
+    says how it lines up. Returns :class:`Ragged` int64 ids, one sample per batch element.
+    Raises ``KeyError`` naming the available keys, ``ValueError`` for a mask that does not fit.
 
     Examples:
         Left-padded tokens (``pad_output=True``) and ragged ones read the same:
 
         >>> import torch
         >>> from tensordict import TensorDict, lazy_stack
-        >>> padded = TensorDict({
-        ...     "tokens": {"full": torch.tensor([[0, 5, 6], [7, 8, 9]])},
-        ...     "masks": {"all_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])},
-        ... }, batch_size=[2])
+        >>> padded = TensorDict({"tokens": {"full": torch.tensor([[0, 5, 6], [7, 8, 9]])},
+        ...                      "masks": {"all_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}}, [2])
         >>> read_tokens(padded).tolist()
         [[5, 6], [7, 8, 9]]
-        >>> ragged = lazy_stack([
-        ...     TensorDict({"tokens": {"full": torch.tensor(t)}}) for t in ([5, 6], [7, 8, 9])
-        ... ])
+        >>> ragged = lazy_stack([TensorDict({"tokens": {"full": torch.tensor(t)}}) for t in ([5, 6], [7, 8, 9])])
         >>> read_tokens(ragged).tolist()
         [[5, 6], [7, 8, 9]]
     """
@@ -119,7 +95,7 @@ def read_tokens(
     try:
         tokens = _ragged.chunks(td, key)
     except KeyError:
-        _ragged.require(td, key, "read_tokens")  # raises naming the key and the available ones
+        _ragged.require(td, key, "read_tokens")
         raise
     if mask_key is None or not has_key(td, mask_key):
         values = [t.reshape(-1) for t in tokens]
@@ -127,19 +103,17 @@ def read_tokens(
         return Ragged(torch.cat(values), torch.tensor(lengths, dtype=torch.long))
     masks = _ragged.chunks(td, mask_key)
     if [t.shape[0] for t in tokens] != [m.shape[0] for m in masks]:
-        # one side stacks and the other does not (e.g. equal response widths, mask widths
-        # differing between collector batches): line them up sample by sample
+        # one side stacks and the other does not: line them up sample by sample
         tokens, masks = _rows(tokens), _rows(masks)
     if part != "full":
         masks = [_slice_mask(m, t.shape[-1], part) for m, t in zip(masks, tokens)]
     for m, t in zip(masks, tokens):
         if m is None or m.shape != t.shape:
             raise ValueError(
-                f"read_tokens: the mask at {mask_key!r} (width "
-                f"{None if m is None else m.shape[-1]}) does not line up with the tokens at "
-                f"{key!r} (shape {tuple(t.shape)}); expected the full sequence's attention mask"
+                f"read_tokens: the mask at {mask_key!r} (width {None if m is None else m.shape[-1]}) does not line "
+                f"up with the tokens at {key!r} (shape {tuple(t.shape)}); expected the full sequence's attention mask"
             )
-    if len({t.shape[-1] for t in tokens}) == 1:  # one vectorised pass over everything
+    if len({t.shape[-1] for t in tokens}) == 1:  # one vectorised pass
         tokens, masks = [torch.cat(tokens)], [torch.cat(masks)]
     masks = [m.bool() for m in masks]
     values = torch.cat([t[m] for t, m in zip(tokens, masks)])
@@ -167,8 +141,7 @@ def read_column(td: TensorDictBase, key: NestedKey) -> list[Any]:
         return value  # one value per sample already
     if isinstance(value, (NonTensorData, NonTensorStack)):
         _refuse_memmap_strings(td, key)
-        value = value.tolist()
-        return _ragged.flatten(value, td.batch_dims) if td.batch_dims else [value]
+        return _ragged.flatten(value.tolist(), td.batch_dims)
     if isinstance(value, torch.Tensor) and not value.is_nested:
         return list(value.reshape(-1, *value.shape[td.batch_dims :]).unbind(0))
     if isinstance(value, torch.Tensor):
@@ -180,26 +153,16 @@ def _strings(td: TensorDictBase, key: NestedKey) -> list[str]:
     values = read_column(td, key)
     for i, v in enumerate(values):
         if not isinstance(v, str):
-            raise TypeError(
-                f"key {key!r}: sample {i} holds {type(v).__name__} {v!r:.40}, expected a string"
-            )
+            raise TypeError(f"key {key!r}: sample {i} holds {type(v).__name__} {v!r:.40}, expected a string")
     return values
 
 
 def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None) -> list[str]:
     """The text of each sample at ``("text", part)``; ``"full"`` falls back to
-    prompt + response when only those are stored.
-
-    Where TorchRL decoded padded tokens into the text (history mode with
-    ``pad_output=True``: pad strings in ``text.full``, a ``text.response`` starting inside
-    the prompt), the padding is removed where the mask says it is (see
-    :func:`padding_text`, whose ``tokenizer`` this is) and the response is what follows
-    the prompt in the clean full text.
-
-    Raises:
-        TypeError: a sample's text is not a string.
-        ValueError: the strings were lost in storage (see :func:`check_strings_kept`).
-    """
+    prompt + response. Pad strings TorchRL decoded into the text (``input_mode="history"``,
+    ``pad_output=True``) are removed where the mask says (``tokenizer``: see :func:`padding_text`).
+    Raises ``TypeError`` for a non-string, ``ValueError`` for strings lost in storage
+    (:func:`check_strings_kept`)."""
     key = text_key(part)
     if part == "full" and not has_key(td, key) and has_key(td, text_key("prompt")):
         prompts, responses = read_text(td, "prompt"), read_text(td, "response")
@@ -209,9 +172,12 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
     if part == "prompt" or not _padded_text_possible(td):
         return texts
     full = texts if part == "full" else _strings(td, text_key("full"))
-    clean = _strip_padding(td, full, tokenizer)
-    if clean is None or part == "full":
-        return texts if clean is None else clean
+    pad = padding_text(td, tokenizer)
+    if not pad:
+        return texts
+    clean = [_unpad(text, pad, n, m) for text, n, m in zip(full, *_pad_counts(td))]
+    if part == "full":
+        return clean
     out = []
     for i, (c, f, p, t) in enumerate(zip(clean, full, read_text(td, "prompt"), texts)):
         if c is f:  # nothing was stripped
@@ -223,37 +189,20 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
     return out
 
 
-# ---------------------------------------------------------------------------
-# Strings a storage lost
-# ---------------------------------------------------------------------------
-
 _LOST_STRINGS = (
-    "this TorchRL's LazyMemmapStorage reads every stored string back as the first one "
-    "written (text, chat and string columns). Store LLM rollouts in a LazyStackStorage, "
-    "ListStorage or LazyTensorStorage, or read only their tokens"
+    "this TorchRL's LazyMemmapStorage reads every stored string back as the first one written (text, chat and string "
+    "columns). Store LLM rollouts in a LazyStackStorage, ListStorage or LazyTensorStorage, or read only their tokens"
 )
 
 
-def check_strings_kept(
-    td: TensorDictBase, part: Part = "full", strings: list[str] | None = None
-) -> None:
-    """Refuse text and chat that cannot be what TorchRL wrote: ``td`` is memory-mapped and
-    this TorchRL's ``LazyMemmapStorage`` loses strings (:func:`memmap_keeps_strings`), or
-    every sample holds the same ``("text", part)`` while their ``("tokens", part)`` differ
-    (a sample of such a storage, copied out of it).
-
-    Args:
-        part: the text part to compare with its tokens (skipped when either is missing).
-        strings: that part's strings when the caller has read them already.
-
-    Raises:
-        ValueError: naming the key, with the storages that keep strings.
-    """
+def check_strings_kept(td: TensorDictBase, part: Part = "full", strings: list[str] | None = None) -> None:
+    """Raise ``ValueError`` (naming the key and the storages that keep strings) where text
+    cannot be what TorchRL wrote: ``td`` is memory-mapped and :func:`memmap_keeps_strings`
+    is false, or every sample holds the same ``("text", part)`` (``strings`` if already
+    read) while their ``("tokens", part)`` differ."""
     key, ids_key = text_key(part), token_key(part)
     _refuse_memmap_strings(td, key)
-    if batch_numel(td) < 2 or not has_key(td, ids_key):
-        return
-    if strings is None and not has_key(td, key):
+    if batch_numel(td) < 2 or not has_key(td, ids_key) or (strings is None and not has_key(td, key)):
         return
     first, *rest = strings if strings is not None else read_column(td, key)
     if any(v != first for v in rest):
@@ -266,16 +215,14 @@ def check_strings_kept(
         )
 
 
-def _refuse_memmap_strings(td: TensorDictBase, key: NestedKey | None) -> None:
+def _refuse_memmap_strings(td: TensorDictBase, key: NestedKey) -> None:
     if td.is_memmap() and not memmap_keeps_strings():
-        where = f"key {key!r}: " if key is not None else ""
-        raise ValueError(f"{where}these rollouts are memory-mapped, and {_LOST_STRINGS}")
+        raise ValueError(f"key {key!r}: these rollouts are memory-mapped, and {_LOST_STRINGS}")
 
 
 @functools.cache
 def memmap_keeps_strings() -> bool:
-    """Whether this TorchRL's ``LazyMemmapStorage`` reads strings back as written, probed
-    once in a temporary directory."""
+    """Whether this TorchRL's ``LazyMemmapStorage`` reads strings back as written (probed once)."""
     import tempfile
 
     from tensordict import TensorDict
@@ -287,19 +234,13 @@ def memmap_keeps_strings() -> bool:
         return [str(s) for s in rb[:].get("s")] == ["a", "b"]
 
 
-# ---------------------------------------------------------------------------
-# Padding TorchRL decoded into text
-# ---------------------------------------------------------------------------
-
-
 def _padded_text_possible(td: TensorDictBase) -> bool:
-    # only a padded (dense) full sequence with a mask, text and a prompt can carry pads
     keys = (ATTENTION_MASK_KEY, text_key("full"), text_key("prompt"), token_key("full"))
     return all(has_key(td, k) for k in keys)
 
 
 def _pad_counts(td: TensorDictBase) -> tuple[list[int], list[int]]:
-    """Per sample, the pad columns before and after the real tokens of the full mask."""
+    """Per sample, the pad columns before and after the real tokens."""
     lead, trail = [], []
     for m in _ragged.chunks(td, ATTENTION_MASK_KEY):
         m = m.bool()
@@ -309,8 +250,7 @@ def _pad_counts(td: TensorDictBase) -> tuple[list[int], list[int]]:
 
 
 def _unpad(text: str, pad: str, lead: int, trail: int) -> str:
-    """``text`` without ``lead`` pads before and ``trail`` after, where they are there
-    (``text`` itself when nothing is removed)."""
+    """``text`` without ``lead`` pads before and ``trail`` after, where present."""
     if lead and text.startswith(pad * lead):
         text = text[len(pad) * lead :]
     if trail and text.endswith(pad * trail):
@@ -325,16 +265,11 @@ def _pad_string(tokenizer: Any, pad_id: int | None = None) -> str:
 
 
 def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
-    """The string one pad token decodes to in ``td``'s stored text, or ``None`` when the
-    text holds no padding.
+    """The string one pad token decodes to in ``td``'s stored text, or ``None`` if none.
 
-    With ``tokenizer``, its decoding of the pad id in the padded ``tokens.full``. Without,
-    read off a sample whose text starts with pads before its prompt, else one whose text
-    ends with two or more pads, else the one set by :func:`decoded_padding`.
-
-    Raises:
-        ValueError: samples disagree on the pad string, or the text may hold padding that
-            cannot be told apart from real text without the tokenizer.
+    ``tokenizer`` decodes the pad id; without it, the pad string is read off the samples,
+    else taken from :func:`decoded_padding`. Raises ``ValueError`` when samples disagree or
+    the padding cannot be told apart from text without the tokenizer.
     """
     lead, trail = _pad_counts(td)
     if not any(lead) and not any(trail):
@@ -356,9 +291,7 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
         elif not before and after >= 2 and (period := _shortest_period(f, after)):
             found.add(period)
     if len(found) > 1:
-        raise ValueError(
-            f"the stored text holds different pad strings {sorted(found)}; pass tokenizer="
-        )
+        raise ValueError(f"the stored text holds different pad strings {sorted(found)}; pass tokenizer=")
     if found:
         return found.pop()
     if clean_rows:
@@ -366,12 +299,11 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
     if _PAD_TEXT.get() is not None:
         return _PAD_TEXT.get()
     raise ValueError(
-        "the text at ('text', 'full') was decoded by TorchRL from padded tokens "
-        "(input_mode='history', pad_output=True) and its pad string cannot be read off "
-        "these samples; pass the policy's tokenizer to what reads them "
-        "(TorchRLBufferDataset(tokenizer=), RewardFunctionWrapper(tokenizer=), "
-        "HFRewardModelWrapper(renderer=RewardRenderer(policy_tokenizer=)), "
-        "read_text(tokenizer=)) or read within torchrl_trl.layouts.decoded_padding(tokenizer)"
+        "the text at ('text', 'full') was decoded by TorchRL from padded tokens (input_mode='history', "
+        "pad_output=True) and its pad string cannot be read off these samples; pass the policy's tokenizer to what "
+        "reads them (TorchRLBufferDataset(tokenizer=), RewardFunctionWrapper(tokenizer=), HFRewardModelWrapper("
+        "renderer=RewardRenderer(policy_tokenizer=)), read_text(tokenizer=)) or read within "
+        "torchrl_trl.layouts.decoded_padding(tokenizer)"
     )
 
 
@@ -388,10 +320,8 @@ _PAD_TEXT: ContextVar[str | None] = ContextVar("torchrl_trl_pad_text", default=N
 
 @contextmanager
 def decoded_padding(tokenizer: Any = None, *, pad_text: str | None = None):
-    """Within this context, readers take ``pad_text`` (default: ``tokenizer``'s pad token
-    as it decodes) as the pad string of TorchRL's padded history-mode text wherever the
-    samples do not show it (e.g. equal-length prompts whose responses end with one pad).
-    They still strip it only where the mask says padding is."""
+    """Within this context, readers take ``pad_text`` (default: ``tokenizer``'s decoded pad
+    token) as the pad string of padded text wherever the samples do not show it."""
     if pad_text is None and tokenizer is not None:
         pad_text = _pad_string(tokenizer)
     token = _PAD_TEXT.set(pad_text)
@@ -408,19 +338,6 @@ def _pad_id(td: TensorDictBase) -> int:
     raise ValueError("no padded position in ('tokens', 'full')")
 
 
-def _strip_padding(td: TensorDictBase, full: list[str], tokenizer: Any) -> list[str] | None:
-    """``full`` with each sample's decoded padding removed, or ``None`` if it has none."""
-    pad = padding_text(td, tokenizer)
-    if not pad:
-        return None
-    return [_unpad(text, pad, n, m) for text, n, m in zip(full, *_pad_counts(td))]
-
-
-# ---------------------------------------------------------------------------
-# Chat
-# ---------------------------------------------------------------------------
-
-
 def _messages(conversation: Any) -> list[dict]:
     """The message dicts of one conversation, TorchRL's ``"<none>"`` padding dropped."""
     if hasattr(conversation, "tolist"):
@@ -431,45 +348,31 @@ def _messages(conversation: Any) -> list[dict]:
 
 
 def to_messages(history: Any) -> list[dict[str, str]]:
-    """A TorchRL ``History`` (one conversation) or list of message dicts -> plain
-    ``[{"role", "content"}, ...]``, TRL's conversational format (TorchRL's extra
-    ``is_complete``/tool fields and ``"<none>"`` padding messages dropped).
-
-    Raises:
-        TypeError: a message's role or content is not a string.
-    """
+    """A TorchRL ``History`` (one conversation) or list of message dicts -> TRL's
+    ``[{"role", "content"}, ...]`` (extra fields and ``"<none>"`` padding dropped).
+    Raises ``TypeError`` for a role or content that is not a string."""
     out = []
     for i, m in enumerate(_messages(history)):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-            raise TypeError(
-                f"chat message {i} has role {type(m['role']).__name__} and content "
-                f"{type(m['content']).__name__} ({m['content']!r:.40}); expected strings"
-            )
+            role, content = type(m["role"]).__name__, type(m["content"]).__name__
+            raise TypeError(f"chat message {i}: role {role}, content {content} ({m['content']!r:.40}), expected str")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
 
-def read_history(
-    td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None
-) -> list[list[dict[str, str]]]:
-    """The chat of each sample at ``("history", part)`` as plain role/content dicts.
-
-    Where TorchRL parsed the response out of padded text, pad strings trailing a message
-    are removed and a message of padding only is dropped (``tokenizer`` as in
-    :func:`read_text`).
-    """
+def read_history(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None) -> list[list[dict[str, str]]]:
+    """The chat of each sample at ``("history", part)`` as role/content dicts, pad strings
+    TorchRL left in an open turn removed (``tokenizer`` as in :func:`read_text`)."""
     key = history_key(part)
     _ragged.require(td, key, "read_history")
     check_strings_kept(td)  # chat content is no witness: two token rows can parse to one chat
     raw = []
     for sub in _ragged.leaves(td):
         history = sub.get(key)
-        # a History of batch [n_messages] gives one conversation; [k, n] gives k
         raw.extend(_ragged.flatten(history.tolist(), history.batch_dims - 1))
     out = [to_messages(c) for c in raw]
     if part != "prompt" and _padded_text_possible(td):
-        # a turn TorchRL closed at its end-of-turn marker holds nothing after it; one left
-        # open by an early EOS that is not that marker holds the pads that followed
+        # a turn left open (an EOS that is not the end-of-turn marker) holds the pads that followed
         _, trail = _pad_counts(td)
         open_rows = [i for i, (c, t) in enumerate(zip(raw, trail)) if t and not _complete(c)]
         pad = padding_text(td, tokenizer) if open_rows else None

@@ -1,7 +1,5 @@
-"""Model checkpoints given by path or hub id, checked before anything is loaded: a local
-directory written by ``save_pretrained`` with safetensors weights (pickle-only checkpoints
-are refused), or a hub id downloaded when online. Used by the CLI and the demo.
-"""
+"""Model checkpoints given by path or hub id (downloaded when online), checked to hold
+safetensors weights before anything is loaded. Used by the CLI and the demo."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from pathlib import Path
 
 __all__ = ["CLIError", "resolve_model_dir"]
 
-#: how a Hugging Face hub id looks (``name`` or ``org/name``)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -25,11 +22,8 @@ def _offline() -> bool:
 
 def resolve_model_dir(value: str | os.PathLike, what: str) -> Path:
     """A local checkpoint directory for ``value`` (a directory, or a hub id downloaded when
-    online), checked to hold safetensors weights: pickle-only checkpoints
-    (``pytorch_model.bin``) are refused before anything is loaded.
-
-    Raises :class:`CLIError` naming ``what`` (e.g. ``"--policy"``) and what was expected.
-    """
+    online) holding safetensors weights; pickle-only checkpoints are refused unloaded.
+    Raises :class:`CLIError` naming ``what`` (e.g. ``"--policy"``) and what was expected."""
     text = os.fspath(value)
     path = Path(text).expanduser()
     if not path.exists():
