@@ -1,29 +1,9 @@
-"""Save and restore a replay buffer (and the collector's policy version) with the
-trainer's checkpoints, without pickle.
-
-Layout of a saved buffer (``<output_dir>/checkpoint-<step>/torchrl_buffer/``)::
-
-    tensors.safetensors   every tensor leaf: the stored items, the sampler's and the
-                          writer's state (read with safetensors: data only, no code)
-    structure.json        everything else as JSON: the TensorDict / lazy-stack /
-                          tensorclass tree, batch sizes, non-tensor data (text, chat turns)
-    manifest.json         written last: format, ``len``, ``write_count``, ``extra`` and the
-                          size and SHA-256 of the two files above
-
-Loading reads no pickle: tensors come from safetensors, the rest from JSON, and the only
-classes rebuilt are TensorDict's own and an allow-list of TorchRL LLM tensorclasses
-(``History``, ``Tokens``, ``Masks``, ``Text``, ``ChatHistory``, ``LogProbs``; add yours
-with ``classes=``). Saving writes a temporary sibling directory and renames it into place
-only once complete, so an interrupted save leaves the previous checkpoint as it was; a
-directory whose files do not match its manifest (a mixed or partial state), or one written
-in the old pickle format (``items.pt`` / TorchRL ``dumps``), is refused with a
-:class:`BufferCheckpointError`.
-
-The dataset's position needs no file of its own: an epoch-mode ``TorchRLBufferDataset``
-reads a pass in the order fixed by ``(seed, epoch, len(buffer))``, the trainer restores the
-epoch and skips the batches it already trained on, so the same buffer contents give the
-same next samples.
-"""
+"""Save and restore a replay buffer (and the collector's policy version) with the trainer's
+checkpoints, without pickle: ``tensors.safetensors`` (every tensor leaf), ``structure.json`` (the
+rest: the TensorDict / tensorclass tree, non-tensor data) and ``manifest.json`` (written last: ``len``,
+``write_count``, ``extra``, size and SHA-256 of the other two). Only TensorDict's classes and an
+allow-list of TorchRL LLM tensorclasses are rebuilt. Saves are atomic (a temporary directory renamed
+into place); mixed, partial or old pickle-format directories are refused."""
 
 from __future__ import annotations
 
@@ -42,6 +22,7 @@ from transformers import TrainerCallback
 from .._compat import replay_lock
 from .._buffers import local_parts
 from ._tree_codec import TreeDecoder, TreeEncoder, allowed_classes
+from .staleness import collector_policy_version
 
 __all__ = ["BUFFER_DIR", "BufferCheckpointCallback", "BufferCheckpointError", "load_buffer", "save_buffer"]
 
@@ -56,8 +37,8 @@ _PICKLE_FILES = ("items.pt", "meta.json", "buffer")  # what the old, pickling fo
 
 
 class BufferCheckpointError(ValueError):
-    """A saved buffer that cannot be read safely or consistently (old pickle format,
-    files that do not match the manifest, an unknown class).
+    """A saved buffer that cannot be read safely or consistently (old pickle format, files that
+    do not match the manifest, an unknown class).
 
     >>> import tempfile
     >>> from pathlib import Path
@@ -72,11 +53,6 @@ class BufferCheckpointError(ValueError):
     """
 
 
-# ---------------------------------------------------------------------------
-# save / load
-# ---------------------------------------------------------------------------
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -86,8 +62,7 @@ def _sha256(path: Path) -> str:
 
 
 def _stored_items(storage, n: int):
-    """What the storage holds, in storage order: one TensorDict ``[n]`` (tensor storages)
-    or a list of ``n`` items (list storages)."""
+    """The storage's kind and items in order: a TensorDict ``[n]`` (tensor storages) or a list."""
     from torchrl.data.replay_buffers.storages import ListStorage, TensorStorage
 
     if isinstance(storage, TensorStorage):
@@ -98,25 +73,19 @@ def _stored_items(storage, n: int):
 
 
 def save_buffer(
-    replay_buffer,
-    path: str | os.PathLike,
-    *,
-    extra: dict[str, Any] | None = None,
-    classes: Iterable[type] = (),
+    replay_buffer, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, classes: Iterable[type] = ()
 ) -> Path:
-    """Write ``replay_buffer`` (its items, sampler and writer state) to the directory
-    ``path``, atomically: a complete new checkpoint replaces an old one, or the old one is
-    left untouched. ``extra`` (JSON data) is stored in the manifest; ``classes`` are more
-    tensorclasses the items may hold. Returns ``path``.
+    """Write ``replay_buffer`` (items, sampler and writer state) to the directory ``path``,
+    atomically (an old checkpoint there is replaced whole or left untouched). ``extra`` (JSON data)
+    goes in the manifest; ``classes`` are more tensorclasses the items may hold. Returns ``path``.
 
     Raises ``TypeError`` naming the key of a value that cannot be stored without pickle.
 
-    >>> import tempfile, torch
-    >>> from tensordict import TensorDict
+    >>> import tempfile
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
-    >>> _ = rb.extend([TensorDict({"reward": torch.tensor(float(i))}) for i in range(3)])
-    >>> path = save_buffer(rb, f"{tempfile.mkdtemp()}/torchrl_buffer", extra={"step": 7})
+    >>> _ = rb.extend(["a", "b"])
+    >>> path = save_buffer(rb, f"{tempfile.mkdtemp()}/torchrl_buffer")
     >>> sorted(p.name for p in path.iterdir())
     ['manifest.json', 'structure.json', 'tensors.safetensors']
     """
@@ -147,7 +116,9 @@ def save_buffer(
             "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in _DATA_FILES},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest))
-        _fsync_dir(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,15 +133,8 @@ def _write_files(directory: Path, tensors: dict[str, torch.Tensor], structure: d
     (directory / STRUCTURE).write_text(json.dumps(structure, allow_nan=False))
 
 
-def _fsync_dir(directory: Path) -> None:
-    for f in directory.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-
-
 def _replace_dir(new: Path, path: Path) -> None:
-    """Move the complete directory ``new`` to ``path``; an old ``path`` is moved aside
-    first and deleted only after the new one is in place."""
+    """Move ``new`` to ``path``; an old ``path`` is moved aside and deleted once ``new`` is in place."""
     if not path.exists():
         os.replace(new, path)
         return
@@ -185,17 +149,15 @@ def _replace_dir(new: Path, path: Path) -> None:
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of the buffer saved at ``path`` (``len``, ``write_count``, and the
-    ``extra`` entries at the top level), without checking the data files."""
+    """The manifest of the buffer at ``path`` (with ``extra`` at the top level), data files unchecked."""
     path = Path(path)
     manifest = path / MANIFEST
     if not manifest.is_file():
         old = [f for f in _PICKLE_FILES if (path / f).exists()]
         if old:
             raise BufferCheckpointError(
-                f"load_buffer: {str(path)!r} was written in the old torchrl_trl buffer format "
-                f"({', '.join(old)}), which is pickle and cannot be read safely; it is refused. Re-create "
-                "the checkpoint with this version's save_buffer (from a process that trusts the old files)."
+                f"load_buffer: {str(path)!r} was written in the old torchrl_trl buffer format ({', '.join(old)}), "
+                "which is pickle and cannot be read safely; re-create it with this version's save_buffer."
             )
         leftovers = sorted(p.name for p in path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
         hint = f"; an interrupted save left the previous checkpoint in {leftovers}" if leftovers else ""
@@ -227,22 +189,15 @@ def _verify(path: Path, meta: dict) -> None:
 
 
 def load_buffer(
-    replay_buffer,
-    path: str | os.PathLike,
-    *,
-    classes: Iterable[type] = (),
-    restore_state: bool = True,
+    replay_buffer, path: str | os.PathLike, *, classes: Iterable[type] = (), restore_state: bool = True
 ) -> dict[str, Any]:
-    """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (built with the same
-    storage/sampler/writer types and capacity), without unpickling anything. The stored
-    items are put back as they were, without running the buffer's write transforms again.
-    ``classes``: more tensorclasses to rebuild (beyond TorchRL's LLM ones).
-    ``restore_state=False`` restores the items only, not the sampler's and writer's state
-    (to inspect a buffer saved with a sampler you do not have at hand).
+    """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (same storage/sampler/writer
+    types and capacity), without unpickling and without running write transforms again.
+    ``classes``: more tensorclasses to rebuild. ``restore_state=False``: the items only, not the
+    sampler's and writer's state.
 
     Returns the manifest (``len``, ``write_count``, ``extra`` entries). Raises
-    :class:`BufferCheckpointError` for a checkpoint that cannot be read safely (old pickle
-    format, files that do not match the manifest, a class not allowed), naming the file.
+    :class:`BufferCheckpointError`, naming the file, for a checkpoint that cannot be read safely.
 
     >>> import tempfile, torch
     >>> from tensordict import TensorDict
@@ -295,10 +250,7 @@ def load_buffer(
         items = lazy_stack(items)
     with replay_lock(replay_buffer):  # nobody writes or samples a half-restored buffer
         replay_buffer.empty()
-        if n:
-            # the items were stored after the buffer's write transforms ran (reward scoring,
-            # MCAdvantage): the writer and sampler take them back as they are, without
-            # ReplayBuffer.extend running those transforms again
+        if n:  # stored after the write transforms ran: not through ReplayBuffer.extend
             sampler.extend(writer.extend(items))
         if restore_state:
             try:
@@ -308,7 +260,7 @@ def load_buffer(
                 replay_buffer.empty()
                 raise BufferCheckpointError(
                     f"load_buffer: the writer/sampler state in {str(path)!r} does not fit this buffer's "
-                    f"{type(writer).__name__}/{type(sampler).__name__}: {err!r}; build the buffer with the ones "
+                    f"{type(writer).__name__}/{type(sampler).__name__}: {err!r}; build it with the ones "
                     "it was saved with"
                 ) from err
     if len(replay_buffer) != n:
@@ -320,8 +272,7 @@ def load_buffer(
 
 
 class BufferCheckpointCallback(TrainerCallback):
-    """A ``TrainerCallback`` that saves the buffer into each trainer checkpoint and
-    restores it when training resumes.
+    """A ``TrainerCallback`` that saves the buffer into each trainer checkpoint and restores it on resume.
 
     Args:
         replay_buffer: the local ``ReplayBuffer`` the training dataset reads.
@@ -330,18 +281,15 @@ class BufferCheckpointCallback(TrainerCallback):
         collector: optional; its ``policy_version`` is saved and restored too.
         classes: more tensorclasses the stored items hold (see :func:`save_buffer`).
 
-    ``on_save`` writes ``<checkpoint>/torchrl_buffer`` (process zero only: one shared
-    buffer). ``on_train_begin`` of a resumed run (``global_step > 0``) loads
-    ``<output_dir>/checkpoint-<global_step>/torchrl_buffer`` unless the buffer already
-    holds it (same ``write_count``), e.g. because :func:`load_buffer` was called before
-    building the dataset, which needs a non-empty buffer.
+    ``on_save`` writes ``<checkpoint>/torchrl_buffer`` (process zero only). ``on_train_begin``
+    of a resumed run loads ``<output_dir>/checkpoint-<global_step>/torchrl_buffer`` unless the
+    buffer already holds it (same ``write_count``, e.g. :func:`load_buffer` called by hand).
 
-    >>> import tempfile, torch
+    >>> import tempfile
     >>> from types import SimpleNamespace
-    >>> from tensordict import TensorDict
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
-    >>> _ = rb.extend([TensorDict({"x": torch.tensor(i)}) for i in range(3)])
+    >>> _ = rb.extend(["a", "b", "c"])
     >>> cb = BufferCheckpointCallback(rb)
     >>> args = SimpleNamespace(output_dir=tempfile.mkdtemp())   # a Trainer passes its own
     >>> state = SimpleNamespace(global_step=5, is_world_process_zero=True)
@@ -349,8 +297,8 @@ class BufferCheckpointCallback(TrainerCallback):
     >>> fresh = ReplayBuffer(storage=ListStorage(8))
     >>> resumed = BufferCheckpointCallback(fresh)
     >>> _ = resumed.on_train_begin(args, state, None)          # resume_from_checkpoint=".../checkpoint-5"
-    >>> [int(td["x"]) for td in fresh[:]], resumed.restored_from.endswith("checkpoint-5/torchrl_buffer")
-    ([0, 1, 2], True)
+    >>> len(fresh), resumed.restored_from.endswith("checkpoint-5/torchrl_buffer")
+    (3, True)
     """
 
     def __init__(self, replay_buffer, *, collector=None, classes: Iterable[type] = ()) -> None:
@@ -366,9 +314,8 @@ class BufferCheckpointCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             extra = {"global_step": state.global_step}
-            version = getattr(self.collector, "policy_version", None)
-            if isinstance(version, int):
-                extra["policy_version"] = version
+            if collector_policy_version(self.collector) is not None:
+                extra["policy_version"] = collector_policy_version(self.collector)
             save_buffer(self.replay_buffer, self.checkpoint_dir(args, state), extra=extra, classes=self.classes)
         return control
 

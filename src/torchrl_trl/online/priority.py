@@ -1,16 +1,5 @@
-"""Priority feedback: per-sample priorities set from a value the trainer computes.
-
-The hook:
-
-1. the buffer samples by priority: ``ReplayBuffer(sampler=PrioritizedSampler(...))`` from
-   TorchRL, or :class:`TensorPrioritizedSampler` (same protocol, pure PyTorch, for when
-   TorchRL's C++ segment trees are unavailable);
-2. ``TorchRLBufferDataset(..., index_column="index")`` yields each row's storage index,
-   and the trainer keeps it (``remove_unused_columns=False``; pop it from ``inputs`` in
-   ``compute_loss`` before the model call);
-3. in ``compute_loss``, call :func:`update_priorities` with the indices and a per-sample
-   value (loss, ``|advantage|``), shape ``[B]``.
-"""
+"""Priority feedback: a prioritised buffer, ``TorchRLBufferDataset(index_column="index")`` and
+:func:`update_priorities` called in ``compute_loss`` with the indices and a per-sample value."""
 
 from __future__ import annotations
 
@@ -27,14 +16,12 @@ __all__ = ["TensorPrioritizedSampler", "update_priorities"]
 
 
 def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> None:
-    """Set the priority of the rows at ``indices`` (int ``[B]``) to ``|values| + eps``
-    (``[B]``, detached, moved to CPU). Works with local and Ray buffers whose sampler has
-    priorities (``PrioritizedSampler``, :class:`TensorPrioritizedSampler`).
+    """Set the priority of the rows at ``indices`` (int ``[B]``) to ``|values| + eps`` (``[B]``),
+    in local or Ray buffers whose sampler keeps priorities.
 
     Raises ``ValueError`` on mismatched lengths or non-finite values, ``TypeError`` for
-    indices that are not integers (a float index would be truncated) or when the buffer's
-    sampler keeps no priorities (TorchRL's default ``RandomSampler`` ignores them
-    silently), ``IndexError`` for an index outside ``[0, len(replay_buffer))``.
+    non-integer indices or a sampler without priorities, ``IndexError`` for an index outside
+    ``[0, len(replay_buffer))``.
 
     >>> import torch
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -57,7 +44,7 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
     if not torch.isfinite(val).all():
         raise ValueError(f"update_priorities: non-finite values at positions {(~torch.isfinite(val)).nonzero().flatten().tolist()}")
     sampler = local_sampler(replay_buffer)  # a Ray buffer's sampler lives in its actor
-    if sampler is not None and not _has_priorities(sampler):
+    if sampler is not None and type(sampler).update_priority is Sampler.update_priority:
         raise TypeError(
             f"update_priorities: the buffer's sampler {type(sampler).__name__} keeps no priorities; "
             "use torchrl.data.PrioritizedSampler or torchrl_trl.online.TensorPrioritizedSampler."
@@ -82,18 +69,10 @@ def _as_indices(indices, stored: int) -> torch.Tensor:
     return idx
 
 
-def _has_priorities(sampler) -> bool:
-    return type(sampler).update_priority is not Sampler.update_priority
-
-
 class TensorPrioritizedSampler(Sampler):
     """Proportional prioritised sampling, ``P(i) ∝ p_i ** alpha``, with importance weights
-    ``(N P(i)) ** -beta / max`` (Schaul et al.), in plain PyTorch (O(N) per sample).
-
-    Same protocol as TorchRL's ``PrioritizedSampler`` (``update_priority``, ``_weight`` in
-    the sample info, new rows get the current max priority); use it when
-    ``torchrl._torchrl`` (TorchRL's C++ segment trees) cannot load (some torch/torchrl
-    wheel pairs).
+    ``(N P(i)) ** -beta / max``, in plain PyTorch: TorchRL's ``PrioritizedSampler`` protocol for
+    when its C++ segment trees cannot load.
 
     Args:
         max_capacity: the storage's capacity.
