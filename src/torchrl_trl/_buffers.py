@@ -29,8 +29,6 @@ def local_sampler(replay_buffer):
 def local_parts(replay_buffer, what: str):
     """``(storage, sampler, writer)`` of a local buffer; ``TypeError`` naming ``what`` for a remote one."""
     if not is_local(replay_buffer):
-        raise TypeError(
-            f"{what}: {type(replay_buffer).__name__} keeps its storage elsewhere (e.g. a Ray actor); "
-            "save or load a local torchrl.data.ReplayBuffer"
-        )
+        raise TypeError(f"{what}: {type(replay_buffer).__name__} keeps its storage elsewhere (e.g. a Ray actor); "
+                        "save or load a local torchrl.data.ReplayBuffer")
     return replay_buffer.storage, replay_buffer.sampler, replay_buffer.writer

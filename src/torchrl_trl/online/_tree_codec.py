@@ -121,15 +121,11 @@ class TreeDecoder:
             raise self.error(f"load_buffer: malformed node at {_key_str(path)!r} in {self.where}") from None
         if kind == "tensor":
             if node.get("id") not in self.tensors:
-                raise self.error(
-                    f"load_buffer: {self.where} names tensor {node.get('id')!r} at {_key_str(path)!r}, "
-                    "which is not among the saved tensors"
-                )
+                raise self.error(f"load_buffer: {self.where} names tensor {node.get('id')!r} at {_key_str(path)!r}, "
+                                 "which is not among the saved tensors")
             return self.tensors[node["id"]]
-        if kind == "py":
-            return value
-        if kind == "float":
-            return float(value)
+        if kind in ("py", "float"):
+            return float(value) if kind == "float" else value
         if kind in ("list", "tuple"):
             out = [self(v, path + (i,)) for i, v in enumerate(value)]
             return out if kind == "list" else tuple(out)

@@ -1,9 +1,6 @@
-"""Save and restore a replay buffer (and the collector's policy version) with the trainer's
-checkpoints, without pickle: ``tensors.safetensors`` (every tensor leaf), ``structure.json`` (the
-rest: the TensorDict / tensorclass tree, non-tensor data) and ``manifest.json`` (written last: ``len``,
-``write_count``, ``extra``, size and SHA-256 of the other two). Only TensorDict's classes and an
-allow-list of TorchRL LLM tensorclasses are rebuilt. Saves are atomic (a temporary directory renamed
-into place); mixed, partial or old pickle-format directories are refused."""
+"""Save and restore a replay buffer with the trainer's checkpoints, atomically and without pickle:
+``tensors.safetensors`` (tensor leaves), ``structure.json`` (the rest) and ``manifest.json`` (written
+last: ``len``, ``write_count``, ``extra``, size and SHA-256 of the other two)."""
 
 from __future__ import annotations
 
@@ -75,11 +72,9 @@ def _stored_items(storage, n: int):
 def save_buffer(
     replay_buffer, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, classes: Iterable[type] = ()
 ) -> Path:
-    """Write ``replay_buffer`` (items, sampler and writer state) to the directory ``path``,
-    atomically (an old checkpoint there is replaced whole or left untouched). ``extra`` (JSON data)
-    goes in the manifest; ``classes`` are more tensorclasses the items may hold. Returns ``path``.
-
-    Raises ``TypeError`` naming the key of a value that cannot be stored without pickle.
+    """Write ``replay_buffer`` (items, sampler and writer state) to the directory ``path``, atomically.
+    ``extra`` (JSON data) goes in the manifest; ``classes`` are more tensorclasses the items may hold.
+    Returns ``path``; raises ``TypeError`` naming the key of a value that cannot be stored without pickle.
 
     >>> import tempfile
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -95,12 +90,9 @@ def save_buffer(
     with replay_lock(replay_buffer):  # writers wait: items, sampler and writer of one moment
         n = len(replay_buffer)
         items = _stored_items(storage, n)
-        structure = {
-            "storage": items["kind"],
-            "items": encode(items["data"], ("items",)),
-            "sampler": encode.python(sampler.state_dict(), ("sampler",)),
-            "writer": encode.python(writer.state_dict(), ("writer",)),
-        }
+        structure = {"storage": items["kind"], "items": encode(items["data"], ("items",)),
+                     "sampler": encode.python(sampler.state_dict(), ("sampler",)),
+                     "writer": encode.python(writer.state_dict(), ("writer",))}
         write_count = int(replay_buffer.write_count)
     extra = dict(extra or {})
     json.dumps(extra)  # refuse what JSON cannot hold before anything is written
@@ -167,10 +159,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     except ValueError as err:
         raise BufferCheckpointError(f"load_buffer: {str(manifest)!r} is not valid JSON: {err}") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise BufferCheckpointError(
-            f"load_buffer: {str(manifest)!r} is not a {FORMAT} version {VERSION} manifest "
-            f"(format={meta.get('format') if isinstance(meta, dict) else None!r})"
-        )
+        raise BufferCheckpointError(f"load_buffer: {str(manifest)!r} is not a {FORMAT} version {VERSION} manifest "
+                                    f"(format={meta.get('format') if isinstance(meta, dict) else None!r})")
     return {**meta.get("extra", {}), **meta}
 
 
@@ -191,13 +181,10 @@ def _verify(path: Path, meta: dict) -> None:
 def load_buffer(
     replay_buffer, path: str | os.PathLike, *, classes: Iterable[type] = (), restore_state: bool = True
 ) -> dict[str, Any]:
-    """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (same storage/sampler/writer
-    types and capacity), without unpickling and without running write transforms again.
-    ``classes``: more tensorclasses to rebuild. ``restore_state=False``: the items only, not the
-    sampler's and writer's state.
-
-    Returns the manifest (``len``, ``write_count``, ``extra`` entries). Raises
-    :class:`BufferCheckpointError`, naming the file, for a checkpoint that cannot be read safely.
+    """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (same storage/sampler/writer types
+    and capacity), without unpickling or running write transforms. ``classes``: more tensorclasses to
+    rebuild; ``restore_state=False``: the items only. Returns the manifest (``len``, ``write_count``,
+    ``extra`` entries); raises :class:`BufferCheckpointError` for a checkpoint not read safely.
 
     >>> import tempfile, torch
     >>> from tensordict import TensorDict
@@ -274,26 +261,18 @@ def load_buffer(
 class BufferCheckpointCallback(TrainerCallback):
     """A ``TrainerCallback`` that saves the buffer into each trainer checkpoint and restores it on resume.
 
-    Args:
-        replay_buffer: the local ``ReplayBuffer`` the training dataset reads.
-
-    Keyword Args:
-        collector: optional; its ``policy_version`` is saved and restored too.
-        classes: more tensorclasses the stored items hold (see :func:`save_buffer`).
-
-    ``on_save`` writes ``<checkpoint>/torchrl_buffer`` (process zero only). ``on_train_begin``
-    of a resumed run loads ``<output_dir>/checkpoint-<global_step>/torchrl_buffer`` unless the
-    buffer already holds it (same ``write_count``, e.g. :func:`load_buffer` called by hand).
+    ``replay_buffer``: the local buffer the dataset reads; ``collector``: its ``policy_version`` is saved
+    and restored too; ``classes``: see :func:`save_buffer`. ``on_save`` writes ``<checkpoint>/torchrl_buffer``
+    (process zero); a resumed run's ``on_train_begin`` loads it unless the buffer holds it already.
 
     >>> import tempfile
     >>> from types import SimpleNamespace
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
     >>> _ = rb.extend(["a", "b", "c"])
-    >>> cb = BufferCheckpointCallback(rb)
     >>> args = SimpleNamespace(output_dir=tempfile.mkdtemp())   # a Trainer passes its own
     >>> state = SimpleNamespace(global_step=5, is_world_process_zero=True)
-    >>> _ = cb.on_save(args, state, None)                      # the trainer saves checkpoint-5
+    >>> _ = BufferCheckpointCallback(rb).on_save(args, state, None)  # the trainer saves checkpoint-5
     >>> fresh = ReplayBuffer(storage=ListStorage(8))
     >>> resumed = BufferCheckpointCallback(fresh)
     >>> _ = resumed.on_train_begin(args, state, None)          # resume_from_checkpoint=".../checkpoint-5"
@@ -324,10 +303,8 @@ class BufferCheckpointCallback(TrainerCallback):
             return control
         path = self.checkpoint_dir(args, state)
         if not path.is_dir():
-            raise FileNotFoundError(
-                f"BufferCheckpointCallback: resuming at step {state.global_step} but {str(path)!r} "
-                "does not exist; the checkpoint was saved without this callback."
-            )
+            raise FileNotFoundError(f"BufferCheckpointCallback: resuming at step {state.global_step} but {str(path)!r} "
+                                    "does not exist; the checkpoint was saved without this callback.")
         meta = read_meta(path)
         if int(self.replay_buffer.write_count) != meta["write_count"] or len(self.replay_buffer) != meta["len"]:
             load_buffer(self.replay_buffer, path, classes=self.classes)

@@ -1,6 +1,5 @@
-"""Whole GRPO groups from a collector running ahead of the trainer, handed to ``GRPOTrainer``:
-what the asynchronous ``rollout_func`` s share (:class:`GroupRolloutFunc`; its subclasses differ
-in where the groups come from), with bounded staleness (:func:`take_fresh`) and reuse (:class:`GroupReplay`)."""
+"""Whole GRPO groups from a collector running ahead of the trainer, handed to ``GRPOTrainer``
+(:class:`GroupRolloutFunc`), with bounded staleness (:func:`take_fresh`) and reuse (:class:`GroupReplay`)."""
 
 from __future__ import annotations
 
@@ -62,10 +61,8 @@ def has_reward_spread(group: RolloutGroup) -> bool:
     """Whether the env's reward differs within ``group`` (else its GRPO advantages are all 0)."""
     rewards = group.batch.get(TORCHRL_REWARD_FIELD)
     if rewards is None:
-        raise KeyError(
-            f"drop_zero_std needs the env's reward ({TORCHRL_REWARD_FIELD!r}) in each group; the groups "
-            f"carry {sorted(group.batch)}: add a reward transform to the env"
-        )
+        raise KeyError(f"drop_zero_std needs the env's reward ({TORCHRL_REWARD_FIELD!r}) in each group; the groups "
+                       f"carry {sorted(group.batch)}: add a reward transform to the env")
     return max(rewards) > min(rewards)
 
 
@@ -94,20 +91,9 @@ def concat_groups(batches: Sequence[RolloutBatch]) -> RolloutBatch:
 class GroupReplay:
     """Whole GRPO groups kept for reuse, under the same staleness bound as fresh ones.
 
-    Every group trained on is :meth:`add`-ed; :meth:`draw` hands back up to ``n`` distinct
-    stored groups used at most ``reuse`` times so far and at most ``max_staleness`` versions old
-    (youngest first, then least used); groups past either bound are forgotten and counted. A
-    reused group keeps its behaviour log-probs (``"logprobs"``).
-
-    Args:
-        reuse: most extra uses of a group after the first (``0``: never reused).
-        max_staleness: largest accepted age; ``None``: no bound.
-        capacity: most groups kept; the oldest stored are evicted first (counted).
-
-    Attributes:
-        reused: groups handed out again by :meth:`draw` (each draw of a group counts).
-        expired_stale, expired_used, evicted: groups forgotten for their age, their use
-            count, or for room.
+    :meth:`add` stores the groups trained on; :meth:`draw` hands back the youngest (then least used)
+    within ``reuse`` extra uses and ``max_staleness`` versions; ``capacity`` bounds how many are kept.
+    Counters: ``reused`` (draws), ``expired_stale``, ``expired_used``, ``evicted`` (groups forgotten).
 
     >>> replay = GroupReplay(reuse=1, max_staleness=2)
     >>> replay.add([RolloutGroup(version=0, prompt="a", batch=None), RolloutGroup(version=1, prompt="b", batch=None)])
@@ -156,32 +142,22 @@ class GroupReplay:
 
 
 class GroupRolloutFunc:
-    """``GRPOTrainer(rollout_func=...)`` handing the trainer whole groups a collector generated
-    ahead of it. Subclasses say where groups come from (:meth:`next_groups`) and how weights
-    reach it.
+    """``GRPOTrainer(rollout_func=...)`` handing the trainer whole groups a collector generated ahead
+    of it; subclasses say where groups come from (:meth:`next_groups`) and how weights reach it.
 
-    Keyword Args:
-        max_staleness: largest accepted age of a group (consumer version - group version);
-            older ones are dropped and counted. ``None`` keeps all.
-        timeout: seconds to wait for enough fresh groups before raising
-            :class:`~torchrl_trl.online.CollectorError` (``None``: no limit).
-        push_weights: push the trainer model's weights to the collector when the trainer's
-            ``global_step`` changed (``False``: the caller keeps the collector up to date).
-        drop_zero_std: drop (and count, ``dropped_filtered_groups``) groups whose env reward
-            (``"torchrl_reward"``) is the same for every completion (all-zero advantages).
-        reuse: each group may be trained on up to ``1 + reuse`` times (``0``: fresh groups
-            only): a call takes the fresh groups ready now, fills up from :class:`GroupReplay`,
-            and waits for fresh groups only for what is still missing.
+    Args:
+        max_staleness: largest accepted age of a group (consumer version - group version); older
+            ones are dropped and counted. ``None`` keeps all.
+        timeout: seconds to wait for fresh groups before :class:`~torchrl_trl.online.CollectorError`.
+        push_weights: push the trainer's weights to the collector when ``global_step`` changed.
+        drop_zero_std: drop (and count) groups whose env reward (``"torchrl_reward"``) is the same
+            for every completion.
+        reuse: train on each group up to ``1 + reuse`` times (from :class:`GroupReplay`); fresh
+            groups are waited for only for what is still missing.
 
-    Returned rows carry, besides TRL's keys, ``"torchrl_prompt"`` (the prompt generated for:
-    reward functions must read it, not TRL's ``prompts``), ``"staleness"``, ``"reuse"`` (times
-    the group was trained on before) and the rollouts' forwarded fields (``"torchrl_reward"``,
-    dataset columns such as ``"answer"``).
-
-    Attributes:
-        consumed_staleness: the age of every group returned, in order.
-        consumed_reuse: for every group returned, how many times it was used before (0: fresh).
-        replay: the :class:`GroupReplay`.
+    Returned rows carry, besides TRL's keys, ``"torchrl_prompt"`` (reward functions must read it,
+    not TRL's ``prompts``), ``"staleness"``, ``"reuse"`` and the rollouts' forwarded fields.
+    ``consumed_staleness`` / ``consumed_reuse`` list the age / prior uses of every group returned.
     """
 
     #: completions per prompt, set by the subclass
@@ -209,12 +185,8 @@ class GroupRolloutFunc:
         self, n: int, *, version: int | None = None, wait: bool = True, keep: Callable | None = None
     ) -> list[RolloutGroup]:
         """``n`` fresh groups, oldest first, within ``max_staleness`` of ``version`` (default: the
-        collector's policy version) that ``keep`` accepts; waits up to ``timeout`` seconds
-        (``wait=False``: those ready now, maybe fewer).
-
-        Raises:
-            CollectorError: the collector died or stopped, or fewer than ``n`` came in time.
-        """
+        collector's) that ``keep`` accepts; waits up to ``timeout`` s (``wait=False``: those ready now).
+        Raises ``CollectorError`` when the collector died or fewer than ``n`` came in time."""
         raise NotImplementedError
 
     def start(self) -> None:

@@ -16,8 +16,7 @@ _STALENESS_WINDOW = 4096
 
 
 def insert_before_reporters(trainer, callback):
-    """Add ``callback`` to ``trainer`` after its flow callback, before the reporting integrations
-    (wandb, tensorboard), so they see what it adds to ``logs``. Returns it."""
+    """Add ``callback`` to ``trainer`` after its flow callback, before the reporting integrations. Returns it."""
     callbacks = trainer.callback_handler.callbacks
     callbacks.insert(min(1, len(callbacks)), callback)
     return callback
@@ -27,21 +26,16 @@ class CollectorMetricsCallback(TrainerCallback):
     """Adds the collector's metrics to every trainer log (``logs`` and ``state.log_history``).
 
     Args:
-        collection: the :class:`~torchrl_trl.online.callback.CollectorCallback` running the
-            collector; buffer, collector and staleness filter default to its own, and its
-            ``collect_seconds`` / ``weight_updates`` are logged. ``None``: pass ``replay_buffer=``.
-
-    Keyword Args:
+        collection: the :class:`~torchrl_trl.online.callback.CollectorCallback` running the collector
+            (the defaults below are its own); ``None``: pass ``replay_buffer=``.
         replay_buffer: the buffer to measure (default ``collection.replay_buffer``).
         collector: read for ``policy_version`` (default ``collection.collector``).
         staleness: a :class:`StalenessFilter` whose counters are logged (default ``collection.staleness``).
         log_buffer_staleness: log mean/max staleness of (up to 4096 of) the newest stored items.
         log_prefix: prefix of the collector metrics.
 
-    Logged: ``<prefix>buffer_size``, ``write_count``, ``frames_per_sec`` (items written per second
-    since the previous step's log), ``collect_seconds`` and ``weight_updates`` (with a
-    ``collection``), ``policy_version``; ``staleness/*`` (see :class:`StalenessFilter`),
-    ``staleness/buffer_mean`` and ``staleness/buffer_max``.
+    Logged: ``<prefix>buffer_size``, ``write_count``, ``frames_per_sec`` (since the previous step's
+    log), ``collect_seconds``, ``weight_updates``, ``policy_version``, and ``staleness/*``.
 
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
@@ -59,10 +53,8 @@ class CollectorMetricsCallback(TrainerCallback):
         log_buffer_staleness: bool = True, log_prefix: str = "collector/"
     ) -> None:
         if replay_buffer is None and collection is None:
-            raise ValueError(
-                "CollectorMetricsCallback needs the CollectorCallback it reports on, or replay_buffer= "
-                "(the buffer the collector writes)"
-            )
+            raise ValueError("CollectorMetricsCallback needs the CollectorCallback it reports on, or replay_buffer= "
+                             "(the buffer the collector writes)")
         self.collection = collection
         self.replay_buffer = replay_buffer if replay_buffer is not None else collection.replay_buffer
         self.collector = collector if collector is not None else getattr(collection, "collector", None)
@@ -95,11 +87,8 @@ class CollectorMetricsCallback(TrainerCallback):
         """The metrics for the log at global step ``step`` (a new ``step`` closes the throughput window)."""
         p = self.log_prefix
         wc = self._write_count()
-        out: dict[str, float] = {
-            f"{p}buffer_size": len(self.replay_buffer),
-            f"{p}write_count": wc,
-            f"{p}frames_per_sec": self._frames_per_sec(step, wc),
-        }
+        out: dict[str, float] = {f"{p}buffer_size": len(self.replay_buffer), f"{p}write_count": wc,
+                                 f"{p}frames_per_sec": self._frames_per_sec(step, wc)}
         if self.collection is not None:
             out[f"{p}collect_seconds"] = self.collection.collect_seconds
             out[f"{p}weight_updates"] = self.collection.weight_updates

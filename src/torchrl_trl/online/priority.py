@@ -16,12 +16,10 @@ __all__ = ["TensorPrioritizedSampler", "update_priorities"]
 
 
 def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> None:
-    """Set the priority of the rows at ``indices`` (int ``[B]``) to ``|values| + eps`` (``[B]``),
-    in local or Ray buffers whose sampler keeps priorities.
+    """Set the priority of the rows at ``indices`` (int ``[B]``) to ``|values| + eps`` (``[B]``).
 
-    Raises ``ValueError`` on mismatched lengths or non-finite values, ``TypeError`` for
-    non-integer indices or a sampler without priorities, ``IndexError`` for an index outside
-    ``[0, len(replay_buffer))``.
+    Raises ``ValueError`` on mismatched lengths or non-finite values, ``TypeError`` for non-integer
+    indices or a sampler without priorities, ``IndexError`` for an index outside the buffer.
 
     >>> import torch
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -37,7 +35,15 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
     ...
     TypeError: update_priorities: indices must be integer storage indices, got dtype torch.float32 ([0.0]...); pass the dataset's index column as given
     """
-    idx = _as_indices(indices, len(replay_buffer))
+    idx, stored = torch.as_tensor(indices).detach().to("cpu"), len(replay_buffer)
+    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+        raise TypeError(f"update_priorities: indices must be integer storage indices, got dtype {idx.dtype} "
+                        f"({idx.reshape(-1)[:4].tolist()}...); pass the dataset's index column as given")
+    idx = idx.long().reshape(-1)
+    bad = (idx < 0) | (idx >= stored)
+    if bad.any():
+        raise IndexError(f"update_priorities: indices {idx[bad][:8].tolist()} are outside the {stored} stored "
+                         f"items (valid: 0..{stored - 1})")
     val = torch.as_tensor(values).detach().to("cpu", torch.float64).reshape(-1)
     if idx.numel() != val.numel():
         raise ValueError(f"update_priorities: {idx.numel()} indices but {val.numel()} values")
@@ -45,28 +51,9 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
         raise ValueError(f"update_priorities: non-finite values at positions {(~torch.isfinite(val)).nonzero().flatten().tolist()}")
     sampler = local_sampler(replay_buffer)  # a Ray buffer's sampler lives in its actor
     if sampler is not None and type(sampler).update_priority is Sampler.update_priority:
-        raise TypeError(
-            f"update_priorities: the buffer's sampler {type(sampler).__name__} keeps no priorities; "
-            "use torchrl.data.PrioritizedSampler or torchrl_trl.online.TensorPrioritizedSampler."
-        )
+        raise TypeError(f"update_priorities: the buffer's sampler {type(sampler).__name__} keeps no priorities; "
+                        "use torchrl.data.PrioritizedSampler or torchrl_trl.online.TensorPrioritizedSampler.")
     replay_buffer.update_priority(idx, val.abs() + eps)
-
-
-def _as_indices(indices, stored: int) -> torch.Tensor:
-    idx = torch.as_tensor(indices).detach().to("cpu")
-    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
-        raise TypeError(
-            f"update_priorities: indices must be integer storage indices, got dtype {idx.dtype} "
-            f"({idx.reshape(-1)[:4].tolist()}...); pass the dataset's index column as given"
-        )
-    idx = idx.long().reshape(-1)
-    bad = (idx < 0) | (idx >= stored)
-    if bad.any():
-        raise IndexError(
-            f"update_priorities: indices {idx[bad][:8].tolist()} are outside the {stored} stored "
-            f"items (valid: 0..{stored - 1})"
-        )
-    return idx
 
 
 class TensorPrioritizedSampler(Sampler):
@@ -74,10 +61,7 @@ class TensorPrioritizedSampler(Sampler):
     ``(N P(i)) ** -beta / max``, in plain PyTorch: TorchRL's ``PrioritizedSampler`` protocol for
     when its C++ segment trees cannot load.
 
-    Args:
-        max_capacity: the storage's capacity.
-        alpha, beta: prioritisation and importance-sampling exponents.
-        eps: floor of a priority.
+    ``max_capacity``: the storage's; ``alpha``, ``beta``: the exponents; ``eps``: a priority's floor.
 
     >>> import torch
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -156,11 +140,9 @@ class TensorPrioritizedSampler(Sampler):
         except (SafetensorError, FileNotFoundError) as err:
             raise ValueError(f"TensorPrioritizedSampler.loads: cannot read {str(file)!r} as safetensors: {err}") from err
         if set(state) != {"priority", "max_priority"} or state["priority"].shape != self._priority.shape:
-            raise ValueError(
-                f"TensorPrioritizedSampler.loads: {str(file)!r} holds {sorted(state)} with priority shape "
-                f"{tuple(state['priority'].shape) if 'priority' in state else None}, expected "
-                f"{tuple(self._priority.shape)} (max_capacity={self._max_capacity})"
-            )
+            raise ValueError(f"TensorPrioritizedSampler.loads: {str(file)!r} holds {sorted(state)} with priority shape "
+                             f"{tuple(state['priority'].shape) if 'priority' in state else None}, expected "
+                             f"{tuple(self._priority.shape)} (max_capacity={self._max_capacity})")
         self.load_state_dict({"priority": state["priority"], "max_priority": float(state["max_priority"])})
 
     def __repr__(self):

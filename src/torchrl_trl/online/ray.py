@@ -42,22 +42,16 @@ def make_ray_replay_buffer(
     num_cpus: float = 0, ray_init_config: dict[str, Any] | None = None, name: str | None = None,
     namespace: str | None = None, **kwargs
 ):
-    """A ``torchrl.data.RayReplayBuffer`` (one Ray actor owns the storage).
+    """A ``torchrl.data.RayReplayBuffer`` (one Ray actor owns the storage; ``close()`` kills it).
 
     Args:
         capacity: the storage's size.
-
-    Keyword Args:
         storage: storage class/factory called with ``capacity`` (default ``LazyStackStorage``).
         sampler: a zero-argument factory of the sampler (built inside the actor).
         num_cpus: CPUs reserved for the buffer actor.
         ray_init_config: ``ray.init`` arguments when Ray is not initialised yet.
-        name, namespace: make it a named actor, which other processes attach to with
-            :func:`connect_ray_replay_buffer` (default namespace: the current job's).
+        name, namespace: make it a named actor, for :func:`connect_ray_replay_buffer`.
         **kwargs: other ``ReplayBuffer`` arguments (``batch_size``, ``writer`` factory...).
-
-    ``buffer.close()`` kills the actor and what it held (:func:`~torchrl_trl.online.save_buffer`
-    saves local buffers only). The example starts Ray (skipped here; ``tests/test_ray.py`` runs it):
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -85,12 +79,8 @@ def make_ray_collector(
     env_factory: Callable[[], Any], policy_factory: Callable[[], Any], replay_buffer, *, dialog_turns_per_batch: int,
     track_policy_version: bool = True, num_cpus: float = 1, num_gpus: float = 0, **kwargs
 ):
-    """A ``torchrl.collectors.llm.RayLLMCollector``: an ``LLMCollector`` in a Ray actor writing
-    into ``replay_buffer`` (a ``RayReplayBuffer``, handed to the actor as its ``client()``).
-
-    ``env_factory`` / ``policy_factory`` run inside the actor. Start it with ``.start()`` (or
-    let :class:`torchrl_trl.CollectorCallback` do it). The example starts Ray (skipped here;
-    ``tests/test_ray.py`` runs it):
+    """A ``torchrl.collectors.llm.RayLLMCollector``: an ``LLMCollector`` in a Ray actor (where
+    ``env_factory`` / ``policy_factory`` run) writing into the ``RayReplayBuffer`` ``replay_buffer``.
 
     >>> from torchrl_trl import CollectorCallback, testing
     >>> def env_factory():  # runs in the actor
@@ -125,19 +115,15 @@ def connect_ray_replay_buffer(
 
     Args:
         name: the actor's name.
-
-    Keyword Args:
         namespace: the actor's namespace (as given when it was made).
         address: the cluster to join when Ray is not initialised here (``"auto"``, ``"HOST:6379"``).
-        timeout: seconds to wait for the actor to appear, then ``LookupError`` listing the
-            named actors that exist (``None``: no limit).
+        timeout: seconds to wait for the actor, then ``LookupError`` (``None``: no limit).
         ray_init_config: other ``ray.init`` arguments.
 
     Returns:
         An ``AttachedRayReplayBuffer``: a ``torchrl.data.RayReplayBuffer`` whose reads, writes and
-        ``len`` go to the actor. Its ``close()`` detaches this process only (and leaves Ray if
-        this call started it). The example starts Ray (skipped here;
-        ``tests/test_ray_distributed.py`` runs it):
+        ``len`` go to the actor; its ``close()`` detaches this process only (and leaves Ray if
+        this call started it).
 
     >>> owner = make_ray_replay_buffer(64, name="rollouts", namespace="demo")  # doctest: +SKIP
     >>> view = connect_ray_replay_buffer("rollouts", namespace="demo")  # doctest: +SKIP
@@ -221,8 +207,7 @@ def _attached_class():
     return AttachedRayReplayBuffer
 
 
-def __getattr__(name: str):
-    # the class subclasses torchrl's RayReplayBuffer: built on first use, like the imports
+def __getattr__(name: str):  # the class subclasses torchrl's RayReplayBuffer: built on first use
     if name == "AttachedRayReplayBuffer":
         return _attached_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

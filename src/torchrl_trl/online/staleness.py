@@ -1,6 +1,4 @@
-"""Staleness: how many policy versions ago a stored rollout was generated (rows carry
-``"policy_version"`` when the collector runs with ``track_policy_version=True``), measured against
-the *consumer version* of the trainer's weights, which :class:`CollectorCallback` keeps in step."""
+"""Staleness: how many policy versions before the trainer's (consumer) version a row was generated."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ def collector_policy_version(collector) -> int | None:
 
 
 def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSION_KEYS) -> torch.Tensor:
-    """int64 ``[B]``: the policy version of each row (``B = batch.numel()``), from the first
-    of ``keys`` the batch has. Raises ``KeyError`` naming the keys tried and those present.
+    """int64 ``[B]``: each row's policy version, from the first of ``keys`` the batch has (else ``KeyError``).
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -45,10 +42,8 @@ def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSI
         if layouts.has_key(batch, key):
             values = layouts.read_column(batch, key)
             return torch.as_tensor([int(torch.as_tensor(v).reshape(-1)[0]) for v in values], dtype=torch.int64)
-    raise KeyError(
-        f"no policy version in the batch: tried {list(keys)}; available keys: "
-        f"{layouts.available_keys(batch)}. Run the collector with track_policy_version=True."
-    )
+    raise KeyError(f"no policy version in the batch: tried {list(keys)}; available keys: "
+                   f"{layouts.available_keys(batch)}. Run the collector with track_policy_version=True.")
 
 
 _COUNTS_LOCK = threading.Lock()  # module-level: a filter stays picklable for DataLoader workers
@@ -65,22 +60,17 @@ class StalenessFilter:
 
     Args:
         max_staleness: largest accepted ``consumer_version - row_version`` (``None``: keep all).
-
-    Keyword Args:
         version_keys: keys tried in order to read each row's version (see :data:`VERSION_KEYS`).
         weight_fn: ``staleness (int64 [B]) -> float [B]`` for :meth:`weight_column`.
         consumer_version: initial version of the trainer's weights (then set by :class:`CollectorCallback`).
 
-    Counters ``seen``, ``dropped``, ``max_seen`` and ``stats()`` live in shared memory, so
-    DataLoader workers' drops are counted too.
+    Counters ``seen``, ``dropped``, ``max_seen``, ``stats()`` are shared with DataLoader workers.
 
-    >>> import torch, warnings
+    >>> import torch
     >>> from tensordict import TensorDict
     >>> batch = TensorDict({"next": {"policy_version": torch.tensor([0, 3, 5, 5])}}, [4])
     >>> filt = StalenessFilter(max_staleness=2, consumer_version=5)
-    >>> with warnings.catch_warnings():
-    ...     warnings.simplefilter("ignore")  # "dropping rows older than ...", warned once
-    ...     filt(batch).tolist()
+    >>> filt(batch).tolist()  # warns once: "dropping rows older than ..."
     [False, True, True, True]
     >>> [round(w, 3) for w in filt.weight_column(batch)]  # 1 / (1 + staleness), to down-weight instead
     [0.167, 0.333, 1.0, 1.0]
@@ -109,17 +99,9 @@ class StalenessFilter:
     def consumer_version(self, value: int) -> None:
         self._version[0] = int(value)
 
-    @property
-    def seen(self) -> int:
-        return int(self._counts[0])
-
-    @property
-    def dropped(self) -> int:
-        return int(self._counts[1])
-
-    @property
-    def max_seen(self) -> int:
-        return int(self._counts[3])
+    seen = property(lambda self: int(self._counts[0]), doc="Rows read.")
+    dropped = property(lambda self: int(self._counts[1]), doc="Rows dropped.")
+    max_seen = property(lambda self: int(self._counts[3]), doc="The largest staleness read.")
 
     def staleness(self, batch: TensorDictBase) -> torch.Tensor:
         """int64 ``[B]``: ``consumer_version - version`` of each row (clamped at 0)."""
