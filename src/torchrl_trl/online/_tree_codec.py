@@ -20,7 +20,8 @@ def allowed_classes(extra: Iterable[type] = ()) -> dict[str, type]:
     from torchrl.data.llm import History
     from torchrl.modules.llm.policies import ChatHistory, LogProbs, Masks, Text, Tokens
 
-    return {_qualname(c): c for c in (NonTensorData, MetaData, History, Tokens, Masks, Text, ChatHistory, LogProbs, *extra)}
+    classes = (NonTensorData, MetaData, History, Tokens, Masks, Text, ChatHistory, LogProbs, *extra)
+    return {_qualname(c): c for c in classes}
 
 
 def _key_str(path: tuple) -> str:

@@ -57,8 +57,7 @@ def wait_for_items(
     >>> import threading
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
-    >>> writer = threading.Timer(0.1, rb.extend, [["a", "b", "c", "d"]])  # a producer thread
-    >>> writer.start()
+    >>> threading.Timer(0.1, rb.extend, [["a", "b", "c", "d"]]).start()  # a producer thread
     >>> wait_for_items(rb, 4, timeout=10)
     4
     >>> wait_for_items(rb, 5, timeout=0.2)  # doctest: +ELLIPSIS
@@ -98,7 +97,8 @@ class CollectorCallback(TrainerCallback):
         wait_timeout: seconds to wait for data, and the longest one synchronous collector batch may
             take (it runs in a helper thread); ``None``: no limit.
         update_weights_every: push the trainer's weights (``collector.update_policy_weights_``, which
-            bumps the policy version) every this many optimizer steps (``0``: never).
+            bumps the policy version) every this many optimizer steps (``0``: never); a policy that
+            *is* the trainer's model only gets its version bumped.
         weights_fn: ``fn(model) -> weights`` for ``update_policy_weights_``.
         staleness: a :class:`StalenessFilter` whose ``consumer_version`` follows the policy version.
         shutdown_on_end: shut a local collector down in :meth:`close`.
@@ -227,8 +227,8 @@ class CollectorCallback(TrainerCallback):
                         )
         except Exception as err:
             raise CollectorError(
-                f"the collector raised while collecting {frames} items "
-                f"({self._write_count() - start_wc} written; the {len(self.replay_buffer)} stored items are kept): {err!r}"
+                f"the collector raised while collecting {frames} items ({self._write_count() - start_wc} written; "
+                f"the {len(self.replay_buffer)} stored items are kept): {err!r}"
             ) from err
         finally:
             if was_training:

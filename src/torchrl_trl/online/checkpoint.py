@@ -37,10 +37,9 @@ class BufferCheckpointError(ValueError):
     """A saved buffer that cannot be read safely or consistently (old pickle format, files that
     do not match the manifest, an unknown class).
 
-    >>> import tempfile
-    >>> from pathlib import Path
+    >>> import pathlib, tempfile
     >>> from torchrl.data import ListStorage, ReplayBuffer
-    >>> old = Path(tempfile.mkdtemp()) / "torchrl_buffer"
+    >>> old = pathlib.Path(tempfile.mkdtemp()) / "torchrl_buffer"
     >>> old.mkdir(); (old / "items.pt").write_bytes(b"pickle")  # the old, pickling format
     6
     >>> load_buffer(ReplayBuffer(storage=ListStorage(4)), old)  # doctest: +ELLIPSIS
@@ -170,7 +169,8 @@ def _verify(path: Path, meta: dict) -> None:
         f = path / name
         expected = files.get(name)
         if expected is None or not f.is_file():
-            raise BufferCheckpointError(f"load_buffer: {str(f)!r} is missing or not in {MANIFEST}; refusing a partial checkpoint")
+            raise BufferCheckpointError(f"load_buffer: {str(f)!r} is missing or not in {MANIFEST}; "
+                                        "refusing a partial checkpoint")
         if f.stat().st_size != expected["size"] or _sha256(f) != expected["sha256"]:
             raise BufferCheckpointError(
                 f"load_buffer: {str(f)!r} does not match {MANIFEST} (size or SHA-256 differ): the directory "
@@ -230,7 +230,8 @@ def load_buffer(
     elif isinstance(items, (torch.Tensor, TensorDictBase)) and len(items.shape):
         count = items.shape[0]
     else:
-        raise BufferCheckpointError(f"load_buffer: {str(path / STRUCTURE)!r} holds no item list or batch ({type(items).__name__})")
+        raise BufferCheckpointError(f"load_buffer: {str(path / STRUCTURE)!r} holds no item list or batch "
+                                    f"({type(items).__name__})")
     if count != n:
         raise BufferCheckpointError(f"load_buffer: {str(path)!r} holds {count} items, its manifest says {n}")
     if isinstance(items, list) and n and all(isinstance(i, TensorDictBase) for i in items):

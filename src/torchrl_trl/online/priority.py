@@ -30,10 +30,10 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
     >>> update_priorities(rb, torch.tensor([1, 3]), per_sample_loss, eps=0.0)
     >>> sampler.priorities(4).tolist()                # new rows start at the max priority, 1
     [1.0, 0.5, 1.0, 2.0]
-    >>> update_priorities(rb, [0.0], [1.0])
+    >>> update_priorities(rb, [0.0], [1.0])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    TypeError: update_priorities: indices must be integer storage indices, got dtype torch.float32 ([0.0]...); pass the dataset's index column as given
+    TypeError: update_priorities: indices must be integer storage indices, got dtype torch.float32 ...
     """
     idx, stored = torch.as_tensor(indices).detach().to("cpu"), len(replay_buffer)
     if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
@@ -48,7 +48,8 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
     if idx.numel() != val.numel():
         raise ValueError(f"update_priorities: {idx.numel()} indices but {val.numel()} values")
     if not torch.isfinite(val).all():
-        raise ValueError(f"update_priorities: non-finite values at positions {(~torch.isfinite(val)).nonzero().flatten().tolist()}")
+        raise ValueError(f"update_priorities: non-finite values at positions "
+                         f"{(~torch.isfinite(val)).nonzero().flatten().tolist()}")
     sampler = local_sampler(replay_buffer)  # a Ray buffer's sampler lives in its actor
     if sampler is not None and type(sampler).update_priority is Sampler.update_priority:
         raise TypeError(f"update_priorities: the buffer's sampler {type(sampler).__name__} keeps no priorities; "
@@ -138,7 +139,8 @@ class TensorPrioritizedSampler(Sampler):
         try:
             state = load_file(str(file))
         except (SafetensorError, FileNotFoundError) as err:
-            raise ValueError(f"TensorPrioritizedSampler.loads: cannot read {str(file)!r} as safetensors: {err}") from err
+            raise ValueError(f"TensorPrioritizedSampler.loads: cannot read {str(file)!r} as safetensors: "
+                             f"{err}") from err
         if set(state) != {"priority", "max_priority"} or state["priority"].shape != self._priority.shape:
             raise ValueError(f"TensorPrioritizedSampler.loads: {str(file)!r} holds {sorted(state)} with priority shape "
                              f"{tuple(state['priority'].shape) if 'priority' in state else None}, expected "

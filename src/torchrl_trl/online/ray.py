@@ -82,7 +82,7 @@ def make_ray_collector(
     """A ``torchrl.collectors.llm.RayLLMCollector``: an ``LLMCollector`` in a Ray actor (where
     ``env_factory`` / ``policy_factory`` run) writing into the ``RayReplayBuffer`` ``replay_buffer``.
 
-    >>> from torchrl_trl import CollectorCallback, testing
+    >>> from torchrl_trl import testing
     >>> def env_factory():  # runs in the actor
     ...     return testing.make_chat_env([{"query": "1+1?", "answer": "2"}], batch_size=1)
     >>> def policy_factory():
@@ -90,9 +90,7 @@ def make_ray_collector(
     ...     return testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=4)
     >>> rb = make_ray_replay_buffer(256)  # doctest: +SKIP
     >>> collector = make_ray_collector(env_factory, policy_factory, rb, dialog_turns_per_batch=4)  # doctest: +SKIP
-    >>> cb = CollectorCallback(collector, replay_buffer=rb, min_buffer_size=4)  # doctest: +SKIP
-    >>> cb.remote  # doctest: +SKIP
-    True
+    >>> collector.start()  # doctest: +SKIP
     """
     _require_ray()
     dialog_turns_per_batch = positive_int(dialog_turns_per_batch, "dialog_turns_per_batch")
