@@ -1,13 +1,11 @@
-"""Telling a local replay buffer (its storage, sampler and writer in this process) from a
-remote one (a ``RayReplayBuffer`` or its client: the parts live in an actor), through
-TorchRL's public ``ReplayBuffer`` properties."""
+"""A local replay buffer (storage, sampler and writer in this process) told from a remote one
+(a ``RayReplayBuffer`` or its client), through TorchRL's public ``ReplayBuffer`` properties."""
 
 from __future__ import annotations
 
 
 def is_local(replay_buffer) -> bool:
-    """Whether ``replay_buffer`` is a ``torchrl.data.ReplayBuffer`` whose storage, sampler
-    and writer live in this process (``service_backend == "direct"``).
+    """Whether ``replay_buffer`` is a ``torchrl.data.ReplayBuffer`` with ``service_backend == "direct"``.
 
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> is_local(ReplayBuffer(storage=ListStorage(4))), is_local(object())
@@ -29,11 +27,8 @@ def local_sampler(replay_buffer):
 
 
 def local_parts(replay_buffer, what: str):
-    """``(storage, sampler, writer)`` of a local buffer; ``TypeError`` naming ``what`` (the
-    caller) for a buffer whose parts live elsewhere."""
+    """``(storage, sampler, writer)`` of a local buffer; ``TypeError`` naming ``what`` for a remote one."""
     if not is_local(replay_buffer):
-        raise TypeError(
-            f"{what}: {type(replay_buffer).__name__} keeps its storage elsewhere (e.g. a Ray actor); "
-            "save or load a local torchrl.data.ReplayBuffer"
-        )
+        raise TypeError(f"{what}: {type(replay_buffer).__name__} keeps its storage elsewhere (e.g. a Ray actor); "
+                        "save or load a local torchrl.data.ReplayBuffer")
     return replay_buffer.storage, replay_buffer.sampler, replay_buffer.writer

@@ -1,7 +1,5 @@
-"""A tree of TensorDicts, lazy stacks, allowed tensorclasses and JSON data as JSON nodes
-plus a flat dict of tensors, and back, with no pickle: what a buffer checkpoint stores
-(:mod:`torchrl_trl.online.checkpoint` writes the tensors with safetensors, the nodes as JSON).
-"""
+"""A tree of TensorDicts, lazy stacks, allowed tensorclasses and JSON data as JSON nodes plus a
+flat dict of tensors, and back, with no pickle: what :mod:`torchrl_trl.online.checkpoint` stores."""
 
 from __future__ import annotations
 
@@ -22,7 +20,8 @@ def allowed_classes(extra: Iterable[type] = ()) -> dict[str, type]:
     from torchrl.data.llm import History
     from torchrl.modules.llm.policies import ChatHistory, LogProbs, Masks, Text, Tokens
 
-    return {_qualname(c): c for c in (NonTensorData, MetaData, History, Tokens, Masks, Text, ChatHistory, LogProbs, *extra)}
+    classes = (NonTensorData, MetaData, History, Tokens, Masks, Text, ChatHistory, LogProbs, *extra)
+    return {_qualname(c): c for c in classes}
 
 
 def _key_str(path: tuple) -> str:
@@ -40,21 +39,15 @@ class TreeEncoder:
         name = _qualname(type(obj))
         if name not in self.allowed:
             raise TypeError(
-                f"save_buffer: the item at {_key_str(path)!r} is a {name}, which is not one of the "
-                f"classes a checkpoint may hold ({sorted(self.allowed)}); pass classes=[{type(obj).__name__}] "
-                "to save_buffer and load_buffer"
+                f"save_buffer: the item at {_key_str(path)!r} is a {name}, which is not one of the classes a "
+                f"checkpoint may hold ({sorted(self.allowed)}); pass classes=[{type(obj).__name__}] to save_buffer "
+                "and load_buffer"
             )
         return name
 
     def __call__(self, x: Any, path: tuple = ()) -> dict:
-        from tensordict import (
-            LazyStackedTensorDict,
-            NonTensorData,
-            NonTensorStack,
-            TensorDict,
-            TensorDictBase,
-            is_tensorclass,
-        )
+        from tensordict import (LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase,
+                                is_tensorclass)
 
         if isinstance(x, torch.Tensor):
             name = f"t{len(self.tensors)}"
@@ -63,14 +56,11 @@ class TreeEncoder:
         if isinstance(x, NonTensorData):
             return {"T": "nontensor", "cls": self._class(x, path), "batch": list(x.batch_size),
                     "device": _device(x.device), "v": self.python(x.data, path)}
-        if isinstance(x, NonTensorStack):
-            return {"T": "nontensor_stack", "dim": x.stack_dim,
-                    "v": [self(t, path + (i,)) for i, t in enumerate(x.tensordicts)]}
         if is_tensorclass(x):
             return {"T": "tensorclass", "cls": self._class(x, path), "td": self(x._tensordict, path),
                     "non_td": self.python(dict(getattr(x, "_non_tensordict", {}) or {}), path)}
-        if isinstance(x, LazyStackedTensorDict):
-            return {"T": "lazy_stack", "dim": x.stack_dim,
+        if isinstance(x, LazyStackedTensorDict):  # NonTensorStack included
+            return {"T": "nontensor_stack" if isinstance(x, NonTensorStack) else "lazy_stack", "dim": x.stack_dim,
                     "v": [self(t, path + (i,)) for i, t in enumerate(x.tensordicts)]}
         if isinstance(x, TensorDictBase):
             if not isinstance(x, TensorDict):  # sub-tensordicts, persistent ones...
@@ -80,6 +70,9 @@ class TreeEncoder:
         return self.python(x, path)
 
     def python(self, x: Any, path: tuple) -> dict:
+        """``x`` as a JSON node: JSON data, or what :meth:`__call__` encodes."""
+        from tensordict import is_tensor_collection
+
         if x is None or isinstance(x, (bool, int, str)):
             return {"T": "py", "v": x}
         if isinstance(x, float):
@@ -91,19 +84,12 @@ class TreeEncoder:
             if bad:
                 raise TypeError(f"save_buffer: the dict at {_key_str(path)!r} has non-string keys {bad[:3]}")
             return {"T": "dict", "v": {k: self(v, path + (k,)) for k, v in x.items()}}
-        if isinstance(x, torch.Tensor) or _is_collection(x):
+        if isinstance(x, torch.Tensor) or is_tensor_collection(x):
             return self(x, path)
         raise TypeError(
-            f"save_buffer: the value at {_key_str(path)!r} is a {type(x).__name__}; a checkpoint holds "
-            "tensors, TensorDicts, allowed tensorclasses and JSON data (str, int, float, bool, None, "
-            "lists and dicts of them)"
+            f"save_buffer: the value at {_key_str(path)!r} is a {type(x).__name__}; a checkpoint holds tensors, "
+            "TensorDicts, allowed tensorclasses and JSON data (str, int, float, bool, None, lists and dicts of them)"
         )
-
-
-def _is_collection(x: Any) -> bool:
-    from tensordict import is_tensor_collection
-
-    return is_tensor_collection(x)
 
 
 def _device(device) -> str | None:
@@ -136,15 +122,11 @@ class TreeDecoder:
             raise self.error(f"load_buffer: malformed node at {_key_str(path)!r} in {self.where}") from None
         if kind == "tensor":
             if node.get("id") not in self.tensors:
-                raise self.error(
-                    f"load_buffer: {self.where} names tensor {node.get('id')!r} at {_key_str(path)!r}, "
-                    "which is not among the saved tensors"
-                )
+                raise self.error(f"load_buffer: {self.where} names tensor {node.get('id')!r} at {_key_str(path)!r}, "
+                                 "which is not among the saved tensors")
             return self.tensors[node["id"]]
-        if kind == "py":
-            return value
-        if kind == "float":
-            return float(value)
+        if kind in ("py", "float"):
+            return float(value) if kind == "float" else value
         if kind in ("list", "tuple"):
             out = [self(v, path + (i,)) for i, v in enumerate(value)]
             return out if kind == "list" else tuple(out)
@@ -153,10 +135,9 @@ class TreeDecoder:
         if kind == "nontensor":
             cls = self._class(node["cls"], path)
             return cls(data=self(value, path), batch_size=node["batch"], device=node["device"])
-        if kind == "nontensor_stack":
-            return NonTensorStack(*[self(v, path + (i,)) for i, v in enumerate(value)], stack_dim=node["dim"])
-        if kind == "lazy_stack":
-            return LazyStackedTensorDict(*[self(v, path + (i,)) for i, v in enumerate(value)], stack_dim=node["dim"])
+        if kind in ("nontensor_stack", "lazy_stack"):
+            cls = NonTensorStack if kind == "nontensor_stack" else LazyStackedTensorDict
+            return cls(*[self(v, path + (i,)) for i, v in enumerate(value)], stack_dim=node["dim"])
         if kind == "tensordict":
             return TensorDict({k: self(v, path + (k,)) for k, v in value.items()}, batch_size=node["batch"],
                               device=node["device"])

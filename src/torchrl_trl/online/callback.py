@@ -1,7 +1,4 @@
-"""``CollectorCallback``: run a TorchRL collector alongside a Hugging Face / TRL trainer
-(collect, push weights, wait for data, surface collector errors). It logs nothing: the
-collector's metrics are :class:`~torchrl_trl.online.metrics.CollectorMetricsCallback`'s job,
-a second callback beside it."""
+"""``CollectorCallback``: run a TorchRL collector beside a Hugging Face / TRL trainer."""
 
 from __future__ import annotations
 
@@ -43,33 +40,24 @@ class CollectorError(RuntimeError):
     ...     raise ConnectionError("generation server down")
     ...     yield
     >>> cb = CollectorCallback(broken_collector(), replay_buffer=ReplayBuffer(storage=ListStorage(4)))
-    >>> try:
-    ...     cb.collect(1)
-    ... except CollectorError as err:
-    ...     print(type(err.__cause__).__name__, "-", err)
-    ConnectionError - the collector raised while collecting 1 items (0 written; the 0 stored items are kept): ConnectionError('generation server down')
+    >>> cb.collect(1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    torchrl_trl.online.callback.CollectorError: the collector raised ... ConnectionError('generation server down')
     """
 
 
 def wait_for_items(
-    replay_buffer,
-    min_items: int,
-    *,
-    timeout: float | None,
-    check: Callable[[], None] | None = None,
-    poll: float = 0.05,
+    replay_buffer, min_items: int, *, timeout: float | None, check: Callable[[], None] | None = None,
+    poll: float = 0.05
 ) -> int:
-    """Block until ``len(replay_buffer) >= min_items``; return the length.
-
-    ``check()`` runs at every poll and should raise if the producer is dead (so a dead
-    collector fails fast instead of running out the clock). Raises ``TimeoutError`` after
-    ``timeout`` seconds (``None``: wait as long as it takes), naming how many items arrived.
+    """Block until ``len(replay_buffer) >= min_items``; return the length. ``check()`` runs at every
+    poll (it raises if the producer died); ``TimeoutError`` after ``timeout`` seconds (``None``: no limit).
 
     >>> import threading
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
-    >>> writer = threading.Timer(0.1, rb.extend, [["a", "b", "c", "d"]])  # a producer thread
-    >>> writer.start()
+    >>> threading.Timer(0.1, rb.extend, [["a", "b", "c", "d"]]).start()  # a producer thread
     >>> wait_for_items(rb, 4, timeout=10)
     4
     >>> wait_for_items(rb, 5, timeout=0.2)  # doctest: +ELLIPSIS
@@ -86,9 +74,8 @@ def wait_for_items(
         waited = time.monotonic() - start
         if timeout is not None and waited >= timeout:
             raise TimeoutError(
-                f"the replay buffer holds {n} items after waiting {waited:.1f}s "
-                f"(timeout={timeout}s) for at least {min_items}; the collector is not producing "
-                "data fast enough (or at all)."
+                f"the replay buffer holds {n} items after waiting {waited:.1f}s (timeout={timeout}s) for at "
+                f"least {min_items}; the collector is not producing data fast enough (or at all)."
             )
         time.sleep(poll)
         n = len(replay_buffer)
@@ -96,58 +83,28 @@ def wait_for_items(
 
 
 class CollectorCallback(TrainerCallback):
-    """Run a TorchRL collector that fills the buffer a ``TorchRLBufferDataset`` reads,
-    alongside a ``transformers.Trainer`` / TRL trainer: collect between optimizer steps or
-    in the background, push the trainer's weights, wait for a minimum of data, and raise
-    the collector's errors in the trainer as :class:`CollectorError`.
+    """Run a TorchRL collector that fills the buffer a ``TorchRLBufferDataset`` reads, beside a
+    ``transformers.Trainer``: collect between optimizer steps or in the background, push the
+    trainer's weights, wait for data, and raise the collector's errors as :class:`CollectorError`.
 
     Args:
-        collector: an ``LLMCollector`` (or any TorchRL collector) writing into
-            ``replay_buffer``; or a ``RayLLMCollector`` (recognised by type: it runs
-            remotely and is started with ``start()``).
-
-    Keyword Args:
+        collector: an ``LLMCollector`` (any TorchRL collector) or a ``RayLLMCollector`` (runs remotely).
         replay_buffer: the buffer (default ``collector.replay_buffer``).
-        frames_per_step: dialog turns (items) to collect per collection (default: one
-            collector batch, ``collector.frames_per_batch``).
-        collect_every: collect after every ``collect_every`` optimizer steps (synchronous
-            mode).
-        background: collect continuously in a background thread (local collectors; a
-            ``RayLLMCollector`` always runs remotely). An exception in that thread is
-            re-raised in the trainer as :class:`CollectorError` at the next step.
-        min_buffer_size: ``on_train_begin`` collects (sync) or waits (background / remote,
-            up to ``wait_timeout`` s) until the buffer holds this many items (``0``: no wait).
-        wait_timeout: seconds to wait for data before a ``TimeoutError`` (background /
-            remote), and the longest one collector batch may take in a synchronous
-            :meth:`collect` before it raises :class:`CollectorError` (the batch runs in a
-            helper thread, so a collector that blocks forever cannot hang the trainer).
-            ``None``: no limit (sync batches then run in the calling thread).
-        update_weights_every: push the trainer's weights to the collector's policy every
-            this many optimizer steps (``0``: never). Through
-            ``collector.update_policy_weights_`` (TorchRL's weight-update path: the local
-            fallback copy, a configured ``weight_updater`` such as ``vLLMUpdater``, or Ray),
-            which also bumps the ``PolicyVersion`` of ``track_policy_version=True``
-            collectors. When the policy *is* the trainer's model (same module object), there
-            is nothing to copy: only the version is bumped.
-        weights_fn: ``fn(model) -> weights`` given to ``update_policy_weights_`` (default: the
-            model's ``TensorDict.from_module`` weights, nested under ``"model"`` when the
-            collector's policy wraps the model as ``policy.model`` like
-            ``TransformersWrapper``).
-        staleness: a :class:`StalenessFilter` (the dataset's ``sample_filter``) whose
-            ``consumer_version`` follows the collector's policy version. A buffer sampler
-            with a ``consumer_version`` (TorchRL's ``StalenessAwareSampler``) is kept in
-            step too.
+        frames_per_step: items per collection (default ``collector.frames_per_batch``).
+        collect_every: collect every this many optimizer steps (synchronous mode).
+        background: collect continuously in a background thread (local collectors).
+        min_buffer_size: ``on_train_begin`` collects or waits until the buffer holds this many items.
+        wait_timeout: seconds to wait for data, and the longest one synchronous collector batch may
+            take (it runs in a helper thread); ``None``: no limit.
+        update_weights_every: push the trainer's weights (``collector.update_policy_weights_``, which
+            bumps the policy version) every this many optimizer steps (``0``: never); a policy that
+            *is* the trainer's model only gets its version bumped.
+        weights_fn: ``fn(model) -> weights`` for ``update_policy_weights_``.
+        staleness: a :class:`StalenessFilter` whose ``consumer_version`` follows the policy version.
         shutdown_on_end: shut a local collector down in :meth:`close`.
 
-    The collector's numbers (buffer size, throughput, policy version, staleness) are logged
-    by a second callback, ``CollectorMetricsCallback(cb)``, added beside this one as any
-    TRL callback is; its :meth:`~CollectorMetricsCallback.attach` places it before the
-    reporting integrations (wandb, tensorboard) so they see them. ``log_metrics=``,
-    ``log_buffer_staleness=`` and ``log_prefix=`` (this callback built and fed one) still
-    work for one release, with a ``DeprecationWarning``.
-
-    Use as a context manager (or call :meth:`close`) so a failed ``train()`` still stops
-    the background collection.
+    Metrics are logged by ``CollectorMetricsCallback(cb)`` (``log_metrics=``, ``log_buffer_staleness=``
+    and ``log_prefix=`` still work, deprecated). Use as a context manager (or call :meth:`close`).
 
     >>> from torchrl.collectors.llm import LLMCollector
     >>> from torchrl.data import LazyStackStorage, ReplayBuffer
@@ -167,28 +124,16 @@ class CollectorCallback(TrainerCallback):
     """
 
     def __init__(
-        self,
-        collector,
-        *,
-        replay_buffer=None,
-        frames_per_step: int | None = None,
-        collect_every: int = 1,
-        background: bool = False,
-        min_buffer_size: int = 1,
-        wait_timeout: float | None = 60.0,
-        update_weights_every: int = 1,
-        weights_fn: Callable[[torch.nn.Module], Any] | None = None,
-        staleness: StalenessFilter | None = None,
-        shutdown_on_end: bool = False,
-        **moved,
+        self, collector, *, replay_buffer=None, frames_per_step: int | None = None, collect_every: int = 1,
+        background: bool = False, min_buffer_size: int = 1, wait_timeout: float | None = 60.0,
+        update_weights_every: int = 1, weights_fn: Callable[[torch.nn.Module], Any] | None = None,
+        staleness: StalenessFilter | None = None, shutdown_on_end: bool = False, **moved
     ) -> None:
         moved = moved_keywords("CollectorCallback", moved, _MOVED_TO_METRICS)
         rb = replay_buffer if replay_buffer is not None else getattr(collector, "replay_buffer", None)
         if rb is None:
-            raise ValueError(
-                "CollectorCallback: the collector has no replay_buffer; build it with "
-                "replay_buffer=... (the buffer the dataset reads) or pass replay_buffer=."
-            )
+            raise ValueError("CollectorCallback: the collector has no replay_buffer; build it with "
+                             "replay_buffer=... (the buffer the dataset reads) or pass replay_buffer=.")
         self.collector = collector
         self.replay_buffer = rb
         self.remote = is_ray_collector(collector)
@@ -222,10 +167,6 @@ class CollectorCallback(TrainerCallback):
         elif moved:
             raise ValueError(f"CollectorCallback: log_metrics=False logs nothing that {sorted(moved)} could configure")
 
-    # ------------------------------------------------------------------
-    # collecting
-    # ------------------------------------------------------------------
-
     def _write_count(self) -> int:
         return int(self.replay_buffer.write_count)
 
@@ -236,12 +177,9 @@ class CollectorCallback(TrainerCallback):
         try:
             next(self._iter)
         except StopIteration:
-            self._warnings.add(
-                "exhausted",
-                f"CollectorCallback: the collector is exhausted (total_dialog_turns reached) after "
-                f"{self._write_count()} writes; training continues on the stored data",
-                stacklevel=4,
-            )
+            self._warnings.add("exhausted", f"CollectorCallback: the collector is exhausted (total_dialog_turns "
+                               f"reached) after {self._write_count()} writes; training continues on the stored data",
+                               stacklevel=4)
             self._exhausted = True
             return False
         return True
@@ -258,21 +196,17 @@ class CollectorCallback(TrainerCallback):
                 )
             self._hung = None
         try:
-            return run_in_thread(
-                self._next_batch, self.wait_timeout,
-                f"one collector batch did not finish within wait_timeout={self.wait_timeout}s "
-                "(the collector blocks: a stuck environment, generation server or iterator?)",
-                name="torchrl-trl-collect",
-            )
+            return run_in_thread(self._next_batch, self.wait_timeout, f"one collector batch did not finish within "
+                                 f"wait_timeout={self.wait_timeout}s (the collector blocks: a stuck environment, "
+                                 "generation server or iterator?)", name="torchrl-trl-collect")
         except TimeoutError as err:
             self._hung = getattr(err, "thread", None)  # cannot be killed; later calls refuse at once
             raise
 
     def collect(self, frames: int | None = None, *, model: torch.nn.Module | None = None) -> int:
-        """Collect at least ``frames`` items (default ``frames_per_step``) now, in this
-        thread; returns how many were written. Wraps collector errors in
-        :class:`CollectorError` (also when one collector batch takes longer than
-        ``wait_timeout`` s). With a shared model, generation runs in eval mode."""
+        """Collect at least ``frames`` items (default ``frames_per_step``) now, in this thread;
+        returns how many were written. Collector errors (and a batch slower than ``wait_timeout``)
+        raise :class:`CollectorError`. With a shared model, generation runs in eval mode."""
         frames = self.frames_per_step if frames is None else int(frames)
         start_wc, t0 = self._write_count(), time.monotonic()
         was_training = model is not None and self._shares_model(model) and model.training
@@ -284,20 +218,17 @@ class CollectorCallback(TrainerCallback):
                 while self._write_count() - start_wc < frames and not self._exhausted:
                     before = self._write_count()
                     self._next_batch_bounded()
-                    # a write transform such as MCAdvantage may hold a few batches back
-                    # until their groups are complete, but not forever
+                    # a write transform (MCAdvantage) may hold batches back, but not forever
                     empty_batches = empty_batches + 1 if self._write_count() == before else 0
                     if empty_batches >= _MAX_EMPTY_BATCHES and not self._exhausted:
                         raise RuntimeError(
-                            f"{empty_batches} collector batches in a row wrote nothing into "
-                            "the replay buffer the callback watches; pass the buffer the "
-                            "collector writes to (LLMCollector(replay_buffer=...)) as "
-                            "replay_buffer="
+                            f"{empty_batches} collector batches in a row wrote nothing into the replay buffer the "
+                            "callback watches; pass the buffer the collector writes to as replay_buffer="
                         )
         except Exception as err:
             raise CollectorError(
-                f"the collector raised while collecting {frames} items "
-                f"({self._write_count() - start_wc} written; the {len(self.replay_buffer)} stored items are kept): {err!r}"
+                f"the collector raised while collecting {frames} items ({self._write_count() - start_wc} written; "
+                f"the {len(self.replay_buffer)} stored items are kept): {err!r}"
             ) from err
         finally:
             if was_training:
@@ -315,28 +246,20 @@ class CollectorCallback(TrainerCallback):
             self._error = err
 
     def start(self) -> None:
-        """Start continuous collection: a background thread (local) or the remote
-        collector's ``start()`` (Ray)."""
-        if self.remote:
-            if not self._started_remote:
-                self.collector.start()
-                self._started_remote = True
-            return
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="torchrl-trl-collector", daemon=True)
-        self._thread.start()
+        """Start continuous collection: a background thread (local) or the remote collector's ``start()``."""
+        if self.remote and not self._started_remote:
+            self.collector.start()
+            self._started_remote = True
+        elif not self.remote and (self._thread is None or not self._thread.is_alive()):
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="torchrl-trl-collector", daemon=True)
+            self._thread.start()
 
     def check(self) -> None:
-        """Raise :class:`CollectorError` if the collector died (background thread raised,
-        or the Ray actor is gone)."""
+        """Raise :class:`CollectorError` if the collector died (background thread raised, Ray actor gone)."""
         if self._error is not None:
-            err = self._error
-            raise CollectorError(
-                f"the background collector died: {err!r}; the {len(self.replay_buffer)} items "
-                "already stored are kept."
-            ) from err
+            raise CollectorError(f"the background collector died: {self._error!r}; the {len(self.replay_buffer)} "
+                                 "items already stored are kept.") from self._error
         if self.remote and self._started_remote:
             try:
                 running = self.collector.is_running()
@@ -372,16 +295,9 @@ class CollectorCallback(TrainerCallback):
     def __exit__(self, *exc):
         self.close()
 
-    # ------------------------------------------------------------------
-    # weights and versions
-    # ------------------------------------------------------------------
-
-    def _policy_module(self):
-        policy = getattr(self.collector, "policy", None) if not self.remote else None
-        return getattr(policy, "model", policy)
-
     def _shares_model(self, model) -> bool:
-        return model is not None and self._policy_module() is model
+        policy = getattr(self.collector, "policy", None) if not self.remote else None
+        return model is not None and getattr(policy, "model", policy) is model
 
     @property
     def policy_version(self) -> int | None:
@@ -392,12 +308,9 @@ class CollectorCallback(TrainerCallback):
         """Send ``model``'s weights to the collector's policy now (and bump its version)."""
         if self._shares_model(model):
             if self.background:
-                self._warnings.add(
-                    "shared_model",
-                    "CollectorCallback(background=True) with a policy that shares the trainer's model: "
-                    "generation reads weights while the optimizer updates them; give the collector "
-                    "its own copy of the model for consistent rollouts",
-                )
+                self._warnings.add("shared_model", "CollectorCallback(background=True) with a policy that shares the "
+                                   "trainer's model: generation reads weights while the optimizer updates them; give "
+                                   "the collector its own copy of the model for consistent rollouts")
             with self._lock.push():
                 self.collector.increment_version()
         else:
@@ -415,13 +328,8 @@ class CollectorCallback(TrainerCallback):
         if sampler is not None and hasattr(sampler, "consumer_version"):
             sampler.consumer_version = version
 
-    # ------------------------------------------------------------------
-    # trainer events
-    # ------------------------------------------------------------------
-
     def attach(self, trainer) -> CollectorCallback:
-        """Add this callback to ``trainer`` right after its flow callback, before the
-        reporting integrations, so they see the collector metrics. Returns ``self``."""
+        """Add this callback to ``trainer`` before its reporting integrations. Returns ``self``."""
         return insert_before_reporters(trainer, self)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -432,7 +340,7 @@ class CollectorCallback(TrainerCallback):
         else:
             missing = self.min_buffer_size - len(self.replay_buffer)
             if missing > 0:
-                self.collect(max(missing, 1), model=model)
+                self.collect(missing, model=model)
         if self.metrics_callback is not None:
             self.metrics_callback.on_train_begin(args, state, control, **kwargs)
         return control
@@ -456,8 +364,7 @@ class CollectorCallback(TrainerCallback):
         return control
 
     def metrics(self) -> dict[str, float]:
-        """Deprecated: the metrics of the ``CollectorMetricsCallback`` built for
-        ``log_metrics=True``; call ``CollectorMetricsCallback(cb).metrics()``."""
+        """Deprecated: call ``CollectorMetricsCallback(cb).metrics()``."""
         if self.metrics_callback is None:
             raise RuntimeError("CollectorCallback keeps no metrics; they are CollectorMetricsCallback(cb).metrics()")
         return self.metrics_callback.metrics()

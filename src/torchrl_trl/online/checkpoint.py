@@ -1,29 +1,6 @@
-"""Save and restore a replay buffer (and the collector's policy version) with the
-trainer's checkpoints, without pickle.
-
-Layout of a saved buffer (``<output_dir>/checkpoint-<step>/torchrl_buffer/``)::
-
-    tensors.safetensors   every tensor leaf: the stored items, the sampler's and the
-                          writer's state (read with safetensors: data only, no code)
-    structure.json        everything else as JSON: the TensorDict / lazy-stack /
-                          tensorclass tree, batch sizes, non-tensor data (text, chat turns)
-    manifest.json         written last: format, ``len``, ``write_count``, ``extra`` and the
-                          size and SHA-256 of the two files above
-
-Loading reads no pickle: tensors come from safetensors, the rest from JSON, and the only
-classes rebuilt are TensorDict's own and an allow-list of TorchRL LLM tensorclasses
-(``History``, ``Tokens``, ``Masks``, ``Text``, ``ChatHistory``, ``LogProbs``; add yours
-with ``classes=``). Saving writes a temporary sibling directory and renames it into place
-only once complete, so an interrupted save leaves the previous checkpoint as it was; a
-directory whose files do not match its manifest (a mixed or partial state), or one written
-in the old pickle format (``items.pt`` / TorchRL ``dumps``), is refused with a
-:class:`BufferCheckpointError`.
-
-The dataset's position needs no file of its own: an epoch-mode ``TorchRLBufferDataset``
-reads a pass in the order fixed by ``(seed, epoch, len(buffer))``, the trainer restores the
-epoch and skips the batches it already trained on, so the same buffer contents give the
-same next samples.
-"""
+"""Save and restore a replay buffer with the trainer's checkpoints, atomically and without pickle:
+``tensors.safetensors`` (tensor leaves), ``structure.json`` (the rest) and ``manifest.json`` (written
+last: ``len``, ``write_count``, ``extra``, size and SHA-256 of the other two)."""
 
 from __future__ import annotations
 
@@ -42,6 +19,7 @@ from transformers import TrainerCallback
 from .._compat import replay_lock
 from .._buffers import local_parts
 from ._tree_codec import TreeDecoder, TreeEncoder, allowed_classes
+from .staleness import collector_policy_version
 
 __all__ = ["BUFFER_DIR", "BufferCheckpointCallback", "BufferCheckpointError", "load_buffer", "save_buffer"]
 
@@ -56,13 +34,12 @@ _PICKLE_FILES = ("items.pt", "meta.json", "buffer")  # what the old, pickling fo
 
 
 class BufferCheckpointError(ValueError):
-    """A saved buffer that cannot be read safely or consistently (old pickle format,
-    files that do not match the manifest, an unknown class).
+    """A saved buffer that cannot be read safely or consistently (old pickle format, files that
+    do not match the manifest, an unknown class).
 
-    >>> import tempfile
-    >>> from pathlib import Path
+    >>> import pathlib, tempfile
     >>> from torchrl.data import ListStorage, ReplayBuffer
-    >>> old = Path(tempfile.mkdtemp()) / "torchrl_buffer"
+    >>> old = pathlib.Path(tempfile.mkdtemp()) / "torchrl_buffer"
     >>> old.mkdir(); (old / "items.pt").write_bytes(b"pickle")  # the old, pickling format
     6
     >>> load_buffer(ReplayBuffer(storage=ListStorage(4)), old)  # doctest: +ELLIPSIS
@@ -70,11 +47,6 @@ class BufferCheckpointError(ValueError):
     ...
     torchrl_trl.online.checkpoint.BufferCheckpointError: load_buffer: ... old torchrl_trl buffer format (items.pt), ...
     """
-
-
-# ---------------------------------------------------------------------------
-# save / load
-# ---------------------------------------------------------------------------
 
 
 def _sha256(path: Path) -> str:
@@ -86,8 +58,7 @@ def _sha256(path: Path) -> str:
 
 
 def _stored_items(storage, n: int):
-    """What the storage holds, in storage order: one TensorDict ``[n]`` (tensor storages)
-    or a list of ``n`` items (list storages)."""
+    """The storage's kind and items in order: a TensorDict ``[n]`` (tensor storages) or a list."""
     from torchrl.data.replay_buffers.storages import ListStorage, TensorStorage
 
     if isinstance(storage, TensorStorage):
@@ -98,25 +69,17 @@ def _stored_items(storage, n: int):
 
 
 def save_buffer(
-    replay_buffer,
-    path: str | os.PathLike,
-    *,
-    extra: dict[str, Any] | None = None,
-    classes: Iterable[type] = (),
+    replay_buffer, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, classes: Iterable[type] = ()
 ) -> Path:
-    """Write ``replay_buffer`` (its items, sampler and writer state) to the directory
-    ``path``, atomically: a complete new checkpoint replaces an old one, or the old one is
-    left untouched. ``extra`` (JSON data) is stored in the manifest; ``classes`` are more
-    tensorclasses the items may hold. Returns ``path``.
+    """Write ``replay_buffer`` (items, sampler and writer state) to the directory ``path``, atomically.
+    ``extra`` (JSON data) goes in the manifest; ``classes`` are more tensorclasses the items may hold.
+    Returns ``path``; raises ``TypeError`` naming the key of a value that cannot be stored without pickle.
 
-    Raises ``TypeError`` naming the key of a value that cannot be stored without pickle.
-
-    >>> import tempfile, torch
-    >>> from tensordict import TensorDict
+    >>> import tempfile
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
-    >>> _ = rb.extend([TensorDict({"reward": torch.tensor(float(i))}) for i in range(3)])
-    >>> path = save_buffer(rb, f"{tempfile.mkdtemp()}/torchrl_buffer", extra={"step": 7})
+    >>> _ = rb.extend(["a", "b"])
+    >>> path = save_buffer(rb, f"{tempfile.mkdtemp()}/torchrl_buffer")
     >>> sorted(p.name for p in path.iterdir())
     ['manifest.json', 'structure.json', 'tensors.safetensors']
     """
@@ -126,12 +89,9 @@ def save_buffer(
     with replay_lock(replay_buffer):  # writers wait: items, sampler and writer of one moment
         n = len(replay_buffer)
         items = _stored_items(storage, n)
-        structure = {
-            "storage": items["kind"],
-            "items": encode(items["data"], ("items",)),
-            "sampler": encode.python(sampler.state_dict(), ("sampler",)),
-            "writer": encode.python(writer.state_dict(), ("writer",)),
-        }
+        structure = {"storage": items["kind"], "items": encode(items["data"], ("items",)),
+                     "sampler": encode.python(sampler.state_dict(), ("sampler",)),
+                     "writer": encode.python(writer.state_dict(), ("writer",))}
         write_count = int(replay_buffer.write_count)
     extra = dict(extra or {})
     json.dumps(extra)  # refuse what JSON cannot hold before anything is written
@@ -147,7 +107,9 @@ def save_buffer(
             "files": {f: {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in _DATA_FILES},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest))
-        _fsync_dir(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,15 +124,8 @@ def _write_files(directory: Path, tensors: dict[str, torch.Tensor], structure: d
     (directory / STRUCTURE).write_text(json.dumps(structure, allow_nan=False))
 
 
-def _fsync_dir(directory: Path) -> None:
-    for f in directory.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-
-
 def _replace_dir(new: Path, path: Path) -> None:
-    """Move the complete directory ``new`` to ``path``; an old ``path`` is moved aside
-    first and deleted only after the new one is in place."""
+    """Move ``new`` to ``path``; an old ``path`` is moved aside and deleted once ``new`` is in place."""
     if not path.exists():
         os.replace(new, path)
         return
@@ -185,17 +140,15 @@ def _replace_dir(new: Path, path: Path) -> None:
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of the buffer saved at ``path`` (``len``, ``write_count``, and the
-    ``extra`` entries at the top level), without checking the data files."""
+    """The manifest of the buffer at ``path`` (with ``extra`` at the top level), data files unchecked."""
     path = Path(path)
     manifest = path / MANIFEST
     if not manifest.is_file():
         old = [f for f in _PICKLE_FILES if (path / f).exists()]
         if old:
             raise BufferCheckpointError(
-                f"load_buffer: {str(path)!r} was written in the old torchrl_trl buffer format "
-                f"({', '.join(old)}), which is pickle and cannot be read safely; it is refused. Re-create "
-                "the checkpoint with this version's save_buffer (from a process that trusts the old files)."
+                f"load_buffer: {str(path)!r} was written in the old torchrl_trl buffer format ({', '.join(old)}), "
+                "which is pickle and cannot be read safely; re-create it with this version's save_buffer."
             )
         leftovers = sorted(p.name for p in path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
         hint = f"; an interrupted save left the previous checkpoint in {leftovers}" if leftovers else ""
@@ -205,10 +158,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     except ValueError as err:
         raise BufferCheckpointError(f"load_buffer: {str(manifest)!r} is not valid JSON: {err}") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise BufferCheckpointError(
-            f"load_buffer: {str(manifest)!r} is not a {FORMAT} version {VERSION} manifest "
-            f"(format={meta.get('format') if isinstance(meta, dict) else None!r})"
-        )
+        raise BufferCheckpointError(f"load_buffer: {str(manifest)!r} is not a {FORMAT} version {VERSION} manifest "
+                                    f"(format={meta.get('format') if isinstance(meta, dict) else None!r})")
     return {**meta.get("extra", {}), **meta}
 
 
@@ -218,7 +169,8 @@ def _verify(path: Path, meta: dict) -> None:
         f = path / name
         expected = files.get(name)
         if expected is None or not f.is_file():
-            raise BufferCheckpointError(f"load_buffer: {str(f)!r} is missing or not in {MANIFEST}; refusing a partial checkpoint")
+            raise BufferCheckpointError(f"load_buffer: {str(f)!r} is missing or not in {MANIFEST}; "
+                                        "refusing a partial checkpoint")
         if f.stat().st_size != expected["size"] or _sha256(f) != expected["sha256"]:
             raise BufferCheckpointError(
                 f"load_buffer: {str(f)!r} does not match {MANIFEST} (size or SHA-256 differ): the directory "
@@ -227,22 +179,12 @@ def _verify(path: Path, meta: dict) -> None:
 
 
 def load_buffer(
-    replay_buffer,
-    path: str | os.PathLike,
-    *,
-    classes: Iterable[type] = (),
-    restore_state: bool = True,
+    replay_buffer, path: str | os.PathLike, *, classes: Iterable[type] = (), restore_state: bool = True
 ) -> dict[str, Any]:
-    """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (built with the same
-    storage/sampler/writer types and capacity), without unpickling anything. The stored
-    items are put back as they were, without running the buffer's write transforms again.
-    ``classes``: more tensorclasses to rebuild (beyond TorchRL's LLM ones).
-    ``restore_state=False`` restores the items only, not the sampler's and writer's state
-    (to inspect a buffer saved with a sampler you do not have at hand).
-
-    Returns the manifest (``len``, ``write_count``, ``extra`` entries). Raises
-    :class:`BufferCheckpointError` for a checkpoint that cannot be read safely (old pickle
-    format, files that do not match the manifest, a class not allowed), naming the file.
+    """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (same storage/sampler/writer types
+    and capacity), without unpickling or running write transforms. ``classes``: more tensorclasses to
+    rebuild; ``restore_state=False``: the items only. Returns the manifest (``len``, ``write_count``,
+    ``extra`` entries); raises :class:`BufferCheckpointError` for a checkpoint not read safely.
 
     >>> import tempfile, torch
     >>> from tensordict import TensorDict
@@ -288,17 +230,15 @@ def load_buffer(
     elif isinstance(items, (torch.Tensor, TensorDictBase)) and len(items.shape):
         count = items.shape[0]
     else:
-        raise BufferCheckpointError(f"load_buffer: {str(path / STRUCTURE)!r} holds no item list or batch ({type(items).__name__})")
+        raise BufferCheckpointError(f"load_buffer: {str(path / STRUCTURE)!r} holds no item list or batch "
+                                    f"({type(items).__name__})")
     if count != n:
         raise BufferCheckpointError(f"load_buffer: {str(path)!r} holds {count} items, its manifest says {n}")
     if isinstance(items, list) and n and all(isinstance(i, TensorDictBase) for i in items):
         items = lazy_stack(items)
     with replay_lock(replay_buffer):  # nobody writes or samples a half-restored buffer
         replay_buffer.empty()
-        if n:
-            # the items were stored after the buffer's write transforms ran (reward scoring,
-            # MCAdvantage): the writer and sampler take them back as they are, without
-            # ReplayBuffer.extend running those transforms again
+        if n:  # stored after the write transforms ran: not through ReplayBuffer.extend
             sampler.extend(writer.extend(items))
         if restore_state:
             try:
@@ -308,7 +248,7 @@ def load_buffer(
                 replay_buffer.empty()
                 raise BufferCheckpointError(
                     f"load_buffer: the writer/sampler state in {str(path)!r} does not fit this buffer's "
-                    f"{type(writer).__name__}/{type(sampler).__name__}: {err!r}; build the buffer with the ones "
+                    f"{type(writer).__name__}/{type(sampler).__name__}: {err!r}; build it with the ones "
                     "it was saved with"
                 ) from err
     if len(replay_buffer) != n:
@@ -320,37 +260,25 @@ def load_buffer(
 
 
 class BufferCheckpointCallback(TrainerCallback):
-    """A ``TrainerCallback`` that saves the buffer into each trainer checkpoint and
-    restores it when training resumes.
+    """A ``TrainerCallback`` that saves the buffer into each trainer checkpoint and restores it on resume.
 
-    Args:
-        replay_buffer: the local ``ReplayBuffer`` the training dataset reads.
+    ``replay_buffer``: the local buffer the dataset reads; ``collector``: its ``policy_version`` is saved
+    and restored too; ``classes``: see :func:`save_buffer`. ``on_save`` writes ``<checkpoint>/torchrl_buffer``
+    (process zero); a resumed run's ``on_train_begin`` loads it unless the buffer holds it already.
 
-    Keyword Args:
-        collector: optional; its ``policy_version`` is saved and restored too.
-        classes: more tensorclasses the stored items hold (see :func:`save_buffer`).
-
-    ``on_save`` writes ``<checkpoint>/torchrl_buffer`` (process zero only: one shared
-    buffer). ``on_train_begin`` of a resumed run (``global_step > 0``) loads
-    ``<output_dir>/checkpoint-<global_step>/torchrl_buffer`` unless the buffer already
-    holds it (same ``write_count``), e.g. because :func:`load_buffer` was called before
-    building the dataset, which needs a non-empty buffer.
-
-    >>> import tempfile, torch
+    >>> import tempfile
     >>> from types import SimpleNamespace
-    >>> from tensordict import TensorDict
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
-    >>> _ = rb.extend([TensorDict({"x": torch.tensor(i)}) for i in range(3)])
-    >>> cb = BufferCheckpointCallback(rb)
+    >>> _ = rb.extend(["a", "b", "c"])
     >>> args = SimpleNamespace(output_dir=tempfile.mkdtemp())   # a Trainer passes its own
     >>> state = SimpleNamespace(global_step=5, is_world_process_zero=True)
-    >>> _ = cb.on_save(args, state, None)                      # the trainer saves checkpoint-5
+    >>> _ = BufferCheckpointCallback(rb).on_save(args, state, None)  # the trainer saves checkpoint-5
     >>> fresh = ReplayBuffer(storage=ListStorage(8))
     >>> resumed = BufferCheckpointCallback(fresh)
     >>> _ = resumed.on_train_begin(args, state, None)          # resume_from_checkpoint=".../checkpoint-5"
-    >>> [int(td["x"]) for td in fresh[:]], resumed.restored_from.endswith("checkpoint-5/torchrl_buffer")
-    ([0, 1, 2], True)
+    >>> len(fresh), resumed.restored_from.endswith("checkpoint-5/torchrl_buffer")
+    (3, True)
     """
 
     def __init__(self, replay_buffer, *, collector=None, classes: Iterable[type] = ()) -> None:
@@ -366,9 +294,8 @@ class BufferCheckpointCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             extra = {"global_step": state.global_step}
-            version = getattr(self.collector, "policy_version", None)
-            if isinstance(version, int):
-                extra["policy_version"] = version
+            if collector_policy_version(self.collector) is not None:
+                extra["policy_version"] = collector_policy_version(self.collector)
             save_buffer(self.replay_buffer, self.checkpoint_dir(args, state), extra=extra, classes=self.classes)
         return control
 
@@ -377,10 +304,8 @@ class BufferCheckpointCallback(TrainerCallback):
             return control
         path = self.checkpoint_dir(args, state)
         if not path.is_dir():
-            raise FileNotFoundError(
-                f"BufferCheckpointCallback: resuming at step {state.global_step} but {str(path)!r} "
-                "does not exist; the checkpoint was saved without this callback."
-            )
+            raise FileNotFoundError(f"BufferCheckpointCallback: resuming at step {state.global_step} but {str(path)!r} "
+                                    "does not exist; the checkpoint was saved without this callback.")
         meta = read_meta(path)
         if int(self.replay_buffer.write_count) != meta["write_count"] or len(self.replay_buffer) != meta["len"]:
             load_buffer(self.replay_buffer, path, classes=self.classes)

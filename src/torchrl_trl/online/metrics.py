@@ -1,5 +1,5 @@
-"""``CollectorMetricsCallback``: the collector's numbers in the trainer's logs (buffer size,
-throughput, policy version, staleness), one ``TrainerCallback`` for that one concern."""
+"""``CollectorMetricsCallback``: the collector's numbers (buffer size, throughput, policy version,
+staleness) in the trainer's logs."""
 
 from __future__ import annotations
 
@@ -16,43 +16,26 @@ _STALENESS_WINDOW = 4096
 
 
 def insert_before_reporters(trainer, callback):
-    """Add ``callback`` to ``trainer`` right after its flow callback, before the reporting
-    integrations (wandb, tensorboard), so they see what it adds to ``logs``. Returns it."""
+    """Add ``callback`` to ``trainer`` after its flow callback, before the reporting integrations. Returns it."""
     callbacks = trainer.callback_handler.callbacks
     callbacks.insert(min(1, len(callbacks)), callback)
     return callback
 
 
 class CollectorMetricsCallback(TrainerCallback):
-    """Adds the collector's metrics to every trainer log (``logs`` and
-    ``trainer.state.log_history``).
+    """Adds the collector's metrics to every trainer log (``logs`` and ``state.log_history``).
 
     Args:
-        collection: the :class:`~torchrl_trl.online.callback.CollectorCallback` running the
-            collector (anything with its ``replay_buffer``, ``collector``, ``staleness``,
-            ``collect_seconds`` and ``weight_updates``); the buffer, the collector and the
-            staleness filter default to its own, and its ``collect_seconds`` /
-            ``weight_updates`` are logged. ``None``: pass ``replay_buffer=`` (e.g. a buffer a
-            Ray collector fills on its own).
-
-    Keyword Args:
+        collection: the :class:`~torchrl_trl.online.callback.CollectorCallback` running the collector
+            (the defaults below are its own); ``None``: pass ``replay_buffer=``.
         replay_buffer: the buffer to measure (default ``collection.replay_buffer``).
         collector: read for ``policy_version`` (default ``collection.collector``).
-        staleness: a :class:`StalenessFilter` whose counters are logged (default
-            ``collection.staleness``).
-        log_buffer_staleness: log mean/max staleness of (up to 4096 of) the newest stored
-            items (needs a policy version).
+        staleness: a :class:`StalenessFilter` whose counters are logged (default ``collection.staleness``).
+        log_buffer_staleness: log mean/max staleness of (up to 4096 of) the newest stored items.
         log_prefix: prefix of the collector metrics.
 
-    Logged: ``<prefix>buffer_size``, ``<prefix>write_count``, ``<prefix>frames_per_sec``
-    (items written per wall second between this step's log and the previous step's; a
-    second log at the same step, such as the end-of-training summary, repeats the same
-    value), ``<prefix>collect_seconds`` and ``<prefix>weight_updates`` (with a
-    ``collection``), ``<prefix>policy_version``, ``staleness/*`` (see
-    :class:`StalenessFilter`), ``staleness/buffer_mean`` and ``staleness/buffer_max``.
-
-    Add it beside the ``CollectorCallback`` (``callbacks=[cb, CollectorMetricsCallback(cb)]``
-    or :meth:`attach`), or on its own to log a collector no callback runs.
+    Logged: ``<prefix>buffer_size``, ``write_count``, ``frames_per_sec`` (since the previous step's
+    log), ``collect_seconds``, ``weight_updates``, ``policy_version``, and ``staleness/*``.
 
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))
@@ -66,40 +49,30 @@ class CollectorMetricsCallback(TrainerCallback):
     """
 
     def __init__(
-        self,
-        collection=None,
-        *,
-        replay_buffer=None,
-        collector=None,
-        staleness: StalenessFilter | None = None,
-        log_buffer_staleness: bool = True,
-        log_prefix: str = "collector/",
+        self, collection=None, *, replay_buffer=None, collector=None, staleness: StalenessFilter | None = None,
+        log_buffer_staleness: bool = True, log_prefix: str = "collector/"
     ) -> None:
         if replay_buffer is None and collection is None:
-            raise ValueError(
-                "CollectorMetricsCallback needs the CollectorCallback it reports on, or replay_buffer= "
-                "(the buffer the collector writes)"
-            )
+            raise ValueError("CollectorMetricsCallback needs the CollectorCallback it reports on, or replay_buffer= "
+                             "(the buffer the collector writes)")
         self.collection = collection
         self.replay_buffer = replay_buffer if replay_buffer is not None else collection.replay_buffer
         self.collector = collector if collector is not None else getattr(collection, "collector", None)
         self.staleness = staleness if staleness is not None else getattr(collection, "staleness", None)
         self.log_buffer_staleness = bool(log_buffer_staleness)
         self.log_prefix = log_prefix
-        # the throughput window: (time, write_count) where it starts, and the step and rate
-        # of the last window closed
-        self._window_start = (time.monotonic(), self._write_count())
-        self._window_step: int | None = None
-        self._window_rate = 0.0
         self._restart_at_first_step = False
+        self.restart_window()
 
     def _write_count(self) -> int:
         return int(self.replay_buffer.write_count)
 
     def restart_window(self) -> None:
         """Measure throughput from now on (e.g. after the initial fill, before step 1)."""
+        # the window: (time, write_count) where it starts; the step and rate of the last one closed
         self._window_start = (time.monotonic(), self._write_count())
-        self._window_step, self._window_rate = None, 0.0
+        self._window_step: int | None = None
+        self._window_rate = 0.0
 
     def _frames_per_sec(self, step: int | None, write_count: int) -> float:
         if step is not None and step == self._window_step:
@@ -111,15 +84,11 @@ class CollectorMetricsCallback(TrainerCallback):
         return rate
 
     def metrics(self, step: int | None = None) -> dict[str, float]:
-        """The metrics for the trainer log at global step ``step``. Each new ``step`` (or
-        ``None``) closes the throughput window; the same ``step`` again reuses it."""
+        """The metrics for the log at global step ``step`` (a new ``step`` closes the throughput window)."""
         p = self.log_prefix
         wc = self._write_count()
-        out: dict[str, float] = {
-            f"{p}buffer_size": len(self.replay_buffer),
-            f"{p}write_count": wc,
-            f"{p}frames_per_sec": self._frames_per_sec(step, wc),
-        }
+        out: dict[str, float] = {f"{p}buffer_size": len(self.replay_buffer), f"{p}write_count": wc,
+                                 f"{p}frames_per_sec": self._frames_per_sec(step, wc)}
         if self.collection is not None:
             out[f"{p}collect_seconds"] = self.collection.collect_seconds
             out[f"{p}weight_updates"] = self.collection.weight_updates
@@ -144,8 +113,7 @@ class CollectorMetricsCallback(TrainerCallback):
         return {"staleness/buffer_mean": float(stale.mean()), "staleness/buffer_max": float(stale.max())}
 
     def attach(self, trainer) -> CollectorMetricsCallback:
-        """Add this callback to ``trainer`` before its reporting integrations, so they see
-        the metrics. Returns ``self``."""
+        """Add this callback to ``trainer`` before its reporting integrations. Returns ``self``."""
         return insert_before_reporters(trainer, self)
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -153,8 +121,7 @@ class CollectorMetricsCallback(TrainerCallback):
         return control
 
     def on_step_begin(self, args, state, control, **kwargs):
-        # throughput from the first step on: not the initial fill, which other callbacks'
-        # on_train_begin may do after this one's
+        # throughput from the first step on, not the initial fill (other callbacks' on_train_begin)
         if self._restart_at_first_step:
             self._restart_at_first_step = False
             self.restart_window()

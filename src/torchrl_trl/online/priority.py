@@ -1,16 +1,5 @@
-"""Priority feedback: per-sample priorities set from a value the trainer computes.
-
-The hook:
-
-1. the buffer samples by priority: ``ReplayBuffer(sampler=PrioritizedSampler(...))`` from
-   TorchRL, or :class:`TensorPrioritizedSampler` (same protocol, pure PyTorch, for when
-   TorchRL's C++ segment trees are unavailable);
-2. ``TorchRLBufferDataset(..., index_column="index")`` yields each row's storage index,
-   and the trainer keeps it (``remove_unused_columns=False``; pop it from ``inputs`` in
-   ``compute_loss`` before the model call);
-3. in ``compute_loss``, call :func:`update_priorities` with the indices and a per-sample
-   value (loss, ``|advantage|``), shape ``[B]``.
-"""
+"""Priority feedback: a prioritised buffer, ``TorchRLBufferDataset(index_column="index")`` and
+:func:`update_priorities` called in ``compute_loss`` with the indices and a per-sample value."""
 
 from __future__ import annotations
 
@@ -27,14 +16,10 @@ __all__ = ["TensorPrioritizedSampler", "update_priorities"]
 
 
 def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> None:
-    """Set the priority of the rows at ``indices`` (int ``[B]``) to ``|values| + eps``
-    (``[B]``, detached, moved to CPU). Works with local and Ray buffers whose sampler has
-    priorities (``PrioritizedSampler``, :class:`TensorPrioritizedSampler`).
+    """Set the priority of the rows at ``indices`` (int ``[B]``) to ``|values| + eps`` (``[B]``).
 
-    Raises ``ValueError`` on mismatched lengths or non-finite values, ``TypeError`` for
-    indices that are not integers (a float index would be truncated) or when the buffer's
-    sampler keeps no priorities (TorchRL's default ``RandomSampler`` ignores them
-    silently), ``IndexError`` for an index outside ``[0, len(replay_buffer))``.
+    Raises ``ValueError`` on mismatched lengths or non-finite values, ``TypeError`` for non-integer
+    indices or a sampler without priorities, ``IndexError`` for an index outside the buffer.
 
     >>> import torch
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -45,60 +30,39 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
     >>> update_priorities(rb, torch.tensor([1, 3]), per_sample_loss, eps=0.0)
     >>> sampler.priorities(4).tolist()                # new rows start at the max priority, 1
     [1.0, 0.5, 1.0, 2.0]
-    >>> update_priorities(rb, [0.0], [1.0])
+    >>> update_priorities(rb, [0.0], [1.0])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    TypeError: update_priorities: indices must be integer storage indices, got dtype torch.float32 ([0.0]...); pass the dataset's index column as given
+    TypeError: update_priorities: indices must be integer storage indices, got dtype torch.float32 ...
     """
-    idx = _as_indices(indices, len(replay_buffer))
+    idx, stored = torch.as_tensor(indices).detach().to("cpu"), len(replay_buffer)
+    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+        raise TypeError(f"update_priorities: indices must be integer storage indices, got dtype {idx.dtype} "
+                        f"({idx.reshape(-1)[:4].tolist()}...); pass the dataset's index column as given")
+    idx = idx.long().reshape(-1)
+    bad = (idx < 0) | (idx >= stored)
+    if bad.any():
+        raise IndexError(f"update_priorities: indices {idx[bad][:8].tolist()} are outside the {stored} stored "
+                         f"items (valid: 0..{stored - 1})")
     val = torch.as_tensor(values).detach().to("cpu", torch.float64).reshape(-1)
     if idx.numel() != val.numel():
         raise ValueError(f"update_priorities: {idx.numel()} indices but {val.numel()} values")
     if not torch.isfinite(val).all():
-        raise ValueError(f"update_priorities: non-finite values at positions {(~torch.isfinite(val)).nonzero().flatten().tolist()}")
+        raise ValueError(f"update_priorities: non-finite values at positions "
+                         f"{(~torch.isfinite(val)).nonzero().flatten().tolist()}")
     sampler = local_sampler(replay_buffer)  # a Ray buffer's sampler lives in its actor
-    if sampler is not None and not _has_priorities(sampler):
-        raise TypeError(
-            f"update_priorities: the buffer's sampler {type(sampler).__name__} keeps no priorities; "
-            "use torchrl.data.PrioritizedSampler or torchrl_trl.online.TensorPrioritizedSampler."
-        )
+    if sampler is not None and type(sampler).update_priority is Sampler.update_priority:
+        raise TypeError(f"update_priorities: the buffer's sampler {type(sampler).__name__} keeps no priorities; "
+                        "use torchrl.data.PrioritizedSampler or torchrl_trl.online.TensorPrioritizedSampler.")
     replay_buffer.update_priority(idx, val.abs() + eps)
-
-
-def _as_indices(indices, stored: int) -> torch.Tensor:
-    idx = torch.as_tensor(indices).detach().to("cpu")
-    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
-        raise TypeError(
-            f"update_priorities: indices must be integer storage indices, got dtype {idx.dtype} "
-            f"({idx.reshape(-1)[:4].tolist()}...); pass the dataset's index column as given"
-        )
-    idx = idx.long().reshape(-1)
-    bad = (idx < 0) | (idx >= stored)
-    if bad.any():
-        raise IndexError(
-            f"update_priorities: indices {idx[bad][:8].tolist()} are outside the {stored} stored "
-            f"items (valid: 0..{stored - 1})"
-        )
-    return idx
-
-
-def _has_priorities(sampler) -> bool:
-    return type(sampler).update_priority is not Sampler.update_priority
 
 
 class TensorPrioritizedSampler(Sampler):
     """Proportional prioritised sampling, ``P(i) ∝ p_i ** alpha``, with importance weights
-    ``(N P(i)) ** -beta / max`` (Schaul et al.), in plain PyTorch (O(N) per sample).
+    ``(N P(i)) ** -beta / max``, in plain PyTorch: TorchRL's ``PrioritizedSampler`` protocol for
+    when its C++ segment trees cannot load.
 
-    Same protocol as TorchRL's ``PrioritizedSampler`` (``update_priority``, ``_weight`` in
-    the sample info, new rows get the current max priority); use it when
-    ``torchrl._torchrl`` (TorchRL's C++ segment trees) cannot load (some torch/torchrl
-    wheel pairs).
-
-    Args:
-        max_capacity: the storage's capacity.
-        alpha, beta: prioritisation and importance-sampling exponents.
-        eps: floor of a priority.
+    ``max_capacity``: the storage's; ``alpha``, ``beta``: the exponents; ``eps``: a priority's floor.
 
     >>> import torch
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -175,13 +139,12 @@ class TensorPrioritizedSampler(Sampler):
         try:
             state = load_file(str(file))
         except (SafetensorError, FileNotFoundError) as err:
-            raise ValueError(f"TensorPrioritizedSampler.loads: cannot read {str(file)!r} as safetensors: {err}") from err
+            raise ValueError(f"TensorPrioritizedSampler.loads: cannot read {str(file)!r} as safetensors: "
+                             f"{err}") from err
         if set(state) != {"priority", "max_priority"} or state["priority"].shape != self._priority.shape:
-            raise ValueError(
-                f"TensorPrioritizedSampler.loads: {str(file)!r} holds {sorted(state)} with priority shape "
-                f"{tuple(state['priority'].shape) if 'priority' in state else None}, expected "
-                f"{tuple(self._priority.shape)} (max_capacity={self._max_capacity})"
-            )
+            raise ValueError(f"TensorPrioritizedSampler.loads: {str(file)!r} holds {sorted(state)} with priority shape "
+                             f"{tuple(state['priority'].shape) if 'priority' in state else None}, expected "
+                             f"{tuple(self._priority.shape)} (max_capacity={self._max_capacity})")
         self.load_state_dict({"priority": state["priority"], "max_priority": float(state["max_priority"])})
 
     def __repr__(self):

@@ -1,24 +1,11 @@
-"""Ray: a ``RayReplayBuffer`` as the source of ``TorchRLBufferDataset``, filled by
-collectors running in Ray actors (``RayLLMCollector``).
-
-Only imported on use: ``import torchrl_trl`` never imports ``ray``.
-
-Traps this module handles:
-
-- ``RayReplayBuffer`` itself cannot be pickled (it owns the actor's lifetime); what a
-  collector actor needs is ``buffer.client()``, a picklable handle without shutdown rights.
-- ``TorchRLBufferDataset(ray_buffer, ...)`` reads through the actor: each ``sample`` /
-  epoch chunk is one actor round-trip, so prefer large ``batch_size`` reads.
-- Other processes (every ``torchrun`` rank) reach the same buffer by name: create it with
-  ``make_ray_replay_buffer(..., name=...)`` and call :func:`connect_ray_replay_buffer` in
-  each rank; what they get reads and writes through the actor but cannot kill it.
-"""
+"""Ray: a ``RayReplayBuffer`` as the source of ``TorchRLBufferDataset``, filled by collectors in
+Ray actors (``RayLLMCollector``), reached by name from other processes. Imports ``ray`` on use only."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from .._checks import positive_int, positive_seconds
@@ -27,9 +14,8 @@ __all__ = ["connect_ray_replay_buffer", "is_ray_collector", "make_ray_collector"
 
 
 def is_ray_collector(collector) -> bool:
-    """Whether ``collector`` runs in a Ray actor: an instance of TorchRL's
-    ``torchrl.collectors.llm.RayLLMCollector`` (collection is started with ``start()``, weights
-    go through the actor). ``False`` without importing anything when ray is not installed.
+    """Whether ``collector`` is a ``torchrl.collectors.llm.RayLLMCollector`` (``False``, importing
+    nothing, without ray).
 
     >>> is_ray_collector(object())
     False
@@ -52,37 +38,20 @@ def _require_ray():
 
 
 def make_ray_replay_buffer(
-    capacity: int,
-    *,
-    storage: Callable[..., Any] | None = None,
-    sampler: Callable[[], Any] | None = None,
-    num_cpus: float = 0,
-    ray_init_config: dict[str, Any] | None = None,
-    name: str | None = None,
-    namespace: str | None = None,
-    **kwargs,
+    capacity: int, *, storage: Callable[..., Any] | None = None, sampler: Callable[[], Any] | None = None,
+    num_cpus: float = 0, ray_init_config: dict[str, Any] | None = None, name: str | None = None,
+    namespace: str | None = None, **kwargs
 ):
-    """A ``torchrl.data.RayReplayBuffer`` (one Ray actor owns the storage).
+    """A ``torchrl.data.RayReplayBuffer`` (one Ray actor owns the storage; ``close()`` kills it).
 
     Args:
         capacity: the storage's size.
-
-    Keyword Args:
-        storage: storage class/factory called with ``capacity`` (default ``LazyStackStorage``,
-            which holds TorchRL's ragged LLM rollouts as they are).
+        storage: storage class/factory called with ``capacity`` (default ``LazyStackStorage``).
         sampler: a zero-argument factory of the sampler (built inside the actor).
-        num_cpus: CPUs reserved for the buffer actor (0: it only moves data).
+        num_cpus: CPUs reserved for the buffer actor.
         ray_init_config: ``ray.init`` arguments when Ray is not initialised yet.
-        name, namespace: make the actor a named Ray actor, so other processes of the
-            cluster attach to it with :func:`connect_ray_replay_buffer` (``namespace``
-            default: the current job's namespace, which other jobs do not see; pass one).
+        name, namespace: make it a named actor, for :func:`connect_ray_replay_buffer`.
         **kwargs: other ``ReplayBuffer`` arguments (``batch_size``, ``writer`` factory...).
-
-    Close it with ``buffer.close()`` (kills the actor; what it held is lost:
-    :func:`torchrl_trl.online.save_buffer` saves local buffers only, so copy
-    ``buffer[:]`` into a local ``ReplayBuffer`` first to keep it).
-
-    Example (skipped by the doctest run: it starts Ray, ~10 s; ``tests/test_ray.py`` runs it):
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -97,47 +66,23 @@ def make_ray_replay_buffer(
     capacity = positive_int(capacity, "capacity")
     from torchrl.data import LazyStackStorage, RayReplayBuffer
 
+    if namespace is not None and name is None:
+        raise ValueError("namespace= names where a named actor lives; pass name= too.")
     if sampler is not None:
         kwargs["sampler"] = sampler
-    remote_config: dict[str, Any] = {"num_cpus": num_cpus}
-    if name is not None:
-        remote_config["name"] = name
-    if namespace is not None:
-        if name is None:
-            raise ValueError("namespace= names where a named actor lives; pass name= too.")
-        remote_config["namespace"] = namespace
-    return RayReplayBuffer(
-        storage=partial(storage or LazyStackStorage, capacity),
-        remote_config=remote_config,
-        ray_init_config=ray_init_config,
-        **kwargs,
-    )
+    named = {key: value for key, value in (("name", name), ("namespace", namespace)) if value is not None}
+    return RayReplayBuffer(storage=functools.partial(storage or LazyStackStorage, capacity),
+                           remote_config={"num_cpus": num_cpus, **named}, ray_init_config=ray_init_config, **kwargs)
 
 
 def make_ray_collector(
-    env_factory: Callable[[], Any],
-    policy_factory: Callable[[], Any],
-    replay_buffer,
-    *,
-    dialog_turns_per_batch: int,
-    track_policy_version: bool = True,
-    num_cpus: float = 1,
-    num_gpus: float = 0,
-    **kwargs,
+    env_factory: Callable[[], Any], policy_factory: Callable[[], Any], replay_buffer, *, dialog_turns_per_batch: int,
+    track_policy_version: bool = True, num_cpus: float = 1, num_gpus: float = 0, **kwargs
 ):
-    """A ``torchrl.collectors.llm.RayLLMCollector``: an ``LLMCollector`` in a Ray actor
-    writing into ``replay_buffer`` (a ``RayReplayBuffer``; its picklable ``client()`` is
-    what the actor gets).
+    """A ``torchrl.collectors.llm.RayLLMCollector``: an ``LLMCollector`` in a Ray actor (where
+    ``env_factory`` / ``policy_factory`` run) writing into the ``RayReplayBuffer`` ``replay_buffer``.
 
-    ``env_factory`` / ``policy_factory`` run inside the actor (build the model there, e.g.
-    a ``vLLMWrapper`` on the actor's GPU). Start it with ``.start()`` (or let
-    :class:`torchrl_trl.CollectorCallback` do it); weights go through
-    ``collector.update_policy_weights_``.
-
-    Example (skipped by the doctest run: it starts Ray and a collector actor;
-    ``tests/test_ray.py`` runs it):
-
-    >>> from torchrl_trl import CollectorCallback, testing
+    >>> from torchrl_trl import testing
     >>> def env_factory():  # runs in the actor
     ...     return testing.make_chat_env([{"query": "1+1?", "answer": "2"}], batch_size=1)
     >>> def policy_factory():
@@ -145,9 +90,7 @@ def make_ray_collector(
     ...     return testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=4)
     >>> rb = make_ray_replay_buffer(256)  # doctest: +SKIP
     >>> collector = make_ray_collector(env_factory, policy_factory, rb, dialog_turns_per_batch=4)  # doctest: +SKIP
-    >>> cb = CollectorCallback(collector, replay_buffer=rb, min_buffer_size=4)  # doctest: +SKIP
-    >>> cb.remote  # doctest: +SKIP
-    True
+    >>> collector.start()  # doctest: +SKIP
     """
     _require_ray()
     dialog_turns_per_batch = positive_int(dialog_turns_per_batch, "dialog_turns_per_batch")
@@ -155,51 +98,30 @@ def make_ray_collector(
 
     client = replay_buffer.client() if hasattr(replay_buffer, "client") else replay_buffer
     return RayLLMCollector(
-        env=env_factory,
-        policy_factory=policy_factory,
-        dialog_turns_per_batch=dialog_turns_per_batch,
-        replay_buffer=client,
-        track_policy_version=track_policy_version,
-        remote_config={"num_cpus": num_cpus, "num_gpus": num_gpus},
-        **kwargs,
+        env=env_factory, policy_factory=policy_factory, dialog_turns_per_batch=dialog_turns_per_batch,
+        replay_buffer=client, track_policy_version=track_policy_version,
+        remote_config={"num_cpus": num_cpus, "num_gpus": num_gpus}, **kwargs,
     )
 
 
 def connect_ray_replay_buffer(
-    name: str,
-    *,
-    namespace: str | None = None,
-    address: str | None = None,
-    timeout: float | None = 30.0,
-    ray_init_config: dict[str, Any] | None = None,
+    name: str, *, namespace: str | None = None, address: str | None = None, timeout: float | None = 30.0,
+    ray_init_config: dict[str, Any] | None = None
 ):
-    """Attach this process to a named Ray buffer actor made by another process.
-
-    For several trainer processes reading one buffer: the driver creates it with
-    ``make_ray_replay_buffer(..., name=name, namespace=namespace)``, then every
-    ``torchrun`` rank calls this and hands the result to ``TorchRLBufferDataset``.
+    """Attach this process (e.g. each ``torchrun`` rank) to a named Ray buffer actor made by
+    another with ``make_ray_replay_buffer(..., name=name, namespace=namespace)``.
 
     Args:
         name: the actor's name.
-
-    Keyword Args:
         namespace: the actor's namespace (as given when it was made).
-        address: the cluster to join when Ray is not initialised in this process
-            (``"auto"``, ``"HOST:6379"``, or the creator's
-            ``ray.get_runtime_context().gcs_address``); ignored if it is.
-        timeout: seconds to wait for the actor to appear (ranks may start before it
-            exists); then ``LookupError`` listing the named actors that do exist
-            (``None``: wait as long as it takes).
+        address: the cluster to join when Ray is not initialised here (``"auto"``, ``"HOST:6379"``).
+        timeout: seconds to wait for the actor, then ``LookupError`` (``None``: no limit).
         ray_init_config: other ``ray.init`` arguments.
 
     Returns:
-        An :class:`AttachedRayReplayBuffer`: a ``torchrl.data.RayReplayBuffer`` (so
-        ``TorchRLBufferDataset`` accepts it) whose reads, writes and ``len`` go to the
-        actor (like any Ray buffer, ``save_buffer`` refuses it: its storage is remote). Its ``close()`` detaches this process only
-        (and leaves Ray if this call started it); the actor lives on, owned by its creator.
-
-    Example (skipped by the doctest run: it starts Ray; ``tests/test_ray_distributed.py``
-    runs it across torchrun ranks):
+        An ``AttachedRayReplayBuffer``: a ``torchrl.data.RayReplayBuffer`` whose reads, writes and
+        ``len`` go to the actor; its ``close()`` detaches this process only (and leaves Ray if
+        this call started it).
 
     >>> owner = make_ray_replay_buffer(64, name="rollouts", namespace="demo")  # doctest: +SKIP
     >>> view = connect_ray_replay_buffer("rollouts", namespace="demo")  # doctest: +SKIP
@@ -235,37 +157,27 @@ def _wait_for_actor(ray, name: str, namespace: str | None, timeout: float | None
                 break
             time.sleep(0.2)
     try:
-        known = sorted(
-            f"{a['namespace']}/{a['name']}" for a in ray.util.list_named_actors(all_namespaces=True)
-        )
+        known = sorted(f"{a['namespace']}/{a['name']}" for a in ray.util.list_named_actors(all_namespaces=True))
     except Exception:  # listing is only for the message
         known = ["<could not list>"]
     ns = namespace if namespace is not None else ray.get_runtime_context().namespace
     raise LookupError(
-        f"connect_ray_replay_buffer: no Ray actor named {name!r} in namespace {ns!r} after "
-        f"{timeout}s; named actors in the cluster: {known or 'none'}. Create it with "
-        "make_ray_replay_buffer(..., name=..., namespace=...)."
+        f"connect_ray_replay_buffer: no Ray actor named {name!r} in namespace {ns!r} after {timeout}s; named actors "
+        f"in the cluster: {known or 'none'}. Create it with make_ray_replay_buffer(..., name=..., namespace=...)."
     )
 
 
-_ATTACHED_CLASS = None
-
-
+@functools.cache
 def _attached_class():
-    global _ATTACHED_CLASS
-    if _ATTACHED_CLASS is not None:
-        return _ATTACHED_CLASS
     from torchrl.data import RayReplayBuffer
 
     from .._compat import bind_ray_replay_buffer
 
     class AttachedRayReplayBuffer(RayReplayBuffer):
-        """A ``RayReplayBuffer`` view of an actor another process owns (see
-        :func:`connect_ray_replay_buffer`): same reads/writes, no shutdown rights."""
+        """A ``RayReplayBuffer`` view of an actor another process owns: no shutdown rights."""
 
         def __init__(self, actor, *, lease=None):
-            # RayReplayBuffer.__init__ would create a new actor: bind this view to the
-            # existing one instead (the one private use, in torchrl_trl._compat)
+            # RayReplayBuffer.__init__ would create a new actor: bind to the existing one
             bind_ray_replay_buffer(self, actor)
             self._attached_actor = actor
             self._attached_lease = lease
@@ -290,12 +202,10 @@ def _attached_class():
     # pickled by reference to this module (its __getattr__ below)
     AttachedRayReplayBuffer.__module__ = __name__
     AttachedRayReplayBuffer.__qualname__ = "AttachedRayReplayBuffer"
-    _ATTACHED_CLASS = AttachedRayReplayBuffer
     return AttachedRayReplayBuffer
 
 
-def __getattr__(name: str):
-    # the class subclasses torchrl's RayReplayBuffer: built on first use, like the imports
+def __getattr__(name: str):  # the class subclasses torchrl's RayReplayBuffer: built on first use
     if name == "AttachedRayReplayBuffer":
         return _attached_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

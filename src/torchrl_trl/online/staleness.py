@@ -1,18 +1,4 @@
-"""Staleness: how many policy versions ago a stored rollout was generated.
-
-Rollouts carry the version of the policy that made them when the collector runs with
-``track_policy_version=True`` (TorchRL's ``PolicyVersion`` transform writes an int64
-``"policy_version"``, and ``("next", "policy_version")`` on steps). The *consumer version*
-is the version the trainer's weights have now (:class:`CollectorCallback` keeps it equal to
-the collector's ``policy_version``, bumped at every weight push).
-
-- Drop: pass a :class:`StalenessFilter` as ``sample_filter=`` of ``TorchRLBufferDataset``;
-  rows with ``staleness > max_staleness`` are not yielded, and are counted.
-- Down-weight: pass :meth:`StalenessFilter.weight_column` as a ``columns=`` entry; each row
-  gets ``weight_fn(staleness)`` (default ``1 / (1 + staleness)``) for the loss to use.
-- Online mode alternative: TorchRL's ``StalenessAwareSampler`` as the buffer's sampler
-  (:class:`CollectorCallback` updates its ``consumer_version`` too).
-"""
+"""Staleness: how many policy versions before the trainer's (consumer) version a row was generated."""
 
 from __future__ import annotations
 
@@ -27,8 +13,7 @@ from .._checks import WarnOnce, non_negative_int
 
 __all__ = ["StalenessFilter", "check_max_staleness", "collector_policy_version", "read_policy_version", "VERSION_KEYS"]
 
-#: where TorchRL puts the version: the step's ("next", ...) entry is the version at
-#: generation time; the root entry is the version when the prompt was reset.
+#: where TorchRL puts the version: ("next", ...) at generation time, the root one at reset
 VERSION_KEYS: tuple[NestedKey, ...] = (("next", "policy_version"), "policy_version")
 
 
@@ -38,15 +23,13 @@ def check_max_staleness(value) -> int | None:
 
 
 def collector_policy_version(collector) -> int | None:
-    """The collector's ``policy_version`` (an int with ``track_policy_version=True``), or
-    ``None`` when it does not track one."""
+    """The collector's ``policy_version`` (an int), or ``None`` when it tracks none."""
     version = getattr(collector, "policy_version", None)
     return version if isinstance(version, int) else None
 
 
 def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSION_KEYS) -> torch.Tensor:
-    """int64 ``[B]``: the policy version of each row (``B = batch.numel()``), from the first
-    of ``keys`` the batch has. Raises ``KeyError`` naming the keys tried and those present.
+    """int64 ``[B]``: each row's policy version, from the first of ``keys`` the batch has (else ``KeyError``).
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -59,10 +42,11 @@ def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSI
         if layouts.has_key(batch, key):
             values = layouts.read_column(batch, key)
             return torch.as_tensor([int(torch.as_tensor(v).reshape(-1)[0]) for v in values], dtype=torch.int64)
-    raise KeyError(
-        f"no policy version in the batch: tried {list(keys)}; available keys: "
-        f"{layouts.available_keys(batch)}. Run the collector with track_policy_version=True."
-    )
+    raise KeyError(f"no policy version in the batch: tried {list(keys)}; available keys: "
+                   f"{layouts.available_keys(batch)}. Run the collector with track_policy_version=True.")
+
+
+_COUNTS_LOCK = threading.Lock()  # module-level: a filter stays picklable for DataLoader workers
 
 
 def _inverse_staleness(staleness: torch.Tensor) -> torch.Tensor:
@@ -70,32 +54,23 @@ def _inverse_staleness(staleness: torch.Tensor) -> torch.Tensor:
 
 
 class StalenessFilter:
-    """Drop (and count) rows generated more than ``max_staleness`` versions ago.
-
-    A callable ``fn(batch) -> bool tensor [B]`` for ``TorchRLBufferDataset(sample_filter=...)``.
+    """Drop (and count) rows generated more than ``max_staleness`` versions ago: a callable
+    ``fn(batch) -> bool tensor [B]`` for ``TorchRLBufferDataset(sample_filter=...)``; or
+    down-weight them with :meth:`weight_column` as a ``columns=`` entry.
 
     Args:
-        max_staleness: largest accepted ``consumer_version - row_version`` (``None``: keep
-            all, only measure).
-
-    Keyword Args:
-        version_keys: keys tried in order to read each row's version (see
-            :data:`VERSION_KEYS`).
+        max_staleness: largest accepted ``consumer_version - row_version`` (``None``: keep all).
+        version_keys: keys tried in order to read each row's version (see :data:`VERSION_KEYS`).
         weight_fn: ``staleness (int64 [B]) -> float [B]`` for :meth:`weight_column`.
-        consumer_version: initial version of the trainer's weights (set by
-            :class:`CollectorCallback` after each weight push, or by hand).
+        consumer_version: initial version of the trainer's weights (then set by :class:`CollectorCallback`).
 
-    Counters (in shared memory, so DataLoader workers' drops are counted too; read by
-    :class:`CollectorMetricsCallback` into the trainer's logs): ``seen``, ``dropped``,
-    ``max_seen`` and ``stats()``.
+    Counters ``seen``, ``dropped``, ``max_seen``, ``stats()`` are shared with DataLoader workers.
 
-    >>> import torch, warnings
+    >>> import torch
     >>> from tensordict import TensorDict
     >>> batch = TensorDict({"next": {"policy_version": torch.tensor([0, 3, 5, 5])}}, [4])
     >>> filt = StalenessFilter(max_staleness=2, consumer_version=5)
-    >>> with warnings.catch_warnings():
-    ...     warnings.simplefilter("ignore")  # "dropping rows older than ...", warned once
-    ...     filt(batch).tolist()
+    >>> filt(batch).tolist()  # warns once: "dropping rows older than ..."
     [False, True, True, True]
     >>> [round(w, 3) for w in filt.weight_column(batch)]  # 1 / (1 + staleness), to down-weight instead
     [0.167, 0.333, 1.0, 1.0]
@@ -104,32 +79,16 @@ class StalenessFilter:
     """
 
     def __init__(
-        self,
-        max_staleness: int | None = None,
-        *,
-        version_keys: Sequence[NestedKey] = VERSION_KEYS,
-        weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        consumer_version: int = 0,
+        self, max_staleness: int | None = None, *, version_keys: Sequence[NestedKey] = VERSION_KEYS,
+        weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, consumer_version: int = 0
     ) -> None:
-        self.max_staleness = None if max_staleness is None else non_negative_int(max_staleness, "max_staleness")
+        self.max_staleness = check_max_staleness(max_staleness)
         self.version_keys = tuple(version_keys)
         self.weight_fn = weight_fn or _inverse_staleness
-        # the version and the counters live in shared memory, so DataLoader worker
-        # processes (which hold a pickled copy of the filter) see the trainer's version
-        # updates and their drops reach the trainer's logs
+        # shared memory: DataLoader workers' copies see version updates and count their drops
         self._version = torch.tensor([int(consumer_version)]).share_memory_()
         self._counts = torch.zeros(4, dtype=torch.int64).share_memory_()  # seen, dropped, sum, max
-        self._lock = threading.Lock()
         self._warnings = WarnOnce()  # per process; the counters above are the shared totals
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state.pop("_lock")
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     @property
     def consumer_version(self) -> int:
@@ -140,17 +99,9 @@ class StalenessFilter:
     def consumer_version(self, value: int) -> None:
         self._version[0] = int(value)
 
-    @property
-    def seen(self) -> int:
-        return int(self._counts[0])
-
-    @property
-    def dropped(self) -> int:
-        return int(self._counts[1])
-
-    @property
-    def max_seen(self) -> int:
-        return int(self._counts[3])
+    seen = property(lambda self: int(self._counts[0]), doc="Rows read.")
+    dropped = property(lambda self: int(self._counts[1]), doc="Rows dropped.")
+    max_seen = property(lambda self: int(self._counts[3]), doc="The largest staleness read.")
 
     def staleness(self, batch: TensorDictBase) -> torch.Tensor:
         """int64 ``[B]``: ``consumer_version - version`` of each row (clamped at 0)."""
@@ -160,17 +111,14 @@ class StalenessFilter:
         stale = self.staleness(batch)
         keep = torch.ones_like(stale, dtype=torch.bool) if self.max_staleness is None else stale <= self.max_staleness
         n_drop = int((~keep).sum())
-        with self._lock:  # within a process; across worker processes the counts may race
+        with _COUNTS_LOCK:  # within a process; across worker processes the counts may race
             self._counts[0] += stale.numel()
             self._counts[1] += n_drop
             self._counts[2] += int(stale.sum())
             self._counts[3] = max(int(self._counts[3]), int(stale.max()) if stale.numel() else 0)
-        self._warnings.add(
-            "dropped",
-            f"StalenessFilter: dropping rows older than max_staleness={self.max_staleness} "
-            f"versions (consumer_version={self.consumer_version}); counted in 'staleness/dropped'",
-            n=n_drop,
-        )
+        self._warnings.add("dropped", f"StalenessFilter: dropping rows older than max_staleness={self.max_staleness} "
+                           f"versions (consumer_version={self.consumer_version}); counted in 'staleness/dropped'",
+                           n=n_drop)
         return keep
 
     def weight_column(self, batch: TensorDictBase) -> list[float]:
