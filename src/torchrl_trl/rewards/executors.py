@@ -1,12 +1,5 @@
-"""Run reward functions one completion at a time, isolated, with a per-completion timeout.
-
-A rule reward (math verification, code execution) that hangs or crashes on one completion
-must not stop training. A :class:`RewardExecutor` says how; its ``build`` gives an item
-executor whose ``run(items, shared)`` calls ``funcs[i](**shared, **kwargs)`` for each
-``(i, kwargs)`` item and returns one :class:`ItemResult` per item, in order, never raising
-for one bad item. Every kind (``"process"``: :mod:`~torchrl_trl.rewards.process_pool`;
-``"thread"``, ``"ray"``, an ``Executor``) runs in one scheduler
-(:class:`~torchrl_trl.rewards.scheduler.ItemExecutor`).
+"""Run reward functions one completion at a time, isolated, with a per-completion timeout,
+so a rule reward that hangs or crashes on one completion does not stop training.
 """
 
 from __future__ import annotations
@@ -22,19 +15,8 @@ from torchrl_trl._threads import in_caller_modes
 
 from .scheduler import FAILURE_KINDS, ItemExecutor, ItemResult, _describe, call_item
 
-__all__ = [
-    "FAILURE_KINDS",
-    "MOVED_TO_EXECUTOR",
-    "ItemResult",
-    "RewardExecutor",
-    "ThreadItemExecutor",
-    "FuturesItemExecutor",
-    "RayItemExecutor",
-    "reward_executor",
-]
-
-#: seconds a new worker process may take to import the functions before it is an error
-STARTUP_TIMEOUT = 120.0
+__all__ = ["FAILURE_KINDS", "MOVED_TO_EXECUTOR", "ItemResult", "RewardExecutor", "ThreadItemExecutor",
+           "FuturesItemExecutor", "RayItemExecutor", "reward_executor"]
 
 _KINDS = ("process", "thread", "ray")
 
@@ -44,19 +26,19 @@ class RewardExecutor:
     """How reward functions run one completion at a time, isolated: the ``executor=`` of
     :class:`~torchrl_trl.rewards.RewardFunctionWrapper` and
     :func:`~torchrl_trl.rewards.as_trl_reward_func` (``executor="process"`` is
-    ``RewardExecutor("process")``; see :mod:`torchrl_trl.rewards.executors`).
+    ``RewardExecutor("process")``).
 
     Attributes:
         kind: ``"process"`` (default), ``"thread"``, ``"ray"`` or a
             ``concurrent.futures.Executor``.
         max_workers: completions run at once (default: the CPU count for process and
             Ray, ``min(32, cpus + 4)`` threads, an Executor's own size).
-        mp_context: ``"spawn"`` (default: fresh interpreters; ``"forkserver"`` means the
-            same) or ``"fork"`` (``kind="process"`` only).
+        mp_context: ``"spawn"`` (default; ``"forkserver"`` means the same) or ``"fork"``
+            (``kind="process"`` only).
         failure_reward: the reward of a completion that raised, timed out or crashed its
             worker; ``None`` (default): excluded, like TRL's ``None``.
         startup_timeout: seconds a new process or Ray worker may take to load the
-            functions and the shared arguments; never counted against ``timeout``.
+            functions and the shared arguments (default 120); not counted in ``timeout``.
 
     Examples:
         >>> RewardExecutor("thread", max_workers=2, failure_reward=0).failure_reward
@@ -71,7 +53,7 @@ class RewardExecutor:
     max_workers: int | None = None
     mp_context: str | None = None
     failure_reward: float | None = None
-    startup_timeout: float = STARTUP_TIMEOUT
+    startup_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS and not isinstance(self.kind, concurrent.futures.Executor):
@@ -107,9 +89,8 @@ MOVED_TO_EXECUTOR = {
 
 
 def reward_executor(executor, **moved) -> RewardExecutor | None:
-    """``executor=`` (``None``: run in the caller, a kind, an Executor or a
-    :class:`RewardExecutor`) as a :class:`RewardExecutor`, with the keywords of
-    :data:`MOVED_TO_EXECUTOR` given the old way applied.
+    """``executor=`` (``None``, a kind, an Executor or a :class:`RewardExecutor`) as a
+    :class:`RewardExecutor`, with the keywords of :data:`MOVED_TO_EXECUTOR` applied.
 
     >>> reward_executor("thread", max_workers=2).max_workers
     2
@@ -127,14 +108,9 @@ def reward_executor(executor, **moved) -> RewardExecutor | None:
     return replace(executor, **moved)
 
 
-# -- threads ---------------------------------------------------------------------------
-
-
 class ThreadItemExecutor(ItemExecutor):
-    """Each item in a daemon thread, at most ``max_workers`` at a time (abandoned threads
-    do not count). A thread past its deadline cannot be stopped: it is abandoned and
-    counted in :attr:`abandoned` (it keeps running; prefer ``"process"`` for code that
-    may loop forever)."""
+    """Each item in a daemon thread; one past its deadline is abandoned (it keeps running)
+    and counted in :attr:`abandoned`."""
 
     kind = "thread"
 
@@ -174,14 +150,9 @@ class ThreadItemExecutor(ItemExecutor):
         return self._late("thread abandoned")
 
 
-# -- a user's concurrent.futures.Executor ------------------------------------------------
-
-
 class FuturesItemExecutor(ItemExecutor):
-    """One ``executor.submit(call_item, func, kwargs)`` per item, at most ``max_workers``
-    in flight; the timeout counts from submission. A timed-out future is cancelled if it
-    has not started, else abandoned (it keeps its worker). A broken executor (a
-    ``ProcessPoolExecutor`` whose worker died) raises: it cannot run anything more."""
+    """One ``executor.submit`` per item, timed from submission; a timed-out future is
+    cancelled or abandoned. A broken executor raises: it cannot run anything more."""
 
     kind = "executor"
 
@@ -230,9 +201,6 @@ class FuturesItemExecutor(ItemExecutor):
         return self._late("cancelled" if future.cancel() else "abandoned")
 
 
-# -- Ray --------------------------------------------------------------------------------
-
-
 def _ray_call_item(funcs, index, shared, kwargs):
     return call_item(funcs[index], {**shared, **kwargs})
 
@@ -242,12 +210,9 @@ def _noop(**kwargs):
 
 
 class RayItemExecutor(ItemExecutor):
-    """One Ray task per item (``num_cpus=1``, no retries), at most ``max_workers`` in
-    flight; a task past its deadline is cancelled with ``force=True`` (its worker process
-    is killed); a dead worker fails only its item. Starts a local Ray if none is running.
-    The first call waits (up to ``startup_timeout``) for ``max_workers`` warm workers that
-    have loaded the shared arguments, so worker start-up does not count against
-    ``timeout``; the timeout counts from submission."""
+    """One Ray task per item (``num_cpus=1``, no retries); one past its deadline is
+    force-cancelled. The first call waits up to ``startup_timeout`` for ``max_workers``
+    warm workers, so start-up does not count against ``timeout``."""
 
     kind = "ray"
 

@@ -1,8 +1,5 @@
-"""The one scheduler every reward-function executor kind runs in: ``(function index,
-kwargs)`` items, at most ``max_workers`` at a time, each bounded by a deadline, one
-:class:`ItemResult` per item and never an exception for one bad item. The kinds
-(:mod:`~torchrl_trl.rewards.executors`, :mod:`~torchrl_trl.rewards.process_pool`) only say
-how an item is submitted, collected and given up on.
+"""The scheduler every reward-function executor kind runs in: ``(function index, kwargs)``
+items, at most ``max_workers`` at a time, each with a deadline, one :class:`ItemResult` each.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ FAILURE_KINDS = ("error", "timeout", "crash")
 
 @dataclass
 class ItemResult:
-    """What one item gave: ``status`` is ``"ok"`` (``value`` is the function's output) or
-    one of :data:`FAILURE_KINDS` (``detail`` says what happened)."""
+    """What one item gave: ``status`` ``"ok"`` (``value``) or one of :data:`FAILURE_KINDS`
+    (``detail``)."""
 
     status: str
     value: Any = None
@@ -39,10 +36,8 @@ class ItemResult:
 
 
 def call_item(func: Callable, kwargs: dict) -> tuple[Any, list]:
-    """``func(**kwargs)`` with ``log_extra``/``log_metric`` replaced by recorders (the
-    trainer's own cannot cross a process); an async function is run to completion.
-    Returns ``(output, logs)``, ``logs`` a list of ``("extra", column, values)`` and
-    ``("metric", name, value)``."""
+    """``(func(**kwargs), logs)``, awaited if async, with ``log_extra``/``log_metric``
+    recorded into ``logs`` as ``("extra", column, values)`` / ``("metric", name, value)``."""
     logs: list = []
     kwargs = dict(kwargs)
     if "log_extra" in kwargs:
@@ -71,11 +66,9 @@ def _left(deadline: float | None) -> float | None:
 
 
 class ItemExecutor:
-    """Runs ``(function index, kwargs)`` items, at most :attr:`max_workers` at a time,
-    each bounded by :attr:`timeout`. A subclass says how one item is submitted
-    (``_submit(slot, index, func_index, kwargs, shared) -> handle``), waited for
-    (``_collect(handles, wait_for) -> [(handle, ItemResult)]``, waiting at most
-    ``wait_for`` s) and given up on (``_cancel(handle) -> what happened``)."""
+    """Runs items, at most :attr:`max_workers` at a time, each bounded by :attr:`timeout`.
+    A subclass defines ``_submit(slot, index, func_index, kwargs, shared) -> handle``,
+    ``_collect(handles, wait_for) -> [(handle, ItemResult)]`` and ``_cancel(handle) -> detail``."""
 
     kind = "base"
 
@@ -124,10 +117,9 @@ class ItemExecutor:
         return results  # type: ignore[return-value]
 
     def _begin(self, shared: dict, n: int) -> None:
-        """Before the items of one ``run`` are submitted."""
+        pass
 
-    def _slot(self, running: dict):
-        """Where the next item can go now (``None``: wait)."""
+    def _slot(self, running: dict):  # where the next item can go now (None: wait)
         return True if len(running) < self.max_workers else None
 
     def _first_timeout(self) -> float | None:
