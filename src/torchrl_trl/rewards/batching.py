@@ -1,9 +1,5 @@
-"""Token-budget micro-batches: sort by length, pack, pad right, restore order.
-
-Sorting by length and packing consecutive sequences while ``rows * longest <=
-max_tokens_per_batch`` keeps the processed slots close to ``sum(L)`` and bounds the peak
-activation memory by the budget.
-"""
+"""Token-budget micro-batches: sorted by length, filled while ``rows * longest <=
+max_tokens_per_batch`` (padding close to none, peak memory bounded), padded right."""
 
 from __future__ import annotations
 
@@ -36,10 +32,9 @@ class RewardBatching:
         truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, where
             reward models pool), ``"keep_start"`` or ``"error"``.
         packing: score whole sequences back to back in one row per forward, no padding
-            (see :mod:`torchrl_trl.rewards.packing`; causal transformers decoders only).
-            On CPU a pack's attention costs ``T^2``: keep the budget near the longest.
-        pad_token_id: the id rows are right-padded with; ``None``: the model config's. A
-            model whose config has none gets this one set on ``model.config``.
+            (causal transformers decoders only; see :mod:`torchrl_trl.rewards.packing`).
+        pad_token_id: the id rows are right-padded with (set on a ``model.config`` without
+            one); ``None``: the model config's.
 
     Examples:
         >>> import torch
@@ -150,17 +145,10 @@ def _round_up(n: int, multiple: int | None) -> int:
     return n if not multiple or multiple <= 1 else -(-n // multiple) * multiple
 
 
-def plan_micro_batches(
-    lengths: torch.Tensor,
-    *,
-    max_tokens_per_batch: int | None,
-    max_batch_size: int | None = None,
-    pad_to_multiple_of: int | None = None,
-    min_fill: float | None = 0.95,
-) -> list[torch.Tensor]:
-    """Index tensors of the micro-batches of sequences of ``lengths`` (int64 ``[N]``),
-    longest first, together a permutation of ``range(N)``; arguments as
-    :class:`RewardBatching` (a sequence over the budget gets a micro-batch of its own)."""
+def plan_micro_batches(lengths: torch.Tensor, *, max_tokens_per_batch: int | None, max_batch_size: int | None = None,
+                       pad_to_multiple_of: int | None = None, min_fill: float | None = 0.95) -> list[torch.Tensor]:
+    """Index tensors of the micro-batches of sequences of ``lengths`` (int64 ``[N]``), longest
+    first, together a permutation of ``range(N)``; arguments as :class:`RewardBatching`."""
     RewardBatching(max_tokens_per_batch=max_tokens_per_batch, max_batch_size=max_batch_size,
                    min_fill=min_fill, pad_to_multiple_of=pad_to_multiple_of)  # checks them
     n = lengths.numel()

@@ -1,9 +1,5 @@
-"""``HFRewardModelWrapper``: a Hugging Face reward model as a TorchRL module.
-
-A drop-in superset of ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper``; what the
-model sees is a :class:`~torchrl_trl.rewards.render.RewardRenderer`'s job, how it is fed
-a :class:`~torchrl_trl.rewards.batching.RewardBatching`'s.
-"""
+"""``HFRewardModelWrapper``: a Hugging Face reward model as a TorchRL module, a drop-in
+superset of ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper``."""
 
 from __future__ import annotations
 
@@ -33,15 +29,9 @@ from .writing import write_rewards
 __all__ = ["HFRewardModelWrapper", "load_reward_model", "moved_arguments_error"]
 
 
-def load_reward_model(
-    path: str | os.PathLike,
-    *,
-    trust_remote_code: bool = False,
-    dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
-    load_tokenizer: bool = True,
-    **model_kwargs,
-) -> tuple[nn.Module, Any]:
+def load_reward_model(path: str | os.PathLike, *, trust_remote_code: bool = False,
+                      dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+                      load_tokenizer: bool = True, **model_kwargs) -> tuple[nn.Module, Any]:
     """``(model in eval mode, tokenizer or None)``: ``AutoModelForSequenceClassification``
     (safetensors only) and its tokenizer from a local directory (``trl.RewardTrainer``'s).
 
@@ -167,21 +157,12 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
     """
 
     def __init__(
-        self,
-        model: nn.Module | str | os.PathLike,
-        *,
-        token_key: NestedKey | None = None,
-        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY,
-        reward_key: NestedKey = "reward",
-        inference_mode: bool = False,
-        tokenizer: Any = None,
-        renderer: RewardRenderer | None = None,
-        batching: RewardBatching | None = None,
-        head_index: int | None = None,
-        reward_shape: RewardShape = "flat",
-        on_nonfinite: Literal["raise", "warn"] | float = "raise",
-        **moved,
-    ) -> None:
+        self, model: nn.Module | str | os.PathLike, *, token_key: NestedKey | None = None,
+        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY, reward_key: NestedKey = "reward",
+        inference_mode: bool = False, tokenizer: Any = None, renderer: RewardRenderer | None = None,
+        batching: RewardBatching | None = None, head_index: int | None = None, reward_shape: RewardShape = "flat",
+        on_nonfinite: Literal["raise", "warn"] | float = "raise", **moved,
+    ) -> None:  # fmt: skip
         owner = type(self).__name__
         removed = {k: v for k, v in moved.items() if k not in DEPRECATED}
         if removed:
@@ -195,12 +176,8 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         if head_index is not None and (type(head_index) is bool or not isinstance(head_index, int)):
             raise TypeError(f"head_index must be an int or None, got {head_index!r}")
         if batching.packing and (reason := packing_unsupported(model)) is not None:
-            raise ValueError(
-                f"RewardBatching(packing=True): {reason}; use packing=False (padded micro-batches)"
-            )
-        self.model = model
-        self.inference_mode = inference_mode
-        self.attention_mask_key = attention_mask_key
+            raise ValueError(f"RewardBatching(packing=True): {reason}; use packing=False (padded micro-batches)")
+        self.model, self.inference_mode, self.attention_mask_key = model, inference_mode, attention_mask_key
         self.batching, self.reward_shape, self.head_index = batching, reward_shape, head_index
         config = getattr(model, "config", None)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -225,17 +202,10 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         self.real_tokens = self.processed_tokens = 0
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | str | None = None,
-        trust_remote_code: bool = False,
-        model_kwargs: dict | None = None,
-        tokenizer: Any = None,
-        **wrapper_kwargs,
-    ) -> HFRewardModelWrapper:
+    def from_pretrained(cls, path: str | os.PathLike, *, device: torch.device | str | None = None,
+                        dtype: torch.dtype | str | None = None, trust_remote_code: bool = False,
+                        model_kwargs: dict | None = None, tokenizer: Any = None,
+                        **wrapper_kwargs) -> HFRewardModelWrapper:
         """Load a reward model from a local directory with :func:`load_reward_model` and
         wrap it; ``tokenizer`` replaces the one at ``path``, ``**wrapper_kwargs`` go to the
         constructor.
@@ -260,19 +230,14 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
             path, trust_remote_code=trust_remote_code, dtype=dtype, device=device,
             load_tokenizer=tokenizer is None, **(model_kwargs or {}),
         )  # fmt: skip
-        tokenizer = loaded_tok if tokenizer is None else tokenizer
-        return cls(model, tokenizer=tokenizer, **wrapper_kwargs)
+        return cls(model, tokenizer=loaded_tok if tokenizer is None else tokenizer, **wrapper_kwargs)
 
     @classmethod
     def for_grpo(cls, model, **kwargs) -> HFRewardModelWrapper:
         """TorchRL's GRPO convention: reward ``[*B, 1, 1]`` at ``("next", "reward")``, no
         gradients (all overridable); a path also takes :meth:`from_pretrained`'s arguments."""
-        kwargs.setdefault("reward_key", layouts.REWARD_KEY)
-        kwargs.setdefault("reward_shape", "step")
-        kwargs.setdefault("inference_mode", True)
-        if isinstance(model, (str, os.PathLike)):
-            return cls.from_pretrained(model, **kwargs)
-        return cls(model, **kwargs)
+        kwargs = {"reward_key": layouts.REWARD_KEY, "reward_shape": "step", "inference_mode": True, **kwargs}
+        return cls.from_pretrained(model, **kwargs) if isinstance(model, (str, os.PathLike)) else cls(model, **kwargs)
 
     def _resolve_pad(self, pad_token_id: int | None) -> int | None:
         config_pad = getattr(self._text_config, "pad_token_id", None)

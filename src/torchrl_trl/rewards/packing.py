@@ -1,13 +1,7 @@
-"""Packed scoring: several sequences in one flat row, no padding at all.
-
-A pack is whole sequences back to back, ``input_ids [1, T]``, with ``position_ids``
-restarting at 0 per sequence and no ``attention_mask``: for transformers' causal decoder
-``*ForSequenceClassification`` models, ``eager``/``sdpa``/``flex_attention`` then build a
-block-diagonal causal mask (a dense ``T x T``: keep packs short on CPU) and
-``flash_attention_2/3`` get ``cu_seq_lens_q/k`` (the varlen kernel). The score is pooled
-here as the model pools it: the base model's hidden state at each sequence's last token
-that is not ``config.pad_token_id`` goes through the ``score`` head. Non-attention layers
-(Mamba, linear attention) would carry state across sequences, so such models are refused.
+"""Packed scoring: whole sequences back to back in one row, ``position_ids`` restarting per
+sequence, no padding and no ``attention_mask`` (transformers then keeps the sequences apart
+for causal decoders; flash attention gets ``cu_seq_lens``). The score is pooled here as the
+model pools it: the ``score`` head on each sequence's last token that is not the pad id.
 """
 
 from __future__ import annotations
@@ -104,13 +98,8 @@ def plan_packs(
     return [torch.tensor(p, dtype=torch.long) for p in packs]
 
 
-def iter_packs(
-    ids: Ragged,
-    *,
-    pad_token_id: int | None,
-    max_tokens_per_batch: int | None,
-    max_batch_size: int | None = None,
-):
+def iter_packs(ids: Ragged, *, pad_token_id: int | None, max_tokens_per_batch: int | None,
+               max_batch_size: int | None = None):
     """Yield :class:`Pack` s covering every row of ``ids`` once; ``pad_token_id``: the id
     the model's pooling skips (``None``: pool at each sequence's last token)."""
     rows = ids.split()  # views; no repeat_interleave (slow with 2+ threads on a busy CPU)
@@ -141,10 +130,6 @@ def score_pack(model: nn.Module, pack: Pack) -> torch.Tensor:
         cu = torch.cat([pack.lengths.new_zeros(1), pack.lengths.cumsum(0)]).to(device, torch.int32)
         longest = int(pack.lengths.max())
         kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-    out = base(
-        input_ids=pack.input_ids.to(device),
-        position_ids=pack.position_ids.to(device),
-        use_cache=False,
-        **kwargs,
-    )
+    out = base(input_ids=pack.input_ids.to(device), position_ids=pack.position_ids.to(device), use_cache=False,
+               **kwargs)
     return model.score(out.last_hidden_state[0, pack.pool.to(device)])

@@ -1,8 +1,6 @@
-"""``executor="process"``: our own worker pool, a deadline per task (unlike ``ProcessPoolExecutor``).
-
-A task past its deadline has its worker killed and replaced; a worker that dies fails only
-its own item; workers die with the trainer. Workers are fresh interpreters that never import
-the trainer's ``__main__``; the functions are sent once per worker with cloudpickle.
+"""``executor="process"``: our own worker pool; a task past its deadline has its worker killed
+and replaced, a dead worker fails only its item. Workers are fresh interpreters (never the
+trainer's ``__main__``) that get the functions once, with cloudpickle, and die with the trainer.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import weakref
 
 import cloudpickle
 
-from .scheduler import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
+from .executors import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
 
 __all__ = ["ProcessItemExecutor"]
 
@@ -45,11 +43,10 @@ def _watch_trainer(trainer_pid: int) -> None:
         handle = os.pidfd_open(trainer_pid)  # Linux >= 5.3: readable once it exits
     except (AttributeError, OSError):
         handle = None
+    if handle is not None:
+        multiprocessing.connection.wait([handle])  # returns once the trainer exits
+        os._exit(1)
     while True:
-        if handle is not None:
-            if multiprocessing.connection.wait([handle], None):
-                os._exit(1)
-            continue
         time.sleep(1.0)
         try:
             os.kill(trainer_pid, 0)
@@ -58,8 +55,7 @@ def _watch_trainer(trainer_pid: int) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs this process when its parent exits (``PR_SET_PDEATHSIG``),
-    even while a task holds the GIL in C code."""
+    """Linux: SIGKILL this process when its parent exits, even while C code holds the GIL."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -77,8 +73,7 @@ _WORKER_COMMAND = (
 
 
 def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
-    """A worker process: load the functions (the first message of ``conn``, a connection or
-    its fd), then run tasks until told to stop."""
+    """A worker process: load the functions (``conn``'s first message), run tasks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if die_with_parent:
         _die_with_parent()
@@ -119,8 +114,7 @@ def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
 
 
 class _Worker:
-    """A worker process (``subprocess.Popen`` or forked ``multiprocessing.Process``), our end
-    of its pipe, and whether it loaded the functions (``ready``) and started its ``task``."""
+    """A worker process (``Popen`` or forked ``Process``), our end of its pipe, and its state."""
 
     def __init__(self, process, conn):
         self.process, self.conn = process, conn

@@ -155,8 +155,7 @@ class RewardModelService:
                     request.future.set_result(result)
 
     def _score_batch(self, batch: list[_Request]) -> list:
-        """One flush: the requests scored together, else one by one, so an error reaches
-        only the caller whose input caused it."""
+        """One flush: the requests scored together, else one by one (an error reaches its caller only)."""
         st = self._stats
         st["flushes"] += 1
         st["requests"] += len(batch)
@@ -244,19 +243,11 @@ class RewardServiceClient(RenderingScorer):
     """
 
     def __init__(
-        self,
-        model: str | os.PathLike,
-        *,
-        actor_name: str | None = None,
-        remote_config: dict[str, Any] | None = None,
-        timeout: float = 300.0,
-        start_timeout: float = 600.0,
-        max_wait_ms: float = 5.0,
-        reward_key: NestedKey = "reward",
-        reward_shape: str = "flat",
-        inference_mode: bool = True,
-        **kwargs,
-    ) -> None:
+        self, model: str | os.PathLike, *, actor_name: str | None = None,
+        remote_config: dict[str, Any] | None = None, timeout: float = 300.0, start_timeout: float = 600.0,
+        max_wait_ms: float = 5.0, reward_key: NestedKey = "reward", reward_shape: str = "flat",
+        inference_mode: bool = True, **kwargs,
+    ) -> None:  # fmt: skip
         owner = type(self).__name__
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(
@@ -289,8 +280,7 @@ class RewardServiceClient(RenderingScorer):
         self.model_path = os.path.abspath(os.fspath(model))
         self.actor_name, self.timeout = actor_name, float(timeout)
         self.namespace = options.get("namespace")
-        self.reward_shape = reward_shape
-        self.inference_mode = True
+        self.reward_shape, self.inference_mode = reward_shape, True
         settings = {k: v for k, v in kwargs.items() if k in MODEL_SIDE_ARGS}
         if "pad_token_id" in moved:
             settings["batching"] = checked_batching(settings.get("batching"), moved, owner)
@@ -310,9 +300,8 @@ class RewardServiceClient(RenderingScorer):
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(
-                self.model_path, trust_remote_code=bool(settings.get("trust_remote_code", False))
-            )
+            trust = bool(settings.get("trust_remote_code", False))
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust)
         self._bind_renderer(
             kwargs.get("renderer"), tokenizer, token_key=kwargs.get("token_key"),
             attention_mask_key=kwargs.get("attention_mask_key", layouts.ATTENTION_MASK_KEY),
@@ -378,8 +367,7 @@ def _is_number(value) -> bool:
 
 
 def _actor_options(remote_config: dict | None, moved: dict, actor_name: str | None) -> dict:
-    """The actor's Ray options: ``remote_config`` and the deprecated one-by-one options over
-    the defaults (a named actor is detached, ``get_if_exists``; restarts retry calls)."""
+    """The actor's Ray options: ``remote_config`` and the deprecated one-by-one ones over the defaults."""
     if remote_config is not None and not isinstance(remote_config, dict):
         raise TypeError(f"remote_config must be a dict of Ray actor options, got {remote_config!r}")
     given = {**{k: moved[k] for k in RAY_OPTIONS if k in moved}, **(remote_config or {})}
