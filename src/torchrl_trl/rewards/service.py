@@ -33,18 +33,11 @@ __all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError", "S
 CALLER_SIDE_ARGS = frozenset({"tokenizer", "renderer", "token_key", "attention_mask_key"})
 
 
-def _named_parameters(fn) -> set[str]:
-    return {
-        p.name for p in inspect.signature(fn).parameters.values()
-        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-    }  # fmt: skip
-
-
-#: the other :class:`HFRewardModelWrapper` arguments, applied inside the service (batching,
+#: the other named :class:`HFRewardModelWrapper` arguments, applied inside the service (batching,
 #: head, non-finite policy, device, dtype, ...); the write arguments stay with the caller
 MODEL_SIDE_ARGS = frozenset(
-    _named_parameters(HFRewardModelWrapper.__init__)
-    | _named_parameters(HFRewardModelWrapper.from_pretrained)
+    p.name for fn in (HFRewardModelWrapper.__init__, HFRewardModelWrapper.from_pretrained)
+    for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
 ) - {"self", "cls", "model", "path", "reward_key", "reward_shape", "inference_mode"} - CALLER_SIDE_ARGS
 #: arguments about the service itself (only valid with ``use_ray_service=True``)
 SERVICE_ARGS = frozenset({"actor_name", "remote_config", "timeout", "max_wait_ms", "start_timeout"})
