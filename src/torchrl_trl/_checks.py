@@ -1,30 +1,21 @@
-"""Small checks shared by every module: argument validation, key helpers, warn-once counters.
-
-One helper per concern, so every module words its errors and its once-only warnings alike.
-"""
+"""Small checks shared by every module: argument validation, key helpers, warn-once counters."""
 from __future__ import annotations
 
 import numbers
 import warnings
 from collections import Counter
 
-__all__ = [
-    "WarnOnce",
-    "key_tuple",
-    "moved_keywords",
-    "non_negative_int",
-    "positive_int",
-    "positive_seconds",
-    "strip_next",
-]
+__all__ = ["WarnOnce", "key_tuple", "moved_keywords", "non_negative_int", "positive_int", "positive_seconds",
+           "strip_next"]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def positive_int(value, name: str, *, allow_none: bool = False):
-    """``value`` if it is an int > 0 (or ``None`` when ``allow_none``), else a ``ValueError``
-    naming ``name``.
+    """``value`` if it is an int > 0 (or ``None`` when ``allow_none``), else a ``ValueError``.
 
-    >>> positive_int(4, "batch_size")
-    4
     >>> positive_int(0, "batch_size")
     Traceback (most recent call last):
     ...
@@ -32,36 +23,21 @@ def positive_int(value, name: str, *, allow_none: bool = False):
     """
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    if not _is_int(value) or value <= 0:
         expected = "a positive integer or None" if allow_none else "a positive integer"
         raise ValueError(f"{name} must be {expected}, got {value!r}")
     return int(value)
 
 
 def non_negative_int(value, name: str) -> int:
-    """``value`` if it is an int >= 0 (counts where 0 means "never" / "none"), else a
-    ``ValueError`` naming ``name``.
-
-    >>> non_negative_int(0, "reuse")
-    0
-    >>> non_negative_int(-1, "reuse")
-    Traceback (most recent call last):
-    ...
-    ValueError: reuse must be an integer >= 0, got -1
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    """``value`` if it is an int >= 0, else a ``ValueError`` naming ``name``."""
+    if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return int(value)
 
 
 def positive_seconds(value, name: str) -> float | None:
-    """``value`` as a float if it is a number > 0, ``None`` if ``None``, else a ``ValueError``.
-
-    >>> positive_seconds(2, "timeout")
-    2.0
-    >>> positive_seconds(None, "timeout") is None
-    True
-    """
+    """``value`` as a float if it is a number > 0, ``None`` if ``None``, else a ``ValueError``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
@@ -70,34 +46,19 @@ def positive_seconds(value, name: str) -> float | None:
 
 
 def key_tuple(key) -> tuple:
-    """A nested key as a tuple (``"reward"`` -> ``("reward",)``), so keys compare and
-    concatenate alike.
-
-    >>> key_tuple("reward"), key_tuple(("next", "reward"))
-    (('reward',), ('next', 'reward'))
-    """
+    """A nested key as a tuple: ``"reward"`` -> ``("reward",)``."""
     return (key,) if isinstance(key, str) else tuple(key)
 
 
 def strip_next(key):
-    """A nested key without its leading ``"next"``: where a transform writes what the env
-    later moves under ``"next"``.
-
-    >>> strip_next(("next", "reward"))
-    ('reward',)
-    >>> strip_next("reward")
-    'reward'
-    """
+    """A nested key without its leading ``"next"``: ``("next", "reward")`` -> ``("reward",)``."""
     if isinstance(key, tuple) and len(key) > 1 and key[0] == "next":
         return key[1:]
     return key
 
 
 class WarnOnce:
-    """Counts events per reason and warns the first time each reason occurs.
-
-    ``counts`` keeps the totals (what a user reads after a run); the warning is issued once
-    per reason, so a loop over millions of samples warns once, and nothing is silent.
+    """Counts events per reason in ``counts`` and warns the first time each reason occurs.
 
     >>> import warnings
     >>> skipped = WarnOnce()
@@ -124,17 +85,9 @@ class WarnOnce:
 
 
 def moved_keywords(owner: str, kwargs: dict, moved: dict[str, str]) -> dict:
-    """Accept the keywords of ``kwargs`` that moved elsewhere for one more release: each
-    one given warns with a ``DeprecationWarning`` naming its new home (``moved[name]``).
-    A keyword that never existed is a ``TypeError``, as Python raises for any call.
+    """``kwargs``, each one warning with a ``DeprecationWarning`` naming its new home
+    (``moved[name]``); a keyword not in ``moved`` is a ``TypeError``.
 
-    >>> import warnings
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     moved_keywords("Thing", {"old": 1}, {"old": "pass it to Other(old=...)"})
-    {'old': 1}
-    >>> print(caught[0].category.__name__, caught[0].message)
-    DeprecationWarning Thing(old=...) is deprecated and goes in the next release: pass it to Other(old=...)
     >>> moved_keywords("Thing", {"typo": 1}, {"old": "..."})
     Traceback (most recent call last):
     ...

@@ -1,8 +1,6 @@
-"""A callable run in a helper thread, bounded by a timeout: the one place for the idea.
+"""A callable run in a helper thread, bounded by a timeout (a late thread is abandoned).
 
-Python cannot stop a thread: one still running at its timeout is abandoned (a daemon
-thread) and the caller gets a ``TimeoutError`` naming what did not return. Imports
-neither torch nor the rest of this package (reward worker processes import it).
+Imports neither torch nor the rest of this package (reward worker processes import it).
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ __all__ = ["in_caller_modes", "run_async", "run_in_thread"]
 
 
 def in_caller_modes(fn: Callable) -> Callable:
-    """``fn`` run under the calling thread's torch grad and inference modes (torch keeps
-    both per thread); ``fn`` itself when torch is not imported."""
+    """``fn`` run under the calling thread's torch grad and inference modes (kept per thread)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return fn
@@ -33,16 +30,8 @@ def in_caller_modes(fn: Callable) -> Callable:
 
 def run_in_thread(fn: Callable[[], Any], timeout: float | None, message: str = "", *,
                   error: type = TimeoutError, name: str = "torchrl-trl-worker") -> Any:
-    """``fn()`` in a daemon thread under the caller's torch modes, waited for at most
-    ``timeout`` s (``None``: until it returns): its value, or its exception re-raised.
-    Past the timeout raises ``error(message)``, its ``thread`` the thread still running.
-
-    >>> import threading
-    >>> run_in_thread(threading.Event().wait, 0.01, "wait() did not return within 0.01s")
-    Traceback (most recent call last):
-    ...
-    TimeoutError: wait() did not return within 0.01s
-    """
+    """``fn()``'s value (or exception) from a daemon thread under the caller's torch modes;
+    past ``timeout`` s raises ``error(message)``, its ``thread`` the thread still running."""
     box: dict[str, Any] = {}
 
     def run():
@@ -65,9 +54,8 @@ def run_in_thread(fn: Callable[[], Any], timeout: float | None, message: str = "
 
 def run_async(awaitable: Awaitable, timeout: float | None = None, message: str = "", *,
               error: type = TimeoutError) -> Any:
-    """``awaitable``'s result, from synchronous code: ``asyncio.run`` here, or in a fresh
-    loop in a helper thread (:func:`run_in_thread`) when this thread already runs a loop
-    (a notebook, an async server) or a ``timeout`` bounds it."""
+    """``awaitable``'s result from synchronous code: ``asyncio.run``, in a helper thread
+    (:func:`run_in_thread`) when this thread already runs a loop or a ``timeout`` bounds it."""
 
     async def main():
         return await awaitable

@@ -1,13 +1,5 @@
-"""Token-budget micro-batches: sort by length, pack, pad right, restore order.
-
-:class:`RewardBatching` is the policy (budget, fill, width rounding, longest input,
-truncation, packing) a reward scorer is given; the functions below carry it out.
-
-A batch of ``N`` sequences of lengths ``L_i`` padded to ``max(L)`` costs ``N * max(L)``
-token slots. Sorting by length and packing consecutive sequences while
-``rows * longest <= max_tokens_per_batch`` makes the processed slots close to
-``sum(L)`` (padding efficiency ~1) and bounds the peak activation memory by the budget.
-"""
+"""Token-budget micro-batches: sorted by length, filled while ``rows * longest <=
+max_tokens_per_batch`` (padding close to none, peak memory bounded), padded right."""
 
 from __future__ import annotations
 
@@ -19,26 +11,7 @@ import torch
 from .._checks import non_negative_int, positive_int
 from ..layouts import Ragged
 
-__all__ = [
-    "MicroBatch",
-    "RewardBatching",
-    "check_fraction",
-    "iter_micro_batches",
-    "plan_micro_batches",
-    "truncate",
-]
-
-
-def check_fraction(name: str, value) -> float | None:
-    """``value`` as a float in ``(0, 1]``, or ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float in (0, 1] or None, got {value!r}")
-    if not 0 < value <= 1:
-        raise ValueError(f"{name} must be in (0, 1] (or None), got {value}")
-    return float(value)
-
+__all__ = ["MicroBatch", "RewardBatching", "plan_micro_batches"]
 
 Truncation = Literal["keep_end", "keep_start", "error"]
 
@@ -52,22 +25,16 @@ class RewardBatching:
             one forward over everything. Defaults to 16384.
         max_batch_size: optional cap on rows (sequences) per forward.
         min_fill: a micro-batch only holds sequences of at least ``min_fill`` x its
-            longest, so its padding efficiency is >= ``min_fill`` (``None``: budget only).
-            Defaults to 0.95 (0.9 left ~4% padding on a long-tailed batch).
+            longest (``None``: budget only). Defaults to 0.95.
         pad_to_multiple_of: round each micro-batch width up to this multiple.
         max_length: longest sequence fed to the model; ``None``: the model's
             ``max_position_embeddings`` when known. Longer ones follow ``truncation``.
-        truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, i.e.
-            the response and its EOS, where reward models pool), ``"keep_start"`` or
-            ``"error"``.
-        packing: score whole sequences back to back in one row per forward (at most
-            ``max_tokens_per_batch`` tokens and ``max_batch_size`` sequences), positions
-            restarting per sequence, no padding (see :mod:`torchrl_trl.rewards.packing`;
-            causal transformers ``*ForSequenceClassification`` models only). On CPU a
-            pack's attention costs ``T^2``: keep the budget near the longest sequence.
-        pad_token_id: the id rows are right-padded with; ``None``: the model config's (the
-            id HF's sequence classifiers pool against). A model whose config has none gets
-            this one set on ``model.config``, so batched forwards work.
+        truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, where
+            reward models pool), ``"keep_start"`` or ``"error"``.
+        packing: score whole sequences back to back in one row per forward, no padding
+            (causal transformers decoders only; see :mod:`torchrl_trl.rewards.packing`).
+        pad_token_id: the id rows are right-padded with (set on a ``model.config`` without
+            one); ``None``: the model config's.
 
     Examples:
         >>> import torch
@@ -98,7 +65,11 @@ class RewardBatching:
             positive_int(getattr(self, name), name, allow_none=True)
         if self.pad_token_id is not None:
             non_negative_int(self.pad_token_id, "pad_token_id")
-        check_fraction("min_fill", self.min_fill)
+        fill = self.min_fill
+        if fill is not None and (isinstance(fill, bool) or not isinstance(fill, (int, float))):
+            raise TypeError(f"min_fill must be a float in (0, 1] or None, got {fill!r}")
+        if fill is not None and not 0 < fill <= 1:
+            raise ValueError(f"min_fill must be in (0, 1] (or None), got {fill}")
         if self.truncation not in ("keep_end", "keep_start", "error"):
             raise ValueError(
                 f"truncation must be 'keep_end', 'keep_start' or 'error', got {self.truncation!r}"
@@ -108,43 +79,54 @@ class RewardBatching:
 
     def truncate(self, ids: Ragged, max_length: int | None = None) -> tuple[Ragged, int]:
         """``(ids cut to max_length per truncation, number cut)``; ``max_length``
-        defaults to :attr:`max_length`."""
-        return truncate(ids, self.max_length if max_length is None else max_length, self.truncation)
+        defaults to :attr:`max_length`. ``"error"`` raises a ``ValueError``."""
+        max_length = self.max_length if max_length is None else max_length
+        if max_length is None or len(ids) == 0:
+            return ids, 0
+        too_long = ids.lengths > max_length
+        n = int(too_long.sum())
+        if n == 0:
+            return ids, 0
+        if self.truncation == "error":
+            raise ValueError(
+                f"{n} sequence(s) exceed max_length={max_length} tokens (longest: "
+                f"{int(ids.lengths.max())}); pass truncation='keep_end' or 'keep_start', or a larger max_length"
+            )
+        seqs = list(ids.split())
+        for i in too_long.nonzero().flatten().tolist():
+            seqs[i] = seqs[i][-max_length:] if self.truncation == "keep_end" else seqs[i][:max_length]
+        return Ragged.from_list(seqs, dtype=ids.values.dtype), n
 
     def micro_batches(self, ids: Ragged, *, pad_token_id: int, equal_lengths: bool = False):
-        """Right-padded :class:`MicroBatch` es of ``ids`` by this policy;
+        """Yield right-padded :class:`MicroBatch` es covering every row of ``ids`` once;
         ``equal_lengths`` (a model that cannot be told what is padding) batches only
         sequences of one length together."""
-        return iter_micro_batches(
-            ids,
-            pad_token_id=pad_token_id,
-            max_tokens_per_batch=self.max_tokens_per_batch,
-            max_batch_size=self.max_batch_size,
-            pad_to_multiple_of=None if equal_lengths else self.pad_to_multiple_of,
-            min_fill=1.0 if equal_lengths else self.min_fill,
-        )
+        multiple = None if equal_lengths else self.pad_to_multiple_of
+        # row views + one masked copy per micro-batch: ``Ragged.select`` is slow on a busy CPU
+        rows = ids.split()
+        for index in plan_micro_batches(
+            ids.lengths, max_tokens_per_batch=self.max_tokens_per_batch, max_batch_size=self.max_batch_size,
+            pad_to_multiple_of=multiple, min_fill=1.0 if equal_lengths else self.min_fill,
+        ):  # fmt: skip
+            lengths = ids.lengths[index]
+            width = _round_up(max(max(lengths.tolist()), 1), multiple)  # Python max: no parallel reduction
+            mask = torch.arange(width) < lengths[:, None]
+            input_ids = ids.values.new_full((len(index), width), pad_token_id)
+            input_ids[mask] = torch.cat([rows[i] for i in index.tolist()])
+            yield MicroBatch(index, input_ids, mask.long())
 
     def packs(self, ids: Ragged, *, pad_token_id: int | None):
         """:class:`~torchrl_trl.rewards.packing.Pack` s of ``ids`` by this policy."""
         from .packing import iter_packs
 
-        return iter_packs(
-            ids,
-            pad_token_id=pad_token_id,
-            max_tokens_per_batch=self.max_tokens_per_batch,
-            max_batch_size=self.max_batch_size,
-        )
+        return iter_packs(ids, pad_token_id=pad_token_id, max_tokens_per_batch=self.max_tokens_per_batch,
+                          max_batch_size=self.max_batch_size)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One right-padded chunk of a :class:`Ragged` batch.
-
-    Attributes:
-        index: int64 ``[n]`` positions of these rows in the original batch.
-        input_ids: int64 ``[n, T]`` right-padded with the pad id.
-        attention_mask: int64 ``[n, T]``, 1 on real tokens.
-    """
+    """One right-padded chunk: ``index`` int64 ``[n]`` (rows in the original batch),
+    ``input_ids`` int64 ``[n, T]`` and ``attention_mask`` int64 ``[n, T]`` (1 on real tokens)."""
 
     index: torch.Tensor
     input_ids: torch.Tensor
@@ -160,30 +142,15 @@ class MicroBatch:
 
 
 def _round_up(n: int, multiple: int | None) -> int:
-    if not multiple or multiple <= 1:
-        return n
-    return -(-n // multiple) * multiple
+    return n if not multiple or multiple <= 1 else -(-n // multiple) * multiple
 
 
-def plan_micro_batches(
-    lengths: torch.Tensor,
-    *,
-    max_tokens_per_batch: int | None,
-    max_batch_size: int | None = None,
-    pad_to_multiple_of: int | None = None,
-    min_fill: float | None = 0.95,
-) -> list[torch.Tensor]:
-    """Split the indices of sequences of ``lengths`` (int64 ``[N]``) into micro-batches,
-    with the arguments of :class:`RewardBatching` (a sequence longer than the budget gets a
-    micro-batch of its own; ``min_fill`` holds before the width is rounded).
-
-    Returns:
-        index tensors, longest sequences first; together a permutation of ``range(N)``.
-    """
-    positive_int(max_tokens_per_batch, "max_tokens_per_batch", allow_none=True)
-    positive_int(max_batch_size, "max_batch_size", allow_none=True)
-    positive_int(pad_to_multiple_of, "pad_to_multiple_of", allow_none=True)
-    check_fraction("min_fill", min_fill)
+def plan_micro_batches(lengths: torch.Tensor, *, max_tokens_per_batch: int | None, max_batch_size: int | None = None,
+                       pad_to_multiple_of: int | None = None, min_fill: float | None = 0.95) -> list[torch.Tensor]:
+    """Index tensors of the micro-batches of sequences of ``lengths`` (int64 ``[N]``), longest
+    first, together a permutation of ``range(N)``; arguments as :class:`RewardBatching`."""
+    RewardBatching(max_tokens_per_batch=max_tokens_per_batch, max_batch_size=max_batch_size,
+                   min_fill=min_fill, pad_to_multiple_of=pad_to_multiple_of)  # checks them
     n = lengths.numel()
     if n == 0:
         return []
@@ -196,8 +163,7 @@ def plan_micro_batches(
     while start < n:
         width = _round_up(max(int(sorted_lengths[start]), 1), pad_to_multiple_of)
         rows = n - start
-        if max_tokens_per_batch is not None:
-            # descending order: the first row sets the width of the whole micro-batch
+        if max_tokens_per_batch is not None:  # descending order: the first row sets the width
             rows = min(rows, max(1, max_tokens_per_batch // width))
         if max_batch_size is not None:
             rows = min(rows, max_batch_size)
@@ -210,63 +176,3 @@ def plan_micro_batches(
         batches.append(order[start : start + rows])
         start += rows
     return batches
-
-
-def iter_micro_batches(
-    ids: Ragged,
-    *,
-    pad_token_id: int,
-    max_tokens_per_batch: int | None,
-    max_batch_size: int | None = None,
-    pad_to_multiple_of: int | None = None,
-    min_fill: float | None = 0.95,
-):
-    """Yield right-padded :class:`MicroBatch` es covering every row of ``ids`` once."""
-    # row views + one masked copy per micro-batch: no ``repeat_interleave``
-    # (``Ragged.select``), which takes milliseconds per call with 2+ threads on a busy CPU
-    rows = ids.split()
-    for index in plan_micro_batches(
-        ids.lengths,
-        max_tokens_per_batch=max_tokens_per_batch,
-        max_batch_size=max_batch_size,
-        pad_to_multiple_of=pad_to_multiple_of,
-        min_fill=min_fill,
-    ):
-        lengths = ids.lengths[index]
-        # Python max, not a parallel reduction
-        width = _round_up(max(max(lengths.tolist()), 1), pad_to_multiple_of)
-        mask = torch.arange(width) < lengths[:, None]
-        input_ids = ids.values.new_full((len(index), width), pad_token_id)
-        input_ids[mask] = torch.cat([rows[i] for i in index.tolist()])
-        yield MicroBatch(index, input_ids, mask.long())
-
-
-def truncate(
-    ids: Ragged, max_length: int | None, side: str
-) -> tuple[Ragged, int]:
-    """Cut sequences longer than ``max_length``.
-
-    Args:
-        side: ``"keep_end"`` keeps the last ``max_length`` tokens (the response and its
-            EOS, where reward models pool), ``"keep_start"`` the first ones, ``"error"``
-            raises.
-
-    Returns:
-        ``(ids, n_truncated)``.
-    """
-    if max_length is None or len(ids) == 0:
-        return ids, 0
-    too_long = ids.lengths > max_length
-    n = int(too_long.sum())
-    if n == 0:
-        return ids, 0
-    if side == "error":
-        worst = int(ids.lengths.max())
-        raise ValueError(
-            f"{n} sequence(s) exceed max_length={max_length} tokens (longest: {worst}); "
-            "pass truncation='keep_end' or 'keep_start', or a larger max_length"
-        )
-    seqs = list(ids.split())
-    for i in too_long.nonzero().flatten().tolist():
-        seqs[i] = seqs[i][-max_length:] if side == "keep_end" else seqs[i][:max_length]
-    return Ragged.from_list(seqs, dtype=ids.values.dtype), n

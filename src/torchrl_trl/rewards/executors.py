@@ -1,40 +1,149 @@
-"""Run reward functions one completion at a time, isolated, with a per-completion timeout.
-
-A rule reward (math verification, code execution) that hangs or crashes on one completion
-must not stop training. A :class:`RewardExecutor` says how; its ``build`` gives an item
-executor whose ``run(items, shared)`` calls ``funcs[i](**shared, **kwargs)`` for each
-``(i, kwargs)`` item and returns one :class:`ItemResult` per item, in order, never raising
-for one bad item. Every kind (``"process"``: :mod:`~torchrl_trl.rewards.process_pool`;
-``"thread"``, ``"ray"``, an ``Executor``) runs in one scheduler
-(:class:`~torchrl_trl.rewards.scheduler.ItemExecutor`).
-"""
+"""Reward functions run one completion at a time, isolated, with a per-completion timeout, every
+kind in one scheduler (:class:`ItemExecutor`). Worker processes import this module: no torch."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
+import os
 import queue
+import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torchrl_trl._checks import positive_int, positive_seconds
-from torchrl_trl._threads import in_caller_modes
+from torchrl_trl._threads import in_caller_modes, run_async
 
-from .scheduler import FAILURE_KINDS, ItemExecutor, ItemResult, _describe, call_item
+__all__ = ["FAILURE_KINDS", "MOVED_TO_EXECUTOR", "ItemExecutor", "ItemResult", "RewardExecutor", "ThreadItemExecutor",
+           "FuturesItemExecutor", "RayItemExecutor", "call_item", "reward_executor"]
 
-__all__ = [
-    "FAILURE_KINDS",
-    "MOVED_TO_EXECUTOR",
-    "ItemResult",
-    "RewardExecutor",
-    "ThreadItemExecutor",
-    "FuturesItemExecutor",
-    "RayItemExecutor",
-    "reward_executor",
-]
+#: the ways one item can fail: the function raised, ran past ``timeout``, or its worker died
+FAILURE_KINDS = ("error", "timeout", "crash")
 
-#: seconds a new worker process may take to import the functions before it is an error
-STARTUP_TIMEOUT = 120.0
+
+@dataclass
+class ItemResult:
+    """What one item gave: ``status`` ``"ok"`` (``value``) or one of :data:`FAILURE_KINDS` (``detail``)."""
+
+    status: str
+    value: Any = None
+    detail: str = ""
+    logs: list = field(default_factory=list)
+
+
+def call_item(func: Callable, kwargs: dict) -> tuple[Any, list]:
+    """``(func(**kwargs), logs)``, awaited if async, with ``log_extra``/``log_metric``
+    recorded into ``logs`` as ``("extra", column, values)`` / ``("metric", name, value)``."""
+    logs: list = []
+    kwargs = dict(kwargs)
+    if "log_extra" in kwargs:
+        kwargs["log_extra"] = lambda column, values: logs.append(("extra", column, list(values)))
+    if "log_metric" in kwargs:
+        kwargs["log_metric"] = lambda name, value: logs.append(("metric", name, value))
+    out = func(**kwargs)
+    if inspect.isawaitable(out):
+        out = run_async(out)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(out, torch.Tensor):
+        out = out.tolist()
+    return out, logs
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _deadline(seconds: float | None) -> float | None:
+    return None if seconds is None else time.monotonic() + seconds
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class ItemExecutor:
+    """Runs items, at most :attr:`max_workers` at a time, each bounded by :attr:`timeout`.
+    A subclass defines ``_submit(slot, index, func_index, kwargs, shared) -> handle``,
+    ``_collect(handles, wait_for) -> [(handle, ItemResult)]`` and ``_cancel(handle) -> detail``."""
+
+    kind = "base"
+
+    def __init__(self, funcs: Sequence[Callable], names: Sequence[str], timeout: float | None, config):
+        self.funcs, self.names, self.timeout = list(funcs), list(names), timeout
+        self.config, self.startup_timeout = config, config.startup_timeout
+        self.max_workers = config.max_workers or self._default_workers(os.cpu_count() or 1)
+        self._reset_runtime()
+
+    def _default_workers(self, cpus: int) -> int:
+        return cpus
+
+    def run(self, items: Sequence[tuple[int, dict]], shared: dict | None = None) -> list:
+        """One :class:`ItemResult` per item, in order; ``shared`` kwargs go to every call."""
+        if not items:
+            return []
+        items, shared = list(items), dict(shared or {})
+        results: list[ItemResult | None] = [None] * len(items)
+        pending = deque(range(len(items)))
+        with self._lock:
+            self._running = running = {}  # handle -> [item index, deadline]
+            self._begin(shared, len(items))
+            try:
+                while pending or running:
+                    while pending and (slot := self._slot(running)) is not None:
+                        index = pending.popleft()
+                        handle = self._submit(slot, index, *items[index], shared)
+                        if handle is None:  # the slot was gone (a dead idle worker): retry
+                            pending.appendleft(index)
+                            continue
+                        running[handle] = [index, _deadline(self._first_timeout())]
+                    first = min((d for _, d in running.values() if d is not None), default=None)
+                    for handle, result in self._collect(list(running), _left(first)):
+                        results[running.pop(handle)[0]] = result
+                    now = time.monotonic()
+                    for handle, (index, deadline) in list(running.items()):
+                        if deadline is not None and now >= deadline:
+                            del running[handle]
+                            results[index] = ItemResult("timeout", detail=self._cancel(handle))
+            except BaseException:  # interrupted (Ctrl-C, a bad argument): no stale task survives
+                for handle in list(running):
+                    self._cancel(handle)
+                raise
+        return results  # type: ignore[return-value]
+
+    def _begin(self, shared: dict, n: int) -> None:
+        pass
+
+    def _slot(self, running: dict):  # where the next item can go now (None: wait)
+        return True if len(running) < self.max_workers else None
+
+    def _first_timeout(self) -> float | None:
+        return self.timeout
+
+    def _late(self, how: str) -> str:
+        return f"no result within timeout={self.timeout}s; {how}"
+
+    def shutdown(self) -> None:
+        """Stop the workers (a later ``run`` starts new ones)."""
+
+    def __getstate__(self):
+        # a copy (deepcopy, pickling the wrapper) gets the configuration, not the workers
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(timeout={self.timeout}, max_workers={self.max_workers})"
+
 
 _KINDS = ("process", "thread", "ray")
 
@@ -44,19 +153,19 @@ class RewardExecutor:
     """How reward functions run one completion at a time, isolated: the ``executor=`` of
     :class:`~torchrl_trl.rewards.RewardFunctionWrapper` and
     :func:`~torchrl_trl.rewards.as_trl_reward_func` (``executor="process"`` is
-    ``RewardExecutor("process")``; see :mod:`torchrl_trl.rewards.executors`).
+    ``RewardExecutor("process")``).
 
     Attributes:
         kind: ``"process"`` (default), ``"thread"``, ``"ray"`` or a
             ``concurrent.futures.Executor``.
         max_workers: completions run at once (default: the CPU count for process and
             Ray, ``min(32, cpus + 4)`` threads, an Executor's own size).
-        mp_context: ``"spawn"`` (default: fresh interpreters; ``"forkserver"`` means the
-            same) or ``"fork"`` (``kind="process"`` only).
+        mp_context: ``"spawn"`` (default; ``"forkserver"`` means the same) or ``"fork"``
+            (``kind="process"`` only).
         failure_reward: the reward of a completion that raised, timed out or crashed its
             worker; ``None`` (default): excluded, like TRL's ``None``.
         startup_timeout: seconds a new process or Ray worker may take to load the
-            functions and the shared arguments; never counted against ``timeout``.
+            functions and the shared arguments (default 120); not counted in ``timeout``.
 
     Examples:
         >>> RewardExecutor("thread", max_workers=2, failure_reward=0).failure_reward
@@ -71,7 +180,7 @@ class RewardExecutor:
     max_workers: int | None = None
     mp_context: str | None = None
     failure_reward: float | None = None
-    startup_timeout: float = STARTUP_TIMEOUT
+    startup_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS and not isinstance(self.kind, concurrent.futures.Executor):
@@ -86,10 +195,9 @@ class RewardExecutor:
             raise ValueError(f"mp_context must be 'spawn', 'forkserver' or 'fork', got {ctx!r}")
         if self.failure_reward is not None:
             object.__setattr__(self, "failure_reward", float(self.failure_reward))
-        seconds = positive_seconds(self.startup_timeout, "startup_timeout")
-        if seconds is None:
+        if self.startup_timeout is None:
             raise ValueError("startup_timeout must be a positive number of seconds, got None")
-        object.__setattr__(self, "startup_timeout", seconds)
+        object.__setattr__(self, "startup_timeout", positive_seconds(self.startup_timeout, "startup_timeout"))
 
     def build(self, funcs: Sequence[Callable], names: Sequence[str], timeout: float | None):
         """The item executor running ``funcs`` (named ``names``), ``timeout`` s per item."""
@@ -107,9 +215,8 @@ MOVED_TO_EXECUTOR = {
 
 
 def reward_executor(executor, **moved) -> RewardExecutor | None:
-    """``executor=`` (``None``: run in the caller, a kind, an Executor or a
-    :class:`RewardExecutor`) as a :class:`RewardExecutor`, with the keywords of
-    :data:`MOVED_TO_EXECUTOR` given the old way applied.
+    """``executor=`` (``None``, a kind, an Executor or a :class:`RewardExecutor`) as a
+    :class:`RewardExecutor`, with the :data:`MOVED_TO_EXECUTOR` keywords applied.
 
     >>> reward_executor("thread", max_workers=2).max_workers
     2
@@ -127,20 +234,13 @@ def reward_executor(executor, **moved) -> RewardExecutor | None:
     return replace(executor, **moved)
 
 
-# -- threads ---------------------------------------------------------------------------
-
-
 class ThreadItemExecutor(ItemExecutor):
-    """Each item in a daemon thread, at most ``max_workers`` at a time (abandoned threads
-    do not count). A thread past its deadline cannot be stopped: it is abandoned and
-    counted in :attr:`abandoned` (it keeps running; prefer ``"process"`` for code that
-    may loop forever)."""
+    """Each item in a daemon thread; one past its deadline is abandoned (it keeps running)
+    and counted in :attr:`abandoned`."""
 
     kind = "thread"
 
-    def __init__(self, funcs, names, timeout, config):
-        super().__init__(funcs, names, timeout, config)
-        self.abandoned = 0
+    abandoned = 0  # threads past their deadline, still running
 
     def _default_workers(self, cpus):
         return min(32, cpus + 4)  # as the standard library's ThreadPoolExecutor
@@ -158,8 +258,7 @@ class ThreadItemExecutor(ItemExecutor):
             except BaseException as err:
                 done.put((index, ItemResult("error", detail=_describe(err))))
 
-        work = in_caller_modes(work)
-        threading.Thread(target=work, name="torchrl-trl-reward", daemon=True).start()
+        threading.Thread(target=in_caller_modes(work), name="torchrl-trl-reward", daemon=True).start()
         return index
 
     def _collect(self, busy, wait_for):
@@ -174,14 +273,9 @@ class ThreadItemExecutor(ItemExecutor):
         return self._late("thread abandoned")
 
 
-# -- a user's concurrent.futures.Executor ------------------------------------------------
-
-
 class FuturesItemExecutor(ItemExecutor):
-    """One ``executor.submit(call_item, func, kwargs)`` per item, at most ``max_workers``
-    in flight; the timeout counts from submission. A timed-out future is cancelled if it
-    has not started, else abandoned (it keeps its worker). A broken executor (a
-    ``ProcessPoolExecutor`` whose worker died) raises: it cannot run anything more."""
+    """One ``executor.submit`` per item, timed from submission; a timed-out future is
+    cancelled or abandoned. A broken executor raises: it cannot run anything more."""
 
     kind = "executor"
 
@@ -230,9 +324,6 @@ class FuturesItemExecutor(ItemExecutor):
         return self._late("cancelled" if future.cancel() else "abandoned")
 
 
-# -- Ray --------------------------------------------------------------------------------
-
-
 def _ray_call_item(funcs, index, shared, kwargs):
     return call_item(funcs[index], {**shared, **kwargs})
 
@@ -242,19 +333,15 @@ def _noop(**kwargs):
 
 
 class RayItemExecutor(ItemExecutor):
-    """One Ray task per item (``num_cpus=1``, no retries), at most ``max_workers`` in
-    flight; a task past its deadline is cancelled with ``force=True`` (its worker process
-    is killed); a dead worker fails only its item. Starts a local Ray if none is running.
-    The first call waits (up to ``startup_timeout``) for ``max_workers`` warm workers that
-    have loaded the shared arguments, so worker start-up does not count against
-    ``timeout``; the timeout counts from submission."""
+    """One Ray task per item (``num_cpus=1``, no retries), force-cancelled past its deadline;
+    the first call waits (``startup_timeout``) for ``max_workers`` warm workers."""
 
     kind = "ray"
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
-        self._remote = self._funcs_ref = self._shared_ref = None
-        self._job = None  # the Ray job the remote function and the refs belong to
+        # _job: the Ray job the remote function and the refs belong to
+        self._remote = self._funcs_ref = self._shared_ref = self._job = None
 
     def _begin(self, shared, n):
         import ray

@@ -1,19 +1,5 @@
-"""``HFRewardModelWrapper``: a Hugging Face reward model as a TorchRL module.
-
-A drop-in superset of ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper``: the
-same arguments with the same meaning and defaults (reward ``[*B]`` at top-level
-``"reward"``, gradients kept unless ``inference_mode=True``). What is added comes in
-pieces, each an object with one job:
-
-- :class:`~torchrl_trl.rewards.render.RewardRenderer`: what the model sees (tokens, text
-  or chat; which part; the EOS rule; re-tokenisation for a reward model with its own
-  tokenizer or chat template);
-- :class:`~torchrl_trl.rewards.batching.RewardBatching`: how it is fed (token budget,
-  fill, longest input, truncation, packing, pad id);
-- :meth:`HFRewardModelWrapper.from_pretrained`: loading (safetensors, device, dtype);
-- post-processing as TorchRL transforms composed after the scorer (``RewardScaling``,
-  ``RewardClipping``, :class:`~torchrl_trl.rewards.postprocess.RunningRewardNorm`).
-"""
+"""``HFRewardModelWrapper``: a Hugging Face reward model as a TorchRL module, a drop-in
+superset of ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper``."""
 
 from __future__ import annotations
 
@@ -33,7 +19,6 @@ from .._checks import WarnOnce, moved_keywords
 from .._token_ids import check_token_ids, check_tokenizer_fits, embedding_size
 from ..layouts import Ragged
 from .batching import RewardBatching
-from .loading import load_reward_model
 from .moved import DEPRECATED, checked_batching, moved_arguments_error
 from .packing import causal_classifier, packing_unsupported, score_pack
 from .postprocess import NonFiniteRewards, extract_scores, select_head
@@ -43,16 +28,34 @@ from .writing import write_rewards
 
 __all__ = ["HFRewardModelWrapper", "load_reward_model", "moved_arguments_error"]
 
-_OTHER_TOKEN_IDS = (
-    ": the tokens come from another tokenizer; pass RewardRenderer(policy_tokenizer=...) "
-    "(and the reward model's tokenizer) to re-tokenise"
-)
+
+def load_reward_model(path: str | os.PathLike, *, trust_remote_code: bool = False,
+                      dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+                      load_tokenizer: bool = True, **model_kwargs) -> tuple[nn.Module, Any]:
+    """``(model in eval mode, tokenizer or None)``: ``AutoModelForSequenceClassification``
+    (safetensors only) and its tokenizer from a local directory (``trl.RewardTrainer``'s).
+
+    >>> import tempfile
+    >>> from torchrl_trl import testing
+    >>> model, tokenizer = load_reward_model(testing.tiny_checkpoints(tempfile.mkdtemp()).reward_model)
+    >>> model.training, model.config.num_labels
+    (False, 1)
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.fspath(path)
+    kwargs = dict(use_safetensors=True, trust_remote_code=trust_remote_code, **model_kwargs)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+    model = model if device is None else model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code) if load_tokenizer else None
+    return model.eval(), tokenizer
 
 
 class RenderingScorer:
-    """What a reward-model scorer that renders its inputs itself shares: the bound
-    :class:`RewardRenderer`, and texts, chats and tensordicts scored through its
-    ``score_ids`` and written in TorchRL's convention."""
+    """A reward-model scorer rendering its own inputs: texts, chats and tensordicts scored
+    through its ``score_ids`` with the bound :class:`RewardRenderer`."""
 
     renderer: RewardRenderer
     reward_key: NestedKey
@@ -60,8 +63,7 @@ class RenderingScorer:
 
     def _bind_renderer(self, renderer, tokenizer, *, token_key, attention_mask_key, eos_token_id,
                        reward_key) -> None:  # fmt: skip
-        """Bind ``renderer`` (default ``RewardRenderer()``) to the reward model's tokenizer
-        (its EOS, else ``eos_token_id``) and keys; set the keys read and written."""
+        """Bind ``renderer`` (default ``RewardRenderer()``) to the tokenizer and keys."""
         renderer = RewardRenderer() if renderer is None else renderer
         if not isinstance(renderer, RewardRenderer):
             raise TypeError(f"renderer must be a RewardRenderer, got {type(renderer).__name__}")
@@ -72,8 +74,6 @@ class RenderingScorer:
         )  # fmt: skip
         self.tokenizer = tokenizer
         self.token_key = self.renderer.token_key
-        #: the keys read when every input is present (``input_mode="auto"`` falls back to
-        #: history or text, or to tokens, when the preferred input is absent)
         self.in_keys = self.renderer.in_keys()
         self.reward_key = reward_key
         self.out_keys = [reward_key]
@@ -83,32 +83,27 @@ class RenderingScorer:
         return self.score_ids(self.renderer.encode_texts(list(texts)))
 
     def score_messages(self, conversations: list[list[dict[str, str]]]) -> torch.Tensor:
-        """Rewards ``float32 [N]`` for chats (lists of ``{"role", "content"}`` dicts, or
-        TorchRL ``History``), rendered with the reward model's chat template."""
+        """Rewards ``float32 [N]`` for chats (``{"role", "content"}`` dicts or ``History``)."""
         return self.score_ids(self.renderer.encode_messages(list(conversations)))
 
     def score(self, tensordict: TensorDictBase) -> torch.Tensor:
-        """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened);
-        nothing is written."""
+        """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened)."""
         mode = self.renderer.resolve_mode(tensordict)
         where = f"{mode} at {self.renderer.in_keys(mode)[0]!r}"
         return self.score_ids(self.renderer.render(tensordict, mode), where=where)
 
-    def score_outputs(
-        self, tensordict: TensorDictBase, columns_td: TensorDictBase | None = None
-    ) -> list[torch.Tensor]:
-        """``[score(tensordict)]``: one ``[N]`` tensor per out key, as
-        :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` reads a scorer
-        (``columns_td`` is not read)."""
+    def score_outputs(self, tensordict: TensorDictBase,
+                      columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
+        """``[score(tensordict)]``, as :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`
+        reads a scorer (``columns_td`` is not read)."""
         return [self.score(tensordict)]
 
     def write(
         self, tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey | None = None, *,
         accumulate: bool = False,
     ) -> TensorDictBase:
-        """Write ``[N]`` rewards into ``tensordict`` at ``key`` (default :attr:`reward_key`)
-        with :func:`~torchrl_trl.rewards.writing.write_rewards`, shaped per
-        :attr:`reward_shape` (``accumulate``: add to a reward already there)."""
+        """Write ``[N]`` rewards at ``key`` (default :attr:`reward_key`) shaped per
+        :attr:`reward_shape`; ``accumulate`` adds to a reward already there."""
         key = self.reward_key if key is None else key
         return write_rewards(tensordict, rewards, key, self.reward_shape, accumulate=accumulate)
 
@@ -116,64 +111,33 @@ class RenderingScorer:
 class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
     """Score TorchRL LLM samples with a Hugging Face sequence-classification reward model.
 
-    Reads each sample's tokens, text or chat (as the :class:`RewardRenderer` says), scores
-    them in length-sorted, right-padded micro-batches (as the :class:`RewardBatching` says)
-    and writes one reward per sample.
+    Reads each sample's tokens, text or chat and writes one reward per sample.
 
     Args:
-        model: a loaded reward model (any ``*ForSequenceClassification`` or module whose
-            output has ``logits``/``rewards`` of shape ``[n]`` or ``[n, num_labels]``), used
-            where and as it is; or a local path, the same as :meth:`from_pretrained` with
-            its defaults.
+        model: a loaded reward model (output ``logits``/``rewards`` ``[n]`` or
+            ``[n, num_labels]``) used as it is, or a local path (:meth:`from_pretrained`).
 
     Keyword Args:
-        token_key: where token ids are read. Defaults to ``("tokens", part)``, i.e.
-            ``("tokens", "full")`` as upstream.
-        attention_mask_key: mask of real tokens; it must be present when tokens are read
-            (``KeyError`` otherwise, as upstream). ``None``: every stored token is real and
-            the model gets ``input_ids`` only, as upstream, unless a micro-batch holds
-            sequences of different lengths: then it also gets the padding mask (not a
-            causal transformers decoder, whose real tokens never see the right padding),
-            or, when its ``forward`` takes no ``attention_mask``, only equal lengths are
-            batched together.
-        reward_key: where the reward is written. Defaults to ``"reward"``.
-        inference_mode: ``True`` scores under ``torch.no_grad()``; ``False`` (default)
-            keeps the graph.
-        tokenizer: the reward model's tokenizer (loaded with a model given by path).
-            Needed for text and chat inputs and for re-tokenisation.
-        renderer: a :class:`RewardRenderer` (input mode, part, EOS rule, chat template
-            arguments, policy tokenizer). Defaults to ``RewardRenderer()``.
-        batching: a :class:`RewardBatching` (token budget, max batch size, fill, pad
-            multiple, max length, truncation, packing, pad id). Defaults to
-            ``RewardBatching()``; ``max_length`` defaults to the model config's.
+        token_key: where token ids are read (default ``("tokens", part)``).
+        attention_mask_key: mask of real tokens, required with tokens. ``None``: every
+            stored token is real (the mask is passed only where padding needs it).
+        reward_key: where the reward is written (default ``"reward"``).
+        inference_mode: ``True`` scores under ``torch.no_grad()`` (default ``False``).
+        tokenizer: the reward model's tokenizer, for text/chat inputs and re-tokenisation.
+        renderer: a :class:`RewardRenderer` (what the model sees).
+        batching: a :class:`RewardBatching` (how it is fed).
         head_index: which output of a multi-label head is the reward.
-        reward_shape: ``"flat"`` (``[*B]``, upstream), ``"trailing"`` (``[*B, 1]``) or
-            ``"step"`` (``[*B, 1, 1]``, TorchRL's GRPO convention; see
-            :mod:`torchrl_trl.rewards.shape`). :meth:`for_grpo` sets ``"step"`` and
-            ``("next", "reward")``.
-        on_nonfinite: ``"raise"`` (default) on NaN/inf scores, ``"warn"`` (counted in
-            :attr:`nonfinite_count`, warned once, kept) or a number written instead.
+        reward_shape: ``"flat"`` ``[*B]``, ``"trailing"`` ``[*B, 1]`` or ``"step"``
+            ``[*B, 1, 1]`` (see :mod:`torchrl_trl.rewards.shape`).
+        on_nonfinite: ``"raise"`` (default) on NaN/inf scores, ``"warn"`` or a number
+            written instead.
         pad_token_id: deprecated, use ``RewardBatching(pad_token_id=...)``.
 
-    The first four keyword arguments are upstream's, with the same meaning and defaults.
-    A module with no ``config`` and no pad id (a stand-in like upstream's tests use) gets
-    the stored ``input_ids`` + ``attention_mask`` as given, in row chunks of the token
-    budget, whenever the rows have one width and nothing is truncated or appended;
-    otherwise they are right-padded with 0 next to their mask.
-
     Attributes:
-        in_keys: the keys read when every input is present (see :meth:`RewardRenderer.in_keys`).
-        renderer: the renderer bound to this model (tokenizer, keys, EOS).
-        max_length: the longest input fed to the model.
-        num_embeddings: rows of the model's input embedding (``None`` if unknown).
         truncated_count, nonfinite_count: inputs truncated / non-finite rewards so far.
-        real_tokens, processed_tokens: token counters over all calls
-            (:attr:`padding_efficiency` = real / processed).
+        real_tokens, processed_tokens: token counters (:attr:`padding_efficiency`).
 
     Examples:
-        Ragged rollouts (TorchRL's default ``pad_output=False``) scored in TorchRL's GRPO
-        convention, then texts:
-
         >>> import tempfile, torch
         >>> from tensordict import TensorDict, lazy_stack
         >>> from torchrl_trl import testing
@@ -193,21 +157,12 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
     """
 
     def __init__(
-        self,
-        model: nn.Module | str | os.PathLike,
-        *,
-        token_key: NestedKey | None = None,
-        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY,
-        reward_key: NestedKey = "reward",
-        inference_mode: bool = False,
-        tokenizer: Any = None,
-        renderer: RewardRenderer | None = None,
-        batching: RewardBatching | None = None,
-        head_index: int | None = None,
-        reward_shape: RewardShape = "flat",
-        on_nonfinite: Literal["raise", "warn"] | float = "raise",
-        **moved,
-    ) -> None:
+        self, model: nn.Module | str | os.PathLike, *, token_key: NestedKey | None = None,
+        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY, reward_key: NestedKey = "reward",
+        inference_mode: bool = False, tokenizer: Any = None, renderer: RewardRenderer | None = None,
+        batching: RewardBatching | None = None, head_index: int | None = None, reward_shape: RewardShape = "flat",
+        on_nonfinite: Literal["raise", "warn"] | float = "raise", **moved,
+    ) -> None:  # fmt: skip
         owner = type(self).__name__
         removed = {k: v for k, v in moved.items() if k not in DEPRECATED}
         if removed:
@@ -221,19 +176,13 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         if head_index is not None and (type(head_index) is bool or not isinstance(head_index, int)):
             raise TypeError(f"head_index must be an int or None, got {head_index!r}")
         if batching.packing and (reason := packing_unsupported(model)) is not None:
-            raise ValueError(
-                f"RewardBatching(packing=True): {reason}; use packing=False (padded micro-batches)"
-            )
-        self.model = model
-        self.inference_mode = inference_mode
-        self.attention_mask_key = attention_mask_key
+            raise ValueError(f"RewardBatching(packing=True): {reason}; use packing=False (padded micro-batches)")
+        self.model, self.inference_mode, self.attention_mask_key = model, inference_mode, attention_mask_key
         self.batching, self.reward_shape, self.head_index = batching, reward_shape, head_index
         config = getattr(model, "config", None)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._text_config = text_config
-        self.max_length = batching.max_length
-        if self.max_length is None:
-            self.max_length = getattr(text_config, "max_position_embeddings", None)
+        self.max_length = batching.max_length or getattr(text_config, "max_position_embeddings", None)
         self.num_embeddings = embedding_size(model)
         check_tokenizer_fits(tokenizer, self.num_embeddings)
         self.pad_token_id = self._resolve_pad(batching.pad_token_id)
@@ -250,31 +199,16 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         self._causal = causal_classifier(model)
         self._nonfinite = NonFiniteRewards(on_nonfinite)
         self._truncations = WarnOnce(RuntimeWarning)
-        self.real_tokens = 0
-        self.processed_tokens = 0
+        self.real_tokens = self.processed_tokens = 0
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | str | None = None,
-        trust_remote_code: bool = False,
-        model_kwargs: dict | None = None,
-        tokenizer: Any = None,
-        **wrapper_kwargs,
-    ) -> HFRewardModelWrapper:
-        """Load a reward model from a local directory (e.g. ``trl.RewardTrainer``'s output)
-        with :func:`load_reward_model` (safetensors only, ``trust_remote_code=False``
-        unless asked, eval mode), and wrap it.
-
-        Args:
-            path: the directory.
-            device, dtype: where and in which dtype the model is placed.
-            trust_remote_code, model_kwargs: for ``from_pretrained``.
-            tokenizer: the reward model's tokenizer, instead of the one at ``path``.
-            **wrapper_kwargs: the constructor's keyword arguments.
+    def from_pretrained(cls, path: str | os.PathLike, *, device: torch.device | str | None = None,
+                        dtype: torch.dtype | str | None = None, trust_remote_code: bool = False,
+                        model_kwargs: dict | None = None, tokenizer: Any = None,
+                        **wrapper_kwargs) -> HFRewardModelWrapper:
+        """Load a reward model from a local directory with :func:`load_reward_model` and
+        wrap it; ``tokenizer`` replaces the one at ``path``, ``**wrapper_kwargs`` go to the
+        constructor.
 
         Examples:
             >>> import tempfile
@@ -296,27 +230,20 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
             path, trust_remote_code=trust_remote_code, dtype=dtype, device=device,
             load_tokenizer=tokenizer is None, **(model_kwargs or {}),
         )  # fmt: skip
-        tokenizer = loaded_tok if tokenizer is None else tokenizer
-        return cls(model, tokenizer=tokenizer, **wrapper_kwargs)
+        return cls(model, tokenizer=loaded_tok if tokenizer is None else tokenizer, **wrapper_kwargs)
 
     @classmethod
     def for_grpo(cls, model, **kwargs) -> HFRewardModelWrapper:
-        """TorchRL's GRPO convention: reward ``[*B, 1, 1]`` at ``("next", "reward")``,
-        scored without gradients (all overridable). ``model`` as for the constructor; a
-        path also takes :meth:`from_pretrained`'s loading arguments (``device=``, ...)."""
-        kwargs.setdefault("reward_key", layouts.REWARD_KEY)
-        kwargs.setdefault("reward_shape", "step")
-        kwargs.setdefault("inference_mode", True)
-        if isinstance(model, (str, os.PathLike)):
-            return cls.from_pretrained(model, **kwargs)
-        return cls(model, **kwargs)
+        """TorchRL's GRPO convention: reward ``[*B, 1, 1]`` at ``("next", "reward")``, no
+        gradients (all overridable); a path also takes :meth:`from_pretrained`'s arguments."""
+        kwargs = {"reward_key": layouts.REWARD_KEY, "reward_shape": "step", "inference_mode": True, **kwargs}
+        return cls.from_pretrained(model, **kwargs) if isinstance(model, (str, os.PathLike)) else cls(model, **kwargs)
 
     def _resolve_pad(self, pad_token_id: int | None) -> int | None:
         config_pad = getattr(self._text_config, "pad_token_id", None)
         if pad_token_id is None:
             return config_pad
         if config_pad is None and self._text_config is not None:
-            # HF sequence classifiers pool at the right-most token != config.pad_token_id
             self._text_config.pad_token_id = pad_token_id
         elif config_pad is not None and config_pad != pad_token_id:
             raise ValueError(
@@ -325,8 +252,6 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
                 "changes rewards"
             )
         return pad_token_id
-
-    # -- scoring -------------------------------------------------------------------
 
     @property
     def nonfinite_count(self) -> int:
@@ -342,9 +267,9 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         return self.real_tokens / self.processed_tokens if self.processed_tokens else 1.0
 
     def check_ids(self, ids: Ragged, where: str) -> Ragged:
-        """``ids`` if they are token ids this model can embed (see
-        :func:`~torchrl_trl._token_ids.check_token_ids`), else an error naming ``where``."""
-        hint = _OTHER_TOKEN_IDS
+        """``ids`` if this model can embed them, else an error naming ``where``."""
+        hint = (": the tokens come from another tokenizer; pass RewardRenderer(policy_tokenizer=...) "
+                "(and the reward model's tokenizer) to re-tokenise")
         return check_token_ids(ids, where, num_embeddings=self.num_embeddings, hint=hint)
 
     def _model_device(self) -> torch.device:
@@ -355,80 +280,61 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         return torch.no_grad() if self.inference_mode else contextlib.nullcontext()
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        """One model call -> float ``[n]`` scores (head selected, not post-processed).
-        ``attention_mask=`` is omitted when ``attention_mask_key`` is ``None`` and nothing
-        is padding."""
+        """One model call -> float ``[n]`` scores (head selected)."""
         device = self._model_device()
         inputs = {"input_ids": input_ids.to(device)}
-        if attention_mask is not None and not (
-            self.attention_mask_key is None and bool(attention_mask.all())
-        ):
+        if attention_mask is not None and not (self.attention_mask_key is None and bool(attention_mask.all())):
             inputs["attention_mask"] = attention_mask.to(device)
         out = self.model(**inputs)
         return select_head(extract_scores(out), self.head_index, input_ids.shape[0]).float()
 
     def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
-        """Rewards ``float32 [N]`` on the model's device for reward-model token ids (one
-        sample per row of ``ids``), in the order given (head selected, non-finite scores
-        handled per ``on_nonfinite``). ``where`` names the input in error messages."""
+        """Rewards ``float32 [N]`` on the model's device for reward-model token ids, one per
+        row, in order; ``where`` names the input in error messages."""
         self.check_ids(ids, where)
         ids, n_cut = self.batching.truncate(ids, self.max_length)
         self._truncations.add(
-            "truncated",
-            f"{n_cut} reward-model input(s) longer than max_length={self.max_length} were "
-            f"truncated ({self.batching.truncation}); counted in truncated_count",
-            n=n_cut,
-            stacklevel=4,
-        )
-        n = len(ids)
-        if n == 0:
+            "truncated", f"{n_cut} reward-model input(s) longer than max_length={self.max_length} were "
+            f"truncated ({self.batching.truncation}); counted in truncated_count", n=n_cut, stacklevel=4,
+        )  # fmt: skip
+        if len(ids) == 0:
             return torch.zeros(0, device=self._model_device())
-        pad = self.pad_token_id
-        # a model that takes no mask cannot tell padding: equal lengths only
-        equal_lengths = self.attention_mask_key is None and not self._model_takes_mask
+        pad, packing = self.pad_token_id, self.batching.packing
+        if packing:
+            parts = self.batching.packs(ids, pad_token_id=pad)
+        else:  # a model that takes no mask cannot tell padding: equal lengths only
+            equal = self.attention_mask_key is None and not self._model_takes_mask
+            parts = self.batching.micro_batches(ids, pad_token_id=0 if pad is None else pad, equal_lengths=equal)
         scores, order = [], []
         with self._no_grad():
-            if self.batching.packing:
-                for pack in self.batching.packs(ids, pad_token_id=pad):
-                    self.real_tokens += pack.real_tokens
-                    self.processed_tokens += pack.processed_tokens
-                    score = score_pack(self.model, pack)
-                    scores.append(select_head(score, self.head_index, len(pack.index)).float())
-                    order.append(pack.index)
-            else:
-                batches = self.batching.micro_batches(
-                    ids, pad_token_id=0 if pad is None else pad, equal_lengths=equal_lengths
-                )
-                for mb in batches:
-                    needs_pad = mb.processed_tokens != mb.real_tokens or mb.index.numel() > 1
-                    if pad is None and needs_pad and self._text_config is not None:
-                        raise ValueError(
-                            "the reward model has no pad token (model.config.pad_token_id is "
-                            "None) so a padded batch cannot be pooled; pass batching="
-                            "RewardBatching(pad_token_id=...) (RewardTrainer uses "
-                            "tokenizer.pad_token, else eos) or RewardBatching(max_batch_size=1)"
-                        )
-                    self.real_tokens += mb.real_tokens
-                    self.processed_tokens += mb.processed_tokens
-                    mask = None if self._causal else mb.attention_mask
-                    scores.append(self._forward(mb.input_ids, mask))
-                    order.append(mb.index)
+            for part in parts:
+                needs_pad = part.processed_tokens != part.real_tokens or part.index.numel() > 1
+                if not packing and pad is None and needs_pad and self._text_config is not None:
+                    raise ValueError(
+                        "the reward model has no pad token (model.config.pad_token_id is "
+                        "None) so a padded batch cannot be pooled; pass batching="
+                        "RewardBatching(pad_token_id=...) (RewardTrainer uses "
+                        "tokenizer.pad_token, else eos) or RewardBatching(max_batch_size=1)"
+                    )
+                self.real_tokens += part.real_tokens
+                self.processed_tokens += part.processed_tokens
+                if packing:
+                    scores.append(select_head(score_pack(self.model, part), self.head_index, len(part.index)).float())
+                else:
+                    scores.append(self._forward(part.input_ids, None if self._causal else part.attention_mask))
+                order.append(part.index)
         flat = torch.cat(scores)
-        inverse = torch.empty_like(torch.cat(order))
-        inverse[torch.cat(order)] = torch.arange(n)
-        return self._nonfinite(flat[inverse.to(flat.device)])
+        return self._nonfinite(flat[torch.argsort(torch.cat(order)).to(flat.device)])
 
     def _given_tokens(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The stored ``[N, T]`` ids (and mask) as they are, when a stand-in module gets
-        them so (see the class doc); ``None`` when the general path applies."""
+        """The stored ``[N, T]`` ids (and mask) for a stand-in module, else ``None``."""
         r = self.renderer
         if r.part != "full" or not r.keeps_tokens or r.resolve_mode(td) != "tokens":
             return None
         self.check_ids(r.read_token_ids(td), f"tokens at {self.token_key!r}")  # mask present
         rows = layouts.read_column(td, self.token_key)
-        if len({tuple(t.shape) for t in rows}) != 1 or rows[0].ndim != 1:
-            return None
-        if self.max_length is not None and rows[0].shape[0] > self.max_length:
+        one_width = len({tuple(t.shape) for t in rows}) == 1 and rows[0].ndim == 1
+        if not one_width or (self.max_length is not None and rows[0].shape[0] > self.max_length):
             return None
         ids = torch.stack(rows)
         if self.attention_mask_key is None:
@@ -449,28 +355,19 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         rows = n if budget is None else max(1, budget // max(width, 1))
         rows = min(rows, cap or rows)
         with self._no_grad():
-            scores = [
-                self._forward(ids[i : i + rows], None if mask is None else mask[i : i + rows])
-                for i in range(0, n, rows)
-            ]
+            scores = [self._forward(ids[i : i + rows], None if mask is None else mask[i : i + rows])
+                      for i in range(0, n, rows)]
         self.real_tokens += int(mask.sum()) if mask is not None else ids.numel()
         self.processed_tokens += ids.numel()
         return self._nonfinite(torch.cat(scores))
 
     def score(self, tensordict: TensorDictBase) -> torch.Tensor:
-        """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened),
-        on the model's device; nothing is written."""
+        """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened)."""
         given = self._given_tokens(tensordict) if self._as_given else None
         return super().score(tensordict) if given is None else self._score_given(*given)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Score ``tensordict`` and write the reward at ``reward_key`` (in place).
-
-        Reads tokens at ``token_key`` (+ ``attention_mask_key``), or ``("text", part)`` /
-        ``("history", part)``; any batch shape. Writes ``reward_key`` shaped
-        ``batch_size`` (+ ``(1,)`` / ``(1, 1)`` per :attr:`reward_shape`) on the
-        tensordict's device.
-        """
+        """Score ``tensordict`` (any batch shape) and write the reward at ``reward_key``."""
         return self.write(tensordict, self.score(tensordict))
 
 

@@ -1,25 +1,7 @@
-"""Packed scoring: several sequences in one flat row, no padding at all.
-
-A pack is the concatenation of whole sequences, ``input_ids [1, T]``, with
-``position_ids`` restarting at 0 at each sequence start and no ``attention_mask``. For
-transformers' decoder ``*ForSequenceClassification`` models (the ``GenericForSequence
-Classification`` family: Llama, Qwen2/3, Mistral, Gemma, ...) this is all the attention
-needs (transformers 5.x):
-
-- ``eager`` / ``sdpa`` / ``flex_attention``: ``masking_utils.create_causal_mask`` sees
-  ``attention_mask=None``, no cache and ``position_ids`` that restart
-  (``find_packed_sequence_indices``) and builds a block-diagonal causal mask
-  (``packed_sequence_mask_function``). It is a dense ``T x T`` mask: the attention of a
-  pack costs ``T^2`` however short its sequences, so on CPU keep packs short.
-- ``flash_attention_2/3``: the varlen kernel, given ``cu_seq_lens_q/k`` and
-  ``max_length_q/k`` here (``_flash_attention_forward``); attention costs ``sum(L_i^2)``.
-
-The model's own pooling needs padded rows, so the score is pooled here: the base model's
-last hidden state at each sequence's last token that is not ``config.pad_token_id``
-(index 0 of the sequence when all are; the last token when the model has no pad id) --
-the token ``GenericForSequenceClassification.forward`` pools -- goes through the
-model's ``score`` head. Layers that are not attention (Mamba, linear attention) would
-carry state across sequences, so such models are refused.
+"""Packed scoring: whole sequences back to back in one row, ``position_ids`` restarting per
+sequence, no padding and no ``attention_mask`` (transformers then keeps the sequences apart
+for causal decoders; flash attention gets ``cu_seq_lens``). The score is pooled here as the
+model pools it: the ``score`` head on each sequence's last token that is not the pad id.
 """
 
 from __future__ import annotations
@@ -40,20 +22,12 @@ PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "fla
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 
-def _generic_classifier_type():
-    try:
-        from transformers.modeling_layers import GenericForSequenceClassification
-    except ImportError:  # transformers < 4.54
-        return None
-    return GenericForSequenceClassification
-
-
 def causal_classifier(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers decoder ``*ForSequenceClassification`` with
-    causal attention: a real token never attends to a later position, so right padding
-    needs no attention mask and packed sequences only need restarting positions."""
-    generic = _generic_classifier_type()
-    if generic is None or not isinstance(model, generic):
+    causal attention (right padding needs no mask, packing only restarting positions)."""
+    from transformers.modeling_layers import GenericForSequenceClassification
+
+    if not isinstance(model, GenericForSequenceClassification):
         return False
     config = model.config.get_text_config()
     return getattr(config, "is_causal", True) is not False and not getattr(
@@ -84,15 +58,9 @@ def packing_unsupported(model: nn.Module) -> str | None:
 
 @dataclass(frozen=True)
 class Pack:
-    """Whole sequences concatenated into one row.
-
-    Attributes:
-        index: int64 ``[n]`` positions of these sequences in the original batch.
-        input_ids: int64 ``[1, T]`` the sequences back to back.
-        position_ids: int64 ``[1, T]``, restarting at 0 at each sequence.
-        pool: int64 ``[n]`` where in the row each sequence's score is read.
-        lengths: int64 ``[n]`` sequence lengths.
-    """
+    """Whole sequences in one row: ``index`` int64 ``[n]`` (positions in the original
+    batch), ``input_ids`` and ``position_ids`` (restarting per sequence) int64 ``[1, T]``,
+    ``pool`` int64 ``[n]`` (where each score is read) and ``lengths`` int64 ``[n]``."""
 
     index: torch.Tensor
     input_ids: torch.Tensor
@@ -110,9 +78,9 @@ class Pack:
 def plan_packs(
     lengths: torch.Tensor, *, max_tokens_per_batch: int | None, max_batch_size: int | None = None
 ) -> list[torch.Tensor]:
-    """Indices of the sequences of each pack: longest first, each pack filled up to
-    ``max_tokens_per_batch`` tokens (a longer sequence gets a pack of its own) and at
-    most ``max_batch_size`` sequences. Together a permutation of ``range(N)``."""
+    """Indices of the sequences of each pack, longest first, each up to
+    ``max_tokens_per_batch`` tokens (or one longer sequence) and ``max_batch_size``
+    sequences; together a permutation of ``range(N)``."""
     positive_int(max_tokens_per_batch, "max_tokens_per_batch", allow_none=True)
     positive_int(max_batch_size, "max_batch_size", allow_none=True)
     order = torch.sort(lengths, descending=True, stable=True).indices
@@ -130,15 +98,10 @@ def plan_packs(
     return [torch.tensor(p, dtype=torch.long) for p in packs]
 
 
-def iter_packs(
-    ids: Ragged,
-    *,
-    pad_token_id: int | None,
-    max_tokens_per_batch: int | None,
-    max_batch_size: int | None = None,
-):
-    """Yield :class:`Pack` s covering every row of ``ids`` once. ``pad_token_id`` is the
-    id the model's pooling skips (``None``: pool at each sequence's last token)."""
+def iter_packs(ids: Ragged, *, pad_token_id: int | None, max_tokens_per_batch: int | None,
+               max_batch_size: int | None = None):
+    """Yield :class:`Pack` s covering every row of ``ids`` once; ``pad_token_id``: the id
+    the model's pooling skips (``None``: pool at each sequence's last token)."""
     rows = ids.split()  # views; no repeat_interleave (slow with 2+ threads on a busy CPU)
     for index in plan_packs(ids.lengths, max_tokens_per_batch=max_tokens_per_batch, max_batch_size=max_batch_size):
         parts = [rows[i] for i in index.tolist()]
@@ -167,10 +130,6 @@ def score_pack(model: nn.Module, pack: Pack) -> torch.Tensor:
         cu = torch.cat([pack.lengths.new_zeros(1), pack.lengths.cumsum(0)]).to(device, torch.int32)
         longest = int(pack.lengths.max())
         kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-    out = base(
-        input_ids=pack.input_ids.to(device),
-        position_ids=pack.position_ids.to(device),
-        use_cache=False,
-        **kwargs,
-    )
+    out = base(input_ids=pack.input_ids.to(device), position_ids=pack.position_ids.to(device), use_cache=False,
+               **kwargs)
     return model.score(out.last_hidden_state[0, pack.pool.to(device)])

@@ -1,17 +1,12 @@
-"""``executor="process"``: a pool of worker processes of our own, a deadline per task.
-
-The standard ``ProcessPoolExecutor`` cannot stop a running task. Here a task past its
-deadline has its worker killed (SIGKILL) and replaced; a worker that dies (segfault,
-``os._exit``) fails only its own item and is replaced; a worker dies with the trainer.
-Workers are fresh interpreters that never import the trainer's ``__main__`` (so an
-unguarded script, ``python -`` and a notebook work); the functions are sent once per
-worker with cloudpickle (by value those of ``__main__``, a notebook or a lambda; by
-reference those of an importable module), arguments once per item, over a private pipe.
+"""``executor="process"``: our own worker pool; a task past its deadline has its worker killed
+and replaced, a dead worker fails only its item. Workers are fresh interpreters (never the
+trainer's ``__main__``) that get the functions once, with cloudpickle, and die with the trainer.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -26,9 +21,7 @@ import weakref
 
 import cloudpickle
 
-from .scheduler import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
-
-# no torch import here: worker processes import this module, and start faster without it
+from .executors import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
 
 __all__ = ["ProcessItemExecutor"]
 
@@ -45,17 +38,15 @@ def _exit_detail(exitcode: int | None) -> str:
 
 
 def _watch_trainer(trainer_pid: int) -> None:
-    # once the trainer is gone, do not keep running a stuck task (the parent-death signal
-    # covers workers started by the main thread on Linux only)
+    # exit once the trainer is gone (the parent-death signal covers main-thread workers on Linux)
     try:
         handle = os.pidfd_open(trainer_pid)  # Linux >= 5.3: readable once it exits
     except (AttributeError, OSError):
         handle = None
+    if handle is not None:
+        multiprocessing.connection.wait([handle])  # returns once the trainer exits
+        os._exit(1)
     while True:
-        if handle is not None:
-            if multiprocessing.connection.wait([handle], None):
-                os._exit(1)
-            continue
         time.sleep(1.0)
         try:
             os.kill(trainer_pid, 0)
@@ -64,22 +55,16 @@ def _watch_trainer(trainer_pid: int) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs this process when its parent exits (``PR_SET_PDEATHSIG``).
-    Unlike the watcher thread, this also stops a task holding the GIL in C code (a regex
-    that backtracks forever, big-integer arithmetic), where no Python thread runs."""
+    """Linux: SIGKILL this process when its parent exits, even while C code holds the GIL."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        import ctypes
+    import ctypes
 
+    with contextlib.suppress(OSError, AttributeError):  # no libc prctl: the watcher thread remains
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no libc prctl: the watcher thread remains
-        pass
 
 
-# a worker's command line: a fresh interpreter with the trainer's sys.path, which imports
-# this module and neither the trainer's __main__ nor torch (multiprocessing's spawn and
-# forkserver re-run an unguarded main script in the child)
+# a fresh interpreter with the trainer's sys.path, importing neither its __main__ nor torch
 _WORKER_COMMAND = (
     "import sys; sys.path[:] = sys.argv[4:]; "
     "from torchrl_trl.rewards.process_pool import _worker_main; "
@@ -88,8 +73,7 @@ _WORKER_COMMAND = (
 
 
 def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
-    """A worker process: load the functions (the first message of ``conn``, a
-    connection or its file descriptor), then run tasks until told to stop."""
+    """A worker process: load the functions (``conn``'s first message), run tasks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if die_with_parent:
         _die_with_parent()
@@ -97,7 +81,6 @@ def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
     if isinstance(conn, int):
         conn = multiprocessing.connection.Connection(conn)
     try:
-        # our parent's cloudpickle output, over a pipe only the two of us hold
         funcs = pickle.loads(conn.recv_bytes())
     except BaseException as err:
         conn.send(("init_error", _describe(err)))
@@ -131,9 +114,7 @@ def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
 
 
 class _Worker:
-    """A worker process (a ``subprocess.Popen``, or a forked ``multiprocessing.Process``)
-    and our end of its pipe. ``ready``: it has loaded the functions; ``task``: the item
-    it was sent; ``running``: that item's function has started."""
+    """A worker process (``Popen`` or forked ``Process``), our end of its pipe, and its state."""
 
     def __init__(self, process, conn):
         self.process, self.conn = process, conn
@@ -143,18 +124,13 @@ class _Worker:
 
     def exitcode(self) -> int | None:
         """``None`` while it runs; negative: the signal that killed it."""
-        if isinstance(self.process, subprocess.Popen):
-            return self.process.poll()
-        return self.process.exitcode
+        return self.process.poll() if isinstance(self.process, subprocess.Popen) else self.process.exitcode
 
     def join(self, timeout: float | None) -> None:
-        if isinstance(self.process, subprocess.Popen):
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        else:
-            self.process.join(timeout)
+        if not isinstance(self.process, subprocess.Popen):
+            return self.process.join(timeout)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
 
     def kill(self) -> None:
         try:
@@ -175,10 +151,8 @@ def _shutdown_all() -> None:
 
 
 class ProcessItemExecutor(ItemExecutor):
-    """A pool of ``max_workers`` processes with a deadline per task (see the module doc).
-    ``mp_context``: ``"spawn"`` (fresh interpreters, started with ``subprocess``) or
-    ``"fork"`` (a forked ``multiprocessing.Process``: fastest to start, but it inherits
-    the trainer's threads, locks and CUDA state)."""
+    """A pool of ``max_workers`` processes with a deadline per task: ``"spawn"`` (fresh
+    interpreters) or ``"fork"`` (fastest; inherits the trainer's threads, locks and CUDA)."""
 
     kind = "process"
 
@@ -196,8 +170,7 @@ class ProcessItemExecutor(ItemExecutor):
                     "executor='thread'."
                 ) from err
         self.payload = cloudpickle.dumps(self.funcs)
-        #: how many worker processes were killed (timeout) or found dead (crash) and replaced
-        self.replaced = 0
+        self.replaced = 0  # worker processes killed (timeout) or found dead (crash)
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
@@ -212,8 +185,7 @@ class ProcessItemExecutor(ItemExecutor):
 
     def _spawn(self) -> None:
         parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
-        # the kernel's parent-death signal fires when the *thread* that started the
-        # worker exits: safe from this process's main thread only
+        # the parent-death signal fires when the *thread* that started the worker exits
         die = threading.current_thread() is threading.main_thread()
         try:
             if self.mp_context == "fork":
@@ -230,16 +202,14 @@ class ProcessItemExecutor(ItemExecutor):
         finally:
             child_conn.close()
         self._workers.append(_Worker(process, parent_conn))
-        try:
+        with contextlib.suppress(OSError):  # it died at once: _collect says so
             parent_conn.send_bytes(self.payload)
-        except OSError:  # it died at once: _collect says so
-            pass
 
-    def _drop(self, worker: _Worker, replaced: bool = True) -> None:
+    def _drop(self, worker: _Worker) -> None:
         worker.kill()
         if worker in self._workers:
             self._workers.remove(worker)
-            self.replaced += replaced
+            self.replaced += 1
 
     def _send(self, worker: _Worker, msg, what: str) -> None:
         try:
@@ -260,8 +230,7 @@ class ProcessItemExecutor(ItemExecutor):
         return next((w for w in self._workers if w.ready and w.task is None), None)
 
     def _first_timeout(self):
-        # until the worker says it has loaded the arguments (which may import modules),
-        # the start-up bound applies, not the timeout
+        # until the worker has loaded the arguments (imports), the start-up bound applies
         return self.startup_timeout
 
     def _submit(self, worker, index, func_index, kwargs, shared):
@@ -282,8 +251,7 @@ class ProcessItemExecutor(ItemExecutor):
         watched = starting + busy
         if not watched:
             return []
-        # a worker's death closes its pipe, unless a process it forked holds it: look at
-        # least once a second
+        # a worker's death closes its pipe, unless a process it forked holds it: look each second
         limits = [1.0, *(_left(w.started + self.startup_timeout) for w in starting)]
         limits += [] if wait_for is None else [wait_for]
         multiprocessing.connection.wait([w.conn for w in watched], min(limits))
@@ -329,32 +297,25 @@ class ProcessItemExecutor(ItemExecutor):
                 "reference: the worker (a fresh interpreter with the trainer's sys.path) must "
                 "be able to import that module."
             )
-        elif msg[0] == worker.task:
-            task_id, status, value, detail, logs = msg
+        elif msg[0] == worker.task:  # (task_id, status, value, detail, logs)
             worker.task, worker.running = None, False
-            return [(worker, ItemResult(status, value, detail, logs))]
+            return [(worker, ItemResult(*msg[1:]))]
         return []
 
     def _cancel(self, worker):
-        if worker.running:
-            detail = self._late("worker killed")
-        else:
-            detail = f"the worker did not load the arguments within {self.startup_timeout}s; killed"
+        late = f"the worker did not load the arguments within {self.startup_timeout}s; killed"
+        detail = self._late("worker killed") if worker.running else late
         self._drop(worker)
         return detail
 
     def shutdown(self) -> None:
-        """Stop the workers: idle ones are asked to exit; any still alive 1 s later (and
-        a busy or stuck one at once) is killed, so no worker outlives this call. An error
-        stopping one worker does not leave the others running: the first is re-raised
-        once all were handled."""
+        """Stop the workers: idle ones are asked to exit, any alive 1 s later (or busy) is
+        killed; the first error is re-raised once all were handled."""
         workers, self._workers = list(getattr(self, "_workers", [])), []
         idle = [w for w in workers if w.ready and w.task is None]
         for worker in idle:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # already dead, or its pipe closed
                 worker.conn.send(("stop",))
-            except (OSError, ValueError):  # already dead, or its pipe closed
-                pass
         deadline = _deadline(1.0)
         first_error = None
         for worker in workers:
@@ -368,9 +329,5 @@ class ProcessItemExecutor(ItemExecutor):
             raise first_error
 
     def __del__(self):
-        # garbage collection / interpreter exit: nothing to report to, but the workers
-        # must not outlive the pool (kill() runs for every worker whatever happens)
-        try:
+        with contextlib.suppress(Exception):  # the workers must not outlive the pool
             self.shutdown()
-        except Exception:
-            pass

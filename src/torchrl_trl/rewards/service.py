@@ -1,21 +1,7 @@
 """One reward model served by a named Ray actor, shared by many collectors and env workers.
 
-``HFRewardTransform(path, use_ray_service=True, actor_name="rm")`` (or
-:class:`RewardServiceClient` directly) follows TorchRL's ``ModuleTransform(use_ray_service=
-True, actor_name=...)`` idiom: the first caller creates the named actor (``get_if_exists``,
-so two callers racing get the same one), later callers attach by name, and the weights are
-loaded once, in the actor, from a local path (safetensors, ``trust_remote_code=False``
-unless asked).
-
-No TensorDict crosses the wire: each caller renders its samples into the reward model's
-token ids locally (its own policy tokenizer, keys and chat layout) and sends flat int64
-ids + lengths; the actor answers one float32 score per sequence. Requests that arrive
-within ``max_wait_ms`` of each other (from any caller) are scored together, in
-micro-batches filled across callers; each caller gets its own scores back, in its order.
-
-Faults: every request has a finite ``timeout`` (:class:`RewardServiceError` when it
-passes, or at once when the actor is gone); ``remote_config={"max_restarts": n}`` lets Ray
-restart a dead actor (weights reloaded from the path) and retry the calls in flight.
+Each caller renders its samples locally and sends flat int64 ids + lengths; the actor scores
+requests arriving within ``max_wait_ms`` of each other together, one float32 per sequence.
 """
 
 from __future__ import annotations
@@ -35,7 +21,7 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import moved_keywords
-from .._token_ids import check_token_ids
+from .._token_ids import check_integer_ids, check_token_ids
 from ..layouts import Ragged
 from .model import HFRewardModelWrapper, RenderingScorer
 from .moved import CLIENT_DEPRECATED, MOVED, RAY_OPTIONS, checked_batching, moved_arguments_error
@@ -45,36 +31,20 @@ __all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError", "S
 
 #: :class:`HFRewardModelWrapper` arguments applied by each caller (rendering)
 CALLER_SIDE_ARGS = frozenset({"tokenizer", "renderer", "token_key", "attention_mask_key"})
-#: ... and by each caller when writing the reward
-WRITE_ARGS = frozenset({"reward_key", "reward_shape", "inference_mode"})
 
 
-def _named_parameters(fn) -> set[str]:
-    return {
-        p.name for p in inspect.signature(fn).parameters.values()
-        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-    }  # fmt: skip
-
-
-#: every other argument of :meth:`HFRewardModelWrapper.from_pretrained` applies inside the
-#: service (the model side: batching, head, non-finite policy, device, dtype, ...)
+#: the other named :class:`HFRewardModelWrapper` arguments, applied inside the service (batching,
+#: head, non-finite policy, device, dtype, ...); the write arguments stay with the caller
 MODEL_SIDE_ARGS = frozenset(
-    _named_parameters(HFRewardModelWrapper.__init__)
-    | _named_parameters(HFRewardModelWrapper.from_pretrained)
-) - {"self", "cls", "model", "path"} - CALLER_SIDE_ARGS - WRITE_ARGS
+    p.name for fn in (HFRewardModelWrapper.__init__, HFRewardModelWrapper.from_pretrained)
+    for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+) - {"self", "cls", "model", "path", "reward_key", "reward_shape", "inference_mode"} - CALLER_SIDE_ARGS
 #: arguments about the service itself (only valid with ``use_ray_service=True``)
 SERVICE_ARGS = frozenset({"actor_name", "remote_config", "timeout", "max_wait_ms", "start_timeout"})
 
-DEFAULT_TIMEOUT = 300.0
-DEFAULT_START_TIMEOUT = 600.0
-
 
 class RewardServiceError(RuntimeError):
-    """The reward-model service did not answer: it died, or ``timeout`` passed.
-
-    Raised by :class:`RewardServiceClient` calls (``score``, ``stats``, ...) within their
-    ``timeout``, never a hang; catch it (or ``RuntimeError``) to rebuild the client or skip
-    the batch:
+    """A :class:`RewardServiceClient` call's service did not answer within ``timeout``, or died.
 
     >>> issubclass(RewardServiceError, RuntimeError)
     True
@@ -98,38 +68,22 @@ class _Request:
 
 
 class RewardModelService:
-    """The actor body: one :class:`HFRewardModelWrapper` and a request coalescer.
+    """The actor body: one :class:`HFRewardModelWrapper` (model-side ``settings``, no
+    gradients) and a coalescer holding a first request ``max_wait_ms`` for others to join."""
 
-    Args:
-        model_path: local directory of the reward model (``from_pretrained`` layout).
-        settings: model-side :class:`HFRewardModelWrapper` keyword arguments (see
-            :data:`MODEL_SIDE_ARGS`); scoring is always without gradients.
-        max_wait_ms: how long the first request of a batch waits for others to join it
-            (requests arriving while a batch is being scored join the next one anyway).
-
-    :class:`RewardServiceClient` creates it as a Ray actor (an async actor: requests are
-    awaited concurrently, scored one batch at a time in a worker thread).
-    """
-
-    def __init__(
-        self, model_path: str, settings: dict | None = None, *, max_wait_ms: float = 5.0
-    ) -> None:
+    def __init__(self, model_path: str, settings: dict | None = None, *, max_wait_ms: float = 5.0) -> None:
         settings = dict(settings or {})
         self.model_path = os.fspath(model_path)
         self.settings = dict(settings)  # as asked: what attaching callers are compared with
         self.max_wait = float(max_wait_ms) / 1000.0
         if "device" not in settings and torch.cuda.is_available():
-            # Ray shows an actor only the GPUs it was given (num_gpus): use them
-            settings = {**settings, "device": "cuda"}
-        self.wrapper = HFRewardModelWrapper.from_pretrained(
-            self.model_path, inference_mode=True, **settings
-        )
-        get_emb = getattr(self.wrapper.model, "get_input_embeddings", None)
+            settings["device"] = "cuda"  # the GPUs Ray gave this actor
+        self.wrapper = HFRewardModelWrapper.from_pretrained(self.model_path, inference_mode=True, **settings)
+        model = self.wrapper.model
+        get_emb = getattr(model, "get_input_embeddings", None)
         embedding = get_emb() if callable(get_emb) else None
         # the embedding runs once per forward, padded or packed
-        (embedding if embedding is not None else self.wrapper.model).register_forward_hook(
-            self._count_forward, with_kwargs=True
-        )
+        (model if embedding is None else embedding).register_forward_hook(self._count_forward, with_kwargs=True)
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None
         # one scoring thread: the event loop keeps accepting requests during a forward
@@ -143,68 +97,40 @@ class RewardModelService:
         if isinstance(ids, torch.Tensor):
             self._stats["max_forward_tokens"] = max(self._stats["max_forward_tokens"], ids.numel())
 
-    # -- remote API ------------------------------------------------------------------
-
     def info(self) -> dict:
-        """What callers need to render for this model and to check they attach to the
-        model they asked for."""
+        """The model path, settings, EOS id, ``max_length``, device and pid callers check."""
         w = self.wrapper
-        return dict(
-            model_path=self.model_path,
-            settings=self.settings,
-            eos_token_id=w.renderer.eos_token_id,
-            max_length=w.max_length,
-            device=str(next(iter(w.model.parameters())).device),
-            pid=os.getpid(),
-        )
+        return dict(model_path=self.model_path, settings=self.settings, eos_token_id=w.renderer.eos_token_id,
+                    max_length=w.max_length, device=str(next(iter(w.model.parameters())).device), pid=os.getpid())
 
     def stats(self) -> dict:
-        """Counters since the actor started: requests, sequences, flushes (coalesced
-        batches), forwards, real/processed tokens, padding efficiency, truncations,
-        non-finite rewards, the largest forward (rows x width), peak RSS (MiB), the
-        process's CPU seconds and torch threads; and ``pending``, the requests held now
-        for others to join them (not yet flushed)."""
-        w = self.wrapper
+        """Counters since the actor started (requests, sequences, flushes, forwards, tokens,
+        padding efficiency, truncations, non-finite rewards, largest forward, peak RSS MiB,
+        CPU seconds, torch threads) and ``pending``, the requests held now."""
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        out = dict(self._stats)
-        out.update(
-            pending=len(self._pending),
-            real_tokens=w.real_tokens,
-            processed_tokens=w.processed_tokens,
-            padding_efficiency=w.padding_efficiency,
-            truncated_count=w.truncated_count,
-            nonfinite_count=w.nonfinite_count,
-            peak_rss_mib=usage.ru_maxrss / 1024.0,
-            cpu_seconds=usage.ru_utime + usage.ru_stime,
-            pid=os.getpid(),
-            torch_threads=torch.get_num_threads(),
-        )
+        counters = ("real_tokens", "processed_tokens", "padding_efficiency", "truncated_count", "nonfinite_count")
+        out = {**self._stats, **{name: getattr(self.wrapper, name) for name in counters}}
+        out.update(pending=len(self._pending), peak_rss_mib=usage.ru_maxrss / 1024.0, pid=os.getpid(),
+                   cpu_seconds=usage.ru_utime + usage.ru_stime, torch_threads=torch.get_num_threads())
         if torch.cuda.is_available():
             out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
         return out
 
     async def score(self, values: Any, lengths: Any, where: str = "reward-model input"):
-        """Scores ``float32 [len(lengths)]`` for the sequences ``values`` (flat int ids)
-        cut at ``lengths``; waits up to ``max_wait_ms`` for other requests to share the
-        forwards with."""
+        """Scores ``float32 [len(lengths)]`` for the flat ids ``values`` cut at ``lengths``."""
         ids = _as_ragged(values, lengths, where)
         if len(ids) == 0:
             return np.zeros(0, dtype=np.float32)
-        loop = asyncio.get_running_loop()
-        request = _Request(ids, where, loop.create_future())
+        request = _Request(ids, where, asyncio.get_running_loop().create_future())
         self._pending.append(request)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._run())
         return await request.future
 
-    # -- coalescing ------------------------------------------------------------------
-
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self._pending:
-            # bounded wait from the oldest request; under load it has already waited for the
-            # previous batch, so only an idle service waits (more requests -> fuller,
-            # better length-matched micro-batches)
+            # only an idle service waits: under load the oldest request waited for the last batch
             left = self._pending[0].arrived + self.max_wait - time.monotonic()
             if left > 0:
                 await asyncio.sleep(left)
@@ -222,10 +148,7 @@ class RewardModelService:
                     request.future.set_result(result)
 
     def _score_batch(self, batch: list[_Request]) -> list:
-        """One flush: every pending request's sequences through the planner together,
-        split back per request. A request with ids outside the embedding is answered with
-        its error up front; if the joint scoring still fails, each request is scored
-        alone, so an error reaches only the caller whose input caused it."""
+        """One flush: the requests scored together, else one by one (an error reaches its caller only)."""
         st = self._stats
         st["flushes"] += 1
         st["requests"] += len(batch)
@@ -236,20 +159,17 @@ class RewardModelService:
         if len(todo) > 1:
             try:
                 parts = [batch[i].ids for i in todo]
-                values = torch.cat([p.values for p in parts])
-                ids = Ragged(values, torch.cat([p.lengths for p in parts]))
+                ids = Ragged(torch.cat([p.values for p in parts]), torch.cat([p.lengths for p in parts]))
                 scores = self.wrapper.score_ids(ids, where=f"{len(todo)} coalesced requests")
                 cuts = np.cumsum([len(p) for p in parts])[:-1]
-                split = np.split(scores.float().cpu().numpy(), cuts)
-                for i, part in zip(todo, split):
+                for i, part in zip(todo, np.split(scores.float().cpu().numpy(), cuts)):
                     results[i] = part
                 return results
-            except Exception:  # rescored one by one below, so the error reaches its own caller
+            except Exception:  # rescored one by one below
                 st["coalesced_failures"] = st.get("coalesced_failures", 0) + 1
         for i in todo:
             try:
-                scores = self.wrapper.score_ids(batch[i].ids, where=batch[i].where)
-                results[i] = scores.float().cpu().numpy()
+                results[i] = self.wrapper.score_ids(batch[i].ids, where=batch[i].where).float().cpu().numpy()
             except Exception as e:  # routed to its caller
                 results[i] = e
         return results
@@ -273,48 +193,32 @@ def _as_ragged(values: Any, lengths: Any, where: str) -> Ragged:
         raise ValueError(
             f"{where}: lengths sum to {int(lengths.sum())} but {values.numel()} token ids were sent"
         )
-    # non-integer ids stay as they are, for check_token_ids to name them
-    kind = values.dtype
-    integer = not (kind.is_floating_point or kind.is_complex or kind == torch.bool)
-    return check_token_ids(Ragged(values.long() if integer else values, lengths.long()), where)
+    check_integer_ids(values.dtype, where)
+    return check_token_ids(Ragged(values.long(), lengths.long()), where)
 
 
 class RewardServiceClient(RenderingScorer):
     """A caller of a shared :class:`RewardModelService`: renders locally, scores remotely.
 
-    It has the scorer interface :class:`~torchrl_trl.rewards.HFRewardTransform` uses
-    (``in_keys``, ``score(td)``, ``write(td, rewards, key)``, ``reward_shape``, ...), so
     ``HFRewardTransform(path, use_ray_service=True, ...)`` is this client in a transform.
 
     Args:
-        model: local path of the reward model. The actor loads it (once); the caller
-            loads only its tokenizer (unless ``tokenizer=`` is given) to render inputs.
+        model: local path of the reward model, loaded once by the actor.
 
     Keyword Args:
-        actor_name: name of the shared actor: created by the first caller, attached to by
-            later ones (which must ask for the same path and model-side settings, else
-            ``ValueError``). ``None``: a private, unnamed service.
-        remote_config: the actor's Ray options (``ray.remote(...).options(**remote_config)``,
-            as TorchRL's ``RayReplayBuffer(remote_config=)`` takes them): ``num_cpus``,
-            ``num_gpus`` (the model goes onto the GPU unless ``device=`` says otherwise),
-            ``namespace``, ``max_restarts`` (Ray restarts a dead actor, reloading the
-            weights, and retries the requests in flight; default 0), ``lifetime`` (default
-            ``"detached"`` for a named actor: it outlives its creator until
-            :meth:`shutdown`), ...
-        timeout: seconds a request may take before :class:`RewardServiceError`. Finite;
-            defaults to 300.
-        start_timeout: seconds to wait for the actor to start (load the model) or to
-            answer an attaching caller. Defaults to 600.
-        max_wait_ms: how long the service holds a first request for others to join it.
-            Defaults to 5.
-        reward_key, reward_shape: how rewards are written, as
-            :class:`HFRewardModelWrapper` (default ``"reward"``, ``"flat"``).
-        inference_mode: must be ``True`` (default): no gradients cross the wire.
-        **kwargs: :meth:`HFRewardModelWrapper.from_pretrained` arguments: the rendering
-            ones (``tokenizer``, ``renderer``, ``token_key``, ``attention_mask_key``) apply
-            here, the model ones (``batching``, ``head_index``, ``device``, ...) in the
-            actor. Deprecated: ``namespace``, ``num_cpus``, ``num_gpus``, ``max_restarts``,
-            ``lifetime`` (use ``remote_config``) and ``pad_token_id`` (use ``batching``).
+        actor_name: the shared actor, created by the first caller; later ones must ask for
+            the same path and model-side settings (else ``ValueError``). ``None``: private.
+        remote_config: the actor's Ray options (``num_gpus``, ``namespace``,
+            ``max_restarts``, ``lifetime`` (default ``"detached"`` when named), ...).
+        timeout: finite seconds a request may take before :class:`RewardServiceError`.
+        start_timeout: seconds to wait for the actor to load the model or answer.
+        max_wait_ms: how long the service holds a first request for others.
+        reward_key, reward_shape: as :class:`HFRewardModelWrapper`.
+        inference_mode: must be ``True``: no gradients cross the wire.
+        **kwargs: :meth:`HFRewardModelWrapper.from_pretrained` arguments (the rendering
+            ones apply here, the others in the actor). Deprecated: ``namespace``,
+            ``num_cpus``, ``num_gpus``, ``max_restarts``, ``lifetime`` (use
+            ``remote_config``) and ``pad_token_id`` (use ``batching``).
 
     Examples:
         Starting the actor needs a Ray cluster (``tests/test_reward_service.py`` runs it)::
@@ -332,19 +236,11 @@ class RewardServiceClient(RenderingScorer):
     """
 
     def __init__(
-        self,
-        model: str | os.PathLike,
-        *,
-        actor_name: str | None = None,
-        remote_config: dict[str, Any] | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        start_timeout: float = DEFAULT_START_TIMEOUT,
-        max_wait_ms: float = 5.0,
-        reward_key: NestedKey = "reward",
-        reward_shape: str = "flat",
-        inference_mode: bool = True,
-        **kwargs,
-    ) -> None:
+        self, model: str | os.PathLike, *, actor_name: str | None = None,
+        remote_config: dict[str, Any] | None = None, timeout: float = 300.0, start_timeout: float = 600.0,
+        max_wait_ms: float = 5.0, reward_key: NestedKey = "reward", reward_shape: str = "flat",
+        inference_mode: bool = True, **kwargs,
+    ) -> None:  # fmt: skip
         owner = type(self).__name__
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(
@@ -377,8 +273,7 @@ class RewardServiceClient(RenderingScorer):
         self.model_path = os.path.abspath(os.fspath(model))
         self.actor_name, self.timeout = actor_name, float(timeout)
         self.namespace = options.get("namespace")
-        self.reward_shape = reward_shape
-        self.inference_mode = True
+        self.reward_shape, self.inference_mode = reward_shape, True
         settings = {k: v for k, v in kwargs.items() if k in MODEL_SIDE_ARGS}
         if "pad_token_id" in moved:
             settings["batching"] = checked_batching(settings.get("batching"), moved, owner)
@@ -398,25 +293,18 @@ class RewardServiceClient(RenderingScorer):
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(
-                self.model_path, trust_remote_code=bool(settings.get("trust_remote_code", False))
-            )
+            trust = bool(settings.get("trust_remote_code", False))
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust)
         self._bind_renderer(
             kwargs.get("renderer"), tokenizer, token_key=kwargs.get("token_key"),
             attention_mask_key=kwargs.get("attention_mask_key", layouts.ATTENTION_MASK_KEY),
             eos_token_id=info["eos_token_id"], reward_key=reward_key,
         )  # fmt: skip
 
-    # -- the actor -------------------------------------------------------------------
-
     @property
     def actor(self):
         """The Ray actor handle."""
         return self._actor
-
-    def _describe(self) -> str:
-        name = self.actor_name
-        return f"reward service {name!r}" if name else "the private reward service"
 
     def _call(self, method: str, *args, timeout: float | None = None):
         """``actor.method(*args)``, waited for at most ``timeout`` (default: ``self.timeout``)."""
@@ -424,21 +312,22 @@ class RewardServiceClient(RenderingScorer):
         from ray.exceptions import GetTimeoutError, RayActorError
 
         timeout = self.timeout if timeout is None else timeout
+        name = f"reward service {self.actor_name!r}" if self.actor_name else "the private reward service"
         try:
             ref = getattr(self._actor, method).remote(*args)
         except RayActorError as e:  # pragma: no cover - submitting to a dead handle
-            raise RewardServiceError(f"{self._describe()} is gone: {e}") from e
+            raise RewardServiceError(f"{name} is gone: {e}") from e
         try:
             return ray.get(ref, timeout=timeout)
         except GetTimeoutError as e:
             ray.cancel(ref)
             raise RewardServiceError(
-                f"{self._describe()} did not answer {method}() within timeout={timeout}s (busy, "
-                "hung or still loading the model); pass a larger timeout= or check the actor"
+                f"{name} did not answer {method}() within timeout={timeout}s (busy, hung or still "
+                "loading the model); pass a larger timeout= or check the actor"
             ) from e
         except RayActorError as e:
             raise RewardServiceError(
-                f"{self._describe()} died or cannot be reached ({type(e).__name__}); pass "
+                f"{name} died or cannot be reached ({type(e).__name__}); pass "
                 "remote_config={'max_restarts': n} to have Ray restart it, or create it again. "
                 f"Cause: {str(e).splitlines()[0] if str(e) else e!r}"
             ) from e
@@ -459,9 +348,7 @@ class RewardServiceClient(RenderingScorer):
         check_token_ids(ids, where)
         if len(ids) == 0:
             return torch.zeros(0)
-        values = ids.values.long().numpy()
-        lengths = ids.lengths.long().numpy()
-        scores = self._call("score", values, lengths, where)
+        scores = self._call("score", ids.values.long().numpy(), ids.lengths.long().numpy(), where)
         return torch.from_numpy(np.asarray(scores, dtype=np.float32).copy())
 
     def __repr__(self) -> str:
@@ -473,10 +360,7 @@ def _is_number(value) -> bool:
 
 
 def _actor_options(remote_config: dict | None, moved: dict, actor_name: str | None) -> dict:
-    """The actor's Ray options: ``remote_config`` and the deprecated one-by-one options over
-    this service's defaults (restarts retry the calls in flight; a named actor is detached
-    and attached to by name, ``get_if_exists`` so two callers racing get the same one). Ray
-    checks the values."""
+    """The actor's Ray options: ``remote_config`` and the deprecated one-by-one ones over the defaults."""
     if remote_config is not None and not isinstance(remote_config, dict):
         raise TypeError(f"remote_config must be a dict of Ray actor options, got {remote_config!r}")
     given = {**{k: moved[k] for k in RAY_OPTIONS if k in moved}, **(remote_config or {})}

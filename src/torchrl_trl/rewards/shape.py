@@ -1,12 +1,6 @@
-"""How a written reward is shaped: one vocabulary for reward models and reward functions.
-
-TorchRL reads rewards in three shapes, and every scorer in this package names them the
-same way (``reward_shape=``):
-
-- ``"flat"``: ``[*B]``, what upstream ``HFRewardModelWrapper`` writes;
-- ``"trailing"``: ``[*B, 1]``, an env's ``reward_spec`` shape for one reward per step;
-- ``"step"``: ``[*B, 1, 1]``, what TorchRL's LLM reward parsers (``GSM8KRewardParser``)
-  write at ``("next", "reward")`` and what ``MCAdvantage``/``GRPOLoss`` read.
+"""How a written reward is shaped (``reward_shape=`` of every scorer): ``"flat"`` ``[*B]``
+(upstream ``HFRewardModelWrapper``), ``"trailing"`` ``[*B, 1]`` (an env's ``reward_spec``) or
+``"step"`` ``[*B, 1, 1]`` (TorchRL's LLM reward parsers, ``MCAdvantage``, ``GRPOLoss``).
 """
 from __future__ import annotations
 
@@ -23,8 +17,6 @@ def trailing_dims(reward_shape: RewardShape) -> tuple[int, ...]:
 
     >>> trailing_dims("step")
     (1, 1)
-    >>> trailing_dims("flat")
-    ()
     """
     try:
         return _TRAILING[reward_shape]
