@@ -1,20 +1,9 @@
 """TorchRL episodes -> the rows TRL's ``GRPOTrainer`` trains on (one row per episode).
 
-An episode is the list of its steps, as ``ChatEnv`` + ``TransformersWrapper`` produce them
-(one ``LLMCollector`` item per step): turn ``k + 1``'s prompt tokens start with turn ``k``'s
-prompt + response, the tokens in between (the chat template's end of turn, a tool's or the
-environment's reply) are not the policy's. One TRL row per episode:
-
-- ``prompt_ids``: the first turn's prompt tokens;
-- ``completion_ids``: every turn's response, with the tokens between turns;
-- ``env_mask``: 1 on the policy's tokens, 0 on those in between (TRL's tool mask);
-- ``logprobs``: per completion token, NaN where unknown (the tokens in between, and each
-  turn's first generated token when read from TorchRL's generation, which writes 0.0
-  there).
-
-A tokenizer or chat template that does not round-trip (turn ``k + 1``'s prompt does not
-start with turn ``k``'s sequence) raises: TRL would train on tokens the policy did not
-generate.
+An episode is its steps as ``ChatEnv`` + ``TransformersWrapper`` produce them: turn ``k + 1``'s
+prompt tokens start with turn ``k``'s prompt + response (else ``ValueError``); the tokens in
+between (end of turn, a tool's reply) go into ``completion_ids`` with ``env_mask`` 0 and
+``logprobs`` NaN.
 """
 
 from __future__ import annotations
@@ -52,8 +41,7 @@ class RolloutBatch(dict):
 
 
 def per_sample(td: TensorDictBase) -> TensorDictBase:
-    """``td`` ``[B]`` as a lazy stack of ``B`` per-sample TensorDicts, the form
-    ``LazyStackStorage`` stores, so each turn's samples can be regrouped and written."""
+    """``td`` ``[B]`` as a lazy stack of ``B`` per-sample TensorDicts (as ``LazyStackStorage`` stores)."""
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0 and td.batch_dims == 1:
         return td
     return lazy_stack(list(td.reshape(-1).unbind(0)))
@@ -62,14 +50,10 @@ def per_sample(td: TensorDictBase) -> TensorDictBase:
 def turns_to_trl(
     steps: Sequence[TensorDictBase], *, logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY
 ) -> dict[str, list[list]]:
-    """``N`` episodes of the same number of turns, given turn by turn (``steps[t]``: the
-    ``N`` samples' turn ``t``), as TRL's ``prompt_ids``, ``completion_ids``, ``env_mask``
-    and ``logprobs`` (lists of ``N`` lists).
-
-    ``logprobs_key``: per response token, where the log-probs are read;
-    ``("log_probs", "response")`` (TorchRL's generation: its first value per turn is
-    unknown, NaN) or the complete ``"behaviour_log_probs"``.
-    """
+    """``N`` episodes of the same number of turns (``steps[t]``: the ``N`` samples' turn
+    ``t``) as TRL's ``prompt_ids``, ``completion_ids``, ``env_mask`` and ``logprobs`` (lists
+    of ``N`` lists), the log-probs read at ``logprobs_key`` (TorchRL's generated ones: each
+    turn's first value NaN)."""
     prompt_ids = layouts.read_tokens(steps[0], "prompt").tolist()
     completion_ids: list[list[int]] = [[] for _ in prompt_ids]
     env_mask: list[list[int]] = [[] for _ in prompt_ids]
@@ -97,7 +81,7 @@ def turns_to_trl(
                 raise ValueError(
                     f"sample {i}, turn {turn}: {len(lp)} log-probs for {len(r)} response tokens at {logprobs_key!r}"
                 )
-            if generated and lp:  # TorchRL 0.14.1 writes 0.0 for the first generated token: unknown
+            if generated and lp:  # TorchRL writes 0.0 for the first generated token: unknown
                 lp = [float("nan")] + lp[1:]
             glue = p[len(prev) :]
             completion_ids[i] += glue + r
@@ -108,10 +92,9 @@ def turns_to_trl(
 
 
 def forward_fields(steps: Sequence[TensorDictBase], keys: Sequence[NestedKey] | None = None) -> dict[str, list]:
-    """Per-episode columns for TRL's reward functions: ``keys`` read from each episode's
-    last turn (``None``: every top-level key that is neither TorchRL's nor ours, e.g. a
-    dataset's ``"answer"``), and the env's reward summed over turns as
-    ``"torchrl_reward"`` when the steps hold one."""
+    """Per-episode columns for TRL's reward functions: ``keys`` read from the last turn
+    (``None``: every top-level key neither TorchRL's nor ours) and the env's reward summed
+    over turns as ``"torchrl_reward"``."""
     last = steps[-1]
     if keys is None:
         sample = layouts.first_member(last)
@@ -145,9 +128,8 @@ def episodes_to_trl(
     logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY,
     forward_keys: Sequence[NestedKey] | None = None,
 ) -> RolloutBatch:
-    """One TRL row per episode, in order (``episodes[i]``: its steps ``[T_i]``, in turn
-    order; episodes of the same length are converted together). :attr:`RolloutBatch.steps`:
-    the episodes' first steps, one lazy stack."""
+    """One TRL row per episode (``episodes[i]``: its steps ``[T_i]``), in order;
+    :attr:`RolloutBatch.steps`: the episodes' first steps, one lazy stack."""
     n = len(episodes)
     by_length: dict[int, list[int]] = {}
     for i, episode in enumerate(episodes):

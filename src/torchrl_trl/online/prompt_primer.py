@@ -1,11 +1,7 @@
-"""TRL prompts into a TorchRL ``ChatEnv``: what ``LLMCollector`` generates from.
+"""TRL prompts into a TorchRL ``ChatEnv`` at each reset: what ``LLMCollector`` generates from.
 
-:class:`PromptPrimer` is the ``Transform`` that gives a ``ChatEnv`` its next prompts at
-each reset, from any TRL prompt source (a sequence of texts or of message lists, or an
-iterator), each prompt repeated ``repeats`` times in a row (one GRPO group). TorchRL's own
-``DataLoadingPrimer`` cannot take message lists (its collate goes through
-``TensorDict.from_dict``, which rejects a batch of chats), and it serves a new batch at every
-reset, including the collector's first one that is never stepped.
+TorchRL's ``DataLoadingPrimer`` cannot take message lists (``TensorDict.from_dict`` rejects
+a batch of chats) and serves a new batch at every reset, including the never-stepped first.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from .. import layouts
 from .._checks import positive_int
 from .episodes import GROUP_ID_KEY
 
-__all__ = ["PromptPrimer", "PromptSourceEnded", "check_history_batch", "columns_td", "env_query"]
+__all__ = ["PromptPrimer", "PromptSourceEnded", "check_history_batch", "columns_td", "context_columns", "env_query"]
 
 
 class PromptSourceEnded(Exception):
@@ -42,9 +38,8 @@ def env_query(prompts: list):
 
 
 def check_history_batch(prompts: list) -> None:
-    """Raise if the chats of one batch have different numbers of messages: TorchRL's
-    ``TransformersWrapper(input_mode="history")`` cannot generate such a batch (its
-    ``History.extend`` fails with "zip() argument ... is longer"); text mode can."""
+    """Raise if the chats of one batch have different numbers of messages, which TorchRL's
+    history-mode ``TransformersWrapper`` cannot generate."""
     lengths = sorted({len(layouts.to_messages(p)) for p in prompts})
     if len(lengths) > 1:
         raise ValueError(
@@ -63,6 +58,15 @@ def columns_td(columns: dict[str, Sequence[Any]], batch_size) -> TensorDict:
     return out
 
 
+def context_columns(context_fn: Callable[[list], dict[str, Sequence[Any]]] | None, prompts: list) -> dict:
+    """``context_fn(prompts)`` (``{}`` without one), checked to give one value per prompt."""
+    columns = context_fn(list(prompts)) if context_fn is not None else {}
+    for name, values in columns.items():
+        if len(values) != len(prompts):
+            raise ValueError(f"context_fn returned {len(values)} values for column {name!r}, expected {len(prompts)}")
+    return columns
+
+
 class PromptPrimer(Transform):
     """Give a ``ChatEnv`` its prompts at each reset: ``"query"`` for every env of the batch,
     ``"group_id"`` (int64, the same for the ``repeats`` consecutive copies of a prompt) and
@@ -78,13 +82,12 @@ class PromptPrimer(Transform):
         context_fn: ``fn(prompts) -> {column: values}``, one value per env, e.g. the
             ``"answer"`` a reward parser reads.
         raw_text: give plain-text prompts to a ``ChatEnv(input_mode="text")`` as they are (as
-            TRL's generation does) instead of through the tokenizer's chat template.
+            TRL does) instead of through the tokenizer's chat template.
 
-    A reset that is not followed by a step (``LLMCollector`` resets once before it starts)
-    serves the same prompts again, so none is skipped. When the source ends or raises, the
-    prompts already served are generated and written, then the next step raises
-    :class:`PromptSourceEnded` (or the source's error) in the collector: :attr:`error` keeps
-    it. Every env of a batch starts its episode together: a partial reset raises.
+    A reset not followed by a step serves the same prompts again. When the source ends or
+    raises, the prompts already served are generated, then the next step raises
+    :class:`PromptSourceEnded` (or the source's error), kept in :attr:`error`. A partial
+    reset raises.
 
     Example:
 
@@ -144,12 +147,7 @@ class PromptPrimer(Transform):
         td = TensorDict(
             {"query": env_query(prompts), GROUP_ID_KEY: torch.tensor([g for _, g in items])}, batch_size=[n]
         )
-        if self.context_fn is not None:
-            columns = self.context_fn(prompts)
-            for name, values in columns.items():
-                if len(values) != n:
-                    raise ValueError(f"context_fn returned {len(values)} values for column {name!r}, expected {n}")
-            td.update(columns_td(columns, [n]))
+        td.update(columns_td(context_columns(self.context_fn, prompts), [n]))
         return td.reshape(batch_size)
 
     def _reset_env_preprocess(self, tensordict: TensorDictBase | None) -> TensorDictBase:

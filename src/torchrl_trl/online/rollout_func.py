@@ -1,39 +1,19 @@
 """TorchRL as the rollout engine of TRL's ``GRPOTrainer`` (``rollout_func=``).
 
-:class:`TorchRLRolloutFunc` is a TRL ``rollout_func`` backed by a TorchRL LLM policy
-(``TransformersWrapper``) and, optionally, a TorchRL ``ChatEnv`` with its transforms
-(reward parsers, tools, several turns). Every rollout can be written into a TorchRL
-replay buffer, one item per sample and turn, as ``LLMCollector`` writes them.
+The contract with TRL (each point checked in ``tests/test_rollout_func.py``):
 
-The contract with TRL's ``GRPOTrainer`` (each point checked in ``tests/test_rollout_func.py``):
-
-- **Prompts arrive repeated**: TRL's sampler repeats each prompt ``num_generations`` times in
-  a row and passes that batch as is, so the function returns exactly one completion per
-  prompt it receives, in order (TRL groups rewards by consecutive blocks).
-- **Keys**: ``prompt_ids``, ``completion_ids``, ``logprobs`` are required; ``env_mask`` is
-  the tool mask (the loss mask is ``completion_mask * env_mask``); every other key that is a
-  list is merged into each input row and so reaches every reward function as a keyword.
-- **Log-probs** become TRL's sampling log-probs (NaN: unknown). They enter the loss only
-  through the vLLM importance-sampling correction (``use_vllm``) or
-  ``off_policy_mask_threshold``; otherwise TRL recomputes its own.
-- TRL scores prompts padded on the left and completions on the right without
-  ``position_ids``; with RoPE models that equals scoring each sequence alone.
-
-On the TorchRL side:
-
-- ``TransformersWrapper(generate=True, return_log_probs=True)`` writes ``0.0`` as the
-  log-prob of the *first* generated token. ``logprobs="rescore"`` recomputes them with
-  TorchRL's own scoring path (:class:`~torchrl_trl.online.behaviour.ResponseScorer`) on the
-  exact sequence, right after generation: one more forward pass (about 40% of a rollout on
-  a 25M-parameter policy). ``"generate"`` keeps the generated values with that first one
-  NaN. ``"auto"`` (default) rescores only where the log-probs are read: without a trainer
-  (rollouts that may train later), or a trainer that reads them (see above, or
-  ``reads_rollout_logprobs = True`` as ``BehaviourLogProbsMixin`` sets).
-- The log-probs are those of the raw logits (temperature 1): equal to TRL's recomputation
-  when ``temperature == 1`` (a warning is given otherwise).
-- ``ChatEnv`` in history mode re-renders the chat each turn; turn ``k + 1``'s prompt tokens
-  must start with turn ``k``'s prompt + response, else the sequence TRL trains on would not
-  be what the policy generated: that raises, it is never patched silently.
+- TRL repeats each prompt ``num_generations`` times in a row; the function returns exactly
+  one completion per prompt received, in order.
+- ``prompt_ids``, ``completion_ids``, ``logprobs`` are required; ``env_mask`` is the tool
+  mask; every other list reaches TRL's reward functions as a keyword.
+- The log-probs (NaN: unknown) enter TRL's loss only through the vLLM importance-sampling
+  correction or ``off_policy_mask_threshold``. TorchRL's generation writes ``0.0`` for the
+  first generated token: ``logprobs="rescore"`` recomputes them on the exact sequence (one
+  more forward), ``"generate"`` keeps them with that first one NaN, ``"auto"`` rescores only
+  where they are read (no trainer, or one that reads them, e.g. ``reads_rollout_logprobs``).
+  They are the raw logits' (temperature 1; a warning is given otherwise).
+- A ``ChatEnv`` whose turn ``k + 1`` prompt tokens do not start with turn ``k``'s prompt +
+  response raises: TRL would train on tokens the policy did not generate.
 """
 
 from __future__ import annotations
@@ -48,9 +28,9 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import WarnOnce, positive_int
-from .behaviour import ResponseScorer
+from .behaviour import ResponseScorer, trl_corrects_logprobs
 from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, rollout_batch, turns_to_trl
-from .prompt_primer import check_history_batch, columns_td, env_query
+from .prompt_primer import check_history_batch, columns_td, context_columns, env_query
 from .weights import load_weights
 
 __all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
@@ -68,34 +48,26 @@ class TorchRLRolloutFunc:
     Args:
         policy: a TorchRL ``TransformersWrapper`` (``generate=True``, ``return_log_probs=True``,
             ``input_mode`` ``"text"`` or ``"history"``). ``None``: built on the first call
-            around the trainer's own model and tokenizer (shared parameters, on-policy), with
-            TRL's generation settings (``max_completion_length``, ``temperature``, ``top_p``,
-            ``top_k``, ``min_p``, ``repetition_penalty``).
+            around the trainer's own model and tokenizer (shared parameters) with TRL's
+            generation settings (``max_completion_length``, ``temperature``, ``top_p``, ...).
 
     Keyword Args:
-        env: a TorchRL ``ChatEnv`` (a ``TransformedEnv`` over one, e.g. with a reward parser
-            or a ``StepCounter(max_steps=k)`` for ``k`` turns), in the policy's input mode.
-            The prompts are given to it in chunks of its batch size as ``"query"`` at reset;
-            ``len(prompts)`` must be a multiple of that size. ``None``: one generation per
-            prompt, no env.
-        max_turns: most turns per episode with ``env`` (the env's ``done`` ends it earlier;
-            all samples of a chunk must end at the same turn).
+        env: a TorchRL ``ChatEnv`` (or a ``TransformedEnv`` over one) in the policy's input
+            mode, given the prompts as ``"query"`` at reset, in chunks of its batch size
+            (``len(prompts)`` must be a multiple of it). ``None``: one generation per prompt.
+        max_turns: most turns per episode with ``env`` (all samples of a chunk must end at
+            the same turn).
         context_fn: ``fn(prompts) -> {column: list}``, columns added to the env's reset
-            TensorDict (e.g. the ``"answer"`` a reward parser reads; TRL gives a
-            ``rollout_func`` the prompts only).
-        forward_keys: top-level rollout keys to pass to TRL's reward functions (read from
-            each sample's last turn). ``None``: every non-TorchRL top-level key (e.g.
-            ``"answer"``). The env's reward ``("next", "reward")``, summed over turns, is
-            always passed as ``"torchrl_reward"`` when present.
-        replay_buffer: a TorchRL ``ReplayBuffer``; each sample's every turn is extended into
-            it as one item, with ``"group_id"`` (consecutive ``num_generations`` samples share
-            it), ``"policy_version"`` and ``"turn"``.
+            (e.g. the ``"answer"`` a reward parser reads).
+        forward_keys: top-level rollout keys passed to TRL's reward functions (read from the
+            last turn; ``None``: every non-TorchRL key). The env's ``("next", "reward")``,
+            summed over turns, is passed as ``"torchrl_reward"``.
+        replay_buffer: a TorchRL ``ReplayBuffer`` extended with every sample's every turn,
+            tagged ``"group_id"``, ``"policy_version"`` and ``"turn"``.
         logprobs: ``"auto"`` (default), ``"rescore"`` or ``"generate"``, see the module doc.
         sync_weights: when the trainer's ``global_step`` changed and ``policy`` does not
-            share the trainer's parameters: ``"copy"`` loads the trainer model's ``state_dict``
-            into ``policy.model``; a callable ``fn(trainer_model, version)`` does the transfer
-            itself (e.g. through a TorchRL collector's ``update_policy_weights_``); ``None``
-            never touches the weights.
+            share its parameters: ``"copy"`` loads them into ``policy.model``; a callable
+            ``fn(trainer_model, version)`` does the transfer; ``None`` never touches them.
 
     Attributes:
         policy_version: the trainer's ``global_step`` when the weights last generated.
@@ -157,8 +129,6 @@ class TorchRLRolloutFunc:
         self._lock = threading.Lock()
         self._warnings = WarnOnce()
 
-    # -- TRL entry point ---------------------------------------------------------------
-
     def __call__(self, prompts: list, trainer=None) -> RolloutBatch:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a non-empty list, got {type(prompts).__name__} {prompts!r:.80}")
@@ -175,18 +145,16 @@ class TorchRLRolloutFunc:
     def rollout(
         self, prompts: list, *, group_size: int, version: int, logprobs: Literal["rescore", "generate"] | None = None
     ) -> RolloutBatch:
-        """Generate one completion per prompt with :attr:`policy` (and :attr:`env`), tag
-        the rollouts with ``version`` and their group (``group_size`` consecutive prompts),
-        write them into the replay buffer, and return TRL's dict. The weights are used as
-        they are. ``logprobs``: ``"rescore"`` or ``"generate"`` for this call; ``None``: the
-        constructor's, ``"auto"`` then rescoring (no trainer here to say it will not read
-        them)."""
+        """Generate one completion per prompt with the weights as they are, tag the rollouts
+        with ``version`` and their group (``group_size`` consecutive prompts), write them into
+        the replay buffer, and return TRL's dict. ``logprobs=None``: the constructor's
+        (``"auto"`` rescores)."""
         if self.policy is None:
             raise ValueError("no policy yet: pass one, or call the function once with the trainer")
         if len(prompts) % group_size:
             raise ValueError(f"got {len(prompts)} prompts, not a multiple of group_size={group_size}")
         if self.env is None:
-            steps = [self._generate(self.policy, prompts)]
+            steps = [per_sample(self.policy(_policy_input(self.policy, prompts)))]
         else:
             steps = self._run_env(self.policy, prompts)
         if logprobs is None:
@@ -198,8 +166,6 @@ class TorchRLRolloutFunc:
                 self.replay_buffer.extend(step)
         self.samples += len(prompts)
         return batch
-
-    # -- weights -----------------------------------------------------------------------
 
     def _policy_for(self, trainer, prompts: list):
         if self.policy is not None:
@@ -260,12 +226,6 @@ class TorchRLRolloutFunc:
             )
         return self.policy_version
 
-    # -- generation --------------------------------------------------------------------
-
-    def _generate(self, policy, prompts: list) -> TensorDictBase:
-        td = _policy_input(policy, prompts)
-        return per_sample(policy(td))
-
     def _run_env(self, policy, prompts: list) -> list[TensorDictBase]:
         env = self.env
         chunk = env.batch_size.numel()
@@ -274,12 +234,7 @@ class TorchRLRolloutFunc:
                 f"got {len(prompts)} prompts but the env's batch size is {tuple(env.batch_size)}: the "
                 f"number of prompts (TRL's generation batch) must be a multiple of {chunk}"
             )
-        context = self.context_fn(list(prompts)) if self.context_fn is not None else {}
-        for name, values in context.items():
-            if len(values) != len(prompts):
-                raise ValueError(
-                    f"context_fn returned {len(values)} values for column {name!r}, expected {len(prompts)}"
-                )
+        context = context_columns(self.context_fn, prompts)
         per_chunk = []
         for start in range(0, len(prompts), chunk):
             part = prompts[start : start + chunk]
@@ -317,8 +272,6 @@ class TorchRLRolloutFunc:
                 )
         return steps
 
-    # -- TorchRL -> TRL ----------------------------------------------------------------
-
     def _to_trl(self, policy, steps: list[TensorDictBase], logprobs_mode: str = "generate") -> RolloutBatch:
         rows = turns_to_trl(steps)
         if logprobs_mode == "rescore":
@@ -339,14 +292,11 @@ class TorchRLRolloutFunc:
 
 
 def _reads_logprobs(trainer) -> bool:
-    """Whether ``trainer`` may read the log-probs a ``rollout_func`` returns (unknown: yes):
-    TRL's vLLM importance-sampling correction, its off-policy sequence mask, or a trainer
-    class that says so (``reads_rollout_logprobs = True``)."""
+    """Whether ``trainer`` may read the log-probs a ``rollout_func`` returns (no trainer: yes)."""
     if trainer is None:
         return True
-    vllm_correction = getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False)
     return bool(
-        vllm_correction
+        trl_corrects_logprobs(trainer)
         or getattr(trainer, "off_policy_mask_threshold", None) is not None
         or getattr(trainer, "reads_rollout_logprobs", False)
     )
@@ -368,9 +318,8 @@ def _check_policy(policy) -> None:
 
 
 def _group_size(trainer, n: int, expected: int | None = None) -> int:
-    """TRL's group size for a call with ``n`` prompts (``num_generations``, or
-    ``num_generations_eval`` in evaluation), checked to divide ``n`` and to equal
-    ``expected`` (a collector's group size) when given."""
+    """TRL's group size (``num_generations``; ``num_generations_eval`` in evaluation) for
+    ``n`` prompts, checked to divide ``n`` and to equal ``expected`` when given."""
     if trainer is None:
         return n if expected is None else expected
     training = getattr(trainer.model, "training", True)
@@ -388,16 +337,13 @@ def _policy_input(policy, prompts: list) -> TensorDictBase:
     n = len(prompts)
     chat = is_conversational(prompts)
     if policy.input_mode == "history":
-        from torchrl.data.llm import History
-
         if not chat:
             raise ValueError(
                 "the policy reads chat history (input_mode='history') but TRL's prompts are plain text; "
                 "use a dataset of conversational prompts or a policy with input_mode='text'"
             )
         check_history_batch(prompts)
-        history = History.from_chats([layouts.to_messages(p) for p in prompts])
-        return TensorDict({"history": {"prompt": history}}, batch_size=[n])
+        return TensorDict({"history": {"prompt": env_query(prompts)}}, batch_size=[n])
     if chat:
         tok = policy.tokenizer
         texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
