@@ -36,20 +36,16 @@ class AsyncGroupCollector:
     :class:`~torchrl_trl.online.prompt_primer.PromptPrimer`, ``track_policy_version=True``).
 
     Args:
-        rollout: a :class:`TorchRLRolloutFunc` with a policy whose model is *not* the
-            trainer's, optionally an ``env`` (one turn per episode) and ``context_fn``; its
-            replay buffer, if any, receives every rollout. Unless its ``logprobs`` is
-            ``"generate"``, the behaviour log-probs are recorded
-            (:class:`~torchrl_trl.online.BehaviourLogProbsPostproc`; with ``"auto"``, not
-            for a trainer that does not read them).
-        prompts: a sequence (cycled forever) or an iterator (the collector stops when it
-            ends) of TRL prompts (text or messages).
+        rollout: a :class:`TorchRLRolloutFunc` whose policy's model is *not* the trainer's,
+            optionally with a one-turn ``env``, ``context_fn`` and a replay buffer (it receives
+            every rollout). Unless its ``logprobs`` is ``"generate"``, behaviour log-probs are
+            recorded (:class:`~torchrl_trl.online.BehaviourLogProbsPostproc`).
+        prompts: a sequence (cycled forever) or an iterator of TRL prompts.
 
     Keyword Args:
         group_size: completions per prompt (``GRPOConfig.num_generations``).
         prompts_per_batch: prompts generated together.
-        max_pending_groups: the collector waits, between two batches, while this many
-            groups are unconsumed.
+        max_pending_groups: the collector waits between two batches while this many are unconsumed.
 
     Attributes:
         collector: the TorchRL ``LLMCollector``; ``replay_buffer``: the buffer it writes into;
@@ -192,8 +188,7 @@ class AsyncGroupCollector:
         ``max_staleness`` and those ``keep`` rejects (``wait=False``: those ready now).
 
         Raises:
-            CollectorError: the collector died (its exception is the cause), the prompt
-                source ended, or fewer than ``n`` fresh groups came within ``timeout`` seconds.
+            CollectorError: the collector died, the prompts ended, or ``timeout`` passed.
         """
         self.source.max_staleness, self.source.timeout = max_staleness, timeout
         cause = self.primer.error

@@ -45,8 +45,7 @@ class BehaviourLogProbsPostproc:
     after generation) at ``"behaviour_log_probs"`` (float ``[n_response_tokens]`` per sample).
 
     Args:
-        policy: the collector's policy (the same object). For a collector that builds its
-            policy (``RayLLMCollector`` with a ``policy_factory``), use :meth:`for_factory`.
+        policy: the collector's policy (the same object); a Ray actor's: :meth:`for_factory`.
 
     Example (on one policy call, as the collector calls it after each rollout batch):
 

@@ -33,41 +33,31 @@ __all__ = ["LLMCollectorRolloutFunc"]
 
 
 class LLMCollectorRolloutFunc(GroupRolloutFunc):
-    """``GRPOTrainer(rollout_func=...)`` that trains on the complete GRPO groups a TorchRL
+    """``GRPOTrainer(rollout_func=...)`` training on the complete GRPO groups a TorchRL
     ``LLMCollector`` / ``RayLLMCollector`` writes into ``replay_buffer``.
 
     Args:
-        collector: a TorchRL ``LLMCollector`` or ``RayLLMCollector`` built with
-            ``replay_buffer=`` (or its Ray ``client()``), ``track_policy_version=True`` and a
-            policy holding its *own* copy of the weights (multi-turn episodes:
-            ``yield_completed_trajectories=True``). Started on the first call. Give it
-            ``postproc=BehaviourLogProbsPostproc(policy)`` (Ray: its ``for_factory``)
-            to return exact behaviour log-probs; else each turn's first token's is NaN.
-        replay_buffer: the buffer it writes into, local or ``RayReplayBuffer``. Give it
-            ``MCAdvantage(grpo_size=group_size)`` as a write transform where a group's
-            rollouts can land in different collector batches (multi-turn episodes, a batch
-            that is not a multiple of the env's repeats); otherwise a plain buffer is faster.
+        collector: built with ``replay_buffer=``, ``track_policy_version=True``, a policy with
+            its own weights (multi-turn: ``yield_completed_trajectories=True``) and, for exact
+            log-probs, ``postproc=BehaviourLogProbsPostproc(policy)``. Started on the first call.
+        replay_buffer: the buffer it writes into (local or ``RayReplayBuffer``), with an
+            ``MCAdvantage(grpo_size=group_size)`` write transform where a group can span batches.
 
     Keyword Args:
         group_size: completions per prompt (``GRPOConfig.num_generations``).
         max_staleness, timeout, push_weights, drop_zero_std, reuse: see
             :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`; a group's age is
-            ``collector.policy_version`` minus the ``policy_version`` stamped in its items,
-            ``push_weights`` goes through ``collector.update_policy_weights_`` (:meth:`push`),
-            and a collector that stops raises at once whatever the timeout.
+            ``collector.policy_version`` minus its items' ``policy_version``.
         poll_s: seconds between two reads of the buffer while waiting.
-        max_pending_groups: how far an in-process collector may run ahead: before writing a
-            batch it waits until the batch's groups and those not yet taken are at most this
-            many (``None``: no bound).
-        group_key: the key whose value all items of a group share (``MCAdvantage``'s
-            ``prompt_key``).
-        forward_keys: top-level keys passed to TRL's reward functions (``None``: every key
-            that is not TorchRL's), as in :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
+        max_pending_groups: an in-process collector waits before writing a batch until its
+            groups and those not yet taken are at most this many (``None``: no bound).
+        group_key: the key all items of a group share (``MCAdvantage``'s ``prompt_key``).
+        forward_keys: top-level keys passed to TRL's reward functions, as in
+            :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
 
     Attributes:
         read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups,
-            missed_items, weight_pushes: counters; ``wait_s``, ``push_s``: seconds spent
-            waiting for groups and pushing weights; and those of ``GroupRolloutFunc``.
+            missed_items, weight_pushes, wait_s, push_s: counters and seconds.
 
     Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read):
 
@@ -189,8 +179,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     @contextlib.contextmanager
     def paused(self):
-        """Hold an in-process collector between two batches for the ``with`` block (after
-        the batch in flight; at once if it is not running); a Ray actor is not held.
+        """Hold an in-process collector between two batches for the ``with`` block (a Ray
+        actor is not held).
 
         Raises:
             CollectorError: the batch in flight did not end within ``timeout`` seconds.
@@ -198,7 +188,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         start = time.monotonic()
         with self._reading:
             self._pauses += 1
-            try:
+        try:
+            with self._reading:
                 while self._started and self._in_process and not self._at_boundary and _is_running(self.collector):
                     if self.timeout is not None and time.monotonic() - start > self.timeout:
                         raise CollectorError(
@@ -206,10 +197,6 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                             "(a weight push waits for it)"
                         )
                     self._reading.wait(self.poll_s)
-            except BaseException:
-                self._pauses -= 1
-                raise
-        try:
             yield
         finally:
             with self._reading:
@@ -280,8 +267,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     def take(self, n: int, *, wait: bool = True) -> list[tuple[int, TensorDictBase]]:
         """``n`` whole groups ``(version, items [G])``, oldest first, within ``max_staleness``
-        of :attr:`policy_version` (older ones dropped and counted); waits up to ``timeout``
-        seconds (``wait=False``: the groups ready now, maybe fewer).
+        of :attr:`policy_version`; waits up to ``timeout`` (``wait=False``: those ready now).
 
         Raises:
             CollectorError: the collector stopped, or fewer than ``n`` fresh groups came in time.

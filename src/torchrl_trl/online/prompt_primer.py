@@ -73,16 +73,13 @@ class PromptPrimer(Transform):
     the columns of ``context_fn``.
 
     Args:
-        prompts: TRL prompts (texts or message lists): a sequence, cycled forever, or an
-            iterator, read once.
+        prompts: TRL prompts (texts or message lists): a sequence, cycled forever, or an iterator.
 
     Keyword Args:
-        repeats: copies of each prompt in a row (``GRPOConfig.num_generations``); a group can
-            span two resets when the env's batch is smaller than ``repeats``.
-        context_fn: ``fn(prompts) -> {column: values}``, one value per env, e.g. the
-            ``"answer"`` a reward parser reads.
-        raw_text: give plain-text prompts to a ``ChatEnv(input_mode="text")`` as they are (as
-            TRL does) instead of through the tokenizer's chat template.
+        repeats: copies of each prompt in a row (``GRPOConfig.num_generations``).
+        context_fn: ``fn(prompts) -> {column: values}``, one value per env.
+        raw_text: give plain-text prompts to a ``ChatEnv(input_mode="text")`` as they are
+            instead of through the tokenizer's chat template.
 
     A reset not followed by a step serves the same prompts again. When the source ends or
     raises, the prompts already served are generated, then the next step raises

@@ -1,19 +1,11 @@
 """TorchRL as the rollout engine of TRL's ``GRPOTrainer`` (``rollout_func=``).
 
-The contract with TRL (each point checked in ``tests/test_rollout_func.py``):
-
-- TRL repeats each prompt ``num_generations`` times in a row; the function returns exactly
-  one completion per prompt received, in order.
-- ``prompt_ids``, ``completion_ids``, ``logprobs`` are required; ``env_mask`` is the tool
-  mask; every other list reaches TRL's reward functions as a keyword.
-- The log-probs (NaN: unknown) enter TRL's loss only through the vLLM importance-sampling
-  correction or ``off_policy_mask_threshold``. TorchRL's generation writes ``0.0`` for the
-  first generated token: ``logprobs="rescore"`` recomputes them on the exact sequence (one
-  more forward), ``"generate"`` keeps them with that first one NaN, ``"auto"`` rescores only
-  where they are read (no trainer, or one that reads them, e.g. ``reads_rollout_logprobs``).
-  They are the raw logits' (temperature 1; a warning is given otherwise).
-- A ``ChatEnv`` whose turn ``k + 1`` prompt tokens do not start with turn ``k``'s prompt +
-  response raises: TRL would train on tokens the policy did not generate.
+Log-probs (NaN: unknown) enter TRL's loss only through its vLLM importance-sampling
+correction or ``off_policy_mask_threshold``. TorchRL's generation writes ``0.0`` for the first
+generated token: ``logprobs="rescore"`` recomputes them on the exact sequence (one more
+forward), ``"generate"`` keeps them with that first one NaN, ``"auto"`` rescores only where
+they are read (no trainer, or one that reads them, e.g. ``reads_rollout_logprobs``). They are
+the raw logits' (temperature 1; a warning is given otherwise).
 """
 
 from __future__ import annotations
@@ -40,34 +32,28 @@ TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
 class TorchRLRolloutFunc:
-    """A TRL ``GRPOTrainer`` ``rollout_func`` that generates with TorchRL.
-
+    """A TRL ``GRPOTrainer`` ``rollout_func`` that generates with TorchRL:
     ``f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask", **extra}``,
-    one completion per prompt received (TRL repeats each prompt ``num_generations`` times).
+    one completion per prompt received, in order (TRL repeats each prompt ``num_generations`` times).
 
     Args:
         policy: a TorchRL ``TransformersWrapper`` (``generate=True``, ``return_log_probs=True``,
             ``input_mode`` ``"text"`` or ``"history"``). ``None``: built on the first call
-            around the trainer's own model and tokenizer (shared parameters) with TRL's
-            generation settings (``max_completion_length``, ``temperature``, ``top_p``, ...).
+            around the trainer's model and tokenizer with TRL's generation settings.
 
     Keyword Args:
-        env: a TorchRL ``ChatEnv`` (or a ``TransformedEnv`` over one) in the policy's input
-            mode, given the prompts as ``"query"`` at reset, in chunks of its batch size
-            (``len(prompts)`` must be a multiple of it). ``None``: one generation per prompt.
-        max_turns: most turns per episode with ``env`` (all samples of a chunk must end at
-            the same turn).
-        context_fn: ``fn(prompts) -> {column: list}``, columns added to the env's reset
-            (e.g. the ``"answer"`` a reward parser reads).
-        forward_keys: top-level rollout keys passed to TRL's reward functions (read from the
-            last turn; ``None``: every non-TorchRL key). The env's ``("next", "reward")``,
-            summed over turns, is passed as ``"torchrl_reward"``.
+        env: a TorchRL ``ChatEnv`` in the policy's input mode, given the prompts as ``"query"``
+            at reset in chunks of its batch size. ``None``: one generation per prompt.
+        max_turns: most turns per episode with ``env`` (a chunk's samples end together).
+        context_fn: ``fn(prompts) -> {column: list}``, columns added to the env's reset.
+        forward_keys: top-level rollout keys passed to TRL's reward functions (``None``: every
+            non-TorchRL key); the env's reward, summed over turns, goes as ``"torchrl_reward"``.
         replay_buffer: a TorchRL ``ReplayBuffer`` extended with every sample's every turn,
             tagged ``"group_id"``, ``"policy_version"`` and ``"turn"``.
         logprobs: ``"auto"`` (default), ``"rescore"`` or ``"generate"``, see the module doc.
         sync_weights: when the trainer's ``global_step`` changed and ``policy`` does not
-            share its parameters: ``"copy"`` loads them into ``policy.model``; a callable
-            ``fn(trainer_model, version)`` does the transfer; ``None`` never touches them.
+            share its parameters: ``"copy"`` loads them into ``policy.model``, a callable
+            ``fn(trainer_model, version)`` transfers them, ``None`` does nothing.
 
     Attributes:
         policy_version: the trainer's ``global_step`` when the weights last generated.
@@ -137,10 +123,7 @@ class TorchRLRolloutFunc:
             group_size = _group_size(trainer, len(prompts))
             version = self._sync(trainer, policy)
             self.calls += 1
-            logprobs = self.logprobs
-            if logprobs == "auto":
-                logprobs = "rescore" if _reads_logprobs(trainer) else "generate"
-            return self.rollout(prompts, group_size=group_size, version=version, logprobs=logprobs)
+            return self.rollout(prompts, group_size=group_size, version=version, logprobs=self._logprobs_mode(trainer))
 
     def rollout(
         self, prompts: list, *, group_size: int, version: int, logprobs: Literal["rescore", "generate"] | None = None
@@ -157,15 +140,18 @@ class TorchRLRolloutFunc:
             steps = [per_sample(self.policy(_policy_input(self.policy, prompts)))]
         else:
             steps = self._run_env(self.policy, prompts)
-        if logprobs is None:
-            logprobs = "rescore" if self.logprobs == "auto" else self.logprobs
-        batch = self._to_trl(self.policy, steps, logprobs)
+        batch = self._to_trl(self.policy, steps, logprobs or self._logprobs_mode(None))
         self._annotate(steps, group_size, version)
         if self.replay_buffer is not None:
             for step in steps:
                 self.replay_buffer.extend(step)
         self.samples += len(prompts)
         return batch
+
+    def _logprobs_mode(self, trainer) -> str:
+        if self.logprobs != "auto":
+            return self.logprobs
+        return "rescore" if _reads_logprobs(trainer) else "generate"
 
     def _policy_for(self, trainer, prompts: list):
         if self.policy is not None:
@@ -176,16 +162,11 @@ class TorchRLRolloutFunc:
 
         from ..rewards.trl_funcs import is_conversational
 
-        if self.env is not None:
-            input_mode = self.env.input_mode
-        else:
-            input_mode = "history" if is_conversational(prompts) else "text"
+        chat = is_conversational(prompts)
+        input_mode = self.env.input_mode if self.env is not None else "history" if chat else "text"
         model = trainer.accelerator.unwrap_model(trainer.model)
-        generate_kwargs = {
-            "max_new_tokens": trainer.max_completion_length,
-            "do_sample": True,
-            "temperature": trainer.temperature,
-        }
+        generate_kwargs = {"max_new_tokens": trainer.max_completion_length, "do_sample": True,
+                           "temperature": trainer.temperature}
         # TRL's "disabled" values (top_k=0, top_p=1, ...) are left out: TorchRL rejects top_k=0
         disabled = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
         for name, off in disabled.items():
@@ -193,13 +174,8 @@ class TorchRLRolloutFunc:
             if value is not None and value != off:
                 generate_kwargs[name] = value
         self.policy = TransformersWrapper(
-            model,
-            tokenizer=trainer.processing_class,
-            input_mode=input_mode,
-            generate=True,
-            return_log_probs=True,
-            pad_output=False,
-            generate_kwargs=generate_kwargs,
+            model, tokenizer=trainer.processing_class, input_mode=input_mode, generate=True, return_log_probs=True,
+            pad_output=False, generate_kwargs=generate_kwargs,
         )
         return self.policy
 
@@ -254,14 +230,12 @@ class TorchRLRolloutFunc:
         steps = []
         for turn in range(self.max_turns):
             td = policy(td)
-            last = turn == self.max_turns - 1
-            if last:
+            if turn == self.max_turns - 1:
                 step = env.step(td)
             else:
                 step, td = env.step_and_maybe_reset(td)
-            step = per_sample(step)
-            steps.append(step)
-            done = step.get(layouts.DONE_KEY).reshape(-1)
+            steps.append(per_sample(step))
+            done = steps[-1].get(layouts.DONE_KEY).reshape(-1)
             if done.all():
                 break
             if done.any():
@@ -285,10 +259,9 @@ class TorchRLRolloutFunc:
         groups = [self._next_group + i // group_size for i in range(n)]
         self._next_group += -(-n // group_size)
         for turn, step in enumerate(steps):
-            for i, sample in enumerate(step.tensordicts):
-                sample.set(GROUP_ID_KEY, torch.tensor(groups[i]))
-                sample.set(VERSION_KEY, torch.tensor(version))
-                sample.set(TURN_KEY, torch.tensor(turn))
+            for group, sample in zip(groups, step.tensordicts):
+                sample.update({GROUP_ID_KEY: torch.tensor(group), VERSION_KEY: torch.tensor(version),
+                               TURN_KEY: torch.tensor(turn)})
 
 
 def _reads_logprobs(trainer) -> bool:

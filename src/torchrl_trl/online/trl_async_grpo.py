@@ -40,8 +40,7 @@ class TorchRLRolloutWorker:
     Keyword Args:
         reward_weights: one float per function (default: all ones), as in ``GRPOConfig``.
         queue_maxsize: bound of :attr:`rollout_buffer` (the pump waits when it is full).
-        timeout: seconds the pump waits for a group from an ``AsyncGroupCollector`` (a
-            ``GroupRolloutFunc`` has its own ``timeout``).
+        timeout: seconds the pump waits for a group from an ``AsyncGroupCollector``.
 
     Example:
 

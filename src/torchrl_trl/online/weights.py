@@ -77,13 +77,8 @@ def push_weights(
     weights_fn: Callable[[torch.nn.Module], Any] | None = None,
     lock: contextlib.AbstractContextManager | None = None,
 ) -> None:
-    """Load ``model``'s weights into ``collector``'s policy with ``collector.update_policy_weights_``
-    (which also bumps its ``PolicyVersion``).
-
-    Args:
-        weights_fn: ``fn(model) -> weights`` to hand TorchRL instead of :func:`collector_weights`.
-        lock: held while TorchRL loads them, so no reader sees half of them.
-    """
+    """Load ``model``'s weights into ``collector``'s policy with ``collector.update_policy_weights_``,
+    holding ``lock`` meanwhile; ``weights_fn(model)`` replaces :func:`collector_weights`."""
     weights = weights_fn(model) if weights_fn is not None else collector_weights(collector, model)
     with lock if lock is not None else contextlib.nullcontext():
         collector.update_policy_weights_(weights)
