@@ -68,16 +68,13 @@ class AsyncGroupCollector:
     """
 
     def __init__(
-        self,
-        rollout: TorchRLRolloutFunc,
-        prompts: Sequence | Iterable,
-        *,
-        group_size: int,
-        prompts_per_batch: int = 1,
-        max_pending_groups: int = 8,
+        self, rollout: TorchRLRolloutFunc, prompts: Sequence | Iterable, *, group_size: int,
+        prompts_per_batch: int = 1, max_pending_groups: int = 8,
     ):
         from torchrl.collectors.llm import LLMCollector
         from torchrl.data import LazyStackStorage, ReplayBuffer
+        from torchrl.envs import Compose, StepCounter, TransformedEnv
+        from torchrl.envs.llm import ChatEnv
 
         group_size = positive_int(group_size, "group_size")
         prompts_per_batch = positive_int(prompts_per_batch, "prompts_per_batch")
@@ -90,19 +87,22 @@ class AsyncGroupCollector:
                 "for multi-turn episodes build an LLMCollector over the ChatEnv (yield_completed_trajectories=True, "
                 "a buffer with MCAdvantage(grpo_size=...)) and read it with LLMCollectorRolloutFunc"
             )
-        self.rollout = rollout
+        self.rollout, policy, env = rollout, rollout.policy, rollout.env
         self.group_size = group_size
         self.prompts_per_batch = prompts_per_batch
         self.max_pending_groups = max_pending_groups
-        self.primer = PromptPrimer(prompts, repeats=group_size, context_fn=rollout.context_fn, raw_text=rollout.env is None)
-        env, per_batch = self._env(group_size * prompts_per_batch)
+        self.primer = PromptPrimer(prompts, repeats=group_size, context_fn=rollout.context_fn, raw_text=env is None)
+        turns = group_size * prompts_per_batch
+        if env is None:
+            env = ChatEnv(batch_size=(turns,), input_mode=policy.input_mode, tokenizer=policy.tokenizer)
+        one_turn = StepCounter(max_steps=1, step_count_key=TURN_KEY)
+        env = TransformedEnv(env, Compose(self.primer, one_turn), auto_unwrap=False)  # the rollout's env stays as is
         self.replay_buffer = rollout.replay_buffer
         if self.replay_buffer is None:  # read by write count: room for what waits unconsumed, many times over
             self.replay_buffer = ReplayBuffer(storage=LazyStackStorage(max(1024, 8 * max_pending_groups * group_size)))
-        policy = rollout.policy
-        self.collector = LLMCollector(
-            env=env, policy=policy, dialog_turns_per_batch=per_batch, replay_buffer=self.replay_buffer,
-            track_policy_version=True, total_dialog_turns=-1,
+        self.collector = LLMCollector(  # a batch holds whole groups and whole env batches
+            env=env, policy=policy, dialog_turns_per_batch=math.lcm(turns, env.batch_size.numel()),
+            replay_buffer=self.replay_buffer, track_policy_version=True, total_dialog_turns=-1,
             postproc=None if rollout.logprobs == "generate" else BehaviourLogProbsPostproc(policy),
         )
         self._paused = contextlib.ExitStack()
@@ -110,20 +110,6 @@ class AsyncGroupCollector:
             self.collector, self.replay_buffer, group_size=group_size, group_key=GROUP_ID_KEY, max_staleness=None,
             push_weights=False, max_pending_groups=max_pending_groups, forward_keys=rollout.forward_keys,
         )
-
-    def _env(self, turns: int):
-        """The ``ChatEnv`` the collector steps (the rollout's, or a new one of ``turns`` envs)
-        with the primer and a one-turn limit, and the turns per batch (whole groups and envs)."""
-        from torchrl.envs import Compose, StepCounter, TransformedEnv
-        from torchrl.envs.llm import ChatEnv
-
-        policy = self.rollout.policy
-        env = self.rollout.env
-        if env is None:
-            env = ChatEnv(batch_size=(turns,), input_mode=policy.input_mode, tokenizer=policy.tokenizer)
-        transforms = Compose(self.primer, StepCounter(max_steps=1, step_count_key=TURN_KEY))
-        env = TransformedEnv(env, transforms, auto_unwrap=False)  # the rollout's own env stays as it is
-        return env, math.lcm(turns, env.batch_size.numel())
 
     def start(self) -> None:
         self.source.start()
@@ -175,14 +161,8 @@ class AsyncGroupCollector:
         return load_weights(self.rollout.policy.model, named_tensors)
 
     def get_groups(
-        self,
-        n: int,
-        *,
-        consumer_version: int,
-        max_staleness: int | None,
-        timeout: float = 60.0,
-        keep: Callable[[RolloutGroup], bool] | None = None,
-        wait: bool = True,
+        self, n: int, *, consumer_version: int, max_staleness: int | None, timeout: float = 60.0,
+        keep: Callable[[RolloutGroup], bool] | None = None, wait: bool = True,
     ) -> list[RolloutGroup]:
         """Take ``n`` whole groups, oldest first, dropping (and counting) those older than
         ``max_staleness`` and those ``keep`` rejects (``wait=False``: those ready now).
@@ -239,14 +219,8 @@ class AsyncTorchRLRolloutFunc(GroupRolloutFunc):
     """
 
     def __init__(
-        self,
-        collector: AsyncGroupCollector,
-        *,
-        max_staleness: int | None = 1,
-        timeout: float = 60.0,
-        push_weights: bool = True,
-        drop_zero_std: bool = False,
-        reuse: int = 0,
+        self, collector: AsyncGroupCollector, *, max_staleness: int | None = 1, timeout: float = 60.0,
+        push_weights: bool = True, drop_zero_std: bool = False, reuse: int = 0,
     ):
         super().__init__(
             max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,

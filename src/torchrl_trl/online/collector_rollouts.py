@@ -64,14 +64,10 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     >>> from types import SimpleNamespace
     >>> from torchrl.collectors.llm import LLMCollector
     >>> from torchrl.data import LazyStackStorage, ReplayBuffer
-    >>> from torchrl.objectives.llm import MCAdvantage
-    >>> from torchrl_trl import RewardFunctionWrapper, testing
+    >>> from torchrl_trl import testing
     >>> tok = testing.make_tokenizer()
     >>> env = testing.make_chat_env([{"query": "hi"}], batch_size=2, group_size=2)  # "hi" twice: a group
-    >>> def length(completions, **kwargs):
-    ...     return [float(len(c[-1]["content"])) for c in completions]
-    >>> env = env.append_transform(RewardFunctionWrapper(length).as_transform())  # MCAdvantage needs a reward
-    >>> rb = ReplayBuffer(storage=LazyStackStorage(256), transform=MCAdvantage(grpo_size=2))
+    >>> rb = ReplayBuffer(storage=LazyStackStorage(256))  # a batch is a whole group: no MCAdvantage needed
     >>> collector = LLMCollector(
     ...     env=env, policy=testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=3),
     ...     dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True, total_dialog_turns=-1)
@@ -84,19 +80,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     """
 
     def __init__(
-        self,
-        collector,
-        replay_buffer,
-        *,
-        group_size: int,
-        max_staleness: int | None = 1,
-        timeout: float | None = 120.0,
-        poll_s: float = 0.1,
-        group_key="query",
-        push_weights: bool = True,
-        drop_zero_std: bool = False,
-        reuse: int = 0,
-        max_pending_groups: int | None = None,
+        self, collector, replay_buffer, *, group_size: int, max_staleness: int | None = 1,
+        timeout: float | None = 120.0, poll_s: float = 0.1, group_key="query", push_weights: bool = True,
+        drop_zero_std: bool = False, reuse: int = 0, max_pending_groups: int | None = None,
         forward_keys: Sequence[NestedKey] | None = None,
     ):
         super().__init__(

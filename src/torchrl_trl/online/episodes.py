@@ -55,9 +55,7 @@ def turns_to_trl(
     of ``N`` lists), the log-probs read at ``logprobs_key`` (TorchRL's generated ones: each
     turn's first value NaN)."""
     prompt_ids = layouts.read_tokens(steps[0], "prompt").tolist()
-    completion_ids: list[list[int]] = [[] for _ in prompt_ids]
-    env_mask: list[list[int]] = [[] for _ in prompt_ids]
-    logprobs: list[list[float]] = [[] for _ in prompt_ids]
+    completion_ids, env_mask, logprobs = ([[] for _ in prompt_ids] for _ in range(3))
     previous = [list(p) for p in prompt_ids]
     generated = logprobs_key == GENERATED_LOGPROBS_KEY
     for turn, step in enumerate(steps):
@@ -123,9 +121,7 @@ def rollout_batch(rows: dict[str, list[list]], fields: dict[str, list], steps: l
 
 
 def episodes_to_trl(
-    episodes: Sequence[TensorDictBase],
-    *,
-    logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY,
+    episodes: Sequence[TensorDictBase], *, logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY,
     forward_keys: Sequence[NestedKey] | None = None,
 ) -> RolloutBatch:
     """One TRL row per episode (``episodes[i]``: its steps ``[T_i]``), in order;
@@ -134,20 +130,15 @@ def episodes_to_trl(
     by_length: dict[int, list[int]] = {}
     for i, episode in enumerate(episodes):
         by_length.setdefault(episode.shape[0], []).append(i)
-    rows: dict[str, list] = {key: [None] * n for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs")}
-    fields: dict[str, list] = {}
+    out: dict[str, list] = {}
     for n_turns, index in by_length.items():
         steps = [lazy_stack([episodes[i][t] for i in index]) for t in range(n_turns)]
-        for key, values in turns_to_trl(steps, logprobs_key=logprobs_key).items():
-            _scatter(rows[key], index, values)
-        for key, values in forward_fields(steps, forward_keys).items():
-            _scatter(fields.setdefault(key, [None] * n), index, values)
-    return rollout_batch(rows, fields, [lazy_stack([episode[0] for episode in episodes])])
-
-
-def _scatter(out: list, index: list[int], values: list) -> None:
-    for i, value in zip(index, values):
-        out[i] = value
+        new = {**turns_to_trl(steps, logprobs_key=logprobs_key), **forward_fields(steps, forward_keys)}
+        for key, values in new.items():
+            for i, value in zip(index, values):
+                out.setdefault(key, [None] * n)[i] = value
+    rows = {key: out.pop(key, []) for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs")}
+    return rollout_batch(rows, out, [lazy_stack([episode[0] for episode in episodes])])
 
 
 def _to_python(value: Any) -> Any:

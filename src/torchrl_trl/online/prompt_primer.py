@@ -99,12 +99,8 @@ class PromptPrimer(Transform):
     """
 
     def __init__(
-        self,
-        prompts: Sequence | Iterable,
-        *,
-        repeats: int = 1,
-        context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None,
-        raw_text: bool = False,
+        self, prompts: Sequence | Iterable, *, repeats: int = 1,
+        context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None, raw_text: bool = False,
     ):
         super().__init__()
         if isinstance(prompts, Sequence) and not prompts:

@@ -25,10 +25,7 @@ from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward
 from .prompt_primer import check_history_batch, columns_td, context_columns, env_query
 from .weights import load_weights
 
-__all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
-
-#: Keys TRL's ``GRPOTrainer`` requires from a ``rollout_func``.
-TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+__all__ = ["TorchRLRolloutFunc", "RolloutBatch"]
 
 
 class TorchRLRolloutFunc:
@@ -78,14 +75,9 @@ class TorchRLRolloutFunc:
     """
 
     def __init__(
-        self,
-        policy=None,
-        *,
-        env=None,
-        max_turns: int = 1,
+        self, policy=None, *, env=None, max_turns: int = 1,
         context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None,
-        forward_keys: Sequence[NestedKey] | None = None,
-        replay_buffer=None,
+        forward_keys: Sequence[NestedKey] | None = None, replay_buffer=None,
         logprobs: Literal["auto", "rescore", "generate"] = "auto",
         sync_weights: Literal["copy"] | Callable | None = "copy",
     ):

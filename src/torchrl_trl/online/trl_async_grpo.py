@@ -63,13 +63,8 @@ class TorchRLRolloutWorker:
     """
 
     def __init__(
-        self,
-        collector: GroupRolloutFunc | AsyncGroupCollector,
-        reward_funcs: Sequence[Callable],
-        *,
-        reward_weights: Sequence[float] | None = None,
-        queue_maxsize: int = 1024,
-        timeout: float = 600.0,
+        self, collector: GroupRolloutFunc | AsyncGroupCollector, reward_funcs: Sequence[Callable], *,
+        reward_weights: Sequence[float] | None = None, queue_maxsize: int = 1024, timeout: float = 600.0,
     ):
         if not reward_funcs:
             raise ValueError("reward_funcs is empty: the worker scores every group it sends")

@@ -71,10 +71,7 @@ def weights_td(weights) -> TensorDictBase:
 
 
 def push_weights(
-    collector,
-    model: torch.nn.Module | TensorDictBase,
-    *,
-    weights_fn: Callable[[torch.nn.Module], Any] | None = None,
+    collector, model: torch.nn.Module | TensorDictBase, *, weights_fn: Callable[[torch.nn.Module], Any] | None = None,
     lock: contextlib.AbstractContextManager | None = None,
 ) -> None:
     """Load ``model``'s weights into ``collector``'s policy with ``collector.update_policy_weights_``,
