@@ -1,8 +1,6 @@
 """Async GRPO through ``GRPOTrainer`` from TRL prompts: a TorchRL ``LLMCollector`` runs ahead.
 
-:class:`AsyncGroupCollector` builds the collector from a :class:`TorchRLRolloutFunc` and TRL
-prompts; :class:`AsyncTorchRLRolloutFunc` is the ``rollout_func`` that drains it. Stale
-groups are corrected only with TRL's vLLM correction, ``off_policy_mask_threshold`` or
+Stale groups are corrected only with TRL's vLLM correction, ``off_policy_mask_threshold`` or
 :class:`~torchrl_trl.online.BehaviourLogProbsMixin`.
 """
 
@@ -120,9 +118,7 @@ class AsyncGroupCollector:
         if self.alive:
             warnings.warn(f"the collector did not stop within {timeout} s", stacklevel=2)
 
-    @property
-    def alive(self) -> bool:
-        return self.collector.is_running()
+    alive = property(lambda self: self.collector.is_running(), doc="Whether the collector runs.")
 
     @property
     def produced_groups(self) -> int:
@@ -136,9 +132,7 @@ class AsyncGroupCollector:
     dropped_filtered_groups = _from_source("dropped_filtered_groups", "Groups a keep filter rejected.")
     wait_s = _from_source("wait_s", "Seconds consumers spent waiting for (and reading) groups.")
 
-    @property
-    def policy_version(self) -> int:
-        return self.collector.policy_version
+    policy_version = property(lambda self: self.collector.policy_version, doc="The collector's policy version.")
 
     def update_policy_weights_(self, weights=None, *, version: int) -> None:
         """Load ``weights`` (an ``nn.Module``, a TensorDict, a ``state_dict`` or ``(name, tensor)``
@@ -222,10 +216,8 @@ class AsyncTorchRLRolloutFunc(GroupRolloutFunc):
         self, collector: AsyncGroupCollector, *, max_staleness: int | None = 1, timeout: float = 60.0,
         push_weights: bool = True, drop_zero_std: bool = False, reuse: int = 0,
     ):
-        super().__init__(
-            max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
-            drop_zero_std=drop_zero_std, reuse=reuse,
-        )
+        super().__init__(max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
+                         drop_zero_std=drop_zero_std, reuse=reuse)
         self.collector = collector
         self.group_size = collector.group_size
 
@@ -257,9 +249,7 @@ class AsyncTorchRLRolloutFunc(GroupRolloutFunc):
     def send_named_weights(self, named_tensors) -> None:
         self.collector.source.send_named_weights(named_tensors)
 
-    @property
-    def tokenizer(self):
-        return self.collector.rollout.policy.tokenizer
+    tokenizer = property(lambda self: self.collector.rollout.policy.tokenizer)
 
     def close(self) -> None:
         self.collector.stop()

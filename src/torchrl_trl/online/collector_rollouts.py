@@ -1,10 +1,7 @@
 """TRL's ``GRPOTrainer`` trained on the GRPO groups a TorchRL ``LLMCollector`` writes.
 
-:class:`LLMCollectorRolloutFunc` reads what the collector (in-process or a ``RayLLMCollector``)
-wrote since its last read (by ``write_count``; nothing is taken out of the buffer), cuts it
-into episodes at ``("next", "done")`` and into groups of ``G`` consecutive episodes sharing a
-prompt, and hands TRL whole groups within ``max_staleness``. A multi-turn ``ChatEnv``
-episode is one TRL sample (``env_mask`` over the tokens between turns).
+New writes (by ``write_count``; nothing is taken out of the buffer) are cut into episodes at
+``("next", "done")``, and those into groups of ``G`` consecutive episodes sharing a prompt.
 """
 
 from __future__ import annotations
@@ -85,10 +82,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         drop_zero_std: bool = False, reuse: int = 0, max_pending_groups: int | None = None,
         forward_keys: Sequence[NestedKey] | None = None,
     ):
-        super().__init__(
-            max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
-            drop_zero_std=drop_zero_std, reuse=reuse,
-        )
+        super().__init__(max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
+                         drop_zero_std=drop_zero_std, reuse=reuse)
         self.collector = collector
         self.replay_buffer = replay_buffer
         self.group_size = positive_int(group_size, "group_size")
@@ -197,10 +192,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             if not groups:
                 break
             episodes = [group[s:e] for _, group in groups for s, e in _episode_bounds(group)]
-            recorded = layouts.has_key(episodes[0], BEHAVIOUR_KEY)
-            batch = episodes_to_trl(
-                episodes, logprobs_key=BEHAVIOUR_KEY if recorded else GENERATED_LOGPROBS_KEY, forward_keys=self.forward_keys
-            )
+            key = BEHAVIOUR_KEY if layouts.has_key(episodes[0], BEHAVIOUR_KEY) else GENERATED_LOGPROBS_KEY
+            batch = episodes_to_trl(episodes, logprobs_key=key, forward_keys=self.forward_keys)
             prompts = _prompts(batch.steps[0])[:: self.group_size]
             for (group_version, _), prompt, part in zip(groups, prompts, split_groups(batch, self.group_size)):
                 group = RolloutGroup(group_version, prompt, part)
@@ -231,9 +224,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     def send_named_weights(self, named_tensors) -> None:
         self.push(weights_td(named_tensors))
 
-    @property
-    def tokenizer(self):
-        return self.collector.policy.tokenizer
+    tokenizer = property(lambda self: self.collector.policy.tokenizer)
 
     def _collector_version(self) -> int:
         version = self.collector.policy_version
@@ -335,9 +326,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 run = run[extra:]
             elif extra:
                 raise ValueError(
-                    f"{len(run)} consecutive episodes of the new writes share {self.group_key!r}={key!r:.60}, "
-                    f"not a multiple of group_size={g}: give the buffer MCAdvantage(grpo_size={g}, "
-                    f"prompt_key={self.group_key!r}) as a write transform so each GRPO group is written whole"
+                    f"{len(run)} consecutive episodes of the new writes share {self.group_key!r}={key!r:.60}, not a "
+                    f"multiple of group_size={g}: give the buffer MCAdvantage(grpo_size={g}, prompt_key="
+                    f"{self.group_key!r}) as a write transform so each GRPO group is written whole"
                 )
             for first in range(0, len(run), g):
                 group = items[run[first][0] : run[first + g - 1][1]]

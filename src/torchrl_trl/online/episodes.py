@@ -1,9 +1,7 @@
 """TorchRL episodes -> the rows TRL's ``GRPOTrainer`` trains on (one row per episode).
 
-An episode is its steps as ``ChatEnv`` + ``TransformersWrapper`` produce them: turn ``k + 1``'s
-prompt tokens start with turn ``k``'s prompt + response (else ``ValueError``); the tokens in
-between (end of turn, a tool's reply) go into ``completion_ids`` with ``env_mask`` 0 and
-``logprobs`` NaN.
+Turn ``k + 1``'s prompt tokens must start with turn ``k``'s prompt + response; the tokens in
+between (end of turn, a tool's reply) go into ``completion_ids`` with ``env_mask`` 0.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ OWN_KEYS = frozenset({GROUP_ID_KEY, VERSION_KEY, TURN_KEY, BEHAVIOUR_KEY, "query
 
 
 class RolloutBatch(dict):
-    """TRL's rollout dict (``prompt_ids``, ``completion_ids``, ``logprobs``, ``env_mask``,
-    extra fields) with the TorchRL steps it came from in :attr:`steps` (one lazy stack
+    """TRL's rollout dict with the TorchRL steps it came from in :attr:`steps` (one lazy stack
     ``[N]`` per turn)."""
 
     steps: list[TensorDictBase]

@@ -137,14 +137,11 @@ class PromptPrimer(Transform):
                 raise
             self.error, self._filler = err, True  # generate what was served, fail at the next step
             return self._current
-        td = TensorDict(
-            {"query": env_query(prompts), GROUP_ID_KEY: torch.tensor([g for _, g in items])}, batch_size=[n]
-        )
+        td = TensorDict({"query": env_query(prompts), GROUP_ID_KEY: torch.tensor([g for _, g in items])}, [n])
         td.update(columns_td(context_columns(self.context_fn, prompts), [n]))
         return td.reshape(batch_size)
 
     def _reset_env_preprocess(self, tensordict: TensorDictBase | None) -> TensorDictBase:
-        batch_size = self.parent.batch_size
         partial = None if tensordict is None else tensordict.get("_reset", None)
         if partial is not None and not partial.all():
             raise ValueError(
@@ -152,7 +149,7 @@ class PromptPrimer(Transform):
                 "episode of an env batch must end at the same turn (e.g. StepCounter(max_steps=k))"
             )
         if self._stepped:
-            self._current = self._next_batch(batch_size)
+            self._current = self._next_batch(self.parent.batch_size)
             self._stepped = False
         primed = self._current.clone(False)
         return primed if tensordict is None else tensordict.update(primed)

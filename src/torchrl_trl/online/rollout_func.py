@@ -132,7 +132,12 @@ class TorchRLRolloutFunc:
             steps = [per_sample(self.policy(_policy_input(self.policy, prompts)))]
         else:
             steps = self._run_env(self.policy, prompts)
-        batch = self._to_trl(self.policy, steps, logprobs or self._logprobs_mode(None))
+        rows = turns_to_trl(steps)
+        if (logprobs or self._logprobs_mode(None)) == "rescore":
+            if self._scorer is None or self._scorer.model is not self.policy.model:
+                self._scorer = ResponseScorer(self.policy)
+            rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
+        batch = rollout_batch(rows, forward_fields(steps, self.forward_keys), steps)
         self._annotate(steps, group_size, version)
         if self.replay_buffer is not None:
             for step in steps:
@@ -237,14 +242,6 @@ class TorchRLRolloutFunc:
                     "(e.g. a StepCounter(max_steps=k))"
                 )
         return steps
-
-    def _to_trl(self, policy, steps: list[TensorDictBase], logprobs_mode: str = "generate") -> RolloutBatch:
-        rows = turns_to_trl(steps)
-        if logprobs_mode == "rescore":
-            if self._scorer is None or self._scorer.model is not policy.model:
-                self._scorer = ResponseScorer(policy)
-            rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
-        return rollout_batch(rows, forward_fields(steps, self.forward_keys), steps)
 
     def _annotate(self, steps: list[TensorDictBase], group_size: int, version: int) -> None:
         n = steps[0].batch_size[0]

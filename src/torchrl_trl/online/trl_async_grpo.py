@@ -29,13 +29,10 @@ class TorchRLRolloutWorker:
     :attr:`rollout_buffer` (``completion_mask`` 0 on the prompt and env tokens).
 
     Args:
-        collector: where groups come from (also given to :class:`TorchRLWeightTransfer`): an
-            :class:`~torchrl_trl.online.LLMCollectorRolloutFunc` (``max_staleness=None``: the
-            trainer bounds it) or another ``GroupRolloutFunc``, or an
-            :class:`~torchrl_trl.online.AsyncGroupCollector`.
-        reward_funcs: TRL-style ``f(prompts, completions, completion_ids, **fields) -> list``
-            (``fields``: the forwarded fields, e.g. ``torchrl_reward``), scored by one
-            :class:`~torchrl_trl.RewardFunctionWrapper` (:attr:`scorer`).
+        collector: a ``GroupRolloutFunc`` (e.g. an :class:`~torchrl_trl.online.LLMCollectorRolloutFunc`
+            with ``max_staleness=None``) or an :class:`~torchrl_trl.online.AsyncGroupCollector`.
+        reward_funcs: TRL-style ``f(prompts, completions, completion_ids, **fields) -> list``,
+            scored by one :class:`~torchrl_trl.RewardFunctionWrapper` (:attr:`scorer`).
 
     Keyword Args:
         reward_weights: one float per function (default: all ones), as in ``GRPOConfig``.

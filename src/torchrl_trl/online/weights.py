@@ -18,13 +18,10 @@ __all__ = ["GenerationLock", "collector_weights", "load_weights", "push_weights"
 def collector_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDict:
     """``model``'s weights (or ``model``, a TensorDict of them) as ``collector.update_policy_weights_``
     loads them: under ``"model"`` for a ``policy.model`` or a Ray actor (which gets them on the CPU)."""
-    weights = model if isinstance(model, TensorDictBase) else TensorDict.from_module(model).data
+    weights = weights_td(model)
     remote = is_ray_collector(collector)
-    if remote:
-        weights = weights.cpu()
-    inner = getattr(getattr(collector, "policy", None), "model", None)
-    if remote or isinstance(inner, torch.nn.Module):
-        weights = TensorDict({"model": weights}, batch_size=[])
+    if remote or isinstance(getattr(getattr(collector, "policy", None), "model", None), torch.nn.Module):
+        weights = TensorDict({"model": weights.cpu() if remote else weights}, batch_size=[])
     return weights
 
 
