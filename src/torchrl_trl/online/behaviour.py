@@ -1,6 +1,4 @@
-"""Behaviour log-probs: each generated token's log-prob under the weights that generated
-it (scored, recorded by a collector's postproc, used by TRL's loss), to correct stale groups.
-"""
+"""Behaviour log-probs (each token's under the weights that generated it), to correct stale groups."""
 
 from __future__ import annotations
 
@@ -86,12 +84,10 @@ class BehaviourLogProbsPostproc:
 
 
 class BehaviourLogProbsMixin:
-    """Mix into ``GRPOTrainer`` (``class Trainer(BehaviourLogProbsMixin, GRPOTrainer)``) so
-    TRL's loss uses the rollout func's log-probs as ``old_per_token_logps``: the clipped
-    ratio becomes ``pi_theta / mu`` instead of 1 for samples of older weights.
-
-    Left alone when TRL already corrects (:func:`trl_corrects_logprobs`). NaN behaviour
-    log-probs raise ``ValueError`` on trained tokens and are set to 0 on masked ones.
+    """Mix into ``GRPOTrainer`` (``class Trainer(BehaviourLogProbsMixin, GRPOTrainer)``) so TRL's
+    loss uses the rollout func's log-probs as ``old_per_token_logps`` (ratio ``pi_theta / mu``),
+    unless TRL corrects itself (``trl_corrects_logprobs``). NaN behaviour log-probs raise
+    ``ValueError`` on trained tokens and are set to 0 on masked ones.
 
     Example (``Base`` stands in for ``GRPOTrainer``, whose loss then reads the old log-probs):
 

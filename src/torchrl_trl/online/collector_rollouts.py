@@ -53,8 +53,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
 
     Attributes:
-        read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups,
-            missed_items, weight_pushes, wait_s, push_s: counters and seconds.
+        read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups, missed_items,
+            weight_pushes, wait_s, push_s: counters and seconds.
 
     Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read):
 
@@ -206,10 +206,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         return out
 
     def push(self, model: torch.nn.Module | TensorDictBase | None, *, version: int | None = None) -> int:
-        """Send ``model``'s weights (or a TensorDict of them; ``None``: none) to the
-        collector's policy through ``collector.update_policy_weights_``, between two of its
-        batches (:meth:`paused`; a Ray actor loads them while it generates), and return its
-        new policy version (``version`` when given)."""
+        """Send ``model``'s weights (or a TensorDict of them; ``None``: none) to the collector's policy
+        between two of its batches (:meth:`paused`); returns its new policy version (``version`` if given)."""
         start = time.monotonic()
         with self.paused():
             if model is not None:
@@ -309,9 +307,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         return self._warnings.counts["missed"]
 
     def _split(self, items: TensorDictBase, *, aligned: bool) -> None:
-        """Queue ``items`` as groups ``(version, steps)`` of ``G`` consecutive episodes sharing
-        ``group_key``; not ``aligned`` (older items overwritten): a leading partial episode
-        or group is skipped and counted in :attr:`missed_items`."""
+        """Queue ``items`` as groups ``(version, steps)`` of ``G`` consecutive episodes sharing ``group_key``;
+        not ``aligned`` (older items overwritten): a leading partial group is skipped and counted."""
         bounds = _episode_bounds(items)
         if not aligned:
             bounds = self._skip_partial_episode(items, bounds)
@@ -336,8 +333,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 self.read_groups += 1
 
     def _skip_partial_episode(self, items: TensorDictBase, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Drop a first episode whose first steps were overwritten (``step_count`` > 0; without
-        one, a multi-turn first episode)."""
+        """Drop a first episode whose first steps were overwritten (``step_count`` > 0, or multi-turn)."""
         if not bounds:
             return bounds
         start, end = bounds[0]

@@ -31,8 +31,7 @@ OWN_KEYS = frozenset({GROUP_ID_KEY, VERSION_KEY, TURN_KEY, BEHAVIOUR_KEY, "query
 
 
 class RolloutBatch(dict):
-    """TRL's rollout dict with the TorchRL steps it came from in :attr:`steps` (one lazy stack
-    ``[N]`` per turn)."""
+    """TRL's rollout dict with the TorchRL steps it came from in :attr:`steps` (a lazy stack per turn)."""
 
     steps: list[TensorDictBase]
 
@@ -53,7 +52,6 @@ def turns_to_trl(
     turn's first value NaN)."""
     prompt_ids = layouts.read_tokens(steps[0], "prompt").tolist()
     completion_ids, env_mask, logprobs = ([[] for _ in prompt_ids] for _ in range(3))
-    previous = [list(p) for p in prompt_ids]
     generated = logprobs_key == GENERATED_LOGPROBS_KEY
     for turn, step in enumerate(steps):
         prompts = layouts.read_tokens(step, "prompt").tolist()
@@ -63,7 +61,7 @@ def turns_to_trl(
         else:
             lps = [torch.as_tensor(v).reshape(-1).tolist() for v in layouts.read_column(step, logprobs_key)]
         for i, (p, r, lp) in enumerate(zip(prompts, responses, lps)):
-            prev = previous[i]
+            prev = prompt_ids[i] + completion_ids[i]  # the previous turn's prompt + response
             if p[: len(prev)] != prev:
                 at = next((j for j, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
                 raise ValueError(
@@ -82,7 +80,6 @@ def turns_to_trl(
             completion_ids[i] += glue + r
             env_mask[i] += [0] * len(glue) + [1] * len(r)
             logprobs[i] += [float("nan")] * len(glue) + list(lp)
-            previous[i] = p + r
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "env_mask": env_mask, "logprobs": logprobs}
 
 
@@ -92,8 +89,7 @@ def forward_fields(steps: Sequence[TensorDictBase], keys: Sequence[NestedKey] | 
     over turns as ``"torchrl_reward"``."""
     last = steps[-1]
     if keys is None:
-        sample = layouts.first_member(last)
-        keys = [k for k in sample.keys() if k not in layouts.TORCHRL_ROOT_KEYS and k not in OWN_KEYS]
+        keys = [k for k in layouts.first_member(last).keys() if k not in {*layouts.TORCHRL_ROOT_KEYS, *OWN_KEYS}]
     fields = {}
     for key in keys:
         name = key if isinstance(key, str) else ".".join(key)

@@ -1,7 +1,6 @@
 """TRL prompts into a TorchRL ``ChatEnv`` at each reset: what ``LLMCollector`` generates from.
 
-TorchRL's ``DataLoadingPrimer`` cannot take message lists (``TensorDict.from_dict`` rejects
-a batch of chats) and serves a new batch at every reset, including the never-stepped first.
+TorchRL's ``DataLoadingPrimer`` rejects a batch of chats and serves a new batch at every reset.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ class PromptSourceEnded(Exception):
 
 
 def env_query(prompts: list):
-    """TRL prompts as a ``ChatEnv`` ``"query"``: a ``History`` for message lists, a stack of
-    strings for texts."""
+    """TRL prompts as a ``ChatEnv`` ``"query"``: a ``History`` for chats, a stack of strings for texts."""
     from ..rewards.trl_funcs import is_conversational
 
     if is_conversational(prompts):
@@ -50,8 +48,7 @@ def check_history_batch(prompts: list) -> None:
 
 
 def columns_td(columns: dict[str, Sequence[Any]], batch_size) -> TensorDict:
-    """``{name: one value per sample}`` as a TensorDict: tensors stacked, anything else a
-    ``NonTensorStack``."""
+    """``{name: one value per sample}`` as a TensorDict (tensors stacked, others a ``NonTensorStack``)."""
     out = TensorDict(batch_size=batch_size)
     for name, values in columns.items():
         out.set(name, torch.stack(list(values)) if isinstance(values[0], torch.Tensor) else NonTensorStack(*values))
@@ -68,9 +65,8 @@ def context_columns(context_fn: Callable[[list], dict[str, Sequence[Any]]] | Non
 
 
 class PromptPrimer(Transform):
-    """Give a ``ChatEnv`` its prompts at each reset: ``"query"`` for every env of the batch,
-    ``"group_id"`` (int64, the same for the ``repeats`` consecutive copies of a prompt) and
-    the columns of ``context_fn``.
+    """Give a ``ChatEnv`` its prompts at each reset: ``"query"``, ``"group_id"`` (int64, shared
+    by the ``repeats`` consecutive copies of a prompt) and the columns of ``context_fn``.
 
     Args:
         prompts: TRL prompts (texts or message lists): a sequence, cycled forever, or an iterator.
@@ -82,9 +78,8 @@ class PromptPrimer(Transform):
             instead of through the tokenizer's chat template.
 
     A reset not followed by a step serves the same prompts again. When the source ends or
-    raises, the prompts already served are generated, then the next step raises
-    :class:`PromptSourceEnded` (or the source's error), kept in :attr:`error`. A partial
-    reset raises.
+    raises, the next step raises :class:`PromptSourceEnded` (or the source's error), kept in
+    :attr:`error`. A partial reset raises.
 
     Example:
 

@@ -1,11 +1,9 @@
 """TorchRL as the rollout engine of TRL's ``GRPOTrainer`` (``rollout_func=``).
 
-Log-probs (NaN: unknown) enter TRL's loss only through its vLLM importance-sampling
-correction or ``off_policy_mask_threshold``. TorchRL's generation writes ``0.0`` for the first
-generated token: ``logprobs="rescore"`` recomputes them on the exact sequence (one more
-forward), ``"generate"`` keeps them with that first one NaN, ``"auto"`` rescores only where
-they are read (no trainer, or one that reads them, e.g. ``reads_rollout_logprobs``). They are
-the raw logits' (temperature 1; a warning is given otherwise).
+Log-probs (raw logits', NaN: unknown): ``logprobs="rescore"`` recomputes them on the exact
+sequence (one more forward), ``"generate"`` keeps TorchRL's with each first token NaN, ``"auto"``
+rescores where TRL reads them (no trainer, vLLM correction, ``off_policy_mask_threshold``,
+``reads_rollout_logprobs``).
 """
 
 from __future__ import annotations
@@ -58,13 +56,11 @@ class TorchRLRolloutFunc:
 
     Example (without a trainer: one completion per prompt received, as TRL calls it):
 
-    >>> import torch
     >>> from torchrl.data import LazyStackStorage, ReplayBuffer
     >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
     >>> tok = make_tokenizer()
     >>> rb = ReplayBuffer(storage=LazyStackStorage(16))
     >>> func = TorchRLRolloutFunc(make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3), replay_buffer=rb)
-    >>> _ = torch.manual_seed(0)
     >>> out = func([[{"role": "user", "content": "hi"}]] * 2)  # TRL repeats each prompt
     >>> sorted(out), len(out["completion_ids"])
     (['completion_ids', 'logprobs', 'prompt_ids'], 2)
@@ -120,10 +116,9 @@ class TorchRLRolloutFunc:
     def rollout(
         self, prompts: list, *, group_size: int, version: int, logprobs: Literal["rescore", "generate"] | None = None
     ) -> RolloutBatch:
-        """Generate one completion per prompt with the weights as they are, tag the rollouts
-        with ``version`` and their group (``group_size`` consecutive prompts), write them into
-        the replay buffer, and return TRL's dict. ``logprobs=None``: the constructor's
-        (``"auto"`` rescores)."""
+        """Generate one completion per prompt with the weights as they are, tag the rollouts with
+        ``version`` and their group (``group_size`` consecutive prompts), write them into the
+        replay buffer, and return TRL's dict (``logprobs=None``: the constructor's)."""
         if self.policy is None:
             raise ValueError("no policy yet: pass one, or call the function once with the trainer")
         if len(prompts) % group_size:
@@ -165,11 +160,9 @@ class TorchRLRolloutFunc:
         generate_kwargs = {"max_new_tokens": trainer.max_completion_length, "do_sample": True,
                            "temperature": trainer.temperature}
         # TRL's "disabled" values (top_k=0, top_p=1, ...) are left out: TorchRL rejects top_k=0
-        disabled = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
-        for name, off in disabled.items():
-            value = getattr(trainer, name, None)
-            if value is not None and value != off:
-                generate_kwargs[name] = value
+        for name, off in {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}.items():
+            if getattr(trainer, name, None) not in (None, off):
+                generate_kwargs[name] = getattr(trainer, name)
         self.policy = TransformersWrapper(
             model, tokenizer=trainer.processing_class, input_mode=input_mode, generate=True, return_log_probs=True,
             pad_output=False, generate_kwargs=generate_kwargs,
@@ -191,12 +184,9 @@ class TorchRLRolloutFunc:
             self.policy_version = step
         temperature = getattr(trainer, "temperature", 1.0)
         if temperature != 1.0:
-            self._warnings.add(
-                "temperature",
-                f"trainer.temperature={temperature}: TorchRL's log-probs are those of the raw logits "
-                "(temperature 1), TRL's recomputed ones use logits / temperature; they differ",
-                stacklevel=4,
-            )
+            self._warnings.add("temperature", f"trainer.temperature={temperature}: TorchRL's log-probs are those of "
+                               "the raw logits (temperature 1), TRL's recomputed ones use logits / temperature; "
+                               "they differ", stacklevel=4)
         return self.policy_version
 
     def _run_env(self, policy, prompts: list) -> list[TensorDictBase]:
@@ -208,11 +198,10 @@ class TorchRLRolloutFunc:
                 f"number of prompts (TRL's generation batch) must be a multiple of {chunk}"
             )
         context = context_columns(self.context_fn, prompts)
-        per_chunk = []
-        for start in range(0, len(prompts), chunk):
-            part = prompts[start : start + chunk]
-            cols = {k: list(v[start : start + chunk]) for k, v in context.items()}
-            per_chunk.append(self._episode(policy, part, cols))
+        per_chunk = [
+            self._episode(policy, prompts[i : i + chunk], {k: list(v[i : i + chunk]) for k, v in context.items()})
+            for i in range(0, len(prompts), chunk)
+        ]
         n_turns = {len(c) for c in per_chunk}
         if len(n_turns) != 1:
             raise ValueError(f"env episodes of different chunks ended after different numbers of turns: {n_turns}")
@@ -255,11 +244,8 @@ class TorchRLRolloutFunc:
 
 def _reads_logprobs(trainer) -> bool:
     """Whether ``trainer`` may read the log-probs a ``rollout_func`` returns (no trainer: yes)."""
-    if trainer is None:
-        return True
-    return bool(
-        trl_corrects_logprobs(trainer)
-        or getattr(trainer, "off_policy_mask_threshold", None) is not None
+    return trainer is None or bool(
+        trl_corrects_logprobs(trainer) or getattr(trainer, "off_policy_mask_threshold", None) is not None
         or getattr(trainer, "reads_rollout_logprobs", False)
     )
 
@@ -296,7 +282,6 @@ def _group_size(trainer, n: int, expected: int | None = None) -> int:
 def _policy_input(policy, prompts: list) -> TensorDictBase:
     from ..rewards.trl_funcs import is_conversational
 
-    n = len(prompts)
     chat = is_conversational(prompts)
     if policy.input_mode == "history":
         if not chat:
@@ -305,10 +290,10 @@ def _policy_input(policy, prompts: list) -> TensorDictBase:
                 "use a dataset of conversational prompts or a policy with input_mode='text'"
             )
         check_history_batch(prompts)
-        return TensorDict({"history": {"prompt": env_query(prompts)}}, batch_size=[n])
+        return TensorDict({"history": {"prompt": env_query(prompts)}}, batch_size=[len(prompts)])
     if chat:
         tok = policy.tokenizer
         texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     else:
         texts = [str(p) for p in prompts]
-    return TensorDict({"text": {"prompt": texts}}, batch_size=[n])
+    return TensorDict({"text": {"prompt": texts}}, batch_size=[len(prompts)])

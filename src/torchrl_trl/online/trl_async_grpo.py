@@ -1,7 +1,6 @@
 """TorchRL as the rollout worker and weight sink of ``trl.experimental.async_grpo.AsyncGRPOTrainer``.
 
-``AsyncGRPOTrainer`` needs CUDA (a FlashAttention-3 kernel), so on CPU these classes are
-tested against TRL's ``RolloutWorkerProtocol`` and ``WeightTransferProtocol``.
+``AsyncGRPOTrainer`` needs CUDA: on CPU these are tested against TRL's worker and weight-transfer protocols.
 """
 
 from __future__ import annotations
@@ -99,8 +98,7 @@ class TorchRLRolloutWorker:
             self.collector.update_policy_weights_(version=self.model_version)
 
     def check_health(self, stale_after_s: float) -> None:
-        """Raise ``RuntimeError`` if the pump or the collector died, or nothing moved for
-        ``stale_after_s`` seconds."""
+        """Raise ``RuntimeError`` if the pump died or nothing moved for ``stale_after_s`` seconds."""
         if self._error is not None:
             raise RuntimeError(f"the TorchRL rollout worker failed: {self._error!r}") from self._error
         if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
@@ -158,9 +156,8 @@ class TorchRLRolloutWorker:
 
 
 class TorchRLWeightTransfer:
-    """``AsyncGRPOTrainer(weight_transfer=...)`` loading the trainer's ``(name, tensor)``
-    stream into the collector's policy (same process), between two of its batches, and
-    bumping its policy version by one.
+    """``AsyncGRPOTrainer(weight_transfer=...)`` loading the trainer's ``(name, tensor)`` stream
+    into the collector's policy between two of its batches, its policy version + 1.
 
     Example (the calls ``AsyncGRPOTrainer`` makes at a weight sync):
 
@@ -205,7 +202,5 @@ def _group_source(collector, timeout: float | None = None) -> GroupRolloutFunc:
         return collector
     if isinstance(collector, AsyncGroupCollector):
         return AsyncTorchRLRolloutFunc(collector, max_staleness=None, timeout=timeout, push_weights=False)
-    raise TypeError(
-        f"collector must be an LLMCollectorRolloutFunc (or another GroupRolloutFunc) or an AsyncGroupCollector, "
-        f"got {type(collector).__name__}"
-    )
+    raise TypeError(f"collector must be an LLMCollectorRolloutFunc (or another GroupRolloutFunc) or an "
+                    f"AsyncGroupCollector, got {type(collector).__name__}")

@@ -80,8 +80,8 @@ def push_weights(
 
 class GenerationLock:
     """The lock between a background generation loop (:meth:`batch` around each batch) and
-    weight pushes (:meth:`push`, or :meth:`pause` .. :meth:`resume`); a waiting push goes
-    before the loop's next batch (Python's ``Lock`` is not fair)."""
+    weight pushes (:meth:`push`); a waiting push goes before the loop's next batch (Python's
+    ``Lock`` is not fair)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -97,27 +97,19 @@ class GenerationLock:
         with self._lock:
             yield
 
-    def pause(self) -> None:
-        """Take the lock after the batch in flight, before the loop's next one."""
+    @contextlib.contextmanager
+    def push(self):
+        """Held around a weight push, taken after the batch in flight, before the loop's next one."""
         with self._count:
             self._waiting_pushes += 1
             self._no_push_waiting.clear()
         self._lock.acquire()
         with self._count:
             self._waiting_pushes -= 1
-
-    def resume(self) -> None:
-        """Let the loop generate again (after :meth:`pause`)."""
-        self._lock.release()
-        with self._count:
-            if not self._waiting_pushes:
-                self._no_push_waiting.set()
-
-    @contextlib.contextmanager
-    def push(self):
-        """:meth:`pause` .. :meth:`resume` around a weight push."""
-        self.pause()
         try:
             yield
         finally:
-            self.resume()
+            self._lock.release()
+            with self._count:
+                if not self._waiting_pushes:
+                    self._no_push_waiting.set()
