@@ -53,8 +53,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
 
     Attributes:
-        read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups, missed_items,
-            weight_pushes, wait_s, push_s: counters and seconds.
+        read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups, missed_items, weight_pushes:
+            counters; ``wait_s``, ``push_s``: seconds spent waiting for groups and pushing weights.
 
     Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read):
 
