@@ -354,8 +354,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
 
 def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:
-    """``(start, end)`` of each episode in ``items``; raises ``ValueError`` if the last step
-    does not end its episode."""
+    """``(start, end)`` of each episode in ``items``; ``ValueError`` if the last one is cut short."""
     ends = [i + 1 for i, end in enumerate(_ends_episode(items)) if end]
     n = items.shape[0]
     if n and (not ends or ends[-1] != n):
@@ -387,8 +386,7 @@ def _prompts(items: TensorDictBase) -> list:
 
 
 def _is_running(collector) -> bool:
-    """Whether the collector still collects; one that cannot be asked (a dead Ray actor)
-    raises ``CollectorError``."""
+    """Whether the collector still collects; ``CollectorError`` if it cannot be asked (a dead Ray actor)."""
     running = getattr(collector, "is_running", None)
     if not callable(running):
         return True

@@ -266,8 +266,7 @@ def _check_policy(policy) -> None:
 
 
 def _group_size(trainer, n: int, expected: int | None = None) -> int:
-    """TRL's group size (``num_generations``; ``num_generations_eval`` in evaluation) for
-    ``n`` prompts, checked to divide ``n`` and to equal ``expected`` when given."""
+    """TRL's group size (``num_generations[_eval]``), checked to divide ``n`` and to equal ``expected``."""
     if trainer is None:
         return n if expected is None else expected
     training = getattr(trainer.model, "training", True)
