@@ -1,15 +1,9 @@
-"""Behaviour log-probs: each generated token's log-prob under the weights that generated
-it, for importance correction of stale GRPO groups.
-
-- :class:`ResponseScorer`: TorchRL's scoring path (``generate=False``) on exact token
-  sequences: ``scorer(prompt_ids, completion_ids) -> per-token log-probs``;
-- :class:`BehaviourLogProbsPostproc`: ``LLMCollector(postproc=...)`` recording them at
-  generation (``"behaviour_log_probs"``);
-- :class:`BehaviourLogProbsMixin`: TRL's ``GRPOTrainer`` loss using them as the old
-  log-probs.
-"""
+"""Behaviour log-probs (each token's under the weights that generated it), to correct stale groups."""
 
 from __future__ import annotations
+
+import functools
+import uuid
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
@@ -17,23 +11,16 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 from .. import layouts
 from .episodes import BEHAVIOUR_KEY, per_sample
 
-__all__ = ["BehaviourLogProbsMixin", "BehaviourLogProbsPostproc", "ResponseScorer"]
+__all__ = ["BehaviourLogProbsMixin", "BehaviourLogProbsPostproc", "ResponseScorer", "trl_corrects_logprobs"]
 
 
 class ResponseScorer:
-    """Per-token log-probs of completions given their prompts, by TorchRL's scoring path
-    (``policy.get_new_version(generate=False, input_mode="tokens")``) on the exact token
-    sequences, with ``policy``'s weights as they are.
-
-    ``scorer(prompt_ids, completion_ids) -> [[float] * len(c) for c in completion_ids]``
-    (lists of token ids in, one log-prob per completion token out).
-    """
+    """Per-token log-probs of completions by TorchRL's scoring path (``generate=False``) on
+    the exact token sequences: ``scorer(prompt_ids, completion_ids) -> [[float] * len(c)]``."""
 
     def __init__(self, policy):
         self.policy, self.model = policy, policy.model
-        # an explicit copy of tokenizer_kwargs: TorchRL 0.14.1's get_new_version(pad_output=...)
-        # otherwise writes padding=False into the *original* policy's dict, and its text mode
-        # then fails on prompts of different lengths
+        # a copy of tokenizer_kwargs: get_new_version(pad_output=...) writes into the original's
         self._scorer = policy.get_new_version(
             generate=False, input_mode="tokens", input_key=("tokens", "full"), pad_output=False,
             tokenizer_kwargs=dict(policy.tokenizer_kwargs),
@@ -51,21 +38,12 @@ class ResponseScorer:
 
 
 class BehaviourLogProbsPostproc:
-    """``LLMCollector(postproc=...)`` that records the behaviour log-probs: each response
-    token's log-prob under the weights that generated it, by TorchRL's scoring path
-    (``generate=False``) on the exact sequence, in the collector's thread right after
-    generation, written at ``"behaviour_log_probs"`` (float ``[n_response_tokens]`` per
-    sample). :class:`LLMCollectorRolloutFunc` returns them as ``logprobs`` (no unknown
-    first token), so :class:`~torchrl_trl.online.BehaviourLogProbsMixin` can correct stale
-    groups.
+    """``LLMCollector(postproc=...)`` recording each response token's log-prob under the
+    weights that generated it (by :class:`ResponseScorer`, in the collector's thread right
+    after generation) at ``"behaviour_log_probs"`` (float ``[n_response_tokens]`` per sample).
 
     Args:
-        policy: the collector's policy (the same object: its model holds the generating
-            weights). For a collector that builds its policy (``RayLLMCollector`` with a
-            ``policy_factory``), use :meth:`for_factory` instead.
-
-    It runs in the collector's thread before the batch reaches its ``post_collect_hook``,
-    where :meth:`LLMCollectorRolloutFunc.push` loads new weights: no score mixes two versions.
+        policy: the collector's policy (the same object); a Ray actor's: :meth:`for_factory`.
 
     Example (on one policy call, as the collector calls it after each rollout batch):
 
@@ -89,15 +67,11 @@ class BehaviourLogProbsPostproc:
     @classmethod
     def for_factory(cls, policy_factory):
         """``(policy_factory, postproc)`` for a collector that builds its policy where it
-        runs (a Ray actor): the returned factory builds the policy with ``policy_factory``
-        and hands it to the returned postproc, which scores with it. Pass both to the same
-        collector (``make_ray_collector(env_factory, factory, rb, postproc=postproc, ...)``).
-        There, a weight push is not serialised with scoring (the actor loads weights while
-        it generates): keep ``max_staleness >= 1``."""
-        import uuid
-
+        runs (a Ray actor): the postproc scores with the policy the factory built. Pass both
+        to the same collector; keep ``max_staleness >= 1`` (weights load while it scores)."""
         token = uuid.uuid4().hex
-        return _RecordingFactory(policy_factory, token), _DeferredPostproc(token)
+        factory = functools.partial(_recording_factory, policy_factory, token)
+        return factory, functools.partial(_deferred_postproc, token)
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         td = per_sample(td)
@@ -110,15 +84,10 @@ class BehaviourLogProbsPostproc:
 
 
 class BehaviourLogProbsMixin:
-    """Mix into ``GRPOTrainer`` (``class Trainer(BehaviourLogProbsMixin, GRPOTrainer)``) so
-    TRL's loss uses the rollout func's log-probs (the behaviour policy's, as recorded at
-    generation) as ``old_per_token_logps``: the ratio in TRL's clipped objective becomes
-    ``pi_theta / mu`` instead of 1 for samples generated by older weights.
-
-    Left alone when TRL already corrects (``use_vllm`` with
-    ``vllm_importance_sampling_correction``). Unknown (NaN) behaviour log-probs on trained
-    tokens raise ``ValueError`` (use ``TorchRLRolloutFunc(logprobs="rescore")``); on masked
-    tokens they are set to 0.
+    """Mix into ``GRPOTrainer`` (``class Trainer(BehaviourLogProbsMixin, GRPOTrainer)``) so TRL's
+    loss uses the rollout func's log-probs as ``old_per_token_logps`` (ratio ``pi_theta / mu``),
+    unless TRL corrects itself (``trl_corrects_logprobs``). NaN behaviour log-probs raise
+    ``ValueError`` on trained tokens and are set to 0 on masked ones.
 
     Example (``Base`` stands in for ``GRPOTrainer``, whose loss then reads the old log-probs):
 
@@ -139,10 +108,7 @@ class BehaviourLogProbsMixin:
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         behaviour = inputs.get("sampling_per_token_logps")
-        corrected_by_trl = getattr(self, "use_vllm", False) and getattr(
-            self, "vllm_importance_sampling_correction", False
-        )
-        if behaviour is not None and not corrected_by_trl:
+        if behaviour is not None and not trl_corrects_logprobs(self):
             mask = inputs["completion_mask"]
             if "tool_mask" in inputs:
                 mask = mask * inputs["tool_mask"]
@@ -156,29 +122,26 @@ class BehaviourLogProbsMixin:
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-#: policies built by :meth:`BehaviourLogProbsPostproc.for_factory` factories, in this process
+def trl_corrects_logprobs(trainer) -> bool:
+    """Whether TRL's own vLLM importance-sampling correction is on for ``trainer``."""
+    return bool(getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
+
+
+#: postprocs of the policies :meth:`BehaviourLogProbsPostproc.for_factory` factories built, in this process
 _BUILT_POLICIES: dict = {}
 
 
-class _RecordingFactory:
-    def __init__(self, factory, token: str):
-        self.factory, self.token = factory, token
-
-    def __call__(self):
-        policy = self.factory()
-        _BUILT_POLICIES[self.token] = BehaviourLogProbsPostproc(policy)
-        return policy
+def _recording_factory(factory, token: str):
+    policy = factory()
+    _BUILT_POLICIES[token] = BehaviourLogProbsPostproc(policy)
+    return policy
 
 
-class _DeferredPostproc:
-    def __init__(self, token: str):
-        self.token = token
-
-    def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        postproc = _BUILT_POLICIES.get(self.token)
-        if postproc is None:
-            raise RuntimeError(
-                "BehaviourLogProbsPostproc.for_factory: the postproc runs in a process whose collector did not "
-                "build its policy with the paired factory; give both to the same collector"
-            )
-        return postproc(td)
+def _deferred_postproc(token: str, td: TensorDictBase) -> TensorDictBase:
+    postproc = _BUILT_POLICIES.get(token)
+    if postproc is None:
+        raise RuntimeError(
+            "BehaviourLogProbsPostproc.for_factory: the postproc runs in a process whose collector did not "
+            "build its policy with the paired factory; give both to the same collector"
+        )
+    return postproc(td)

@@ -1,43 +1,13 @@
 """TRL's ``GRPOTrainer`` trained on the GRPO groups a TorchRL ``LLMCollector`` writes.
 
-:class:`LLMCollectorRolloutFunc` is the async mode built only from TorchRL's own pieces: an
-``LLMCollector`` runs ahead of the trainer (``collector.start()``: a background thread in
-this process, or a ``RayLLMCollector`` actor) and writes into a replay buffer (local or
-``RayReplayBuffer``; with an ``MCAdvantage(grpo_size=G)`` write transform, which holds each
-prompt's rollouts back until its group of ``G`` is complete, where a group can span
-batches). At each trainer call the function
-
-1. pushes the trainer's weights through ``collector.update_policy_weights_`` when the
-   trainer's ``global_step`` changed; with ``track_policy_version=True`` that bumps the
-   collector's ``PolicyVersion``, which stamps ``policy_version`` into every rollout
-   generated afterwards;
-2. reads what was written since its last read (by ``write_count``; items in the buffer
-   before the function was built are not read), cuts it into episodes at
-   ``("next", "done")`` and the episodes into groups of ``G`` consecutive episodes with the
-   same prompt (anything else raises). A multi-turn ``ChatEnv`` episode is one TRL sample,
-   the tokens between its turns masked (``env_mask``);
-3. hands TRL whole groups within ``max_staleness``, as every
-   :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc` does.
-
-Nothing is taken out of the buffer: it keeps every rollout up to its capacity (items
-overwritten before they were read are counted in ``missed_items``).
-
-Log-probs: TorchRL's generation writes 0.0 for the first generated token; TRL receives NaN
-there (unknown) unless the collector records the behaviour log-probs with
-``LLMCollector(postproc=BehaviourLogProbsPostproc(policy))`` (a Ray actor:
-:meth:`BehaviourLogProbsPostproc.for_factory`), which
-:class:`~torchrl_trl.online.BehaviourLogProbsMixin` corrects stale groups with.
-
-Weights reach an in-process collector between two of its batches: a push (:meth:`push`,
-:meth:`paused`) waits in TorchRL's ``post_collect_hook`` for the batch in flight to be
-generated, scored and stamped, so no batch mixes two weight versions. A Ray actor loads
-them while it generates: a batch in flight can mix two versions and is stamped with the new
-one; keep ``max_staleness >= 1`` there.
+New writes (by ``write_count``; nothing is taken out of the buffer) are cut into episodes at
+``("next", "done")``, and those into groups of ``G`` consecutive episodes sharing a prompt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections import deque
@@ -60,65 +30,41 @@ __all__ = ["LLMCollectorRolloutFunc"]
 
 
 class LLMCollectorRolloutFunc(GroupRolloutFunc):
-    """``GRPOTrainer(rollout_func=...)`` that trains on the complete GRPO groups a TorchRL
+    """``GRPOTrainer(rollout_func=...)`` training on the complete GRPO groups a TorchRL
     ``LLMCollector`` / ``RayLLMCollector`` writes into ``replay_buffer``.
 
     Args:
-        collector: a TorchRL ``LLMCollector`` or ``RayLLMCollector`` built with
-            ``replay_buffer=`` (or its Ray ``client()``), ``track_policy_version=True`` and a
-            policy holding its *own* copy of the weights (multi-turn episodes:
-            ``yield_completed_trajectories=True`` hands ``MCAdvantage`` whole episodes
-            whatever the batch size). Started on the first call (``collector.start()``).
-        replay_buffer: the buffer it writes into, local or ``RayReplayBuffer``. Give it
-            ``MCAdvantage(grpo_size=group_size)`` as a write transform where a group's
-            rollouts can land in different collector batches (multi-turn episodes, a batch
-            that is not a multiple of the env's repeats); a single-turn env that repeats each
-            prompt ``group_size`` times writes whole groups per batch, and a plain buffer
-            is faster (``MCAdvantage`` clones and regroups every batch).
+        collector: built with ``replay_buffer=``, ``track_policy_version=True``, a policy with
+            its own weights (multi-turn: ``yield_completed_trajectories=True``) and, for exact
+            log-probs, ``postproc=BehaviourLogProbsPostproc(policy)``. Started on the first call.
+        replay_buffer: the buffer it writes into (local or ``RayReplayBuffer``), with an
+            ``MCAdvantage(grpo_size=group_size)`` write transform where a group can span batches.
 
     Keyword Args:
         group_size: completions per prompt (``GRPOConfig.num_generations``).
         max_staleness, timeout, push_weights, drop_zero_std, reuse: see
             :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`; a group's age is
-            ``collector.policy_version`` minus the ``policy_version`` stamped in its items,
-            ``push_weights`` goes through ``collector.update_policy_weights_`` (waiting at
-            most ``timeout`` for the batch in flight), and a collector that stops raises at
-            once whatever the timeout.
+            ``collector.policy_version`` minus its items' ``policy_version``.
         poll_s: seconds between two reads of the buffer while waiting.
-        max_pending_groups: how far an in-process collector may run ahead: before writing a
-            batch, it waits (in TorchRL's ``post_collect_hook``, so it generates nothing
-            meanwhile) until the batch's groups and those written but not yet taken are at
-            most this many (``None``: no bound, TorchRL's free-running ``collector.start()``).
-            Unbounded, a collector on cores it shares with the trainer can generate groups
-            that go stale and are dropped.
-        group_key: the key whose value all items of a group share (``MCAdvantage``'s
-            ``prompt_key``).
-        forward_keys: top-level keys passed to TRL's reward functions (``None``: every key
-            that is not TorchRL's, e.g. ``"answer"``), as in
+        max_pending_groups: an in-process collector waits before writing a batch until its
+            groups and those not yet taken are at most this many (``None``: no bound).
+        group_key: the key all items of a group share (``MCAdvantage``'s ``prompt_key``).
+        forward_keys: top-level keys passed to TRL's reward functions, as in
             :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
 
-    Returned rows: see :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`.
-
     Attributes:
-        read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups,
-            missed_items, weight_pushes: counters; ``wait_s``: seconds spent waiting for
-            (and reading) groups; ``push_s``: pushing weights; and those of
-            :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`.
+        read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups, missed_items, weight_pushes:
+            counters; ``wait_s``, ``push_s``: seconds spent waiting for groups and pushing weights.
 
-    Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read;
-    ``tests/test_collector_rollouts.py`` runs ``GRPOTrainer.train()``, locally and on Ray):
+    Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read):
 
     >>> from types import SimpleNamespace
     >>> from torchrl.collectors.llm import LLMCollector
     >>> from torchrl.data import LazyStackStorage, ReplayBuffer
-    >>> from torchrl.objectives.llm import MCAdvantage
-    >>> from torchrl_trl import RewardFunctionWrapper, testing
+    >>> from torchrl_trl import testing
     >>> tok = testing.make_tokenizer()
     >>> env = testing.make_chat_env([{"query": "hi"}], batch_size=2, group_size=2)  # "hi" twice: a group
-    >>> def length(completions, **kwargs):
-    ...     return [float(len(c[-1]["content"])) for c in completions]
-    >>> env = env.append_transform(RewardFunctionWrapper(length).as_transform())  # MCAdvantage needs a reward
-    >>> rb = ReplayBuffer(storage=LazyStackStorage(256), transform=MCAdvantage(grpo_size=2))
+    >>> rb = ReplayBuffer(storage=LazyStackStorage(256))  # a batch is a whole group: no MCAdvantage needed
     >>> collector = LLMCollector(
     ...     env=env, policy=testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=3),
     ...     dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True, total_dialog_turns=-1)
@@ -131,25 +77,13 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     """
 
     def __init__(
-        self,
-        collector,
-        replay_buffer,
-        *,
-        group_size: int,
-        max_staleness: int | None = 1,
-        timeout: float | None = 120.0,
-        poll_s: float = 0.1,
-        group_key="query",
-        push_weights: bool = True,
-        drop_zero_std: bool = False,
-        reuse: int = 0,
-        max_pending_groups: int | None = None,
+        self, collector, replay_buffer, *, group_size: int, max_staleness: int | None = 1,
+        timeout: float | None = 120.0, poll_s: float = 0.1, group_key="query", push_weights: bool = True,
+        drop_zero_std: bool = False, reuse: int = 0, max_pending_groups: int | None = None,
         forward_keys: Sequence[NestedKey] | None = None,
     ):
-        super().__init__(
-            max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
-            drop_zero_std=drop_zero_std, reuse=reuse,
-        )
+        super().__init__(max_staleness=max_staleness, timeout=timeout, push_weights=push_weights,
+                         drop_zero_std=drop_zero_std, reuse=reuse)
         self.collector = collector
         self.replay_buffer = replay_buffer
         self.group_size = positive_int(group_size, "group_size")
@@ -158,32 +92,25 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             raise ValueError("poll_s must be a positive number of seconds, got None")
         self.group_key = group_key
         self.forward_keys = None if forward_keys is None else list(forward_keys)
-        self.read_groups = 0
-        self.consumed_groups = 0
-        self.dropped_stale_groups = 0
-        self.dropped_filtered_groups = 0
-        self.weight_pushes = 0
-        self.wait_s = 0.0
-        self.push_s = 0.0
+        self.read_groups = self.consumed_groups = self.weight_pushes = 0
+        self.dropped_stale_groups = self.dropped_filtered_groups = 0
+        self.wait_s = self.push_s = 0.0
         self.policy_version = 0
-        self._cursor = int(replay_buffer.stats()["write_count"])  # read so far: what was there before is not ours
+        self._cursor = int(replay_buffer.stats()["write_count"])  # what was there before is not ours
         self._pending: deque[tuple[int, TensorDictBase]] = deque()
         self._pushed_step: int | None = None
         self._started = False
-        self.max_pending_groups = None if max_pending_groups is None else positive_int(
-            max_pending_groups, "max_pending_groups")
-        if self.max_pending_groups is not None and is_ray_collector(collector):
+        self._in_process = not is_ray_collector(collector)
+        self.max_pending_groups = positive_int(max_pending_groups, "max_pending_groups", allow_none=True)
+        if self.max_pending_groups is not None and not self._in_process:
             raise ValueError(
                 "max_pending_groups bounds an in-process collector (its post_collect_hook runs in the "
                 "collector's thread and reads this process's buffer); leave it None for a Ray collector"
             )
-        self._in_process = not is_ray_collector(collector)
         self._reading = threading.Condition()  # the trainer and the collector's batch boundary
         self._closing = threading.Event()
         self._pauses = 0  # paused() callers waiting for, or holding, the collector at a boundary
         self._at_boundary = False  # the collector's thread is in its post_collect_hook
-
-    # -- the source of groups ----------------------------------------------------------
 
     def _sync(self, trainer) -> int:
         step = int(trainer.state.global_step)
@@ -203,11 +130,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             self._started = True
 
     def _install_boundary(self) -> None:
-        """Make the collector stop between two batches (TorchRL's ``post_collect_hook``,
-        chained after one it already has; the batch is generated, scored and stamped, not
-        yet written) while :meth:`paused` holds it, and, with ``max_pending_groups``, until
-        the batch's groups fit under the bound with those pending. The batch waiting counts
-        as ahead too, or it would go stale while it waits."""
+        """Chain a ``post_collect_hook`` that holds the collector between two batches while
+        :meth:`paused` holds it, or while its batch would exceed ``max_pending_groups``."""
         previous = self.collector.post_collect_hook
 
         def between_batches(batch: TensorDictBase) -> None:
@@ -236,8 +160,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     @contextlib.contextmanager
     def paused(self):
-        """Hold an in-process collector between two batches for the ``with`` block (after
-        the batch in flight; at once if it is not running); a Ray actor is not held.
+        """Hold an in-process collector between two batches for the ``with`` block (a Ray
+        actor is not held).
 
         Raises:
             CollectorError: the batch in flight did not end within ``timeout`` seconds.
@@ -245,7 +169,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         start = time.monotonic()
         with self._reading:
             self._pauses += 1
-            try:
+        try:
+            with self._reading:
                 while self._started and self._in_process and not self._at_boundary and _is_running(self.collector):
                     if self.timeout is not None and time.monotonic() - start > self.timeout:
                         raise CollectorError(
@@ -253,10 +178,6 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                             "(a weight push waits for it)"
                         )
                     self._reading.wait(self.poll_s)
-            except BaseException:
-                self._pauses -= 1
-                raise
-        try:
             yield
         finally:
             with self._reading:
@@ -271,10 +192,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             if not groups:
                 break
             episodes = [group[s:e] for _, group in groups for s, e in _episode_bounds(group)]
-            recorded = layouts.has_key(episodes[0], BEHAVIOUR_KEY)
-            batch = episodes_to_trl(
-                episodes, logprobs_key=BEHAVIOUR_KEY if recorded else GENERATED_LOGPROBS_KEY, forward_keys=self.forward_keys
-            )
+            key = BEHAVIOUR_KEY if layouts.has_key(episodes[0], BEHAVIOUR_KEY) else GENERATED_LOGPROBS_KEY
+            batch = episodes_to_trl(episodes, logprobs_key=key, forward_keys=self.forward_keys)
             prompts = _prompts(batch.steps[0])[:: self.group_size]
             for (group_version, _), prompt, part in zip(groups, prompts, split_groups(batch, self.group_size)):
                 group = RolloutGroup(group_version, prompt, part)
@@ -286,13 +205,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 break
         return out
 
-    # -- weights -----------------------------------------------------------------------
-
     def push(self, model: torch.nn.Module | TensorDictBase | None, *, version: int | None = None) -> int:
-        """Send ``model``'s weights (or a TensorDict of them, by parameter name; ``None``:
-        none) to the collector's policy through ``collector.update_policy_weights_``,
-        between two of its batches (:meth:`paused`), and return the collector's new policy
-        version: TorchRL's next one, or ``version`` when given (set on its ``PolicyVersion``)."""
+        """Send ``model``'s weights (or a TensorDict of them; ``None``: none) to the collector's policy
+        between two of its batches (:meth:`paused`); returns its new policy version (``version`` if given)."""
         start = time.monotonic()
         with self.paused():
             if model is not None:
@@ -307,9 +222,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     def send_named_weights(self, named_tensors) -> None:
         self.push(weights_td(named_tensors))
 
-    @property
-    def tokenizer(self):
-        return self.collector.policy.tokenizer
+    tokenizer = property(lambda self: self.collector.policy.tokenizer)
 
     def _collector_version(self) -> int:
         version = self.collector.policy_version
@@ -320,8 +233,6 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             )
         return version
 
-    # -- reading the buffer --------------------------------------------------------------
-
     @property
     def pending(self) -> int:
         """Groups written and not yet taken."""
@@ -331,8 +242,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     def take(self, n: int, *, wait: bool = True) -> list[tuple[int, TensorDictBase]]:
         """``n`` whole groups ``(version, items [G])``, oldest first, within ``max_staleness``
-        of :attr:`policy_version` (older ones dropped and counted); waits up to ``timeout``
-        seconds (``wait=False``: the groups ready now, maybe fewer).
+        of :attr:`policy_version`; waits up to ``timeout`` (``wait=False``: those ready now).
 
         Raises:
             CollectorError: the collector stopped, or fewer than ``n`` fresh groups came in time.
@@ -340,36 +250,33 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         out: list[tuple[int, TensorDictBase]] = []
         start = time.monotonic()
         try:
-            return self._take_groups(n, out, start, wait)
+            while True:
+                running = _is_running(self.collector)  # asked first: what it wrote before stopping counts
+                with self._reading:
+                    self._read_new()
+                    taken, stale, _ = take_fresh(
+                        self._pending, n - len(out), consumer_version=self.policy_version,
+                        max_staleness=self.max_staleness, version=lambda group: group[0],
+                    )
+                    self._reading.notify_all()  # room for a collector held by max_pending_groups
+                out += taken
+                self.dropped_stale_groups += stale
+                if len(out) == n or not wait:
+                    return out
+                counts = f"({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
+                if not running:
+                    raise CollectorError(
+                        f"the collector is not running (it stopped or died); got {len(out)} of {n} groups {counts}"
+                    )
+                if self.timeout is not None and time.monotonic() - start > self.timeout:
+                    raise CollectorError(
+                        f"only {len(out)} of {n} groups within max_staleness={self.max_staleness} after "
+                        f"{self.timeout} s {counts}"
+                    )
+                time.sleep(self.poll_s)
         finally:
             self.wait_s += time.monotonic() - start
             self.consumed_groups += len(out)
-
-    def _take_groups(self, n: int, out: list, start: float, wait: bool) -> list[tuple[int, TensorDictBase]]:
-        while True:
-            running = _is_running(self.collector)  # asked first: what it wrote before stopping counts
-            with self._reading:
-                self._read_new()
-                taken, stale, _ = take_fresh(
-                    self._pending, n - len(out), consumer_version=self.policy_version,
-                    max_staleness=self.max_staleness, version=lambda group: group[0],
-                )
-                self._reading.notify_all()  # room for a collector held by max_pending_groups
-            out += taken
-            self.dropped_stale_groups += stale
-            if len(out) == n or not wait:
-                return out
-            if not running:
-                raise CollectorError(
-                    f"the collector is not running (it stopped or died); got {len(out)} of {n} groups "
-                    f"({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
-                )
-            if self.timeout is not None and time.monotonic() - start > self.timeout:
-                raise CollectorError(
-                    f"only {len(out)} of {n} groups within max_staleness={self.max_staleness} after "
-                    f"{self.timeout} s ({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
-                )
-            time.sleep(self.poll_s)
 
     def _read_new(self) -> None:
         stats = self.replay_buffer.stats()
@@ -400,33 +307,25 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         return self._warnings.counts["missed"]
 
     def _split(self, items: TensorDictBase, *, aligned: bool) -> None:
-        """Queue the new writes ``items`` as groups ``(version, steps)``: an episode is a
-        run of steps ending at ``("next", "done")``; a group is ``G`` consecutive episodes
-        sharing ``group_key`` (their steps, one contiguous slice of ``items``).
-        ``aligned``: ``items`` starts where the last read ended (else items before it were
-        overwritten: a leading partial episode or group is skipped and counted in
-        :attr:`missed_items`)."""
+        """Queue ``items`` as groups ``(version, steps)`` of ``G`` consecutive episodes sharing ``group_key``;
+        not ``aligned`` (older items overwritten): a leading partial group is skipped and counted."""
         bounds = _episode_bounds(items)
         if not aligned:
             bounds = self._skip_partial_episode(items, bounds)
         keys = layouts.read_column(items, self.group_key)
-        g, runs = self.group_size, []
-        for start, end in bounds:
-            key = _hashable(keys[start])
-            if runs and runs[-1][0] == key:
-                runs[-1][1].append((start, end))
-            else:
-                runs.append((key, [(start, end)]))
+        g = self.group_size
+        runs = itertools.groupby(bounds, key=lambda bound: _hashable(keys[bound[0]]))
         for i, (key, run) in enumerate(runs):
+            run = list(run)
             extra = len(run) % g
             if extra and i == 0 and not aligned:  # the rest of a group whose start was overwritten
                 self._missed(run[extra - 1][1] - run[0][0])
                 run = run[extra:]
             elif extra:
                 raise ValueError(
-                    f"{len(run)} consecutive episodes of the new writes share {self.group_key!r}={key!r:.60}, "
-                    f"not a multiple of group_size={g}: give the buffer MCAdvantage(grpo_size={g}, "
-                    f"prompt_key={self.group_key!r}) as a write transform so each GRPO group is written whole"
+                    f"{len(run)} consecutive episodes of the new writes share {self.group_key!r}={key!r:.60}, not a "
+                    f"multiple of group_size={g}: give the buffer MCAdvantage(grpo_size={g}, prompt_key="
+                    f"{self.group_key!r}) as a write transform so each GRPO group is written whole"
                 )
             for first in range(0, len(run), g):
                 group = items[run[first][0] : run[first + g - 1][1]]
@@ -434,9 +333,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 self.read_groups += 1
 
     def _skip_partial_episode(self, items: TensorDictBase, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Drop a first episode whose first steps were overwritten (its first step is not
-        its episode's first: ``step_count`` > 0; without a ``step_count``, a multi-turn
-        first episode is dropped)."""
+        """Drop a first episode whose first steps were overwritten (``step_count`` > 0, or multi-turn)."""
         if not bounds:
             return bounds
         start, end = bounds[0]
@@ -449,8 +346,6 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
             return bounds[1:]
         return bounds
 
-    # -- lifecycle -----------------------------------------------------------------------
-
     def close(self, timeout: float = 30.0) -> None:
         """Stop the collector (``async_shutdown``), releasing it if it waits at a batch boundary."""
         self._closing.set()
@@ -459,12 +354,7 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
 
 def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:
-    """``(start, end)`` of each episode in ``items`` (steps in order), cut after each step
-    that ends one (:func:`_ends_episode`).
-
-    Raises:
-        ValueError: the last step does not end its episode.
-    """
+    """``(start, end)`` of each episode in ``items``; ``ValueError`` if the last one is cut short."""
     ends = [i + 1 for i, end in enumerate(_ends_episode(items)) if end]
     n = items.shape[0]
     if n and (not ends or ends[-1] != n):
@@ -477,8 +367,7 @@ def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:
 
 
 def _ends_episode(items: TensorDictBase) -> list[bool]:
-    """Whether each step of ``items`` ends its episode: its ``("next", "done")`` is set
-    (every item is one episode without that key)."""
+    """Whether each step ends its episode (``("next", "done")``; without it, every step)."""
     if not layouts.has_key(items, layouts.DONE_KEY):
         return [True] * items.shape[0]
     return [bool(d.all()) for d in layouts.read_column(items, layouts.DONE_KEY)]
@@ -497,8 +386,7 @@ def _prompts(items: TensorDictBase) -> list:
 
 
 def _is_running(collector) -> bool:
-    """Whether the collector still collects; a collector that cannot be asked (a dead Ray
-    actor) raises ``CollectorError`` with the reason as its cause."""
+    """Whether the collector still collects; ``CollectorError`` if it cannot be asked (a dead Ray actor)."""
     running = getattr(collector, "is_running", None)
     if not callable(running):
         return True

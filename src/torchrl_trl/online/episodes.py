@@ -1,20 +1,7 @@
 """TorchRL episodes -> the rows TRL's ``GRPOTrainer`` trains on (one row per episode).
 
-An episode is the list of its steps, as ``ChatEnv`` + ``TransformersWrapper`` produce them
-(one ``LLMCollector`` item per step): turn ``k + 1``'s prompt tokens start with turn ``k``'s
-prompt + response, the tokens in between (the chat template's end of turn, a tool's or the
-environment's reply) are not the policy's. One TRL row per episode:
-
-- ``prompt_ids``: the first turn's prompt tokens;
-- ``completion_ids``: every turn's response, with the tokens between turns;
-- ``env_mask``: 1 on the policy's tokens, 0 on those in between (TRL's tool mask);
-- ``logprobs``: per completion token, NaN where unknown (the tokens in between, and each
-  turn's first generated token when read from TorchRL's generation, which writes 0.0
-  there).
-
-A tokenizer or chat template that does not round-trip (turn ``k + 1``'s prompt does not
-start with turn ``k``'s sequence) raises: TRL would train on tokens the policy did not
-generate.
+Turn ``k + 1``'s prompt tokens must start with turn ``k``'s prompt + response; the tokens in
+between (end of turn, a tool's reply) go into ``completion_ids`` with ``env_mask`` 0.
 """
 
 from __future__ import annotations
@@ -44,16 +31,13 @@ OWN_KEYS = frozenset({GROUP_ID_KEY, VERSION_KEY, TURN_KEY, BEHAVIOUR_KEY, "query
 
 
 class RolloutBatch(dict):
-    """TRL's rollout dict (``prompt_ids``, ``completion_ids``, ``logprobs``, ``env_mask``,
-    extra fields) with the TorchRL steps it came from in :attr:`steps` (one lazy stack
-    ``[N]`` per turn)."""
+    """TRL's rollout dict with the TorchRL steps it came from in :attr:`steps` (a lazy stack per turn)."""
 
     steps: list[TensorDictBase]
 
 
 def per_sample(td: TensorDictBase) -> TensorDictBase:
-    """``td`` ``[B]`` as a lazy stack of ``B`` per-sample TensorDicts, the form
-    ``LazyStackStorage`` stores, so each turn's samples can be regrouped and written."""
+    """``td`` ``[B]`` as a lazy stack of ``B`` per-sample TensorDicts (as ``LazyStackStorage`` stores)."""
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0 and td.batch_dims == 1:
         return td
     return lazy_stack(list(td.reshape(-1).unbind(0)))
@@ -62,19 +46,12 @@ def per_sample(td: TensorDictBase) -> TensorDictBase:
 def turns_to_trl(
     steps: Sequence[TensorDictBase], *, logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY
 ) -> dict[str, list[list]]:
-    """``N`` episodes of the same number of turns, given turn by turn (``steps[t]``: the
-    ``N`` samples' turn ``t``), as TRL's ``prompt_ids``, ``completion_ids``, ``env_mask``
-    and ``logprobs`` (lists of ``N`` lists).
-
-    ``logprobs_key``: per response token, where the log-probs are read;
-    ``("log_probs", "response")`` (TorchRL's generation: its first value per turn is
-    unknown, NaN) or the complete ``"behaviour_log_probs"``.
-    """
+    """``N`` episodes of the same number of turns (``steps[t]``: the ``N`` samples' turn
+    ``t``) as TRL's ``prompt_ids``, ``completion_ids``, ``env_mask`` and ``logprobs`` (lists
+    of ``N`` lists), the log-probs read at ``logprobs_key`` (TorchRL's generated ones: each
+    turn's first value NaN)."""
     prompt_ids = layouts.read_tokens(steps[0], "prompt").tolist()
-    completion_ids: list[list[int]] = [[] for _ in prompt_ids]
-    env_mask: list[list[int]] = [[] for _ in prompt_ids]
-    logprobs: list[list[float]] = [[] for _ in prompt_ids]
-    previous = [list(p) for p in prompt_ids]
+    completion_ids, env_mask, logprobs = ([[] for _ in prompt_ids] for _ in range(3))
     generated = logprobs_key == GENERATED_LOGPROBS_KEY
     for turn, step in enumerate(steps):
         prompts = layouts.read_tokens(step, "prompt").tolist()
@@ -84,7 +61,7 @@ def turns_to_trl(
         else:
             lps = [torch.as_tensor(v).reshape(-1).tolist() for v in layouts.read_column(step, logprobs_key)]
         for i, (p, r, lp) in enumerate(zip(prompts, responses, lps)):
-            prev = previous[i]
+            prev = prompt_ids[i] + completion_ids[i]  # the previous turn's prompt + response
             if p[: len(prev)] != prev:
                 at = next((j for j, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
                 raise ValueError(
@@ -97,25 +74,22 @@ def turns_to_trl(
                 raise ValueError(
                     f"sample {i}, turn {turn}: {len(lp)} log-probs for {len(r)} response tokens at {logprobs_key!r}"
                 )
-            if generated and lp:  # TorchRL 0.14.1 writes 0.0 for the first generated token: unknown
+            if generated and lp:  # TorchRL writes 0.0 for the first generated token: unknown
                 lp = [float("nan")] + lp[1:]
             glue = p[len(prev) :]
             completion_ids[i] += glue + r
             env_mask[i] += [0] * len(glue) + [1] * len(r)
             logprobs[i] += [float("nan")] * len(glue) + list(lp)
-            previous[i] = p + r
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "env_mask": env_mask, "logprobs": logprobs}
 
 
 def forward_fields(steps: Sequence[TensorDictBase], keys: Sequence[NestedKey] | None = None) -> dict[str, list]:
-    """Per-episode columns for TRL's reward functions: ``keys`` read from each episode's
-    last turn (``None``: every top-level key that is neither TorchRL's nor ours, e.g. a
-    dataset's ``"answer"``), and the env's reward summed over turns as
-    ``"torchrl_reward"`` when the steps hold one."""
+    """Per-episode columns for TRL's reward functions: ``keys`` read from the last turn
+    (``None``: every top-level key neither TorchRL's nor ours) and the env's reward summed
+    over turns as ``"torchrl_reward"``."""
     last = steps[-1]
     if keys is None:
-        sample = layouts.first_member(last)
-        keys = [k for k in sample.keys() if k not in layouts.TORCHRL_ROOT_KEYS and k not in OWN_KEYS]
+        keys = [k for k in layouts.first_member(last).keys() if k not in {*layouts.TORCHRL_ROOT_KEYS, *OWN_KEYS}]
     fields = {}
     for key in keys:
         name = key if isinstance(key, str) else ".".join(key)
@@ -140,32 +114,24 @@ def rollout_batch(rows: dict[str, list[list]], fields: dict[str, list], steps: l
 
 
 def episodes_to_trl(
-    episodes: Sequence[TensorDictBase],
-    *,
-    logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY,
+    episodes: Sequence[TensorDictBase], *, logprobs_key: NestedKey = GENERATED_LOGPROBS_KEY,
     forward_keys: Sequence[NestedKey] | None = None,
 ) -> RolloutBatch:
-    """One TRL row per episode, in order (``episodes[i]``: its steps ``[T_i]``, in turn
-    order; episodes of the same length are converted together). :attr:`RolloutBatch.steps`:
-    the episodes' first steps, one lazy stack."""
+    """One TRL row per episode (``episodes[i]``: its steps ``[T_i]``), in order;
+    :attr:`RolloutBatch.steps`: the episodes' first steps, one lazy stack."""
     n = len(episodes)
     by_length: dict[int, list[int]] = {}
     for i, episode in enumerate(episodes):
         by_length.setdefault(episode.shape[0], []).append(i)
-    rows: dict[str, list] = {key: [None] * n for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs")}
-    fields: dict[str, list] = {}
+    out: dict[str, list] = {}
     for n_turns, index in by_length.items():
         steps = [lazy_stack([episodes[i][t] for i in index]) for t in range(n_turns)]
-        for key, values in turns_to_trl(steps, logprobs_key=logprobs_key).items():
-            _scatter(rows[key], index, values)
-        for key, values in forward_fields(steps, forward_keys).items():
-            _scatter(fields.setdefault(key, [None] * n), index, values)
-    return rollout_batch(rows, fields, [lazy_stack([episode[0] for episode in episodes])])
-
-
-def _scatter(out: list, index: list[int], values: list) -> None:
-    for i, value in zip(index, values):
-        out[i] = value
+        new = {**turns_to_trl(steps, logprobs_key=logprobs_key), **forward_fields(steps, forward_keys)}
+        for key, values in new.items():
+            for i, value in zip(index, values):
+                out.setdefault(key, [None] * n)[i] = value
+    rows = {key: out.pop(key, []) for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs")}
+    return rollout_batch(rows, out, [lazy_stack([episode[0] for episode in episodes])])
 
 
 def _to_python(value: Any) -> Any:

@@ -1,11 +1,6 @@
-"""TRL prompts into a TorchRL ``ChatEnv``: what ``LLMCollector`` generates from.
+"""TRL prompts into a TorchRL ``ChatEnv`` at each reset: what ``LLMCollector`` generates from.
 
-:class:`PromptPrimer` is the ``Transform`` that gives a ``ChatEnv`` its next prompts at
-each reset, from any TRL prompt source (a sequence of texts or of message lists, or an
-iterator), each prompt repeated ``repeats`` times in a row (one GRPO group). TorchRL's own
-``DataLoadingPrimer`` cannot take message lists (its collate goes through
-``TensorDict.from_dict``, which rejects a batch of chats), and it serves a new batch at every
-reset, including the collector's first one that is never stepped.
+TorchRL's ``DataLoadingPrimer`` rejects a batch of chats and serves a new batch at every reset.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from .. import layouts
 from .._checks import positive_int
 from .episodes import GROUP_ID_KEY
 
-__all__ = ["PromptPrimer", "PromptSourceEnded", "check_history_batch", "columns_td", "env_query"]
+__all__ = ["PromptPrimer", "PromptSourceEnded", "check_history_batch", "columns_td", "context_columns", "env_query"]
 
 
 class PromptSourceEnded(Exception):
@@ -30,8 +25,7 @@ class PromptSourceEnded(Exception):
 
 
 def env_query(prompts: list):
-    """TRL prompts as a ``ChatEnv`` ``"query"``: a ``History`` for message lists, a stack of
-    strings for texts."""
+    """TRL prompts as a ``ChatEnv`` ``"query"``: a ``History`` for chats, a stack of strings for texts."""
     from ..rewards.trl_funcs import is_conversational
 
     if is_conversational(prompts):
@@ -42,9 +36,8 @@ def env_query(prompts: list):
 
 
 def check_history_batch(prompts: list) -> None:
-    """Raise if the chats of one batch have different numbers of messages: TorchRL's
-    ``TransformersWrapper(input_mode="history")`` cannot generate such a batch (its
-    ``History.extend`` fails with "zip() argument ... is longer"); text mode can."""
+    """Raise if the chats of one batch have different numbers of messages, which TorchRL's
+    history-mode ``TransformersWrapper`` cannot generate."""
     lengths = sorted({len(layouts.to_messages(p)) for p in prompts})
     if len(lengths) > 1:
         raise ValueError(
@@ -55,36 +48,38 @@ def check_history_batch(prompts: list) -> None:
 
 
 def columns_td(columns: dict[str, Sequence[Any]], batch_size) -> TensorDict:
-    """``{name: one value per sample}`` as a TensorDict: tensors stacked, anything else a
-    ``NonTensorStack``."""
+    """``{name: one value per sample}`` as a TensorDict (tensors stacked, others a ``NonTensorStack``)."""
     out = TensorDict(batch_size=batch_size)
     for name, values in columns.items():
         out.set(name, torch.stack(list(values)) if isinstance(values[0], torch.Tensor) else NonTensorStack(*values))
     return out
 
 
+def context_columns(context_fn: Callable[[list], dict[str, Sequence[Any]]] | None, prompts: list) -> dict:
+    """``context_fn(prompts)`` (``{}`` without one), checked to give one value per prompt."""
+    columns = context_fn(list(prompts)) if context_fn is not None else {}
+    for name, values in columns.items():
+        if len(values) != len(prompts):
+            raise ValueError(f"context_fn returned {len(values)} values for column {name!r}, expected {len(prompts)}")
+    return columns
+
+
 class PromptPrimer(Transform):
-    """Give a ``ChatEnv`` its prompts at each reset: ``"query"`` for every env of the batch,
-    ``"group_id"`` (int64, the same for the ``repeats`` consecutive copies of a prompt) and
-    the columns of ``context_fn``.
+    """Give a ``ChatEnv`` its prompts at each reset: ``"query"``, ``"group_id"`` (int64, shared
+    by the ``repeats`` consecutive copies of a prompt) and the columns of ``context_fn``.
 
     Args:
-        prompts: TRL prompts (texts or message lists): a sequence, cycled forever, or an
-            iterator, read once.
+        prompts: TRL prompts (texts or message lists): a sequence, cycled forever, or an iterator.
 
     Keyword Args:
-        repeats: copies of each prompt in a row (``GRPOConfig.num_generations``); a group can
-            span two resets when the env's batch is smaller than ``repeats``.
-        context_fn: ``fn(prompts) -> {column: values}``, one value per env, e.g. the
-            ``"answer"`` a reward parser reads.
-        raw_text: give plain-text prompts to a ``ChatEnv(input_mode="text")`` as they are (as
-            TRL's generation does) instead of through the tokenizer's chat template.
+        repeats: copies of each prompt in a row (``GRPOConfig.num_generations``).
+        context_fn: ``fn(prompts) -> {column: values}``, one value per env.
+        raw_text: give plain-text prompts to a ``ChatEnv(input_mode="text")`` as they are
+            instead of through the tokenizer's chat template.
 
-    A reset that is not followed by a step (``LLMCollector`` resets once before it starts)
-    serves the same prompts again, so none is skipped. When the source ends or raises, the
-    prompts already served are generated and written, then the next step raises
-    :class:`PromptSourceEnded` (or the source's error) in the collector: :attr:`error` keeps
-    it. Every env of a batch starts its episode together: a partial reset raises.
+    A reset not followed by a step serves the same prompts again. When the source ends or
+    raises, the next step raises :class:`PromptSourceEnded` (or the source's error), kept in
+    :attr:`error`. A partial reset raises.
 
     Example:
 
@@ -99,12 +94,8 @@ class PromptPrimer(Transform):
     """
 
     def __init__(
-        self,
-        prompts: Sequence | Iterable,
-        *,
-        repeats: int = 1,
-        context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None,
-        raw_text: bool = False,
+        self, prompts: Sequence | Iterable, *, repeats: int = 1,
+        context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None, raw_text: bool = False,
     ):
         super().__init__()
         if isinstance(prompts, Sequence) and not prompts:
@@ -141,19 +132,11 @@ class PromptPrimer(Transform):
                 raise
             self.error, self._filler = err, True  # generate what was served, fail at the next step
             return self._current
-        td = TensorDict(
-            {"query": env_query(prompts), GROUP_ID_KEY: torch.tensor([g for _, g in items])}, batch_size=[n]
-        )
-        if self.context_fn is not None:
-            columns = self.context_fn(prompts)
-            for name, values in columns.items():
-                if len(values) != n:
-                    raise ValueError(f"context_fn returned {len(values)} values for column {name!r}, expected {n}")
-            td.update(columns_td(columns, [n]))
+        td = TensorDict({"query": env_query(prompts), GROUP_ID_KEY: torch.tensor([g for _, g in items])}, [n])
+        td.update(columns_td(context_columns(self.context_fn, prompts), [n]))
         return td.reshape(batch_size)
 
     def _reset_env_preprocess(self, tensordict: TensorDictBase | None) -> TensorDictBase:
-        batch_size = self.parent.batch_size
         partial = None if tensordict is None else tensordict.get("_reset", None)
         if partial is not None and not partial.all():
             raise ValueError(
@@ -161,7 +144,7 @@ class PromptPrimer(Transform):
                 "episode of an env batch must end at the same turn (e.g. StepCounter(max_steps=k))"
             )
         if self._stepped:
-            self._current = self._next_batch(batch_size)
+            self._current = self._next_batch(self.parent.batch_size)
             self._stepped = False
         primed = self._current.clone(False)
         return primed if tensordict is None else tensordict.update(primed)

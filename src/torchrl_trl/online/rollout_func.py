@@ -1,39 +1,9 @@
 """TorchRL as the rollout engine of TRL's ``GRPOTrainer`` (``rollout_func=``).
 
-:class:`TorchRLRolloutFunc` is a TRL ``rollout_func`` backed by a TorchRL LLM policy
-(``TransformersWrapper``) and, optionally, a TorchRL ``ChatEnv`` with its transforms
-(reward parsers, tools, several turns). Every rollout can be written into a TorchRL
-replay buffer, one item per sample and turn, as ``LLMCollector`` writes them.
-
-The contract with TRL's ``GRPOTrainer`` (each point checked in ``tests/test_rollout_func.py``):
-
-- **Prompts arrive repeated**: TRL's sampler repeats each prompt ``num_generations`` times in
-  a row and passes that batch as is, so the function returns exactly one completion per
-  prompt it receives, in order (TRL groups rewards by consecutive blocks).
-- **Keys**: ``prompt_ids``, ``completion_ids``, ``logprobs`` are required; ``env_mask`` is
-  the tool mask (the loss mask is ``completion_mask * env_mask``); every other key that is a
-  list is merged into each input row and so reaches every reward function as a keyword.
-- **Log-probs** become TRL's sampling log-probs (NaN: unknown). They enter the loss only
-  through the vLLM importance-sampling correction (``use_vllm``) or
-  ``off_policy_mask_threshold``; otherwise TRL recomputes its own.
-- TRL scores prompts padded on the left and completions on the right without
-  ``position_ids``; with RoPE models that equals scoring each sequence alone.
-
-On the TorchRL side:
-
-- ``TransformersWrapper(generate=True, return_log_probs=True)`` writes ``0.0`` as the
-  log-prob of the *first* generated token. ``logprobs="rescore"`` recomputes them with
-  TorchRL's own scoring path (:class:`~torchrl_trl.online.behaviour.ResponseScorer`) on the
-  exact sequence, right after generation: one more forward pass (about 40% of a rollout on
-  a 25M-parameter policy). ``"generate"`` keeps the generated values with that first one
-  NaN. ``"auto"`` (default) rescores only where the log-probs are read: without a trainer
-  (rollouts that may train later), or a trainer that reads them (see above, or
-  ``reads_rollout_logprobs = True`` as ``BehaviourLogProbsMixin`` sets).
-- The log-probs are those of the raw logits (temperature 1): equal to TRL's recomputation
-  when ``temperature == 1`` (a warning is given otherwise).
-- ``ChatEnv`` in history mode re-renders the chat each turn; turn ``k + 1``'s prompt tokens
-  must start with turn ``k``'s prompt + response, else the sequence TRL trains on would not
-  be what the policy generated: that raises, it is never patched silently.
+Log-probs (raw logits', NaN: unknown): ``logprobs="rescore"`` recomputes them on the exact
+sequence (one more forward), ``"generate"`` keeps TorchRL's with each first token NaN, ``"auto"``
+rescores where TRL reads them (no trainer, vLLM correction, ``off_policy_mask_threshold``,
+``reads_rollout_logprobs``).
 """
 
 from __future__ import annotations
@@ -48,54 +18,37 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import WarnOnce, positive_int
-from .behaviour import ResponseScorer
+from .behaviour import ResponseScorer, trl_corrects_logprobs
 from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, rollout_batch, turns_to_trl
-from .prompt_primer import check_history_batch, columns_td, env_query
+from .prompt_primer import check_history_batch, columns_td, context_columns, env_query
 from .weights import load_weights
 
-__all__ = ["TorchRLRolloutFunc", "RolloutBatch", "TRL_ROLLOUT_KEYS"]
-
-#: Keys TRL's ``GRPOTrainer`` requires from a ``rollout_func``.
-TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+__all__ = ["TorchRLRolloutFunc", "RolloutBatch"]
 
 
 class TorchRLRolloutFunc:
-    """A TRL ``GRPOTrainer`` ``rollout_func`` that generates with TorchRL.
-
+    """A TRL ``GRPOTrainer`` ``rollout_func`` that generates with TorchRL:
     ``f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask", **extra}``,
-    one completion per prompt received (TRL repeats each prompt ``num_generations`` times).
+    one completion per prompt received, in order (TRL repeats each prompt ``num_generations`` times).
 
     Args:
         policy: a TorchRL ``TransformersWrapper`` (``generate=True``, ``return_log_probs=True``,
             ``input_mode`` ``"text"`` or ``"history"``). ``None``: built on the first call
-            around the trainer's own model and tokenizer (shared parameters, on-policy), with
-            TRL's generation settings (``max_completion_length``, ``temperature``, ``top_p``,
-            ``top_k``, ``min_p``, ``repetition_penalty``).
+            around the trainer's model and tokenizer with TRL's generation settings.
 
     Keyword Args:
-        env: a TorchRL ``ChatEnv`` (a ``TransformedEnv`` over one, e.g. with a reward parser
-            or a ``StepCounter(max_steps=k)`` for ``k`` turns), in the policy's input mode.
-            The prompts are given to it in chunks of its batch size as ``"query"`` at reset;
-            ``len(prompts)`` must be a multiple of that size. ``None``: one generation per
-            prompt, no env.
-        max_turns: most turns per episode with ``env`` (the env's ``done`` ends it earlier;
-            all samples of a chunk must end at the same turn).
-        context_fn: ``fn(prompts) -> {column: list}``, columns added to the env's reset
-            TensorDict (e.g. the ``"answer"`` a reward parser reads; TRL gives a
-            ``rollout_func`` the prompts only).
-        forward_keys: top-level rollout keys to pass to TRL's reward functions (read from
-            each sample's last turn). ``None``: every non-TorchRL top-level key (e.g.
-            ``"answer"``). The env's reward ``("next", "reward")``, summed over turns, is
-            always passed as ``"torchrl_reward"`` when present.
-        replay_buffer: a TorchRL ``ReplayBuffer``; each sample's every turn is extended into
-            it as one item, with ``"group_id"`` (consecutive ``num_generations`` samples share
-            it), ``"policy_version"`` and ``"turn"``.
+        env: a TorchRL ``ChatEnv`` in the policy's input mode, given the prompts as ``"query"``
+            at reset in chunks of its batch size. ``None``: one generation per prompt.
+        max_turns: most turns per episode with ``env`` (a chunk's samples end together).
+        context_fn: ``fn(prompts) -> {column: list}``, columns added to the env's reset.
+        forward_keys: top-level rollout keys passed to TRL's reward functions (``None``: every
+            non-TorchRL key); the env's reward, summed over turns, goes as ``"torchrl_reward"``.
+        replay_buffer: a TorchRL ``ReplayBuffer`` extended with every sample's every turn,
+            tagged ``"group_id"``, ``"policy_version"`` and ``"turn"``.
         logprobs: ``"auto"`` (default), ``"rescore"`` or ``"generate"``, see the module doc.
         sync_weights: when the trainer's ``global_step`` changed and ``policy`` does not
-            share the trainer's parameters: ``"copy"`` loads the trainer model's ``state_dict``
-            into ``policy.model``; a callable ``fn(trainer_model, version)`` does the transfer
-            itself (e.g. through a TorchRL collector's ``update_policy_weights_``); ``None``
-            never touches the weights.
+            share its parameters: ``"copy"`` loads them into ``policy.model``, a callable
+            ``fn(trainer_model, version)`` transfers them, ``None`` does nothing.
 
     Attributes:
         policy_version: the trainer's ``global_step`` when the weights last generated.
@@ -103,13 +56,11 @@ class TorchRLRolloutFunc:
 
     Example (without a trainer: one completion per prompt received, as TRL calls it):
 
-    >>> import torch
     >>> from torchrl.data import LazyStackStorage, ReplayBuffer
     >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
     >>> tok = make_tokenizer()
     >>> rb = ReplayBuffer(storage=LazyStackStorage(16))
     >>> func = TorchRLRolloutFunc(make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3), replay_buffer=rb)
-    >>> _ = torch.manual_seed(0)
     >>> out = func([[{"role": "user", "content": "hi"}]] * 2)  # TRL repeats each prompt
     >>> sorted(out), len(out["completion_ids"])
     (['completion_ids', 'logprobs', 'prompt_ids'], 2)
@@ -120,14 +71,9 @@ class TorchRLRolloutFunc:
     """
 
     def __init__(
-        self,
-        policy=None,
-        *,
-        env=None,
-        max_turns: int = 1,
+        self, policy=None, *, env=None, max_turns: int = 1,
         context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None,
-        forward_keys: Sequence[NestedKey] | None = None,
-        replay_buffer=None,
+        forward_keys: Sequence[NestedKey] | None = None, replay_buffer=None,
         logprobs: Literal["auto", "rescore", "generate"] = "auto",
         sync_weights: Literal["copy"] | Callable | None = "copy",
     ):
@@ -157,8 +103,6 @@ class TorchRLRolloutFunc:
         self._lock = threading.Lock()
         self._warnings = WarnOnce()
 
-    # -- TRL entry point ---------------------------------------------------------------
-
     def __call__(self, prompts: list, trainer=None) -> RolloutBatch:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a non-empty list, got {type(prompts).__name__} {prompts!r:.80}")
@@ -167,31 +111,28 @@ class TorchRLRolloutFunc:
             group_size = _group_size(trainer, len(prompts))
             version = self._sync(trainer, policy)
             self.calls += 1
-            logprobs = self.logprobs
-            if logprobs == "auto":
-                logprobs = "rescore" if _reads_logprobs(trainer) else "generate"
-            return self.rollout(prompts, group_size=group_size, version=version, logprobs=logprobs)
+            return self.rollout(prompts, group_size=group_size, version=version, logprobs=self._logprobs_mode(trainer))
 
     def rollout(
         self, prompts: list, *, group_size: int, version: int, logprobs: Literal["rescore", "generate"] | None = None
     ) -> RolloutBatch:
-        """Generate one completion per prompt with :attr:`policy` (and :attr:`env`), tag
-        the rollouts with ``version`` and their group (``group_size`` consecutive prompts),
-        write them into the replay buffer, and return TRL's dict. The weights are used as
-        they are. ``logprobs``: ``"rescore"`` or ``"generate"`` for this call; ``None``: the
-        constructor's, ``"auto"`` then rescoring (no trainer here to say it will not read
-        them)."""
+        """Generate one completion per prompt with the weights as they are, tag the rollouts with
+        ``version`` and their group (``group_size`` consecutive prompts), write them into the
+        replay buffer, and return TRL's dict (``logprobs=None``: the constructor's)."""
         if self.policy is None:
             raise ValueError("no policy yet: pass one, or call the function once with the trainer")
         if len(prompts) % group_size:
             raise ValueError(f"got {len(prompts)} prompts, not a multiple of group_size={group_size}")
         if self.env is None:
-            steps = [self._generate(self.policy, prompts)]
+            steps = [per_sample(self.policy(_policy_input(self.policy, prompts)))]
         else:
             steps = self._run_env(self.policy, prompts)
-        if logprobs is None:
-            logprobs = "rescore" if self.logprobs == "auto" else self.logprobs
-        batch = self._to_trl(self.policy, steps, logprobs)
+        rows = turns_to_trl(steps)
+        if (logprobs or self._logprobs_mode(None)) == "rescore":
+            if self._scorer is None or self._scorer.model is not self.policy.model:
+                self._scorer = ResponseScorer(self.policy)
+            rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
+        batch = rollout_batch(rows, forward_fields(steps, self.forward_keys), steps)
         self._annotate(steps, group_size, version)
         if self.replay_buffer is not None:
             for step in steps:
@@ -199,7 +140,10 @@ class TorchRLRolloutFunc:
         self.samples += len(prompts)
         return batch
 
-    # -- weights -----------------------------------------------------------------------
+    def _logprobs_mode(self, trainer) -> str:
+        if self.logprobs != "auto":
+            return self.logprobs
+        return "rescore" if _reads_logprobs(trainer) else "generate"
 
     def _policy_for(self, trainer, prompts: list):
         if self.policy is not None:
@@ -210,30 +154,18 @@ class TorchRLRolloutFunc:
 
         from ..rewards.trl_funcs import is_conversational
 
-        if self.env is not None:
-            input_mode = self.env.input_mode
-        else:
-            input_mode = "history" if is_conversational(prompts) else "text"
+        chat = is_conversational(prompts)
+        input_mode = self.env.input_mode if self.env is not None else "history" if chat else "text"
         model = trainer.accelerator.unwrap_model(trainer.model)
-        generate_kwargs = {
-            "max_new_tokens": trainer.max_completion_length,
-            "do_sample": True,
-            "temperature": trainer.temperature,
-        }
+        generate_kwargs = {"max_new_tokens": trainer.max_completion_length, "do_sample": True,
+                           "temperature": trainer.temperature}
         # TRL's "disabled" values (top_k=0, top_p=1, ...) are left out: TorchRL rejects top_k=0
-        disabled = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
-        for name, off in disabled.items():
-            value = getattr(trainer, name, None)
-            if value is not None and value != off:
-                generate_kwargs[name] = value
+        for name, off in {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}.items():
+            if getattr(trainer, name, None) not in (None, off):
+                generate_kwargs[name] = getattr(trainer, name)
         self.policy = TransformersWrapper(
-            model,
-            tokenizer=trainer.processing_class,
-            input_mode=input_mode,
-            generate=True,
-            return_log_probs=True,
-            pad_output=False,
-            generate_kwargs=generate_kwargs,
+            model, tokenizer=trainer.processing_class, input_mode=input_mode, generate=True, return_log_probs=True,
+            pad_output=False, generate_kwargs=generate_kwargs,
         )
         return self.policy
 
@@ -252,19 +184,10 @@ class TorchRLRolloutFunc:
             self.policy_version = step
         temperature = getattr(trainer, "temperature", 1.0)
         if temperature != 1.0:
-            self._warnings.add(
-                "temperature",
-                f"trainer.temperature={temperature}: TorchRL's log-probs are those of the raw logits "
-                "(temperature 1), TRL's recomputed ones use logits / temperature; they differ",
-                stacklevel=4,
-            )
+            self._warnings.add("temperature", f"trainer.temperature={temperature}: TorchRL's log-probs are those of "
+                               "the raw logits (temperature 1), TRL's recomputed ones use logits / temperature; "
+                               "they differ", stacklevel=4)
         return self.policy_version
-
-    # -- generation --------------------------------------------------------------------
-
-    def _generate(self, policy, prompts: list) -> TensorDictBase:
-        td = _policy_input(policy, prompts)
-        return per_sample(policy(td))
 
     def _run_env(self, policy, prompts: list) -> list[TensorDictBase]:
         env = self.env
@@ -274,17 +197,11 @@ class TorchRLRolloutFunc:
                 f"got {len(prompts)} prompts but the env's batch size is {tuple(env.batch_size)}: the "
                 f"number of prompts (TRL's generation batch) must be a multiple of {chunk}"
             )
-        context = self.context_fn(list(prompts)) if self.context_fn is not None else {}
-        for name, values in context.items():
-            if len(values) != len(prompts):
-                raise ValueError(
-                    f"context_fn returned {len(values)} values for column {name!r}, expected {len(prompts)}"
-                )
-        per_chunk = []
-        for start in range(0, len(prompts), chunk):
-            part = prompts[start : start + chunk]
-            cols = {k: list(v[start : start + chunk]) for k, v in context.items()}
-            per_chunk.append(self._episode(policy, part, cols))
+        context = context_columns(self.context_fn, prompts)
+        per_chunk = [
+            self._episode(policy, prompts[i : i + chunk], {k: list(v[i : i + chunk]) for k, v in context.items()})
+            for i in range(0, len(prompts), chunk)
+        ]
         n_turns = {len(c) for c in per_chunk}
         if len(n_turns) != 1:
             raise ValueError(f"env episodes of different chunks ended after different numbers of turns: {n_turns}")
@@ -299,14 +216,12 @@ class TorchRLRolloutFunc:
         steps = []
         for turn in range(self.max_turns):
             td = policy(td)
-            last = turn == self.max_turns - 1
-            if last:
+            if turn == self.max_turns - 1:
                 step = env.step(td)
             else:
                 step, td = env.step_and_maybe_reset(td)
-            step = per_sample(step)
-            steps.append(step)
-            done = step.get(layouts.DONE_KEY).reshape(-1)
+            steps.append(per_sample(step))
+            done = steps[-1].get(layouts.DONE_KEY).reshape(-1)
             if done.all():
                 break
             if done.any():
@@ -317,37 +232,20 @@ class TorchRLRolloutFunc:
                 )
         return steps
 
-    # -- TorchRL -> TRL ----------------------------------------------------------------
-
-    def _to_trl(self, policy, steps: list[TensorDictBase], logprobs_mode: str = "generate") -> RolloutBatch:
-        rows = turns_to_trl(steps)
-        if logprobs_mode == "rescore":
-            if self._scorer is None or self._scorer.model is not policy.model:
-                self._scorer = ResponseScorer(policy)
-            rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
-        return rollout_batch(rows, forward_fields(steps, self.forward_keys), steps)
-
     def _annotate(self, steps: list[TensorDictBase], group_size: int, version: int) -> None:
         n = steps[0].batch_size[0]
         groups = [self._next_group + i // group_size for i in range(n)]
         self._next_group += -(-n // group_size)
         for turn, step in enumerate(steps):
-            for i, sample in enumerate(step.tensordicts):
-                sample.set(GROUP_ID_KEY, torch.tensor(groups[i]))
-                sample.set(VERSION_KEY, torch.tensor(version))
-                sample.set(TURN_KEY, torch.tensor(turn))
+            for group, sample in zip(groups, step.tensordicts):
+                sample.update({GROUP_ID_KEY: torch.tensor(group), VERSION_KEY: torch.tensor(version),
+                               TURN_KEY: torch.tensor(turn)})
 
 
 def _reads_logprobs(trainer) -> bool:
-    """Whether ``trainer`` may read the log-probs a ``rollout_func`` returns (unknown: yes):
-    TRL's vLLM importance-sampling correction, its off-policy sequence mask, or a trainer
-    class that says so (``reads_rollout_logprobs = True``)."""
-    if trainer is None:
-        return True
-    vllm_correction = getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False)
-    return bool(
-        vllm_correction
-        or getattr(trainer, "off_policy_mask_threshold", None) is not None
+    """Whether ``trainer`` may read the log-probs a ``rollout_func`` returns (no trainer: yes)."""
+    return trainer is None or bool(
+        trl_corrects_logprobs(trainer) or getattr(trainer, "off_policy_mask_threshold", None) is not None
         or getattr(trainer, "reads_rollout_logprobs", False)
     )
 
@@ -368,9 +266,7 @@ def _check_policy(policy) -> None:
 
 
 def _group_size(trainer, n: int, expected: int | None = None) -> int:
-    """TRL's group size for a call with ``n`` prompts (``num_generations``, or
-    ``num_generations_eval`` in evaluation), checked to divide ``n`` and to equal
-    ``expected`` (a collector's group size) when given."""
+    """TRL's group size (``num_generations[_eval]``), checked to divide ``n`` and to equal ``expected``."""
     if trainer is None:
         return n if expected is None else expected
     training = getattr(trainer.model, "training", True)
@@ -385,22 +281,18 @@ def _group_size(trainer, n: int, expected: int | None = None) -> int:
 def _policy_input(policy, prompts: list) -> TensorDictBase:
     from ..rewards.trl_funcs import is_conversational
 
-    n = len(prompts)
     chat = is_conversational(prompts)
     if policy.input_mode == "history":
-        from torchrl.data.llm import History
-
         if not chat:
             raise ValueError(
                 "the policy reads chat history (input_mode='history') but TRL's prompts are plain text; "
                 "use a dataset of conversational prompts or a policy with input_mode='text'"
             )
         check_history_batch(prompts)
-        history = History.from_chats([layouts.to_messages(p) for p in prompts])
-        return TensorDict({"history": {"prompt": history}}, batch_size=[n])
+        return TensorDict({"history": {"prompt": env_query(prompts)}}, batch_size=[len(prompts)])
     if chat:
         tok = policy.tokenizer
         texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     else:
         texts = [str(p) for p in prompts]
-    return TensorDict({"text": {"prompt": texts}}, batch_size=[n])
+    return TensorDict({"text": {"prompt": texts}}, batch_size=[len(prompts)])

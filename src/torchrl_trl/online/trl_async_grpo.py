@@ -1,25 +1,6 @@
 """TorchRL as the rollout worker and weight sink of ``trl.experimental.async_grpo.AsyncGRPOTrainer``.
 
-- :class:`TorchRLRolloutWorker` implements TRL's ``RolloutWorkerProtocol``: a TorchRL
-  collector generates whole groups (a TorchRL ``LLMCollector`` through
-  :class:`~torchrl_trl.online.LLMCollectorRolloutFunc`, locally or as a Ray actor, or an
-  :class:`~torchrl_trl.online.AsyncGroupCollector`, the same built from TRL prompts); a pump thread scores each group with
-  TRL-style reward functions (weighted, through one
-  :class:`~torchrl_trl.RewardFunctionWrapper`), computes the group advantages as
-  TRL's own worker does (``(r - mean) / (std + 1e-8)``; a completion no function could score
-  gets advantage 0) and puts one ``RolloutSample`` per completion on :attr:`rollout_buffer`
-  (``input_ids`` = prompt + completion, ``completion_mask`` and ``old_log_probs`` aligned with
-  them: 1 / the behaviour log-prob on generated tokens, 0 on the prompt and on env tokens).
-- :class:`TorchRLWeightTransfer` implements ``WeightTransferProtocol``: ``send_weights``
-  loads the trainer's ``(name, tensor)`` stream into the collector's policy by parameter
-  name and bumps its policy version by one (the trainer bumps ``model_version`` by one per
-  sync), through the collector's ``update_policy_weights_`` between two of its batches
-  (:meth:`~torchrl_trl.online.LLMCollectorRolloutFunc.push`).
-
-``AsyncGRPOTrainer`` itself needs CUDA (its tree attention is a FlashAttention-3 kernel
-fetched from the Hub), so on a CPU machine these classes are tested against the protocols;
-the same collector drives ``GRPOTrainer`` through
-:class:`~torchrl_trl.online.AsyncTorchRLRolloutFunc`.
+``AsyncGRPOTrainer`` needs CUDA: on CPU these are tested against TRL's worker and weight-transfer protocols.
 """
 
 from __future__ import annotations
@@ -41,28 +22,21 @@ __all__ = ["TorchRLRolloutWorker", "TorchRLWeightTransfer"]
 
 
 class TorchRLRolloutWorker:
-    """``AsyncGRPOTrainer(rollout_worker=...)`` backed by a TorchRL collector.
+    """``AsyncGRPOTrainer(rollout_worker=...)`` backed by a TorchRL collector: a pump thread
+    scores each group, computes TRL's group advantages (``(r - mean) / (std + 1e-8)``; 0 for
+    a completion no function scored) and puts one ``RolloutSample`` per completion on
+    :attr:`rollout_buffer` (``completion_mask`` 0 on the prompt and env tokens).
 
     Args:
-        collector: where groups come from (its policy holds its own weights; give the same
-            object to :class:`TorchRLWeightTransfer`): an
-            :class:`~torchrl_trl.online.LLMCollectorRolloutFunc` over a TorchRL
-            ``LLMCollector`` (build it with ``max_staleness=None``: the trainer bounds
-            staleness itself), any :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`,
-            or an :class:`~torchrl_trl.online.AsyncGroupCollector`.
-        reward_funcs: TRL-style ``f(prompts, completions, completion_ids, **fields) -> list``
-            (``None`` entries allowed); ``fields`` are the rollout func's forwarded fields
-            (e.g. ``torchrl_reward``, ``answer``). They are scored by one
-            :class:`~torchrl_trl.RewardFunctionWrapper` (:attr:`scorer`): the reward is
-            ``nansum(reward_weights * rewards)``, a ``None`` or infinite value excluded and
-            counted (``scorer.none_counts``, ``scorer.nonfinite_counts``).
+        collector: a ``GroupRolloutFunc`` (e.g. an :class:`~torchrl_trl.online.LLMCollectorRolloutFunc`
+            with ``max_staleness=None``) or an :class:`~torchrl_trl.online.AsyncGroupCollector`.
+        reward_funcs: TRL-style ``f(prompts, completions, completion_ids, **fields) -> list``,
+            scored by one :class:`~torchrl_trl.RewardFunctionWrapper` (:attr:`scorer`).
 
     Keyword Args:
-        reward_weights: one float per function (default: all ones), as
-            ``GRPOConfig.reward_weights``.
+        reward_weights: one float per function (default: all ones), as in ``GRPOConfig``.
         queue_maxsize: bound of :attr:`rollout_buffer` (the pump waits when it is full).
-        timeout: seconds the pump waits for a group before it counts as a failure (for an
-            ``AsyncGroupCollector``; a ``GroupRolloutFunc`` has its own ``timeout``).
+        timeout: seconds the pump waits for a group from an ``AsyncGroupCollector``.
 
     Example:
 
@@ -85,13 +59,8 @@ class TorchRLRolloutWorker:
     """
 
     def __init__(
-        self,
-        collector: GroupRolloutFunc | AsyncGroupCollector,
-        reward_funcs: Sequence[Callable],
-        *,
-        reward_weights: Sequence[float] | None = None,
-        queue_maxsize: int = 1024,
-        timeout: float = 600.0,
+        self, collector: GroupRolloutFunc | AsyncGroupCollector, reward_funcs: Sequence[Callable], *,
+        reward_weights: Sequence[float] | None = None, queue_maxsize: int = 1024, timeout: float = 600.0,
     ):
         if not reward_funcs:
             raise ValueError("reward_funcs is empty: the worker scores every group it sends")
@@ -108,8 +77,6 @@ class TorchRLRolloutWorker:
         self._error: BaseException | None = None
         self._heartbeat = time.time()
         self._group_ids = 0
-
-    # -- RolloutWorkerProtocol ---------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is not None:
@@ -131,8 +98,7 @@ class TorchRLRolloutWorker:
             self.collector.update_policy_weights_(version=self.model_version)
 
     def check_health(self, stale_after_s: float) -> None:
-        """Raise ``RuntimeError`` if the pump or the collector died, or nothing moved for
-        ``stale_after_s`` seconds."""
+        """Raise ``RuntimeError`` if the pump died or nothing moved for ``stale_after_s`` seconds."""
         if self._error is not None:
             raise RuntimeError(f"the TorchRL rollout worker failed: {self._error!r}") from self._error
         if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
@@ -140,8 +106,6 @@ class TorchRLRolloutWorker:
         age = time.time() - self._heartbeat
         if age > stale_after_s:
             raise RuntimeError(f"the TorchRL rollout worker made no progress for {age:.0f} s > {stale_after_s:.0f} s")
-
-    # -- the pump ----------------------------------------------------------------------
 
     def _pump(self) -> None:
         try:
@@ -164,48 +128,36 @@ class TorchRLRolloutWorker:
         from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
         batch = group.batch
-        tokenizer = self.source.tokenizer
         n = len(batch["completion_ids"])
-        prompts = [group.prompt] * n
-        texts = tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+        texts = self.source.tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
         chat = isinstance(group.prompt, list)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         fields = {k: v for k, v in batch.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        prompts = [group.prompt] * n
         rewards, per_func = self.scorer.score_arguments(prompts, completions, batch["completion_ids"], **fields)
         rewards, per_func = rewards.double().numpy(), per_func.T.double().numpy()
-        scorable = ~np.isnan(rewards)  # NaN: no function could score it
-        advantages = np.zeros(n)
-        scored = rewards[scorable]
-        if scored.size:
-            advantages[scorable] = (scored - scored.mean()) / (scored.std() + 1e-8)
-        group_id = self._group_ids
-        self._group_ids += 1
+        scored = rewards[~np.isnan(rewards)]  # NaN: no function could score it, advantage 0
+        advantages = np.nan_to_num((rewards - scored.mean()) / (scored.std() + 1e-8)) if scored.size else np.zeros(n)
+        group_id, self._group_ids = self._group_ids, self._group_ids + 1
         samples = []
-        for i in range(n):
-            prompt_ids, completion_ids = batch["prompt_ids"][i], batch["completion_ids"][i]
+        for i, (prompt_ids, completion_ids) in enumerate(zip(batch["prompt_ids"], batch["completion_ids"])):
             env_mask = batch["env_mask"][i] if "env_mask" in batch else [1] * len(completion_ids)
             logprobs = np.nan_to_num(np.asarray(batch["logprobs"][i], dtype=np.float32), nan=0.0)
             metrics = {"reward": float(rewards[i])}
             metrics.update({f"rewards/{name}": float(per_func[j, i]) for j, name in enumerate(self.scorer.names)})
-            samples.append(
-                RolloutSample(
-                    prompt=group.prompt,
-                    completion=completions[i],
-                    input_ids=np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int64),
-                    completion_mask=np.asarray([0] * len(prompt_ids) + list(env_mask), dtype=np.int64),
-                    old_log_probs=np.concatenate([np.zeros(len(prompt_ids), dtype=np.float32), logprobs]),
-                    advantage=float(advantages[i]),
-                    model_version=group.version,
-                    group_id=group_id,
-                    metrics=metrics,
-                )
-            )
+            samples.append(RolloutSample(
+                prompt=group.prompt, completion=completions[i],
+                input_ids=np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int64),
+                completion_mask=np.asarray([0] * len(prompt_ids) + list(env_mask), dtype=np.int64),
+                old_log_probs=np.concatenate([np.zeros(len(prompt_ids), dtype=np.float32), logprobs]),
+                advantage=float(advantages[i]), model_version=group.version, group_id=group_id, metrics=metrics,
+            ))
         return samples
 
 
 class TorchRLWeightTransfer:
-    """``AsyncGRPOTrainer(weight_transfer=...)`` loading the trainer's weights into the
-    collector's policy (same process).
+    """``AsyncGRPOTrainer(weight_transfer=...)`` loading the trainer's ``(name, tensor)`` stream
+    into the collector's policy between two of its batches, its policy version + 1.
 
     Example (the calls ``AsyncGRPOTrainer`` makes at a weight sync):
 
@@ -231,11 +183,10 @@ class TorchRLWeightTransfer:
         self.loaded = 0
 
     def init_weight_transfer(self) -> None:
-        return None
+        """Nothing to do, as :meth:`pause`, :meth:`resume` and :meth:`destroy`: :meth:`send_weights`
+        loads the weights between two batches."""
 
-    def pause(self) -> None:
-        """Nothing to do: :meth:`send_weights` loads the weights in one step, between two
-        of the collector's batches."""
+    pause = resume = destroy = init_weight_transfer
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         named = list(iterator)
@@ -243,22 +194,13 @@ class TorchRLWeightTransfer:
         self.loaded = len(named)
         self.transfers += 1
 
-    def resume(self) -> None:
-        """Nothing to do (see :meth:`pause`)."""
-
-    def destroy(self) -> None:
-        return None
-
 
 def _group_source(collector, timeout: float | None = None) -> GroupRolloutFunc:
-    """``collector`` as a :class:`GroupRolloutFunc`: an ``AsyncGroupCollector`` is drained
-    without a staleness bound (the trainer bounds it) and without weight pushes (the weight
-    transfer does them)."""
+    """``collector`` as a :class:`GroupRolloutFunc` (no staleness bound, no weight pushes:
+    the trainer and the weight transfer do those)."""
     if isinstance(collector, GroupRolloutFunc):
         return collector
     if isinstance(collector, AsyncGroupCollector):
         return AsyncTorchRLRolloutFunc(collector, max_staleness=None, timeout=timeout, push_weights=False)
-    raise TypeError(
-        f"collector must be an LLMCollectorRolloutFunc (or another GroupRolloutFunc) or an AsyncGroupCollector, "
-        f"got {type(collector).__name__}"
-    )
+    raise TypeError(f"collector must be an LLMCollectorRolloutFunc (or another GroupRolloutFunc) or an "
+                    f"AsyncGroupCollector, got {type(collector).__name__}")

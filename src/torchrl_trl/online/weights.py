@@ -1,10 +1,4 @@
-"""The trainer's weights to a TorchRL collector's policy, through TorchRL's own path.
-
-``collector.update_policy_weights_(weights)`` is TorchRL's weight-update entry point: the
-local fallback copy, a configured ``weight_updater`` (``vLLMUpdater``, ...) or the Ray
-actor; with ``track_policy_version=True`` it also bumps the collector's ``PolicyVersion``,
-which stamps every rollout generated afterwards.
-"""
+"""The trainer's weights to a TorchRL collector's policy, through ``collector.update_policy_weights_``."""
 
 from __future__ import annotations
 
@@ -22,26 +16,18 @@ __all__ = ["GenerationLock", "collector_weights", "load_weights", "push_weights"
 
 
 def collector_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDict:
-    """``model``'s parameters and buffers (``TensorDict.from_module(model).data``, or
-    ``model`` itself if it is a TensorDict of them) in the form
-    ``collector.update_policy_weights_`` loads: nested under ``"model"`` when the
-    collector's policy holds the model as ``policy.model`` (``TransformersWrapper``) or
-    runs remotely (a Ray actor, which also gets them on the CPU)."""
-    weights = model if isinstance(model, TensorDictBase) else TensorDict.from_module(model).data
+    """``model``'s weights (or ``model``, a TensorDict of them) as ``collector.update_policy_weights_``
+    loads them: under ``"model"`` for a ``policy.model`` or a Ray actor (which gets them on the CPU)."""
+    weights = weights_td(model)
     remote = is_ray_collector(collector)
-    if remote:
-        weights = weights.cpu()
-    inner = getattr(getattr(collector, "policy", None), "model", None)
-    if remote or isinstance(inner, torch.nn.Module):
-        weights = TensorDict({"model": weights}, batch_size=[])
+    if remote or isinstance(getattr(getattr(collector, "policy", None), "model", None), torch.nn.Module):
+        weights = TensorDict({"model": weights.cpu() if remote else weights}, batch_size=[])
     return weights
 
 
 def load_weights(module: torch.nn.Module, weights) -> int:
-    """Copy ``weights`` into ``module``'s parameters and buffers of the same names, in place
-    (a policy whose tensors a generation loop holds keeps them). ``weights``: an
-    ``nn.Module``, a TensorDict of its weights, or ``(name, tensor)`` pairs / a mapping
-    (``named_parameters()``, a ``state_dict``). Returns how many tensors were copied.
+    """Copy ``weights`` (an ``nn.Module``, a TensorDict, a mapping or ``(name, tensor)`` pairs)
+    into ``module``'s tensors of the same names, in place; returns how many were copied.
 
     Raises:
         KeyError, ValueError: a name ``module`` does not have, or a different shape.
@@ -82,35 +68,20 @@ def weights_td(weights) -> TensorDictBase:
 
 
 def push_weights(
-    collector,
-    model: torch.nn.Module | TensorDictBase,
-    *,
-    weights_fn: Callable[[torch.nn.Module], Any] | None = None,
+    collector, model: torch.nn.Module | TensorDictBase, *, weights_fn: Callable[[torch.nn.Module], Any] | None = None,
     lock: contextlib.AbstractContextManager | None = None,
 ) -> None:
-    """Load ``model``'s weights into ``collector``'s policy with
-    ``collector.update_policy_weights_`` (see the module doc).
-
-    Args:
-        weights_fn: ``fn(model) -> weights`` to hand TorchRL instead of
-            :func:`collector_weights`.
-        lock: held while TorchRL loads them (e.g. the lock a collector batch, or a
-            behaviour log-prob scoring, holds), so no reader sees half of them.
-    """
+    """Load ``model``'s weights into ``collector``'s policy with ``collector.update_policy_weights_``,
+    holding ``lock`` meanwhile; ``weights_fn(model)`` replaces :func:`collector_weights`."""
     weights = weights_fn(model) if weights_fn is not None else collector_weights(collector, model)
     with lock if lock is not None else contextlib.nullcontext():
         collector.update_policy_weights_(weights)
 
 
 class GenerationLock:
-    """The lock between a background generation loop and weight pushes: the loop holds
-    :meth:`batch` for each batch it generates, a push holds :meth:`push` (or
-    :meth:`pause` .. :meth:`resume`) while it loads weights, so no batch reads half of them.
-
-    A waiting push goes before the loop's next batch: Python's ``Lock`` is not fair and
-    a loop that takes it again the moment it lets it go starved a push for 96 s while it
-    wrote 6,000 items. A push waits for the batch in flight at most.
-    """
+    """The lock between a background generation loop (:meth:`batch` around each batch) and
+    weight pushes (:meth:`push`); a waiting push goes before the loop's next batch (Python's
+    ``Lock`` is not fair)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -126,27 +97,19 @@ class GenerationLock:
         with self._lock:
             yield
 
-    def pause(self) -> None:
-        """Take the lock after the batch in flight, before the loop's next one."""
+    @contextlib.contextmanager
+    def push(self):
+        """Held around a weight push, taken after the batch in flight, before the loop's next one."""
         with self._count:
             self._waiting_pushes += 1
             self._no_push_waiting.clear()
         self._lock.acquire()
         with self._count:
             self._waiting_pushes -= 1
-
-    def resume(self) -> None:
-        """Let the loop generate again (after :meth:`pause`)."""
-        self._lock.release()
-        with self._count:
-            if not self._waiting_pushes:
-                self._no_push_waiting.set()
-
-    @contextlib.contextmanager
-    def push(self):
-        """:meth:`pause` .. :meth:`resume` around a weight push."""
-        self.pause()
         try:
             yield
         finally:
-            self.resume()
+            self._lock.release()
+            with self._count:
+                if not self._waiting_pushes:
+                    self._no_push_waiting.set()
