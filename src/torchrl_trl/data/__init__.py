@@ -1,13 +1,5 @@
-"""TorchRL -> TRL data: replay buffers as datasets for TRL trainers.
-
-- :class:`TorchRLBufferDataset`: a TorchRL replay buffer read as a ``datasets`` dataset
-  in one of the registered formats (:func:`available_formats`, :func:`get_format`,
-  :func:`register_format`, :class:`BufferFormat`).
-- scored groups -> offline trainer rows: :func:`best_of_n`, :func:`preference_pairs`,
-  :func:`kto_rows`; :func:`find_groups`, :class:`SkipStats`, :class:`SkippedRolloutsWarning`.
-
-The public names are declared once, in ``__init__.pyi``, and imported on first use.
-"""
+"""TorchRL -> TRL data: replay buffers as datasets for TRL trainers (:class:`TorchRLBufferDataset`,
+formats), and scored groups as offline trainer rows. Public names: ``__init__.pyi``, loaded on first use."""
 
 from .._exports import attach
 

@@ -1,19 +1,8 @@
-"""Column batches -> ``datasets``: a typed examples iterable that skips per-row encoding.
+"""Column batches -> ``datasets``: an examples iterable whose rows are already typed, so
+``datasets`` encodes nothing per row; its Arrow path builds one ``pyarrow.Table`` per batch.
 
-``IterableDataset.from_generator(..., features=...)`` encodes and decodes every row one at
-a time (``Features.encode_example`` / ``decode_example``, tensors cast to Python lists).
-:class:`ColumnarExamplesIterable` instead gets whole batches of columns and tells
-``datasets`` its rows are already typed (``is_typed``, ``features``), so they pass through
-untouched; rows are built from each batch in one go (one ``tolist`` per column), and the
-Arrow path (``iter_arrow``: ``with_format("torch"/"numpy"/"arrow")``, batched ``map``)
-builds one ``pyarrow.Table`` per batch, with token lists made from flat values + offsets
-(no per-row Python).
-
-A column batch is ``{name: values}`` with ``values`` one of: a list (one Python value per
-row), a tensor ``[B, ...]`` (one row per leading index) or a :class:`~torchrl_trl.layouts.Ragged`
-(one sequence per row).
-
-This module imports ``datasets``: import it only where a Hugging Face dataset is built.
+A column batch is ``{name: values}``, ``values`` a list, a tensor ``[B, ...]`` or a
+:class:`~torchrl_trl.layouts.Ragged`. This module imports ``datasets``.
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ from datasets import IterableDataset
 
 from .. import _compat
 from ..layouts import Ragged
-from .columns import to_pylist as column_to_pylist
+from .columns import per_row, to_pylist as column_to_pylist
 
 __all__ = [
     "ColumnarExamplesIterable", "EpochSharingIterableDataset", "column_to_pylist", "columns_to_table",
@@ -40,8 +29,7 @@ ColumnBatch = Mapping[str, Any]
 
 
 def _numpy(t: torch.Tensor, dtype) -> np.ndarray:
-    """``t`` flattened as a numpy array of the Arrow value type ``dtype`` (no copy when the
-    dtypes agree)."""
+    """``t`` flattened as a numpy array of the Arrow value type ``dtype``."""
     if t.dtype == torch.bfloat16:
         t = t.float()
     arr = t.detach().cpu().reshape(-1).numpy()
@@ -50,19 +38,16 @@ def _numpy(t: torch.Tensor, dtype) -> np.ndarray:
 
 
 def _column_to_arrow(values: Any, arrow_type):
+    if isinstance(values, torch.Tensor) and values.ndim == 2 and not values.is_nested:  # rows of equal length
+        values = Ragged(values.reshape(-1), torch.full((values.shape[0],), values.shape[1], dtype=torch.int64))
     if isinstance(values, Ragged) and (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
         lengths = values.lengths.to(torch.int64)
         offsets = np.zeros(lengths.numel() + 1, dtype=np.int64 if pa.types.is_large_list(arrow_type) else np.int32)
         np.cumsum(lengths.numpy(), out=offsets[1:])
         cls = pa.LargeListArray if pa.types.is_large_list(arrow_type) else pa.ListArray
         return cls.from_arrays(offsets, pa.array(_numpy(values.values, arrow_type.value_type)), type=arrow_type)
-    if isinstance(values, torch.Tensor):
-        if values.ndim == 1 and not pa.types.is_nested(arrow_type):
-            return pa.array(_numpy(values, arrow_type), type=arrow_type)
-        if values.ndim == 2 and pa.types.is_list(arrow_type) and not pa.types.is_nested(arrow_type.value_type):
-            n, t = values.shape
-            offsets = np.arange(0, n * t + 1, t, dtype=np.int32)
-            return pa.ListArray.from_arrays(offsets, pa.array(_numpy(values, arrow_type.value_type)), type=arrow_type)
+    if isinstance(values, torch.Tensor) and values.ndim == 1 and not pa.types.is_nested(arrow_type):
+        return pa.array(_numpy(values, arrow_type), type=arrow_type)
     return pa.array(column_to_pylist(values), type=arrow_type)
 
 
@@ -73,32 +58,17 @@ def columns_to_table(cols: ColumnBatch, features):
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _per_row(values: Any, tensors: bool) -> list:
-    if tensors and isinstance(values, Ragged):
-        return list(values.split())
-    if tensors and isinstance(values, torch.Tensor):
-        return list(values.unbind(0))
-    return column_to_pylist(values)
-
-
 def _rows(cols: ColumnBatch, tensors: bool = False) -> Iterator[dict]:
     names = list(cols)
-    for row in zip(*(_per_row(v, tensors) for v in cols.values())):
+    for row in zip(*(per_row(v, not tensors) for v in cols.values())):
         yield dict(zip(names, row))
 
 
 class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
-    """Examples iterable over ``generate_batches(shard_ids) -> ((key, column batch), ...)``.
-
-    Shards are ``shard_ids`` (a list of ints): ``datasets`` splits them over ranks and
-    DataLoader workers (``shard_data_sources``) and permutes them
-    (``shuffle_data_sources``), as for a generator's list ``gen_kwargs``.
-
-    ``num_passes`` (default 1; ``None``: endless): one iteration goes over its shards that
-    many times, calling ``generate_batches([s], pass_index=k)`` in pass ``k > 0``. When
-    ``generate_batches`` has ``start_pass(k, first) -> dict``, it is called once when pass
-    ``k`` begins (``first``: the first pass of this iteration) and the dict is passed to
-    every ``generate_batches`` call of that pass (e.g. the buffer length all shards read).
+    """Examples iterable over ``generate_batches([shard], pass_index=k) -> ((key, column batch),
+    ...)`` for each of ``shard_ids`` (which ``datasets`` splits over ranks and workers), going
+    ``num_passes`` times over them (``None``: endless). ``generate_batches.start_pass(k,
+    first) -> dict``, if any, is called once per pass and its dict passed to that pass's calls.
     """
 
     def __init__(self, generate_batches: Callable[[list[int]], Iterator[tuple[Any, ColumnBatch]]],
@@ -106,26 +76,13 @@ class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
         super().__init__()
         self.generate_batches = generate_batches
         self.shard_ids = list(shard_ids)
-        self._features = features
+        self.features = features
         self.tensors = tensors  # rows hold tensor views for tensor/ragged columns
         self.num_passes = num_passes
 
-    # -- typing: rows already match ``features``, so datasets applies nothing per row
-    @property
-    def is_typed(self) -> bool:
-        return True
-
-    @property
-    def features(self):
-        return self._features
-
-    @property
-    def iter_arrow(self):
-        return self._iter_arrow
-
-    @property
-    def sleep_on_threads_shutdown(self) -> bool:
-        return False
+    is_typed = True  # rows already match ``features``: datasets applies nothing per row
+    features = None  # set per instance (shadows the base class's property)
+    sleep_on_threads_shutdown = False
 
     @property
     def num_shards(self) -> int:
@@ -136,8 +93,7 @@ class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
         return self._state_dict
 
     def _batches(self) -> Iterator[tuple[int, Any, ColumnBatch, int]]:
-        """``(start, key, cols, n)``: batches left to read, ``start`` rows to skip in the
-        first one (resuming from a state dict)."""
+        """``(start, key, cols, n)``: batches left, ``start`` rows to skip (resuming a state dict)."""
         state = self._state_dict
         k = state.get("pass_idx", 0) if state else 0
         start_pass = getattr(self.generate_batches, "start_pass", None)
@@ -174,10 +130,10 @@ class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
                     state["shard_example_idx"] += 1
                 yield f"{key}_{i}", row
 
-    def _iter_arrow(self):
+    def iter_arrow(self):
         state = self._state_dict
         for start, key, cols, n in self._batches():
-            table = columns_to_table(cols, self._features)
+            table = columns_to_table(cols, self.features)
             if start:
                 table = table.slice(start)
             if state:
@@ -185,7 +141,7 @@ class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
             yield key, table
 
     def _with_shards(self, shard_ids: list[int]) -> ColumnarExamplesIterable:
-        return ColumnarExamplesIterable(self.generate_batches, shard_ids, self._features, self.tensors, self.num_passes)
+        return ColumnarExamplesIterable(self.generate_batches, shard_ids, self.features, self.tensors, self.num_passes)
 
     def shuffle_data_sources(self, generator: np.random.Generator) -> ColumnarExamplesIterable:
         order = deepcopy(generator).permutation(len(self.shard_ids))
@@ -200,9 +156,7 @@ class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
 
 
 class EpochSharingIterableDataset(IterableDataset):
-    """A ``datasets.IterableDataset`` whose :meth:`set_epoch` (what a trainer calls at each
-    epoch start) also writes ``epoch_counter``, a shared-memory int64 scalar tensor that
-    the row source reads (e.g. the epoch mixed into a shuffle seed)."""
+    """A ``datasets.IterableDataset`` whose :meth:`set_epoch` also writes the shared ``epoch_counter``."""
 
     epoch_counter: torch.Tensor | None = None
 
@@ -214,11 +168,8 @@ class EpochSharingIterableDataset(IterableDataset):
 
 def make_iterable_dataset(generate_batches, shard_ids: list[int], features, tensors: bool = False,
                           num_passes: int | None = 1, epoch_counter: torch.Tensor | None = None):
-    """A ``datasets.IterableDataset`` declaring ``features`` whose rows come from
-    ``generate_batches(shard_ids)`` column batches without per-row encoding (``tensors``:
-    tensor and token columns as 1-row tensor views instead of Python lists), going over
-    its shards ``num_passes`` times per iteration (``None``: endless). ``set_epoch`` on it
-    also writes ``epoch_counter`` (see :class:`EpochSharingIterableDataset`)."""
+    """An :class:`EpochSharingIterableDataset` declaring ``features`` over a
+    :class:`ColumnarExamplesIterable` (``tensors``: tensor columns as 1-row tensor views)."""
     ex_iterable = ColumnarExamplesIterable(generate_batches, shard_ids, features, tensors, num_passes)
     ds = _compat.iterable_dataset_from_examples(ex_iterable, features, cls=EpochSharingIterableDataset)
     ds.epoch_counter = epoch_counter

@@ -1,10 +1,5 @@
-"""Reading a TorchRL replay buffer as TensorDict batches: by storage index, or with the
-buffer's own sampler; and how many items an epoch pass may read beside a live writer.
-
-:class:`BufferReader` knows the buffer; what to read when is a reading strategy's job
-(:mod:`torchrl_trl.data.reading`), which rows become which columns is
-:mod:`torchrl_trl.data.row_columns`'.
-"""
+"""Reading a TorchRL replay buffer as TensorDict batches: by storage index or with its own
+sampler, and how many items an epoch pass may read beside a live writer."""
 
 from __future__ import annotations
 
@@ -22,22 +17,8 @@ __all__ = ["BufferReader"]
 
 
 class BufferReader:
-    """Batches of rows from ``replay_buffer``, ``batch_size`` at a time.
-
-    Holds what every reader of the buffer shares across processes: the epoch counter
-    (shared memory, so DataLoader workers and the Hugging Face iterable see
-    ``set_epoch``) and the length each epoch pass reads (:class:`sharding.PassLengths`).
-
-    >>> import torch
-    >>> from tensordict import TensorDict
-    >>> from torchrl.data import ListStorage, ReplayBuffer
-    >>> rb = ReplayBuffer(storage=ListStorage(8))
-    >>> rb.extend([{"x": i} for i in range(5)])  # plain dict rows are stacked too
-    tensor([0, 1, 2, 3, 4])
-    >>> reader = BufferReader(rb, batch_size=2)
-    >>> reader.fetch(torch.tensor([3, 1]))["x"].tolist()
-    [3, 1]
-    """
+    """Batches of rows from ``replay_buffer``, ``batch_size`` at a time; holds what its readers
+    share across processes (the epoch counter, :class:`sharding.PassLengths`)."""
 
     def __init__(self, replay_buffer, batch_size: int) -> None:
         self.replay_buffer = replay_buffer
@@ -49,7 +30,6 @@ class BufferReader:
         self._python_rows: bool | None = None
         self._item_rows: int | None = None
 
-    # -- pickling for spawned DataLoader workers ----------------------------------------
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_spawn_keepalive"}
 
@@ -62,8 +42,7 @@ class BufferReader:
             lock = None
         if get_spawning_popen() is None or not hasattr(lock, "acquire"):
             return super().__reduce_ex__(protocol)
-        # pickled for a spawned DataLoader worker: copy the buffer while no thread writes it
-        # (torch moves its tensors to shared memory meanwhile, which races a write)
+        # pickled for a spawned worker: copy the buffer while no thread writes it
         import io
         from multiprocessing.reduction import ForkingPickler
 
@@ -71,13 +50,11 @@ class BufferReader:
         pickler = ForkingPickler(out, protocol)
         with lock:
             pickler.dump(self.replay_buffer)
-        # objects made while pickling (e.g. shared-memory storages whose file descriptors
-        # the child inherits) must live until the worker has started
+        # objects made while pickling (shared-memory storages) must live until the worker starts
         self._spawn_keepalive = pickler.memo.copy()
         state = {k: v for k, v in self.__getstate__().items() if k != "replay_buffer"}
         return _restore, (type(self), state, out.getvalue())
 
-    # -- epoch counter -------------------------------------------------------------------
     @property
     def epoch(self) -> int:
         return int(self.epoch_counter)
@@ -85,10 +62,8 @@ class BufferReader:
     def set_epoch(self, epoch: int) -> None:
         self.epoch_counter.fill_(int(epoch))
 
-    # -- reads ---------------------------------------------------------------------------
     def holds_python_rows(self) -> bool:
-        """Whether the storage holds plain Python rows (e.g. dicts in a ``ListStorage``),
-        which TorchRL's default collate cannot stack."""
+        """Whether the storage holds plain Python rows (e.g. dicts in a ``ListStorage``)."""
         if self._python_rows is None:
             from torchrl.data import ListStorage
 
@@ -106,10 +81,7 @@ class BufferReader:
         # every row is checked against the buffer's first row, whichever chunk it is in
         first = rows[0] if index[0] == 0 else rb.storage.get(0)
         batch = rows_to_td(rows, index, reference=first)
-        transform = rb.transform
-        if transform is not None and len(transform):
-            batch = transform(batch)
-        return batch
+        return rb.transform(batch) if rb.transform is not None and len(rb.transform) else batch
 
     def sample(self, with_index: bool) -> tuple[TensorDictBase, torch.Tensor | None]:
         """A batch drawn by the buffer's sampler and, when ``with_index``, its storage indices."""
@@ -124,16 +96,13 @@ class BufferReader:
         return self.fetch(index), index
 
     def rows_per_item(self) -> int:
-        """Rows one stored item yields: the numel of its batch shape (TorchRL stacks a
-        buffer's items, so they share it)."""
+        """Rows one stored item yields: the numel of its batch shape."""
         if self._item_rows is None:
             self._item_rows = self.fetch(torch.arange(1)).batch_size.numel()
         return self._item_rows
 
-    # -- lengths -------------------------------------------------------------------------
     def readable(self) -> tuple[int, bool]:
-        """``(n, live)`` of :func:`sharding.readable_length`, refusing a buffer this process
-        inherited in the middle of a write."""
+        """:func:`sharding.readable_length`, refusing a buffer inherited in the middle of a write."""
         rb = self.replay_buffer
         if sharding.forked_mid_write(rb):
             raise RuntimeError(
@@ -144,8 +113,7 @@ class BufferReader:
         return sharding.readable_length(rb)
 
     def require_items(self, n: int | None = None, *, whole_batch: bool = False) -> int:
-        """``n`` (default: the readable length) if the buffer holds items (``whole_batch``:
-        at least ``batch_size``), else a ``ValueError`` saying what to do."""
+        """``n`` (default: the readable length) if >= 1 (``whole_batch``: ``batch_size``), else ``ValueError``."""
         if n is None:
             n = self.readable()[0]
         if n == 0:
@@ -161,23 +129,19 @@ class BufferReader:
         return n
 
     def pass_length(self, epoch: int, *, first: bool = True, pass_index: int = 0) -> int:
-        """The number of items epoch pass ``pass_index`` of this iteration reads: taken once
-        when the pass begins and shared with every shard and DataLoader worker reading it,
-        so a writer adding items meanwhile changes nothing in the pass."""
+        """The items epoch pass ``pass_index`` reads, taken once when it begins for all its readers."""
         n, live = self.readable()
         n = self.lengths.length(epoch, first=first, pass_index=pass_index, take=lambda: n, live=live)
         return self.require_items(n, whole_batch=True)
 
     def pin_for_ranks(self, world_size: int) -> None:
-        """Under ``torch.distributed`` with several ranks: fix the passes of the current
-        epoch to the items rank 0 holds now (every rank must call this)."""
+        """With several ranks: fix this epoch's passes to rank 0's length now (every rank calls it)."""
         if world_size > 1:
             self.lengths.pin(self.epoch, sharding.broadcast_length(len(self.replay_buffer)))
 
 
 def _restore(cls, state: dict, buffer: bytes):
-    """Rebuild a reader pickled by ``__reduce_ex__`` for a spawned worker (``buffer``: our
-    own bytes, from the parent process)."""
+    """Rebuild a reader pickled by ``__reduce_ex__`` (``buffer``: our parent's own bytes)."""
     import pickle
 
     obj = cls.__new__(cls)
@@ -188,9 +152,8 @@ def _restore(cls, state: dict, buffer: bytes):
 
 def rows_to_td(rows: list, index: Sequence[int] | None = None, path: tuple = (),
                reference: Any = None) -> TensorDictBase:
-    """Plain Python rows (dicts) -> a TensorDict with one row per entry. Every row must
-    hold the keys of ``reference`` (storage row 0; default ``rows[0]``), no more, no fewer
-    (``index``: the rows' storage indices, named in errors).
+    """Plain Python rows (dicts) -> a TensorDict; every row must hold the keys of ``reference``
+    (default ``rows[0]``), no more, no fewer (``index``: storage indices, named in errors).
 
     >>> rows_to_td([{"a": 1, "b": "x"}, {"a": 2, "b": "y"}])["a"].tolist()
     [1, 2]
@@ -214,10 +177,9 @@ def rows_to_td(rows: list, index: Sequence[int] | None = None, path: tuple = (),
             missing = [k for k in keys if k not in r]
             extra = [k for k in r if k not in keys]
             name = ".".join((*path, str((missing or extra)[0])))
-            which = "lacks" if missing else "has"
             raise (KeyError if missing else ValueError)(
-                f"TorchRLBufferDataset: ListStorage row {i} {which} key {name!r} that row {ref_row} "
-                f"{'has' if missing else 'lacks'} (row {ref_row} keys: {sorted(map(str, keys))}); "
+                f"TorchRLBufferDataset: ListStorage row {i} {'lacks' if missing else 'has'} key {name!r} "
+                f"that row {ref_row} {'has' if missing else 'lacks'} (row {ref_row} keys: {sorted(map(str, keys))}); "
                 "every row must hold the same keys"
             )
     out = TensorDict(batch_size=[n])

@@ -1,13 +1,10 @@
-"""Read one column of a sampled batch, vectorised: the batch is indexed once per column.
-
-A column spec is a ``NestedKey`` (``"a.b"`` strings name nested keys, as upstream
-``TorchRLBufferDataset`` flattens them) or a callable ``fn(batch) -> list`` returning one
-value per row. LLM keys go through :mod:`torchrl_trl.layouts`: ``tokens.<part>`` yields only
-the real (unpadded) tokens, ``history.<part>`` plain ``{"role", "content"}`` messages.
-"""
+"""Read one column of a sampled batch, vectorised. A column spec is a ``NestedKey`` (``"a.b"``
+names a nested key) or ``fn(batch) -> list``; ``tokens.<part>`` yields only the real tokens,
+``history.<part>`` plain ``{"role", "content"}`` messages (via :mod:`torchrl_trl.layouts`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -21,7 +18,7 @@ from .. import layouts
 from .._token_ids import check_integer_ids
 
 __all__ = [
-    "ArrayRow", "ColumnSpec", "array_rows", "column_name", "missing_key_error", "read_key",
+    "ArrayRow", "ColumnSpec", "array_rows", "column_name", "missing_key_error", "per_row", "read_key",
     "read_key_columnar", "read_token_ids", "to_nested_key", "to_pylist",
 ]  # fmt: skip
 
@@ -45,38 +42,32 @@ def column_name(key: NestedKey) -> str:
 
 
 def missing_key_error(td: TensorDictBase, key: NestedKey, what: str) -> KeyError:
-    return KeyError(
-        f"{what}: key {column_name(key)!r} is not in the replay buffer's samples. "
-        f"Available keys: {layouts.available_keys(td)}"
-    )
+    keys = layouts.available_keys(td)
+    return KeyError(f"{what}: key {column_name(key)!r} is not in the replay buffer's samples. Available keys: {keys}")
 
 
-def read_key(
-    td: TensorDictBase, key: NestedKey, *, python: bool = True
-) -> tuple[list, torch.dtype | None]:
-    """Per-row values of ``key`` in ``td`` (leading batch dims flattened).
-
-    Returns:
-        ``(values, dtype)``: a list with one entry per row — Python objects (lists for
-        tensors) when ``python`` else tensors for tensor leaves — and the source tensor
-        dtype (``None`` for non-tensor data).
-
-    Raises:
-        KeyError: naming ``key`` and the available keys when it is missing.
-    """
+def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tuple[list, torch.dtype | None]:
+    """``(values, dtype)``: ``key``'s values, one per row (Python objects when ``python``, else
+    tensors for tensor leaves), and the source tensor dtype (``None`` for non-tensor data).
+    A missing key raises ``KeyError`` naming the available keys."""
     values, dtype = read_key_columnar(td, key)
+    return per_row(values, python), dtype
+
+
+def per_row(values: Any, python: bool = True) -> list:
+    """A :func:`read_key_columnar` column, one value per row (``python``: :func:`to_pylist`, else tensor views)."""
     if python:
-        return to_pylist(values), dtype
+        return to_pylist(values)
     if isinstance(values, layouts.Ragged):
-        return list(values.split()), dtype
+        return list(values.split())
     if isinstance(values, torch.Tensor):
-        return list(values.unbind(0)), dtype
-    return list(values), dtype
+        return list(values.unbind(0))
+    return list(values)
 
 
 def to_pylist(values: Any) -> list:
-    """A column from :func:`read_key_columnar` as one Python value per row (lists for
-    tensors and ragged rows; integer and bool sequences as :class:`ArrayRow` lists).
+    """A :func:`read_key_columnar` column as one Python value per row (integer and bool
+    sequences as :class:`ArrayRow` lists).
 
     >>> import torch
     >>> to_pylist(torch.tensor([[1, 2], [3, 4]]))
@@ -97,17 +88,9 @@ def to_pylist(values: Any) -> list:
 
 
 class ArrayRow(list):
-    """One row of integers (token ids, a mask) or bools: a plain Python list for everyone
-    (``==``, ``isinstance(row, list)``, ``datasets.Features``, Arrow, JSON) that also
-    hands ``torch.tensor(row)`` its values as one array, through the DLPack protocol.
-
-    TRL's collators call ``torch.tensor`` on every row's ids; from a Python list that
-    converts each int (~70 us for 256 ids), from this row it copies one array (~10 us,
-    about what a tensor row costs). The array is a private copy taken when the row is
-    built (a later write to the replay buffer does not reach it), each export is a fresh
-    copy, and any in-place change of the list (``append``, ``row[i] = ...``) drops the
-    array, so ``torch.tensor(row)`` equals ``torch.tensor(list(row))`` (except that an
-    empty row gives an empty int64 tensor where an empty list gives float32).
+    """A plain Python list of integers or bools that hands ``torch.tensor(row)`` its values
+    as one private array copy through DLPack (TRL's collators call ``torch.tensor`` on
+    every row). An in-place change of the list drops the array.
 
     >>> import numpy as np, torch
     >>> row = ArrayRow.from_array(np.array([5, 6, 7]))
@@ -124,8 +107,7 @@ class ArrayRow(list):
 
     @classmethod
     def from_array(cls, array: np.ndarray, values: list | None = None) -> ArrayRow:
-        """The row of 1-D ``array`` (integers, stored as int64 as ``torch.tensor`` of
-        Python ints gives, or bools); ``values``: ``array.tolist()`` when already made."""
+        """The row of 1-D int64 or bool ``array``; ``values``: ``array.tolist()`` if made."""
         row = cls(array.tolist() if values is None else values)
         row._array = array
         return row
@@ -143,12 +125,11 @@ class ArrayRow(list):
 def _dropping_array(name: str):
     method = getattr(list, name)
 
+    @functools.wraps(method)
     def mutate(self, *args):
         self._array = None
         return method(self, *args)
 
-    mutate.__name__ = name
-    mutate.__doc__ = method.__doc__
     return mutate
 
 
@@ -158,20 +139,9 @@ for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "e
 del _name
 
 
-def _row_dtype(dtype: torch.dtype) -> np.dtype | None:
-    """The numpy dtype of ``torch.tensor`` of such Python values (``None``: not a kind
-    :class:`ArrayRow` holds; floats follow torch's default dtype, so they stay lists)."""
-    if dtype == torch.bool:
-        return np.dtype(np.bool_)
-    if not (dtype.is_floating_point or dtype.is_complex):
-        return np.dtype(np.int64)
-    return None
-
-
 def array_rows(values: Any) -> list[ArrayRow] | None:
-    """A ``[B, T]`` integer/bool tensor or a :class:`~torchrl_trl.layouts.Ragged` of
-    integers/bools as ``B`` :class:`ArrayRow` lists (one copy of the values); ``None`` for
-    anything else.
+    """A ``[B, T]`` integer/bool tensor or :class:`~torchrl_trl.layouts.Ragged` as ``B``
+    :class:`ArrayRow` lists; ``None`` for anything else (floats stay plain lists).
 
     >>> import torch
     >>> from torchrl_trl.layouts import Ragged
@@ -187,43 +157,29 @@ def array_rows(values: Any) -> list[ArrayRow] | None:
         flat, lengths = values.reshape(-1), None
     else:
         return None
-    dtype = _row_dtype(flat.dtype)
-    if dtype is None:
+    if flat.dtype.is_floating_point or flat.dtype.is_complex:
         return None
-    # a private copy: later buffer writes don't reach it
-    array = flat.detach().cpu().numpy().astype(dtype, copy=True)
+    # a private copy (later buffer writes don't reach it), of torch.tensor's dtype for such values
+    array = flat.detach().cpu().numpy().astype(np.bool_ if flat.dtype == torch.bool else np.int64, copy=True)
     if lengths is None:
         pieces = array.reshape(values.shape)
-        rows = [ArrayRow(v) for v in pieces.tolist()]
-    else:
-        ends = np.cumsum(np.asarray(lengths.tolist(), dtype=np.int64))
-        pieces = np.split(array, ends[:-1]) if len(ends) else []
-        flat_list = array.tolist()
-        rows = [ArrayRow(flat_list[e - len(a):e]) for a, e in zip(pieces, ends.tolist())]
-    for row, piece in zip(rows, pieces):
-        row._array = piece
-    return rows
+        return [ArrayRow.from_array(p, v) for p, v in zip(pieces, pieces.tolist())]
+    ends = np.cumsum(np.asarray(lengths.tolist(), dtype=np.int64))
+    flat_list = array.tolist()
+    pieces = np.split(array, ends[:-1]) if len(ends) else []
+    return [ArrayRow.from_array(p, flat_list[e - len(p):e]) for p, e in zip(pieces, ends.tolist())]
 
 
 def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dtype | None]:
-    """``key``'s values for the whole batch in their cheapest form, one row per entry:
-
-    a tensor ``[B, ...]`` (dense leaves), a :class:`~torchrl_trl.layouts.Ragged`
-    (``tokens.<part>``: only the real tokens) or a list (text, messages, non-tensor data,
-    ragged/nested leaves as per-row Python lists). Also returns the source tensor dtype
-    (``None`` for non-tensor data).
-
-    Raises:
-        KeyError: naming ``key`` and the available keys when it is missing.
-    """
+    """``(values, dtype)`` as :func:`read_key`, the values in their cheapest whole-batch form:
+    a tensor ``[B, ...]``, a :class:`~torchrl_trl.layouts.Ragged` (``tokens.<part>``) or a list."""
     key = to_nested_key(key)
     if not layouts.has_key(td, key):
         raise missing_key_error(td, key, "column")
-    tkey = key if isinstance(key, tuple) else (key,)
-    if len(tkey) == 2 and tkey[1] in _PARTS and tkey[0] in ("tokens", "history"):
-        if tkey[0] == "history":
-            return layouts.read_history(td, tkey[1]), None
-        ragged = read_token_ids(td, tkey[1])
+    if isinstance(key, tuple) and len(key) == 2 and key[1] in _PARTS and key[0] in ("tokens", "history"):
+        if key[0] == "history":
+            return layouts.read_history(td, key[1]), None
+        ragged = read_token_ids(td, key[1])
         return ragged, ragged.values.dtype
     value = _get_dense(td, key)
     if value is None:  # ragged lazy stack: one tensor per row
@@ -245,25 +201,21 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
 
 
 def read_token_ids(td: TensorDictBase, part: layouts.Part) -> layouts.Ragged:
-    """:func:`layouts.read_tokens` of ``("tokens", part)``; a ``TypeError`` naming the key
-    and the dtype when the ids are not integers (see :func:`check_integer_ids`)."""
+    """:func:`layouts.read_tokens` of ``("tokens", part)``; ``TypeError`` if not integers."""
     ragged = layouts.read_tokens(td, part)
     check_integer_ids(ragged.values.dtype, f"key {column_name(layouts.token_key(part))!r}")
     return ragged
 
 
 class _RaggedRows(list):
-    """Per-row values (tensors of different shapes, or anything else) read row by row;
-    ``tolist`` converts each tensor row to Python."""
+    """Per-row values read row by row; ``tolist`` converts each tensor row to Python."""
 
     def tolist(self) -> list:
         return [r.tolist() if isinstance(r, torch.Tensor) else r for r in self]
 
 
 def _get_dense(td: TensorDictBase, key: NestedKey) -> Any:
-    """``td.get(key)``, or ``None`` where the rows cannot be stacked (a lazy stack, also
-    one nested in a dense tensordict, e.g. ``ListStorage`` samples of ragged rollouts):
-    then the caller reads row by row through :func:`layouts.read_column`."""
+    """``td.get(key)``, or ``None`` where the rows cannot be stacked (ragged lazy stacks)."""
     try:
         return td.get(key)
     except (RuntimeError, ValueError, TypeError):
@@ -278,8 +230,8 @@ def leaf_keys(td: TensorDictBase) -> list[NestedKey]:
 
 
 def prompt_response_ids(td: TensorDictBase) -> tuple[layouts.Ragged, layouts.Ragged]:
-    """Each row's prompt then response tokens (padding removed), and a 0/1 int64 mask that
-    is 1 on the response: two :class:`~torchrl_trl.layouts.Ragged` of the same lengths."""
+    """Each row's prompt + response tokens and a 0/1 int64 mask, 1 on the response (two
+    :class:`~torchrl_trl.layouts.Ragged` of the same lengths)."""
     prompt, response = read_token_ids(td, "prompt"), read_token_ids(td, "response")
     lengths = prompt.lengths + response.lengths
     # interleave prompt and response tokens row by row with index arithmetic

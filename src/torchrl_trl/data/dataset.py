@@ -1,11 +1,5 @@
-"""``TorchRLBufferDataset``: a TorchRL replay buffer as a (Hugging Face) dataset for TRL.
-
-A drop-in superset of ``torchrl.modules.llm.trl_interop.TorchRLBufferDataset``. The class
-wires four pieces, each in its own module: :class:`~.buffer_reader.BufferReader` (reads
-the buffer), a reading strategy (:mod:`.reading`: which rows, in which order),
-:class:`~.sharding.Sharding` (who reads which part) and :class:`~.row_columns.RowColumns`
-(what a batch of rows becomes); :mod:`.hf` builds the Hugging Face datasets.
-"""
+"""``TorchRLBufferDataset``: a TorchRL replay buffer as a (Hugging Face) dataset for TRL,
+wiring a buffer reader, a reading strategy, a sharding and the row columns."""
 
 from __future__ import annotations
 
@@ -27,16 +21,13 @@ from .sharding import Sharding
 
 __all__ = ["TorchRLBufferDataset"]
 
-_READING_KEYWORDS = ("mode", "shuffle", "seed", "num_passes")
 #: keywords that moved into ``reading=`` / ``sharding=``, and where they went
 _MOVED = {
     "mode": "pass reading='epoch' or reading='online' (or an EpochPass / OnlineSampling)",
-    "shuffle": "pass reading=EpochPass(shuffle=...)",
+    **{k: f"pass reading=EpochPass({k}=...)" for k in ("shuffle", "num_passes")},
     "seed": "pass reading=EpochPass(seed=...) or reading=OnlineSampling(seed=...)",
-    "num_passes": "pass reading=EpochPass(num_passes=...)",
     "num_shards": "pass sharding=Sharding(num_shards=...)",
-    "rank": "pass sharding=Sharding(rank=..., world_size=...)",
-    "world_size": "pass sharding=Sharding(rank=..., world_size=...)",
+    **dict.fromkeys(("rank", "world_size"), "pass sharding=Sharding(rank=..., world_size=...)"),
 }
 
 
@@ -47,64 +38,44 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     works with the same meaning; everything after ``num_batches`` is new.
 
     Args:
-        replay_buffer: any TorchRL ``ReplayBuffer`` (``LazyTensorStorage``,
-            ``LazyMemmapStorage``, ``ListStorage`` of TensorDicts or plain dicts,
-            ``LazyStackStorage`` of LLM rollouts, padded or ragged).
-        batch_size: rows read from the buffer per vectorised read (online: per
-            ``sample`` call; epoch: per chunk of the pass).
+        replay_buffer: any TorchRL ``ReplayBuffer`` (tensor, memmap, list or lazy-stack
+            storage; LLM rollouts padded or ragged; plain dict rows).
+        batch_size: rows per vectorised read (a ``sample`` call, or a chunk of the pass).
 
     Keyword Args:
-        keys: raw keys to yield, flattened to ``"a.b"`` column names. Without ``keys``,
-            ``format`` and ``columns``, all leaf keys are yielded (as upstream). A key the
-            samples lack raises ``KeyError`` (upstream warns and drops it).
+        keys: raw keys to yield as ``"a.b"`` columns (none of ``keys``/``format``/``columns``:
+            every leaf key). A key the samples lack raises ``KeyError``.
         device: tensors yielded by ``__iter__`` are moved there.
-        num_batches: online sampling: ``sample`` calls per iterator (``None``: unbounded),
-            as ``reading=OnlineSampling(num_batches)``.
+        num_batches: ``sample`` calls per iterator (``None``: unbounded), as
+            ``reading=OnlineSampling(num_batches)``.
         format: a registered format name (``"sft"``, ``"grpo_conversational"``, ...: see
             :func:`~torchrl_trl.data.available_formats`) or a :class:`BufferFormat`.
-        columns: ``{trl_column: spec}`` with ``spec`` a nested key (``"a.b"`` or tuple) or
-            ``fn(batch) -> list`` (one value per row of the sampled batch).
-        extra_columns: keys yielded alongside the format's columns under their flat name
-            (e.g. ``["answer"]`` for a GRPO reward function), or a ``{name: key}`` dict.
-        reading: ``"online"`` (default: ``num_batches`` batches drawn by the buffer's
-            sampler), ``"epoch"`` (each item stored when a pass starts read once; has
-            ``__len__`` and ``set_epoch``), or the same with settings:
-            :class:`~torchrl_trl.data.OnlineSampling` (``num_batches``, ``seed``) or
-            :class:`~torchrl_trl.data.EpochPass` (``shuffle``, ``seed``, ``num_passes``; also
-            beside a live writer, see ``docs/source/distributed_dataset.md``).
-        sharding: a :class:`~torchrl_trl.data.Sharding`: the Hugging Face iterable's
-            ``num_shards`` (default: epoch ``4 * world_size``, online ``world_size``), and
-            ``rank``/``world_size`` to split ``__iter__``'s epoch pass over processes (a
-            plain ``DataLoader`` under ``torch.distributed``; leave them unset when a
-            trainer shards, as it does for :meth:`as_hf_dataset`).
-        sample_filter: ``fn(batch) -> bool tensor [B]`` (one value per row, ``B`` the
-            product of the batch's dims): rows where it is ``False`` are not yielded (e.g.
-            :class:`torchrl_trl.online.StalenessFilter`, which counts what it drops). An
-            epoch pass then yields fewer than ``len(self)`` rows. Another dtype or number
-            of values raises.
-        index_column: yield each row's storage index (an int) under this column name, so
-            the trainer can hand it back (e.g. to
-            :func:`torchrl_trl.online.update_priorities`); needs
-            ``remove_unused_columns=False`` in the trainer's config.
-        tokenizer: the policy's tokenizer, optional; only its pad string is used, to remove
-            the padding TorchRL's history mode with ``pad_output=True`` decodes into
-            ``text``/``history`` where the samples do not show it (see
-            :func:`torchrl_trl.layouts.read_text`).
+        columns: ``{trl_column: spec}``, ``spec`` a nested key or ``fn(batch) -> list``.
+        extra_columns: keys yielded beside the format's columns under their flat name
+            (e.g. ``["answer"]``), or ``{name: key}``.
+        reading: ``"online"`` (default: batches drawn by the buffer's sampler), ``"epoch"``
+            (each item stored when a pass starts read once; has ``__len__``), or
+            :class:`~torchrl_trl.data.OnlineSampling` / :class:`~torchrl_trl.data.EpochPass`.
+        sharding: a :class:`~torchrl_trl.data.Sharding` (shards of the Hugging Face iterable;
+            ``rank``/``world_size`` to split ``__iter__``'s epoch pass over processes).
+        sample_filter: ``fn(batch) -> bool tensor [B]`` (one per row): rows where it is
+            ``False`` are not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`).
+            Another dtype or number of values raises.
+        index_column: yield each row's storage index (an int) under this column name (e.g.
+            for :func:`torchrl_trl.online.update_priorities`; needs
+            ``remove_unused_columns=False`` in the trainer's config).
+        tokenizer: the policy's tokenizer, optional; its pad string is removed from decoded
+            ``text``/``history`` (see :func:`torchrl_trl.layouts.read_text`).
 
     Moved keywords (they work for one more release, with a ``DeprecationWarning``):
     ``mode``, ``shuffle``, ``seed``, ``num_passes`` (into ``reading=``) and ``num_shards``,
     ``rank``, ``world_size`` (into ``sharding=``).
 
     Yields:
-        ``dict[str, Any]`` rows: for ``format``/``columns`` Python values (str, lists of
-        ints, role/content dicts); raw keys keep upstream's types (tensors, unwrapped
-        non-tensor data). ``tokens.<part>`` keys yield only the real (unpadded) tokens.
+        ``dict[str, Any]`` rows: Python values for ``format``/``columns``; raw keys keep
+        upstream's types (tensors, non-tensor data). ``tokens.<part>`` keys: unpadded tokens.
 
-    :attr:`in_keys` are the keys read from each sample, :attr:`column_names` (also
-    ``out_keys``) and :attr:`features` what each row holds.
-
-    Example: two TorchRL LLM rollouts (``Text`` and ``Tokens``, as ``LLMCollector`` stores
-    them) in a ``LazyStackStorage``, read once as TRL's tokenized SFT rows:
+    Two LLM rollouts as ``LLMCollector`` stores them, read once as TRL's tokenized SFT rows:
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack
@@ -130,48 +101,31 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     [[5, 6, 7, 8], [4, 6, 9, 2]]
     """
 
-    def __init__(
-        self,
-        replay_buffer,
-        batch_size: int,
-        *,
-        keys: Sequence[NestedKey] | None = None,
-        device: torch.device | str | None = None,
-        num_batches: int | None = 1,
-        format: str | BufferFormat | None = None,
-        columns: Mapping[str, ColumnSpec] | None = None,
-        extra_columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
-        reading: Literal["online", "epoch"] | EpochPass | OnlineSampling | None = None,
-        sharding: Sharding | None = None,
-        sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
-        index_column: str | None = None,
-        tokenizer: Any = None,
-        **moved,
-    ) -> None:
+    def __init__(self, replay_buffer, batch_size: int, *, keys: Sequence[NestedKey] | None = None,
+                 device: torch.device | str | None = None, num_batches: int | None = 1,
+                 format: str | BufferFormat | None = None, columns: Mapping[str, ColumnSpec] | None = None,
+                 extra_columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
+                 reading: Literal["online", "epoch"] | EpochPass | OnlineSampling | None = None,
+                 sharding: Sharding | None = None,
+                 sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None, index_column: str | None = None,
+                 tokenizer: Any = None, **moved) -> None:
         from torchrl.data.replay_buffers import ReplayBuffer
 
         moved = moved_keywords("TorchRLBufferDataset", moved, _MOVED)
         if not isinstance(replay_buffer, ReplayBuffer):
-            raise TypeError(
-                "replay_buffer must be a torchrl ReplayBuffer instance, got "
-                f"{type(replay_buffer).__name__}."
-            )
+            got = type(replay_buffer).__name__
+            raise TypeError(f"replay_buffer must be a torchrl ReplayBuffer instance, got {got}.")
         positive_int(batch_size, "batch_size")
         positive_int(num_batches, "num_batches", allow_none=True)
-        shorthands = {k: moved.pop(k) for k in _READING_KEYWORDS if k in moved}
-        self._reading: ReadingStrategy = reading_from_arguments(
-            reading, num_batches=num_batches, **shorthands
-        )
-        self._sharding = _sharding(sharding, moved)  # what is left: num_shards, rank, world_size
+        by_sharding = {k: moved.pop(k) for k in ("num_shards", "rank", "world_size") if k in moved}
+        self._reading: ReadingStrategy = reading_from_arguments(reading, num_batches=num_batches, **moved)
+        self._sharding = _sharding(sharding, by_sharding)
         # a string, not the tokenizer: cheap to send to DataLoader workers
-        pad_text = None
-        if tokenizer is not None:
-            pad_text = tokenizer.decode([tokenizer.pad_token_id], skip_special_tokens=False)
+        pad_text = None if tokenizer is None else tokenizer.decode([tokenizer.pad_token_id], skip_special_tokens=False)
         self._columns = RowColumns(
-            keys=keys, format=format, columns=columns, extra_columns=extra_columns,
-            sample_filter=sample_filter, index_column=index_column, device=device,
-            pad_text=pad_text,
-        )  # fmt: skip
+            keys=keys, format=format, columns=columns, extra_columns=extra_columns, sample_filter=sample_filter,
+            index_column=index_column, device=device, pad_text=pad_text,
+        )
         self._reader = BufferReader(replay_buffer, batch_size)
         self._features = None
         if len(replay_buffer) > 0:
@@ -196,8 +150,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         return self._reading.mode
 
     def _check(self) -> dict[str, list]:
-        """Check keys/format on the first stored rows (no sampler state consumed) and
-        return their columns as Python values."""
+        """The first stored rows' columns as Python values, after checking keys/format."""
         self._reading.check(self._reader)
         peek = self._reader.fetch(torch.arange(min(len(self.replay_buffer), 2)))
         cols = self._columns.check(peek, python=True)
@@ -206,9 +159,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
     @property
     def in_keys(self) -> list[NestedKey]:
-        """The nested keys read from each stored sample by name: ``keys`` (every leaf key
-        when nothing else is asked for), the format's required keys and the keys of
-        ``columns``/``extra_columns`` (a callable column reads what it reads)."""
+        """The nested keys read by name from each stored sample."""
         self._reader.require_items()
         return self._columns.in_keys(self._reader.fetch(torch.arange(1)))
 
@@ -227,12 +178,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     out_keys = column_names
 
     def set_epoch(self, epoch: int) -> None:
-        """Epoch pass: the pass number mixed into the shuffle seed (the trainer calls
-        this on the Hugging Face iterable from :meth:`as_hf_dataset`, which forwards it).
-
-        Under ``torch.distributed`` with several ranks (then call it on every rank: it
-        broadcasts), it also fixes the passes of ``epoch`` to the items rank 0 holds now, so
-        every rank reads the same items beside a live writer."""
+        """The epoch mixed into the shuffle seed; with several ranks (call it on every rank) it
+        also fixes the passes of ``epoch`` to the items rank 0 holds now."""
         self._reader.set_epoch(epoch)
         self._pin_for_ranks()
 
@@ -245,18 +192,13 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         return self._reader.epoch
 
     def __len__(self) -> int:
-        """Epoch pass: rows one iterator yields if nothing is written meanwhile
-        (``num_passes * len(replay_buffer)`` times the rows of one stored item, e.g. ``G``
-        for items of batch shape ``[G]``), before ``sample_filter``."""
+        """Epoch pass: ``num_passes * len(replay_buffer)`` times the rows of one stored item
+        (before ``sample_filter``)."""
         return self._reading.num_rows(self._reader)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Rows for this DataLoader worker (and ``rank``, when given).
-
-        Online: each worker draws ``num_batches`` batches from its own random stream.
-        Epoch: the pass's chunks of ``batch_size`` are dealt round-robin over
-        (rank, worker), so together they read every item once.
-        """
+        """Rows for this DataLoader worker (and ``rank``): online its own ``num_batches``
+        batches, epoch the chunks of the pass dealt round-robin over (rank, worker)."""
         batches = self._reading.consumer_batches(
             self._reader, self._sharding.consumer(), rank=self._sharding.process()[0],
             with_index=self._columns.index_column is not None,
@@ -265,56 +207,35 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             yield from self._columns.rows(batch, python=False, index=index)
 
     def as_hf_dataset(self, *, map_style: bool = False, tensors: bool = False, **snapshot_kwargs):
-        """A ``datasets.IterableDataset`` declaring :attr:`features` (``map_style=True``:
-        :meth:`to_hf_dataset`).
-
-        Rows hold Python values (lists for token columns), what TRL's per-row dataset
-        preparation (e.g. ``SFTTrainer``'s) reads fastest; ``tensors=True`` yields tensor and
-        token columns as 1-D tensors (as upstream), cheaper for a collator fed directly and
-        slower through per-row ``map`` functions.
-
-        It is made of the sharding's shards: accelerate gives each rank its own (rank 0 all
-        of them with ``dispatch_batches=True``) and ``datasets`` splits a rank's over its
-        DataLoader workers, so an epoch pass is read exactly once either way; online, each
-        shard is its own sampling stream. Its ``set_epoch`` reaches this dataset. Epoch
-        reading under ``torch.distributed``: call it on every rank (it broadcasts rank 0's
-        buffer length, which the first epoch's passes then read).
-        """
+        """A ``datasets.IterableDataset`` declaring :attr:`features`, made of the sharding's
+        shards (``map_style=True``: :meth:`to_hf_dataset`). Rows hold Python values;
+        ``tensors=True``: tensor and token columns as 1-D tensors (as upstream). Its
+        ``set_epoch`` reaches this dataset. Epoch reading with several ranks: call it on every
+        rank (it broadcasts rank 0's buffer length)."""
         if map_style:
             if tensors:
-                raise TypeError(
-                    "tensors=True is for the iterable; use .with_format('torch') on the snapshot"
-                )
+                raise TypeError("tensors=True is for the iterable; use .with_format('torch') on the snapshot")
             return self.to_hf_dataset(**snapshot_kwargs)
         if snapshot_kwargs:
-            raise TypeError(
-                f"unexpected arguments {sorted(snapshot_kwargs)} (only with map_style=True)"
-            )
-        features = self.features
-        ds = hf.iterable_dataset(
-            self._reader, self._reading, self._columns, self._sharding, features, tensors=tensors
-        )
+            raise TypeError(f"unexpected arguments {sorted(snapshot_kwargs)} (only with map_style=True)")
+        ds = hf.iterable_dataset(self._reader, self._reading, self._columns, self._sharding, self.features,
+                                 tensors=tensors)
         self._pin_for_ranks()
         return ds
 
     def to_hf_dataset(self, *, cache_dir: str | None = None, keep_in_memory: bool = False,
                       writer_batch_size: int | None = None):
-        """A map-style ``datasets.Dataset`` snapshot: one pass over what is stored now (in
-        the epoch order), written to Arrow in chunks, so memory does not grow with the
-        buffer (unless ``keep_in_memory``)."""
-        return hf.snapshot(
-            self._reader, self._reading, self._columns, self.features, cache_dir=cache_dir,
-            keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size,
-        )  # fmt: skip
+        """A map-style ``datasets.Dataset`` snapshot of one pass over what is stored now."""
+        return hf.snapshot(self._reader, self._reading, self._columns, self.features, cache_dir=cache_dir,
+                           keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size)
 
     def __repr__(self) -> str:
         c = self._columns
         return (
-            f"{self.__class__.__name__}(replay_buffer={self.replay_buffer!r}, "
-            f"batch_size={self._reader.batch_size}, "
-            f"keys={c.keys if c.keys is not None else '<all>'}, "
-            f"device={c.device}, format={c.format.name if c.format is not None else None}, "
-            f"columns={list(c.columns)}, reading={self._reading!r}, sharding={self._sharding!r})"
+            f"{self.__class__.__name__}(replay_buffer={self.replay_buffer!r}, batch_size={self._reader.batch_size}, "
+            f"keys={c.keys if c.keys is not None else '<all>'}, device={c.device}, "
+            f"format={c.format.name if c.format is not None else None}, columns={list(c.columns)}, "
+            f"reading={self._reading!r}, sharding={self._sharding!r})"
         )
 
 
@@ -323,9 +244,7 @@ def _sharding(sharding: Sharding | None, moved: dict[str, Any]) -> Sharding:
     if sharding is None:
         return Sharding(**moved)
     if not isinstance(sharding, Sharding):
-        raise TypeError(
-            f"sharding must be a torchrl_trl.data.Sharding, got {type(sharding).__name__}"
-        )
+        raise TypeError(f"sharding must be a torchrl_trl.data.Sharding, got {type(sharding).__name__}")
     if moved:
         raise TypeError(f"pass {sorted(moved)} inside sharding={sharding!r}, not beside it")
     return sharding

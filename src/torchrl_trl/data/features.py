@@ -1,8 +1,5 @@
-"""``datasets.Features`` for the columns this package yields.
-
-Formats declare their features; columns read from arbitrary keys get features inferred
-from the first converted batch (Python values, with the source tensor dtype when known).
-"""
+"""``datasets.Features`` for the columns this package yields: declared by formats, else
+inferred from the first converted batch (with the source tensor dtype when known)."""
 
 from __future__ import annotations
 
@@ -11,33 +8,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["infer_feature", "string", "messages", "token_list"]
+__all__ = ["infer_feature", "messages", "string", "token_list", "value"]
 
-_DTYPES = {
-    torch.bool: "bool",
-    torch.uint8: "uint8",
-    torch.int8: "int8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.float16: "float16",
-    torch.bfloat16: "float32",  # Arrow has no bfloat16
-    torch.float32: "float32",
-    torch.float64: "float64",
-}
+_DTYPES = {d: str(d).removeprefix("torch.") for d in (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+    torch.float64,
+)}
+_DTYPES[torch.bfloat16] = "float32"  # Arrow has no bfloat16
 
 
-def string():
+def value(dtype: str = "string"):
+    """``datasets.Value(dtype)``."""
     from datasets import Value
 
-    return Value("string")
+    return Value(dtype)
+
+
+string = value  # ``Value("string")``
 
 
 def token_list(dtype: str = "int64"):
     """``List(Value(dtype))``: one token sequence (or mask) per row."""
-    from datasets import List, Value
+    from datasets import List
 
-    return List(Value(dtype))
+    return List(value(dtype))
 
 
 def messages():
@@ -47,25 +41,29 @@ def messages():
     return List({"role": string(), "content": string()})
 
 
+def _dtype_name(dtype: torch.dtype | None, default: str, no_dtype: str) -> str:
+    return no_dtype if dtype is None else _DTYPES.get(dtype, default)
+
+
 def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
     """The feature of one column from its per-row Python values (``None`` rows skipped).
 
     Raises:
         ValueError: when no row holds a value to infer from.
     """
-    from datasets import List, Value
+    from datasets import List
 
     for v in values:
         if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
             continue
         if isinstance(v, str):
-            return Value("string")
+            return value("string")
         if isinstance(v, bool):
-            return Value("bool")
+            return value("bool")
         if isinstance(v, int):
-            return Value(_DTYPES.get(dtype, "int64") if dtype is not None else "int64")
+            return value(_dtype_name(dtype, "int64", "int64"))
         if isinstance(v, float):
-            return Value(_DTYPES.get(dtype, "float32") if dtype is not None else "float64")
+            return value(_dtype_name(dtype, "float32", "float64"))
         if isinstance(v, torch.Tensor):
             return infer_feature([v.tolist()], v.dtype)
         if isinstance(v, Mapping):
@@ -76,5 +74,5 @@ def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
         raise TypeError(f"cannot build a datasets feature for values of type {type(v).__name__}")
     # only empty lists / None: a list of the dtype, or a string
     if any(isinstance(v, (list, tuple)) for v in values):
-        return List(Value(_DTYPES.get(dtype, "int64") if dtype is not None else "string"))
+        return List(value(_dtype_name(dtype, "int64", "string")))
     raise ValueError("cannot infer a feature: every row of the column is None")

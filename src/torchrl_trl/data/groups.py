@@ -1,14 +1,6 @@
-"""Find the groups of completions of one prompt in scored rollouts, as ``MCAdvantage`` does.
-
-TorchRL's ``MCAdvantage`` groups rollouts by ``prompt_key`` (default ``"query"``): a string
-(the prompt) or a tensor (e.g. an integer group id, grouped by value). With a fixed
-``group_size`` it queues rollouts per id in arrival order and closes a group every
-``group_size`` rollouts. :func:`find_groups` does the same over a whole buffer at once, so a
-group may be spread over several collector batches; what cannot be used is counted in
-:class:`SkipStats` (non-finite rewards, incomplete groups, groups of size 1).
-
-The builders in :mod:`torchrl_trl.data.preference` start from :func:`find_groups`.
-"""
+"""Find the groups of completions of one prompt in scored rollouts, as TorchRL's
+``MCAdvantage`` does, over a whole buffer at once; what cannot be used is counted in
+:class:`SkipStats`."""
 
 from __future__ import annotations
 
@@ -30,11 +22,9 @@ class SkippedRolloutsWarning(UserWarning):
     """Some rollouts or groups could not be used (see the :class:`SkipStats` counts).
 
     >>> import warnings
-    >>> stats = SkipStats(op="my_builder", rollouts=3, rows=2)
-    >>> stats.skip("singleton_group")
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
-    ...     stats.report()
+    ...     SkipStats(op="my_builder", rollouts=3, rows=2, skipped=Counter(singleton_group=1)).report()
     >>> caught[0].category is SkippedRolloutsWarning
     True
     """
@@ -50,12 +40,10 @@ class SkipStats:
         groups: complete groups found (before the builder's own skips).
         used_groups: groups that produced at least one output row.
         rows: output rows written (pairs, KTO rows, best-of-n rollouts).
-        skipped: ``{reason: count}``. Reasons: ``"nonfinite_reward"`` (rollouts),
-            ``"incomplete_group"`` (groups short of ``group_size``) and
-            ``"incomplete_group_rollouts"`` (their rollouts), ``"singleton_group"``,
-            ``"tied_group"`` (every reward equal), ``"tied_pair"``, ``"below_margin"``
-            (pairs), ``"tied_at_cut"``, ``"middle_rollout"``, ``"below_min_reward"``
-            (rollouts), ``"group_not_larger_than_k"`` (groups).
+        skipped: ``{reason: count}``: ``"nonfinite_reward"``, ``"incomplete_group"`` (and
+            ``"incomplete_group_rollouts"``), ``"singleton_group"``, ``"tied_group"``, ``"tied_pair"``,
+            ``"below_margin"``, ``"tied_at_cut"``, ``"middle_rollout"``, ``"below_min_reward"``,
+            ``"group_not_larger_than_k"``.
 
     >>> stats = SkipStats(op="my_builder", rollouts=6, groups=2)
     >>> stats.skip("tied_group")
@@ -96,15 +84,8 @@ class SkipStats:
 
 @dataclass
 class Groups:
-    """Rollouts grouped by prompt.
-
-    Attributes:
-        rollouts: the rollouts, flattened to one dimension ``[N]``.
-        rewards: float ``[N]`` one scalar reward per rollout.
-        ids: the group id of each group (a string, a number or a tuple of numbers).
-        members: per group, int64 row indices into :attr:`rollouts`, in arrival order.
-        stats: counts of what grouping read and skipped.
-    """
+    """Rollouts ``[N]``, their float rewards ``[N]``, each group's id (str, number or tuple)
+    and members (int64 indices into ``rollouts``, in arrival order), and the :class:`SkipStats`."""
 
     rollouts: TensorDictBase
     rewards: torch.Tensor
@@ -117,16 +98,12 @@ class Groups:
 
 
 def to_rollouts(rollouts) -> TensorDictBase:
-    """A ``ReplayBuffer`` (everything it stores) or a TensorDict of rollouts, as a 1-D
-    TensorDict ``[N]``."""
+    """A ``ReplayBuffer`` (all it stores) or a TensorDict of rollouts as a TensorDict ``[N]``."""
     from torchrl.data import ReplayBuffer
 
-    if isinstance(rollouts, ReplayBuffer):
-        if len(rollouts) == 0:
-            raise ValueError("the replay buffer is empty; fill it (e.g. run the collector) first")
-        td = rollouts[:]
-    else:
-        td = rollouts
+    if isinstance(rollouts, ReplayBuffer) and len(rollouts) == 0:
+        raise ValueError("the replay buffer is empty; fill it (e.g. run the collector) first")
+    td = rollouts[:] if isinstance(rollouts, ReplayBuffer) else rollouts
     if not is_tensor_collection(td):
         raise TypeError(
             f"rollouts must be a torchrl ReplayBuffer of TensorDicts or a TensorDict, got {type(td).__name__}"
@@ -158,10 +135,23 @@ def read_rewards(td: TensorDictBase, reward_key: NestedKey = layouts.REWARD_KEY)
     bad = next((r for r in rows if not isinstance(r, torch.Tensor) or r.numel() != 1), None)
     if bad is not None:
         shape = tuple(bad.shape) if isinstance(bad, torch.Tensor) else type(bad).__name__
-        raise ValueError(
-            f"expected one reward per rollout at {reward_key!r}, got a rollout with reward shape {shape}"
-        )
+        raise ValueError(f"expected one reward per rollout at {reward_key!r}, got a rollout with reward shape {shape}")
     return torch.stack([r.reshape(()) for r in rows]).float()
+
+
+def check_group_size(group_size: Any) -> None:
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2):
+        raise ValueError(f"group_size must be an integer >= 2 or None, got {group_size!r}")
+
+
+def read_scored(rollouts, reward_key: NestedKey, op: str) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor, Any]:
+    """``(rollouts [N], rewards [N], indices of finite rewards, stats)``; non-finite ones counted."""
+    td = to_rollouts(rollouts)
+    rewards = read_rewards(td, reward_key)
+    stats = SkipStats(op=op, rollouts=td.numel())
+    finite = torch.isfinite(rewards)
+    stats.skip("nonfinite_reward", int((~finite).sum()))
+    return td, rewards, finite.nonzero().reshape(-1), stats
 
 
 def _group_ids(td: TensorDictBase, group_key: NestedKey) -> list:
@@ -175,21 +165,13 @@ def _group_ids(td: TensorDictBase, group_key: NestedKey) -> list:
         if isinstance(value, torch.Tensor):
             value = value.item() if value.numel() == 1 else tuple(value.reshape(-1).tolist())
         elif not isinstance(value, str):
-            raise TypeError(
-                f"group id at {group_key!r} must be a string or a tensor, got {type(value).__name__}"
-            )
+            raise TypeError(f"group id at {group_key!r} must be a string or a tensor, got {type(value).__name__}")
         ids.append(value)
     return ids
 
 
-def find_groups(
-    rollouts,
-    *,
-    group_key: NestedKey = "query",
-    reward_key: NestedKey = layouts.REWARD_KEY,
-    group_size: int | None = None,
-    op: str = "find_groups",
-) -> Groups:
+def find_groups(rollouts, *, group_key: NestedKey = "query", reward_key: NestedKey = layouts.REWARD_KEY,
+                group_size: int | None = None, op: str = "find_groups") -> Groups:
     """Group scored rollouts by prompt.
 
     Args:
@@ -199,17 +181,15 @@ def find_groups(
     Keyword Args:
         group_key: the group id (``MCAdvantage``'s ``prompt_key``): string or tensor.
         reward_key: the reward, ``[*, 1, 1]`` as TorchRL's GRPO pipeline writes it.
-        group_size: ``None``: all rollouts sharing an id form one group, groups of one are
-            skipped. An int: as ``MCAdvantage(grpo_size=group_size)``, every ``group_size``
-            rollouts of an id (in arrival order) close a group, a remainder is an
-            incomplete group and skipped.
+        group_size: ``None``: all rollouts sharing an id form one group (groups of one
+            skipped). An int: as ``MCAdvantage(grpo_size=...)``, every ``group_size`` rollouts
+            of an id close a group, in arrival order (a remainder is skipped).
         op: the name used in stats and messages.
 
     Returns:
         :class:`Groups`; rollouts with a non-finite reward are left out (counted).
 
-    Scored rollouts as a TorchRL LLM pipeline leaves them (the prompt under ``"query"``,
-    the reward ``[1, 1]`` under ``("next", "reward")``), from two collector batches:
+    Scored rollouts as a TorchRL LLM pipeline leaves them, from two collector batches:
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack
@@ -223,48 +203,35 @@ def find_groups(
     >>> dict(groups.stats.skipped)
     {'nonfinite_reward': 1, 'singleton_group': 2}
 
-    With ``group_size`` (``MCAdvantage(grpo_size=...)``), ids repeat: every ``group_size``
-    rollouts of one id close a group, in arrival order.
-
     >>> repeated = lazy_stack([scored("q", r) for r in (1.0, 0.0, 0.5, 0.2, 0.9)])
     >>> [m.tolist() for m in find_groups(repeated, group_size=2).members]
     [[0, 1], [2, 3]]
     """
-    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2):
-        raise ValueError(f"group_size must be an integer >= 2 or None, got {group_size!r}")
-    td = to_rollouts(rollouts)
-    rewards = read_rewards(td, reward_key)
+    check_group_size(group_size)
+    td, rewards, finite, stats = read_scored(rollouts, reward_key, op)
     ids = _group_ids(td, group_key)
-    stats = SkipStats(op=op, rollouts=len(ids))
-    finite = torch.isfinite(rewards)
-    stats.skip("nonfinite_reward", int((~finite).sum()))
     queues: dict[Any, list[int]] = {}
-    for i in finite.nonzero().reshape(-1).tolist():
+    for i in finite.tolist():
         queues.setdefault(ids[i], []).append(i)
     group_ids, members = [], []
     for gid, rows in queues.items():
-        if group_size is None:
-            if len(rows) < 2:
-                stats.skip("singleton_group")
-                continue
-            chunks = [rows]
-        else:
-            n_full = len(rows) // group_size
-            chunks = [rows[j * group_size : (j + 1) * group_size] for j in range(n_full)]
-            rest = len(rows) - n_full * group_size
-            if rest:
-                stats.skip("incomplete_group")
-                stats.skip("incomplete_group_rollouts", rest)
-        for chunk in chunks:
+        if group_size is None and len(rows) < 2:
+            stats.skip("singleton_group")
+            continue
+        size = group_size or len(rows)
+        rest = len(rows) % size
+        if rest:
+            stats.skip("incomplete_group")
+            stats.skip("incomplete_group_rollouts", rest)
+        for j in range(0, len(rows) - rest, size):
             group_ids.append(gid)
-            members.append(torch.tensor(chunk, dtype=torch.long))
+            members.append(torch.tensor(rows[j : j + size], dtype=torch.long))
     stats.groups = len(members)
     return Groups(td, rewards, group_ids, members, stats)
 
 
 def take_rows(td: TensorDictBase, index: torch.Tensor) -> TensorDictBase:
-    """Rows ``index`` of a 1-D TensorDict as a new TensorDict ``[len(index)]`` whose members
-    can take new keys without touching ``td`` (tensors are shared, not copied)."""
+    """Rows ``index`` of a 1-D TensorDict as a new one (tensors shared) that takes keys without touching ``td``."""
     index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
         from tensordict import lazy_stack

@@ -1,24 +1,11 @@
-"""Offline training data from groups of scored completions: preference pairs (DPO,
-RewardTrainer), KTO rows and best-of-n (rejection sampling) rows for SFT.
-
-Each builder takes a ``ReplayBuffer`` (or a TensorDict) of rollouts with a group id
-(``"query"`` by default, as ``MCAdvantage``) and one reward per rollout (``("next",
-"reward")``), groups them with :func:`~torchrl_trl.data.groups.find_groups`, and returns a
-NEW ``ReplayBuffer(LazyStackStorage)`` that :class:`~torchrl_trl.data.TorchRLBufferDataset`
-reads with the matching format (see :mod:`torchrl_trl.data.offline_formats`)::
-
-    pairs = preference_pairs(rb)                     # rows: chosen / rejected / margin
-    TorchRLBufferDataset(pairs, 8, format="dpo_conversational", reading="epoch")
-    TorchRLBufferDataset(kto_rows(rb), 8, format="kto_conversational", reading="epoch")
-    TorchRLBufferDataset(best_of_n(rb, k=1), 8, format="sft_conversational", reading="epoch")
-
-What was skipped (ties, incomplete groups, groups of one, ...) is counted in the returned
-buffer's ``build_stats`` (a :class:`~torchrl_trl.data.groups.SkipStats`), warned about once
-per call, and an error is raised when nothing is left.
-"""
+"""Offline training data from groups of scored completions (see
+:func:`~torchrl_trl.data.groups.find_groups`): preference pairs (DPO, RewardTrainer), KTO
+rows and best-of-n rows for SFT, each a new ``ReplayBuffer(LazyStackStorage)`` with the
+:class:`~torchrl_trl.data.groups.SkipStats` of what was skipped as ``build_stats``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -27,16 +14,18 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import positive_int
-from .groups import Groups, SkipStats, find_groups, take_rows
-from .offline_formats import CHOSEN_KEY, LABEL_KEY, MARGIN_KEY, REJECTED_KEY
+from .groups import check_group_size, find_groups, read_scored, take_rows
+from .formats import CHOSEN_KEY, LABEL_KEY, MARGIN_KEY, REJECTED_KEY
 
 __all__ = ["best_of_n", "kto_rows", "preference_pairs"]
 
 
-def _to_buffer(td: TensorDictBase, stats: SkipStats):
+def _to_buffer(stats, make_td: Callable[[], TensorDictBase]):
+    """``make_td()`` in a new buffer, after :meth:`SkipStats.report` (which raises if it is empty)."""
     from torchrl.data import LazyStackStorage, ReplayBuffer
 
     stats.report()
+    td = make_td()
     rb = ReplayBuffer(storage=LazyStackStorage(max(td.numel(), 1)), batch_size=None)
     rb.extend(td)
     rb.build_stats = stats
@@ -46,29 +35,31 @@ def _to_buffer(td: TensorDictBase, stats: SkipStats):
 def _check_threshold(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
     if value != value:
         raise ValueError(f"{name} must not be NaN")
-    return value
+    return float(value)
 
 
-def _all_tied(rewards: torch.Tensor) -> bool:
-    return bool((rewards == rewards[0]).all())
+def _choices(groups, k: int = 1):
+    """``(g, members, rewards)`` of each group larger than ``k`` and not all tied (others counted)."""
+    for g, rows in enumerate(groups.members):
+        r = groups.rewards[rows]
+        if len(rows) <= k:
+            groups.stats.skip("group_not_larger_than_k")
+        elif bool((r == r[0]).all()):
+            groups.stats.skip("tied_group")
+        else:
+            yield g, rows, r
 
 
-def preference_pairs(
-    rollouts,
-    *,
-    strategy: Literal["best_vs_worst", "all"] = "best_vs_worst",
-    margin: float = 0.0,
-    reward_key: NestedKey = layouts.REWARD_KEY,
-    group_key: NestedKey = "query",
-    group_size: int | None = None,
-):
+def preference_pairs(rollouts, *, strategy: Literal["best_vs_worst", "all"] = "best_vs_worst", margin: float = 0.0,
+                     reward_key: NestedKey = layouts.REWARD_KEY, group_key: NestedKey = "query",
+                     group_size: int | None = None):
     """Preference pairs from each group of completions of one prompt.
 
     Args:
-        rollouts: ``ReplayBuffer`` or TensorDict of scored rollouts (see the module doc).
+        rollouts: ``ReplayBuffer`` or TensorDict of scored rollouts, each with a group id
+            and one reward.
 
     Keyword Args:
         strategy: ``"best_vs_worst"``: one pair per group, the highest-reward completion
@@ -80,17 +71,15 @@ def preference_pairs(
 
     Returns:
         a new ``ReplayBuffer(LazyStackStorage)``; each row holds ``"chosen"`` and
-        ``"rejected"`` (the two whole rollouts, sharing their tensors with the input),
-        ``"margin"`` (float ``[]``, ``reward_chosen - reward_rejected``, RewardTrainer's
-        ``margin`` column in the ``reward*`` formats) and ``"group"`` (int64 ``[]``, the
-        index of the group it came from). ``.build_stats`` holds the :class:`SkipStats`.
+        ``"rejected"`` (whole rollouts, tensors shared), float ``"margin"`` (``reward_chosen -
+        reward_rejected``) and int64 ``"group"`` (its group's index). ``.build_stats`` holds
+        the :class:`SkipStats`.
 
     Raises:
         KeyError: the rollouts lack ``reward_key`` or ``group_key``.
         ValueError: no pair is left (every group tied, of size one, incomplete, ...).
 
-    Rollouts as ``ChatEnv`` and a reward transform leave them (a TorchRL ``History`` per
-    turn, the prompt under ``"query"``, the reward under ``("next", "reward")``):
+    Rollouts as ``ChatEnv`` and a reward transform leave them:
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack
@@ -120,11 +109,7 @@ def preference_pairs(
                          op="preference_pairs")
     stats, rewards = groups.stats, groups.rewards
     chosen, rejected, group_index = [], [], []
-    for g, rows in enumerate(groups.members):
-        r = rewards[rows]
-        if _all_tied(r):
-            stats.skip("tied_group")
-            continue
+    for g, rows, r in _choices(groups):
         if strategy == "best_vs_worst":
             # argmax/argmin return the first occurrence: ties broken by arrival order
             pairs = [(int(r.argmax()), int(r.argmin()))]
@@ -139,54 +124,32 @@ def preference_pairs(
         stats.skip("below_margin", len(pairs) - len(kept))
         if kept:
             stats.used_groups += 1
-        for a, b in kept:
-            chosen.append(int(rows[a]))
-            rejected.append(int(rows[b]))
-            group_index.append(g)
+        chosen += [int(rows[a]) for a, _ in kept]
+        rejected += [int(rows[b]) for _, b in kept]
+        group_index += [g] * len(kept)
     stats.rows = len(chosen)
-    if not chosen:
-        stats.report()
     ci, ri = torch.tensor(chosen), torch.tensor(rejected)
-    td = TensorDict(
-        {
-            CHOSEN_KEY: take_rows(groups.rollouts, ci),
-            REJECTED_KEY: take_rows(groups.rollouts, ri),
-            MARGIN_KEY: rewards[ci] - rewards[ri],
-            "group": torch.tensor(group_index, dtype=torch.long),
-        },
-        batch_size=[len(chosen)],
-    )
-    return _to_buffer(td, stats)
+    return _to_buffer(stats, lambda: TensorDict({
+        CHOSEN_KEY: take_rows(groups.rollouts, ci), REJECTED_KEY: take_rows(groups.rollouts, ri),
+        MARGIN_KEY: rewards[ci] - rewards[ri], "group": torch.tensor(group_index, dtype=torch.long),
+    }, batch_size=[len(chosen)]))
 
 
-def kto_rows(
-    rollouts,
-    *,
-    threshold: float | None = None,
-    k: int | None = None,
-    reward_key: NestedKey = layouts.REWARD_KEY,
-    group_key: NestedKey = "query",
-    group_size: int | None = None,
-):
+def kto_rows(rollouts, *, threshold: float | None = None, k: int | None = None,
+             reward_key: NestedKey = layouts.REWARD_KEY, group_key: NestedKey = "query", group_size: int | None = None):
     """Unpaired desirable/undesirable rows for ``KTOTrainer``.
 
     Keyword Args:
         threshold: a number: every rollout is a row, desirable (``label=True``) when its
-            reward is ``>= threshold``; no grouping (``group_key`` is not read).
-            ``None`` (default): rank within each group: the ``k`` highest-reward
-            completions are desirable, the ``k`` lowest undesirable; completions whose
-            reward appears on both sides of the cut are skipped (``"tied_at_cut"``), the
-            middle one of an odd group is left out (``"middle_rollout"``), all-tied groups
-            and groups of one are skipped.
+            reward is ``>= threshold``, no grouping. ``None`` (default): within each group
+            the ``k`` best are desirable, the ``k`` worst not; rewards on both sides of the
+            cut, the middle of an odd group, all-tied groups and groups of one are skipped.
         k: rank mode: completions per side (default ``len(group) // 2``; at most that).
         reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
 
     Returns:
-        a new ``ReplayBuffer(LazyStackStorage)`` of the selected rollouts (tensors shared
-        with the input), each with a bool ``[]`` ``"label"``; ``.build_stats`` holds the
-        :class:`SkipStats`. Read it with the ``"kto"`` / ``"kto_conversational"`` formats.
-
-    Rollouts with text as TorchRL stores it (``("text", "prompt" | "response")``):
+        a new ``ReplayBuffer(LazyStackStorage)`` of the selected rollouts (tensors shared),
+        each with a bool ``"label"``; ``.build_stats``: the :class:`SkipStats`.
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack
@@ -205,27 +168,14 @@ def kto_rows(
         if k is not None:
             raise ValueError("pass threshold= or k= (rank within groups), not both")
         threshold = _check_threshold("threshold", threshold)
-        from .groups import read_rewards, to_rollouts
-
-        td = to_rollouts(rollouts)
-        rewards = read_rewards(td, reward_key)
-        stats = SkipStats(op="kto_rows", rollouts=td.numel())
-        finite = torch.isfinite(rewards)
-        stats.skip("nonfinite_reward", int((~finite).sum()))
-        index = finite.nonzero().reshape(-1)
+        rows_td, rewards, index, stats = read_scored(rollouts, reward_key, "kto_rows")
         labels = rewards[index] >= threshold
         stats.rows = index.numel()
-        rows_td = td
     else:
-        groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size,
-                             op="kto_rows")
-        stats, rewards, rows_td = groups.stats, groups.rewards, groups.rollouts
+        groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size, op="kto_rows")
+        stats, rows_td = groups.stats, groups.rollouts
         picked, picked_labels = [], []
-        for rows in groups.members:
-            r = rewards[rows]
-            if _all_tied(r):
-                stats.skip("tied_group")
-                continue
+        for _, rows, r in _choices(groups):
             n = len(rows)
             kk = n // 2 if k is None else min(k, n // 2)
             order = torch.sort(r, descending=True, stable=True).indices
@@ -241,36 +191,23 @@ def kto_rows(
             picked_labels += [True] * len(good) + [False] * len(bad)
         index, labels = torch.tensor(picked, dtype=torch.long), torch.tensor(picked_labels, dtype=torch.bool)
         stats.rows = len(picked)
-    if stats.rows == 0:
-        stats.report()
-    out = take_rows(rows_td, index)
-    out.set(LABEL_KEY, labels)
-    return _to_buffer(out, stats)
+    return _to_buffer(stats, lambda: take_rows(rows_td, index).set(LABEL_KEY, labels))
 
 
-def best_of_n(
-    rollouts,
-    *,
-    k: int = 1,
-    reward_key: NestedKey = layouts.REWARD_KEY,
-    group_key: NestedKey = "query",
-    group_size: int | None = None,
-    min_reward: float | None = None,
-):
+def best_of_n(rollouts, *, k: int = 1, reward_key: NestedKey = layouts.REWARD_KEY, group_key: NestedKey = "query",
+              group_size: int | None = None, min_reward: float | None = None):
     """Rejection sampling: the ``k`` highest-reward completions of each group, for SFT.
 
     Keyword Args:
-        k: completions kept per group (ties broken by arrival order). Groups of ``k`` or
-            fewer completions carry no choice and are skipped (``"group_not_larger_than_k"``),
-            as are all-tied groups.
+        k: completions kept per group (ties broken by arrival order); groups of ``k`` or
+            fewer and all-tied groups are skipped.
         reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
         min_reward: also drop kept completions whose reward is ``< min_reward``
             (counted as ``"below_min_reward"``).
 
     Returns:
-        a new ``ReplayBuffer(LazyStackStorage)`` of the kept rollouts (their tensors shared
-        with the input, all their keys kept, so every SFT format reads it);
-        ``.build_stats`` holds the :class:`SkipStats`.
+        a new ``ReplayBuffer(LazyStackStorage)`` of the kept rollouts (tensors shared, all
+        keys kept); ``.build_stats`` holds the :class:`SkipStats`.
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack
@@ -287,22 +224,14 @@ def best_of_n(
     [{'prompt': '2+2=', 'completion': '4'}, {'prompt': '3+3=', 'completion': '6'}]
     """
     positive_int(k, "k")
-    if group_size is not None and isinstance(group_size, int) and not isinstance(group_size, bool) and k >= group_size:
+    check_group_size(group_size)
+    if group_size is not None and k >= group_size:
         raise ValueError(f"k={k} keeps every completion of a group of group_size={group_size}; use k < group_size")
     if min_reward is not None:
         min_reward = _check_threshold("min_reward", min_reward)
-    groups: Groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size,
-                                 op="best_of_n")
-    stats, rewards = groups.stats, groups.rewards
-    kept = []
-    for rows in groups.members:
-        r = rewards[rows]
-        if len(rows) <= k:
-            stats.skip("group_not_larger_than_k")
-            continue
-        if _all_tied(r):
-            stats.skip("tied_group")
-            continue
+    groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size, op="best_of_n")
+    stats, kept = groups.stats, []
+    for _, rows, r in _choices(groups, k):
         top = torch.sort(r, descending=True, stable=True).indices[:k]
         if min_reward is not None:
             ok = r[top] >= min_reward
@@ -312,6 +241,4 @@ def best_of_n(
             stats.used_groups += 1
         kept += rows[top].tolist()
     stats.rows = len(kept)
-    if not kept:
-        stats.report()
-    return _to_buffer(take_rows(groups.rollouts, torch.tensor(kept, dtype=torch.long)), stats)
+    return _to_buffer(stats, lambda: take_rows(groups.rollouts, torch.tensor(kept, dtype=torch.long)))

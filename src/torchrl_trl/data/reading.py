@@ -1,17 +1,6 @@
-"""Reading strategies of :class:`~torchrl_trl.data.TorchRLBufferDataset`: which rows of
-the buffer are read, in which order, by whom.
-
-- :class:`EpochPass`: every item stored when a pass begins, exactly once per pass
-  (``shuffle``, ``seed``, ``num_passes``); has a length.
-- :class:`OnlineSampling`: ``num_batches`` batches drawn by the buffer's own sampler
-  (``seed``: the base of the per-rank, per-worker sampling streams); unbounded with
-  ``num_batches=None``.
-
-A strategy is a small frozen value: it holds no buffer and is cheap to send to DataLoader
-workers. Both readers of a dataset use it the same way: ``TorchRLBufferDataset.__iter__``
-(:meth:`consumer_batches`, one reader per rank and DataLoader worker) and the Hugging Face
-iterable (:meth:`start_pass` then :meth:`shard_batches`, one call per shard).
-"""
+"""Reading strategies of :class:`~torchrl_trl.data.TorchRLBufferDataset` (which rows, in
+which order): small frozen values, read by ``__iter__`` (``consumer_batches``) and by the
+Hugging Face iterable (``start_pass``, then ``shard_batches`` per shard)."""
 
 from __future__ import annotations
 
@@ -31,6 +20,7 @@ from .buffer_reader import BufferReader
 __all__ = ["EpochPass", "OnlineSampling", "ReadingStrategy", "reading_from_arguments"]
 
 Batch = tuple[TensorDictBase, "torch.Tensor | None"]  # rows and their storage indices
+KeyedBatch = tuple[str, TensorDictBase, Any]
 
 
 @dataclass(frozen=True)
@@ -38,17 +28,10 @@ class EpochPass:
     """Read each item stored when a pass begins exactly once per pass.
 
     Args:
-        shuffle: visit the items in a random order drawn from ``(seed, epoch)``; otherwise
-            in storage order.
+        shuffle: visit the items in an order drawn from ``(seed, epoch)`` (else storage order).
         seed: the shuffle seed; must be equal on every rank (default 0).
-        num_passes: passes over the buffer one iterator makes, pass ``k`` read in the order
-            of epoch ``epoch + k`` (``None``: endless). With a trainer driven by
-            ``max_steps``, ``None`` makes its whole run one Transformers "epoch", so
-            resuming from a checkpoint skips exactly the batches already trained.
-
-    A pass over ``n`` items is cut into ``batch_size`` chunks; the Hugging Face iterable
-    cuts its order into contiguous shards, ``__iter__`` deals the chunks round-robin over
-    (rank, DataLoader worker).
+        num_passes: passes one iterator makes, pass ``k`` in the order of epoch ``epoch + k``
+            (``None``: endless, e.g. for a trainer driven by ``max_steps``).
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -78,10 +61,6 @@ class EpochPass:
         _check_seed(self.seed, "EpochPass.seed", "a non-negative int (equal on every rank)")
         positive_int(self.num_passes, "EpochPass.num_passes", allow_none=True)
 
-    @property
-    def passes(self) -> int | None:
-        return self.num_passes
-
     def check(self, reader: BufferReader) -> None:
         """Refuse a buffer that holds less than one batch."""
         reader.require_items(whole_batch=True)
@@ -89,9 +68,7 @@ class EpochPass:
     def num_rows(self, reader: BufferReader) -> int:
         """Rows one iterator yields if nothing is written meanwhile (before any filter)."""
         if self.num_passes is None:
-            raise TypeError(
-                "TorchRLBufferDataset has no length with num_passes=None (endless passes)."
-            )
+            raise TypeError("TorchRLBufferDataset has no length with num_passes=None (endless passes).")
         n = len(reader.replay_buffer)
         return self.num_passes * n * (reader.rows_per_item() if n else 1)
 
@@ -99,19 +76,15 @@ class EpochPass:
         """int64 ``[n]``: the storage indices of the pass of ``epoch``, in read order."""
         return sharding.epoch_order(n, shuffle=self.shuffle, seed=self.seed, epoch=epoch)
 
-    # -- the Hugging Face iterable: one call per pass, then per shard
     def start_pass(self, reader: BufferReader, pass_index: int, first: bool) -> dict[str, Any]:
-        """``{"length": n}``: the items pass ``pass_index`` reads, taken once for all shards."""
+        """``{"length": n}``: the items pass ``pass_index`` reads, for all shards."""
         epoch = reader.epoch + pass_index
         return {"length": reader.pass_length(epoch, first=first, pass_index=pass_index)}
 
-    def shard_batches(
-        self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
-        with_index: bool, pass_index: int = 0, length: int | None = None,
-    ) -> Iterator[tuple[str, TensorDictBase, Any]]:  # fmt: skip
+    def shard_batches(self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
+                      with_index: bool, pass_index: int = 0, length: int | None = None) -> Iterator[KeyedBatch]:
         """``(key, batch, storage index)`` chunks of shards ``shard_ids`` (of ``num_shards``)
-        of pass ``pass_index`` over the first ``length`` items (default: taken now). A
-        shard may be empty when there are fewer items than shards."""
+        of pass ``pass_index`` over the first ``length`` items (default: taken now)."""
         epoch = reader.epoch + pass_index
         n = reader.pass_length(epoch) if length is None else length
         shards = torch.tensor_split(self.order(n, epoch), num_shards)
@@ -123,30 +96,26 @@ class EpochPass:
                 yield f"epoch{pass_index}_{i}", reader.fetch(chunk), chunk
                 i += 1
 
-    # -- TorchRLBufferDataset.__iter__: one reader per (rank, DataLoader worker)
-    def consumer_batches(self, reader: BufferReader, me: sharding.Consumer, *, rank: int,
+    def consumer_batches(self, reader: BufferReader, me: tuple[int, int], *, rank: int,
                          with_index: bool) -> Iterator[Batch]:
-        """The chunks of every pass dealt to ``me``: chunk ``i`` goes to reader ``i % count``."""
+        """The chunks of every pass dealt to ``me = (index, count)``: chunk ``i`` to ``i % count``."""
         for k in _up_to(self.num_passes):
             epoch = reader.epoch + k
             n = reader.pass_length(epoch, first=k == 0, pass_index=k)
             chunks = self.order(n, epoch).split(reader.batch_size)
-            for i in range(me.index, len(chunks), me.count):
+            for i in range(me[0], len(chunks), me[1]):
                 yield reader.fetch(chunks[i]), chunks[i]
 
 
 @dataclass(frozen=True)
 class OnlineSampling:
-    """Draw batches with the replay buffer's own sampler (e.g. TorchRL's ``RandomSampler``,
-    ``PrioritizedSampler``), as upstream's dataset does.
+    """Draw batches with the replay buffer's own sampler, as upstream's dataset does.
 
     Args:
-        num_batches: batches drawn per iterator (``None``: unbounded). Each DataLoader
-            worker draws ``num_batches`` (as upstream); the Hugging Face iterable splits
-            them over its shards.
-        seed: base seed of the sampling streams (default ``torch.initial_seed()``). Every
-            (rank, worker or shard, iteration) gets its own stream, so processes seeded
-            alike still draw different samples.
+        num_batches: batches drawn per iterator (``None``: unbounded): by each DataLoader
+            worker, split over the Hugging Face iterable's shards.
+        seed: base seed (default ``torch.initial_seed()``) of the sampling streams, one per
+            (rank, worker or shard, iteration).
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -167,7 +136,7 @@ class OnlineSampling:
 
     mode: ClassVar[str] = "online"
     shards_per_process: ClassVar[int] = 1
-    passes: ClassVar[int] = 1
+    num_passes: ClassVar[int] = 1  # a pass of num_batches batches
 
     def __post_init__(self) -> None:
         positive_int(self.num_batches, "num_batches", allow_none=True)
@@ -182,18 +151,15 @@ class OnlineSampling:
 
     def stream(self, reader: BufferReader, stream: int, budget: int | None, *, rank: int,
                with_index: bool) -> Iterator[Batch]:
-        """``budget`` sampled batches of stream ``stream`` (its own seed, per rank, worker
-        and iteration)."""
+        """``budget`` sampled batches of stream ``stream`` (seeded per rank, worker, iteration)."""
         reader.require_items()
         reader.iterations += 1
-        worker = sharding.worker_index()
-        base = sharding.stream_seed(self.seed, rank, stream, worker, reader.iterations)
+        base = sharding.stream_seed(self.seed, rank, stream, sharding.worker_index(), reader.iterations)
         gen = torch.Generator().manual_seed(base)
         for _ in _up_to(budget):
             seed = int(torch.randint(2**62, (), generator=gen))
             with torch.random.fork_rng(devices=[]):
-                # the CPU generator only (what fork_rng restores): torch.manual_seed would
-                # also seed every accelerator, ~1 ms a batch of lazy-init bookkeeping on CPU
+                # the CPU generator only: torch.manual_seed would also seed every accelerator (~1 ms)
                 torch.default_generator.manual_seed(seed)
                 batch = reader.sample(with_index)
             yield batch
@@ -201,10 +167,8 @@ class OnlineSampling:
     def start_pass(self, reader: BufferReader, pass_index: int, first: bool) -> dict[str, Any]:
         return {}
 
-    def shard_batches(
-        self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
-        with_index: bool, pass_index: int = 0, length: int | None = None,
-    ) -> Iterator[tuple[str, TensorDictBase, Any]]:  # fmt: skip
+    def shard_batches(self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
+                      with_index: bool, pass_index: int = 0, length: int | None = None) -> Iterator[KeyedBatch]:
         """Shard ``s`` is stream ``s``, drawing its share of ``num_batches``."""
         n = self.num_batches
         budgets = [None] * num_shards if n is None else sharding.split_count(n, num_shards)
@@ -213,10 +177,10 @@ class OnlineSampling:
             for i, (batch, index) in enumerate(batches):
                 yield f"{s}_{i}", batch, index
 
-    def consumer_batches(self, reader: BufferReader, me: sharding.Consumer, *, rank: int,
+    def consumer_batches(self, reader: BufferReader, me: tuple[int, int], *, rank: int,
                          with_index: bool) -> Iterator[Batch]:
         """``num_batches`` batches of this reader's own stream."""
-        return self.stream(reader, me.index, self.num_batches, rank=rank, with_index=with_index)
+        return self.stream(reader, me[0], self.num_batches, rank=rank, with_index=with_index)
 
 
 ReadingStrategy = EpochPass | OnlineSampling
@@ -234,15 +198,10 @@ def _check_seed(seed: Any, name: str, expected: str) -> None:
         raise ValueError(f"{name} must be {expected}, got {seed!r}")
 
 
-def reading_from_arguments(
-    reading: ReadingStrategy | str | None = None, *, num_batches: int | None = 1, **shorthands
-) -> ReadingStrategy:
-    """The strategy of ``TorchRLBufferDataset(reading=, num_batches=)``.
-
-    ``reading`` is a strategy (then ``num_batches`` stays unset), ``"online"`` (the
-    default: ``OnlineSampling(num_batches, seed)``) or ``"epoch"``
-    (``EpochPass(shuffle, seed, num_passes)``). ``shorthands`` are the dataset's moved
-    ``mode``, ``shuffle``, ``seed`` and ``num_passes``; a setting of the other kind raises.
+def reading_from_arguments(reading: ReadingStrategy | str | None = None, *, num_batches: int | None = 1,
+                           **shorthands) -> ReadingStrategy:
+    """The strategy of ``TorchRLBufferDataset(reading=, num_batches=)``; ``shorthands``: the
+    moved ``mode``, ``shuffle``, ``seed``, ``num_passes`` (a setting of the other kind raises).
 
     >>> reading_from_arguments("epoch", shuffle=True)
     EpochPass(shuffle=True, seed=0, num_passes=1)
@@ -258,10 +217,8 @@ def reading_from_arguments(
             raise TypeError(f"pass {given} inside reading={reading!r}, not beside it")
         return reading
     if reading is not None and not isinstance(reading, str):
-        raise TypeError(
-            "reading must be 'epoch', 'online', an EpochPass or an OnlineSampling, "
-            f"got {type(reading).__name__}"
-        )
+        what = type(reading).__name__
+        raise TypeError(f"reading must be 'epoch', 'online', an EpochPass or an OnlineSampling, got {what}")
     if reading is not None and mode is not None:
         raise TypeError(f"pass reading={reading!r} or mode={mode!r}, not both")
     mode = reading if reading is not None else (mode or "online")
@@ -281,8 +238,5 @@ def reading_from_arguments(
             "buffer a RandomSampler to sample at random)."
         )
     if "num_passes" in given:
-        raise ValueError(
-            f"num_passes={num_passes!r} is for reading='epoch'; online sampling draws "
-            "num_batches batches"
-        )
+        raise ValueError(f"num_passes={num_passes!r} is for reading='epoch'; online sampling draws num_batches batches")
     return OnlineSampling(num_batches, seed)

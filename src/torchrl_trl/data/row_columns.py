@@ -1,7 +1,5 @@
-"""Which columns a :class:`~torchrl_trl.data.TorchRLBufferDataset` yields and how a batch of
-buffer rows becomes them: raw ``keys``, a trainer ``format``, named ``columns``, a row
-filter, the storage-index column, the ``datasets.Features`` of the result.
-"""
+"""Which columns a :class:`~torchrl_trl.data.TorchRLBufferDataset` yields, how a batch of
+buffer rows becomes them, and their ``datasets.Features``."""
 
 from __future__ import annotations
 
@@ -23,52 +21,22 @@ __all__ = ["RowColumns"]
 
 
 class RowColumns:
-    """Turns a batch of buffer rows (a TensorDict of batch shape ``[B]`` or ``[B, G]``)
-    into ``{column: one value per row}``.
+    """Turns a batch of buffer rows (batch shape ``[B]`` or ``[B, G]``) into ``{column: one
+    value per row}``; the arguments are ``TorchRLBufferDataset``'s (``pad_text``: the pad
+    token's string, removed from decoded text)."""
 
-    Args:
-        keys: raw keys, yielded under their flat ``"a.b"`` names (upstream's ``keys``).
-            Without ``keys``, ``format`` and ``columns``: every leaf key of the rows.
-        format: a registered format name or a :class:`BufferFormat`.
-        columns: ``{name: nested key or fn(batch) -> list}``.
-        extra_columns: keys yielded beside the format's columns under their flat name, or
-            ``{name: key}``.
-        sample_filter: ``fn(batch) -> bool [B]``; rows where it is ``False`` are dropped.
-        index_column: yield each row's storage index (int) under this name.
-        device: ``__iter__`` rows move their tensors there.
-        pad_text: the pad token's string, removed from decoded text (see
-            :func:`torchrl_trl.layouts.read_text`).
-
-    >>> import torch
-    >>> from tensordict import TensorDict
-    >>> rc = RowColumns(keys=["a.b"], columns={"twice": lambda b: (b["x"] * 2).tolist()})
-    >>> batch = TensorDict({"x": torch.arange(2), "a": {"b": torch.ones(2, 3)}}, [2])
-    >>> cols = rc.convert(batch, python=True)
-    >>> cols["twice"], cols["a.b"][0]
-    ([0, 2], [1.0, 1.0, 1.0])
-    >>> rc.in_keys(batch)  # what is read by name (callable columns read what they read)
-    [('a', 'b')]
-    """
-
-    def __init__(
-        self,
-        *,
-        keys: Sequence[NestedKey] | None = None,
-        format: str | BufferFormat | None = None,
-        columns: Mapping[str, ColumnSpec] | None = None,
-        extra_columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
-        sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
-        index_column: str | None = None,
-        device: torch.device | str | None = None,
-        pad_text: str | None = None,
-    ) -> None:
+    def __init__(self, *, keys: Sequence[NestedKey] | None = None, format: str | BufferFormat | None = None,
+                 columns: Mapping[str, ColumnSpec] | None = None,
+                 extra_columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
+                 sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None, index_column: str | None = None,
+                 device: torch.device | str | None = None, pad_text: str | None = None) -> None:
         if sample_filter is not None and not callable(sample_filter):
             raise TypeError(f"sample_filter must be callable, got {type(sample_filter).__name__}.")
         self.keys = None if keys is None else [to_nested_key(k) for k in keys]
         self.format = get_format(format) if format is not None else None
-        self.columns: dict[str, ColumnSpec] = {}
-        for name, spec in (columns or {}).items():
-            self.columns[name] = spec if callable(spec) else to_nested_key(spec)
+        self.columns: dict[str, ColumnSpec] = {
+            name: spec if callable(spec) else to_nested_key(spec) for name, spec in (columns or {}).items()
+        }
         if isinstance(extra_columns, Mapping):
             extra = {name: to_nested_key(k) for name, k in extra_columns.items()}
         else:
@@ -81,22 +49,16 @@ class RowColumns:
         self.dtypes: dict[str, torch.dtype] = {}
 
     def raw_keys(self, batch: TensorDictBase) -> list[NestedKey]:
-        """The raw keys yielded as they are: ``keys``, or every leaf key when nothing else
-        is asked for."""
+        """``keys``, or every leaf key when nothing else is asked for."""
         if self.keys is None and self.format is None and not self.columns:
             return leaf_keys(batch)
         return list(self.keys or [])
 
     def in_keys(self, batch: TensorDictBase) -> list[NestedKey]:
-        """The nested keys read from ``batch`` by name: raw keys, the format's required
-        keys, named column keys (callable columns read whatever they read)."""
-        out: list[NestedKey] = []
+        """The nested keys read by name: raw keys, the format's, the named columns'."""
         named = [s for s in self.columns.values() if not callable(s)]
-        for key in [*self.raw_keys(batch), *(self.format.required_keys if self.format else ()), *named]:
-            key = to_nested_key(key)
-            if key not in out:
-                out.append(key)
-        return out
+        keys = [*self.raw_keys(batch), *(self.format.required_keys if self.format else ()), *named]
+        return list(dict.fromkeys(to_nested_key(k) for k in keys))
 
     def check(self, peek: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
         """Convert ``peek`` (the first stored rows) after checking every key is there."""
@@ -111,12 +73,8 @@ class RowColumns:
         return cols
 
     def convert(self, batch: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
-        """``{column: one value per row}`` for ``batch``, each key read once.
-
-        ``python``: ``True`` lists of Python values, ``False`` lists of tensors for tensor
-        leaves, ``"columnar"`` each column in its cheapest whole-batch form (a list, a
-        tensor ``[B, ...]`` or a ``Ragged``; see :mod:`torchrl_trl.data.arrow`).
-        """
+        """``{column: one value per row}`` for ``batch``: ``python=True`` Python values, ``False``
+        tensors for tensor leaves, ``"columnar"`` :func:`read_key_columnar` forms."""
         cols: dict[str, Any] = {}
         if self.format is not None:
             with layouts.decoded_padding(pad_text=self.pad_text):
@@ -136,8 +94,8 @@ class RowColumns:
 
     def of_batch(self, batch: TensorDictBase, python: bool | str,
                  index: torch.Tensor | None = None) -> dict[str, Any] | None:
-        """The columns of ``batch`` after ``sample_filter`` (``None``: every row dropped),
-        with the storage-index column; ``python=False`` moves tensors to ``device``."""
+        """:meth:`convert` after ``sample_filter`` (``None``: every row dropped), with the index
+        column; ``python=False`` moves tensors to ``device``."""
         if index is not None:
             index = _index_per_row(index, batch)
         if self.sample_filter is not None:
@@ -157,15 +115,11 @@ class RowColumns:
                 cols[name] = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in values]
         return cols
 
-    def rows(self, batch: TensorDictBase, python: bool,
-             index: torch.Tensor | None = None) -> Iterator[dict[str, Any]]:
+    def rows(self, batch: TensorDictBase, python: bool, index: torch.Tensor | None = None) -> Iterator[dict[str, Any]]:
         """:meth:`of_batch` as one dict per row."""
-        cols = self.of_batch(batch, python, index)
-        if cols is None:
-            return
-        names = list(cols)
+        cols = self.of_batch(batch, python, index) or {}
         for row in zip(*cols.values()):
-            yield dict(zip(names, row))
+            yield dict(zip(cols, row))
 
     def keep(self, batch: TensorDictBase) -> torch.Tensor:
         """``sample_filter(batch)`` as bool ``[B]``; anything else raises."""
@@ -185,27 +139,23 @@ class RowColumns:
         return keep.reshape(-1)
 
     def features(self, sample: dict[str, list]):
-        """``datasets.Features`` of the columns in ``sample`` (a :meth:`check` result): the
-        format's declared features, else inferred from the values and their dtypes."""
+        """``datasets.Features`` of a :meth:`check` result: the format's, else inferred."""
         from datasets import Features, Value
 
         declared = self.format.features() if self.format is not None else {}
-        feats = {}
-        for name, values in sample.items():
-            feats[name] = declared[name] if name in declared else infer_feature(values, self.dtypes.get(name))
+        feats = {name: declared[name] if name in declared else infer_feature(values, self.dtypes.get(name))
+                 for name, values in sample.items()}
         if self.index_column is not None:
             feats[self.index_column] = Value("int64")
         return Features(feats)
 
 
 def _read(batch: TensorDictBase, key: NestedKey, python: bool | str):
-    if python == "columnar":
-        return read_key_columnar(batch, key)
-    return read_key(batch, key, python=python)
+    return read_key_columnar(batch, key) if python == "columnar" else read_key(batch, key, python=python)
 
 
 def _index_per_row(index: torch.Tensor, batch: TensorDictBase) -> torch.Tensor:
-    """Storage indices, one per row: an item of batch shape ``[G]`` gives ``G`` rows."""
+    """Storage indices, one per row (an item of batch shape ``[G]`` gives ``G`` rows)."""
     index = torch.as_tensor(index).reshape(-1)
     rows = batch.batch_size.numel()
     if index.numel() and rows != index.numel() and rows % index.numel() == 0:

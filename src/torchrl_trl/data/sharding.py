@@ -1,15 +1,6 @@
-"""Who reads what: epoch orders, shards, and per-rank/per-worker random streams.
-
-One epoch pass is ``order`` (a permutation of ``range(len(buffer))`` taken when the pass
-starts), cut into ``num_shards`` contiguous shards. Whoever iterates a set of shards
-yields exactly those items, so splitting the shard list over ranks (accelerate's
-``IterableDataset.shard``, ``datasets.distributed.split_dataset_by_node``) and over
-DataLoader workers (``datasets`` does it by shard) reads every item exactly once.
-
-Beside a live writer, everyone reading one pass must agree on ``len(buffer)``:
-:class:`PassLengths` takes it once per pass and shares it with DataLoader workers, and
-:func:`guard_fork` keeps forked workers from inheriting a buffer in the middle of a write.
-"""
+"""Who reads what: epoch orders cut into contiguous shards (split over ranks and DataLoader
+workers, each item is read once), per-rank/per-worker random streams, and, beside a live
+writer, one buffer length per pass (:class:`PassLengths`) and safe forks (:func:`guard_fork`)."""
 
 from __future__ import annotations
 
@@ -20,7 +11,6 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,25 +19,16 @@ from .. import _compat
 from .._buffers import is_local, local_storage
 from .._checks import positive_int
 
-__all__ = [
-    "Consumer", "PassLengths", "Sharding", "broadcast_length", "epoch_order", "forked_mid_write", "guard_fork",
-    "process", "readable_length", "split_count", "stream_seed", "worker_index",
-]
-
-
-def process() -> tuple[int, int]:
-    """``(rank, world_size)`` of this training process as accelerate's ``PartialState``
-    sees it (the state TRL's trainers set up; it joins a process group already started
-    with ``torch.distributed``). Call it in the main process, not in a DataLoader worker:
-    under a launcher with no process group yet, ``PartialState`` starts one."""
-    from accelerate import PartialState
-
-    state = PartialState()
-    return state.process_index, state.num_processes
+__all__ = ["PassLengths", "Sharding", "broadcast_length", "epoch_order", "forked_mid_write", "guard_fork",
+           "readable_length", "split_count", "stream_seed", "worker_index"]
 
 
 def _in_worker() -> bool:
     return torch.utils.data.get_worker_info() is not None
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def worker_index() -> int:
@@ -56,44 +37,19 @@ def worker_index() -> int:
     return 0 if info is None else info.id
 
 
-@dataclass(frozen=True)
-class Consumer:
-    """One reader of the stream: a (rank, DataLoader worker) pair."""
-
-    rank: int
-    world_size: int
-    worker: int
-    num_workers: int
-
-    @property
-    def index(self) -> int:
-        return self.rank * self.num_workers + self.worker
-
-    @property
-    def count(self) -> int:
-        return self.world_size * self.num_workers
-
-
 class Sharding:
-    """Who reads which part of a :class:`~torchrl_trl.data.TorchRLBufferDataset`
-    (``TorchRLBufferDataset(..., sharding=Sharding(...))``): the one place that knows ranks,
+    """Who reads which part of a :class:`~torchrl_trl.data.TorchRLBufferDataset`: ranks,
     DataLoader workers and Hugging Face shards.
 
     Args:
         num_shards: shards of the Hugging Face iterable (``None``: the reading strategy's
-            default for this many processes, see :meth:`shards`). Ranks and DataLoader
-            workers split them (accelerate, ``datasets``).
-        rank, world_size: for ``TorchRLBufferDataset.__iter__`` only: also split an epoch
-            pass over processes (a plain ``DataLoader`` under ``torch.distributed``). Leave
-            unset when a trainer (accelerate) shards the Hugging Face iterable.
-
-    The process's own rank (mixed into online sampling seeds, so ranks draw different
-    samples) comes from accelerate's ``PartialState``, read in the main process and kept
-    for DataLoader workers.
+            default per process, see :meth:`shards`), split over ranks and workers.
+        rank, world_size: for ``TorchRLBufferDataset.__iter__`` only: split an epoch pass
+            over processes (a plain ``DataLoader``); leave unset when a trainer shards.
 
     >>> s = Sharding(rank=1, world_size=2)
-    >>> s.consumer()  # outside a DataLoader worker
-    Consumer(rank=1, world_size=2, worker=0, num_workers=1)
+    >>> s.consumer()  # (index, count) outside a DataLoader worker
+    (1, 2)
     >>> s.shards(default_per_process=4, world_size=2)
     8
     """
@@ -109,17 +65,19 @@ class Sharding:
                 raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}.")
         self.rank, self.world_size = rank, world_size
         self._process: tuple[int, int] | None = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if _distributed():
             self.process()  # joins the running group: nothing is started
 
     def process(self) -> tuple[int, int]:
-        """``(rank, world_size)`` of this training process (:func:`process`), read once in
-        the main process; a DataLoader worker uses what its parent read (or ``(0, 1)`` if
-        the parent never read it and no process group is running)."""
+        """``(rank, world_size)`` from accelerate's ``PartialState``, read once in the main process; a
+        DataLoader worker uses its parent's read (else ``(0, 1)`` without a process group)."""
         if self._process is None:
-            if _in_worker() and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            if _in_worker() and not _distributed():
                 return 0, 1
-            self._process = process()
+            from accelerate import PartialState
+
+            state = PartialState()
+            self._process = state.process_index, state.num_processes
         return self._process
 
     def shards(self, default_per_process: int, world_size: int | None = None) -> int:
@@ -128,16 +86,12 @@ class Sharding:
             return self.num_shards
         return default_per_process * (self.process()[1] if world_size is None else world_size)
 
-    def consumer(self) -> Consumer:
-        """The current reader of ``__iter__``: (``rank``, DataLoader worker); the rank is
-        0 of 1 unless ``rank``/``world_size`` were given."""
+    def consumer(self) -> tuple[int, int]:
+        """``(index, count)`` of the current ``__iter__`` reader among (rank, DataLoader worker) pairs."""
         info = torch.utils.data.get_worker_info()
-        return Consumer(
-            rank=0 if self.rank is None else self.rank,
-            world_size=1 if self.world_size is None else self.world_size,
-            worker=0 if info is None else info.id,
-            num_workers=1 if info is None else info.num_workers,
-        )
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        rank, world = (0, 1) if self.rank is None else (self.rank, self.world_size)
+        return rank * workers + worker, world * workers
 
     def __getstate__(self) -> dict:
         if not _in_worker():  # pickled for a spawned DataLoader worker: it inherits our read
@@ -149,8 +103,7 @@ class Sharding:
 
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
-    """int64 ``[n]``: the read order of one pass, the same in every process for the
-    same ``(seed, epoch)``."""
+    """int64 ``[n]``: the read order of one pass, the same everywhere for ``(seed, epoch)``."""
     if not shuffle:
         return torch.arange(n)
     gen = torch.Generator().manual_seed(_seed_from(seed, epoch))
@@ -158,8 +111,7 @@ def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> torch.Tensor
 
 
 def split_count(n: int, parts: int) -> list[int]:
-    """``n`` split into ``parts`` near-equal counts (earlier parts get the remainder), as
-    ``torch.tensor_split`` splits a sequence.
+    """``n`` split into ``parts`` near-equal counts, as ``torch.tensor_split`` splits.
 
     >>> split_count(10, 4)
     [3, 3, 2, 2]
@@ -174,9 +126,8 @@ def _seed_from(*entropy: int) -> int:
 
 
 def stream_seed(base: int | None, rank: int, *parts: int) -> int:
-    """A seed for one online stream, distinct for each ``parts`` tuple (e.g. shard or
-    worker, pass) and for each process ``rank``, so processes that a trainer seeded alike
-    still draw different samples. ``base=None`` uses ``torch.initial_seed()``.
+    """A seed for one online stream, distinct per ``rank`` and ``parts`` (e.g. worker, pass);
+    ``base=None``: ``torch.initial_seed()``.
 
     >>> stream_seed(0, 0, 1) == stream_seed(0, 0, 1) != stream_seed(0, 1, 1)
     True
@@ -185,11 +136,10 @@ def stream_seed(base: int | None, rank: int, *parts: int) -> int:
 
 
 def broadcast_length(n: int) -> int:
-    """``n`` as rank 0 has it, when ``torch.distributed`` runs several ranks (every rank
-    must call this at the same point); ``n`` itself otherwise."""
+    """``n`` as rank 0 has it under ``torch.distributed`` (every rank calls this), else ``n``."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _distributed() or dist.get_world_size() == 1:
         return n
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([n], dtype=torch.int64, device=device)
@@ -200,18 +150,10 @@ def broadcast_length(n: int) -> int:
 class PassLengths:
     """``len(buffer)`` taken once per epoch pass and shared by everyone reading that pass.
 
-    An epoch pass reads the items stored when it began. In the main process each pass
-    takes its own length. The DataLoader workers of one loader iteration (same base seed,
-    same count of iterations in each worker) use the length worker 0 took when the
-    iteration began: worker 0 is forked (or pickled) first, so every worker's copy of an
-    in-process buffer holds at least those items; the others wait for it (all workers
-    start together). Later passes of the same iterator take a new length (the first
-    worker to get there, under a file lock) only where workers see new writes (``live``,
-    see :func:`readable_length`); a worker's private copy of an in-process buffer never
-    grows, so it keeps the first length.
-
-    :meth:`pin` fixes the length of the passes of ``epoch`` (e.g. broadcast from rank 0
-    so every rank reads the same items, also when a trainer peeks at the dataset first).
+    The DataLoader workers of one loader iteration use the length worker 0 took when it
+    began (worker 0 starts first, so every worker's copy holds those items); later passes
+    take a new length (the first worker there, under a file lock) only where workers see
+    new writes. :meth:`pin` fixes the length of the passes of ``epoch`` (e.g. rank 0's).
     """
 
     def __init__(self, slots: int = 64, timeout: float = 120.0) -> None:
@@ -234,14 +176,11 @@ class PassLengths:
         self._pin[0] = epoch
 
     def _take(self, epoch: int, take: Callable[[], int]) -> int:
-        if int(self._pin[0]) == epoch:
-            return int(self._pin[1])
-        return take()
+        return int(self._pin[1]) if int(self._pin[0]) == epoch else take()
 
     def length(self, epoch: int, *, first: bool, pass_index: int, take: Callable[[], int], live: bool) -> int:
-        """The length pass ``pass_index`` (of epoch ``epoch``) reads; ``first``: the first
-        pass of this iteration; ``take()`` reads the length; ``live``: this process sees
-        items written after it started (see :func:`readable_length`)."""
+        """The length pass ``pass_index`` of ``epoch`` reads (``first``: this iteration's first;
+        ``take()`` reads it; ``live``: see :func:`readable_length`)."""
         info = torch.utils.data.get_worker_info()
         if info is None:
             return self._take(epoch, take)
@@ -295,10 +234,6 @@ def _unlink_if_owner(path: str, pid: int) -> None:
             os.unlink(path)
 
 
-# ---------------------------------------------------------------------------
-# Forking beside a writer thread
-# ---------------------------------------------------------------------------
-
 _GUARDED: weakref.WeakSet = weakref.WeakSet()
 _HELD: list = []
 _FORK_LEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # in a child: len at fork
@@ -309,17 +244,15 @@ _private_tensor_storages: list = []
 
 
 def guard_fork(replay_buffer) -> None:
-    """Make forking (DataLoader workers) wait for a write in progress on
-    ``replay_buffer``: the parent holds the buffer's lock across ``fork``, so a child
-    neither inherits a lock no thread of its own will release (a deadlock) nor a
-    half-written buffer, and records the length it had then (:func:`readable_length`).
-    A buffer still locked after 30 s is marked torn in the child (:func:`forked_mid_write`)."""
+    """Make ``fork`` wait for a write in progress on ``replay_buffer`` (the parent holds its lock
+    across the fork and the child records its length); a buffer still locked after 30 s is
+    marked torn in the child (:func:`forked_mid_write`)."""
     if not is_local(replay_buffer):  # a Ray client: nothing in this process to fork
         return
     if not _hooks:
         from torchrl.data import LazyMemmapStorage, TensorStorage
 
-        # nothing to import in the hooks (a forked child must not wait for the import lock)
+        # no imports in the hooks (a forked child must not wait for the import lock)
         _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage])
         os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
         _hooks.append(True)
@@ -332,15 +265,9 @@ def forked_mid_write(replay_buffer) -> bool:
 
 
 def readable_length(replay_buffer) -> tuple[int, bool]:
-    """``(n, live)``: how many items this process can read consistently, and whether
-    items written later become readable here.
-
-    In the main process, ``len(buffer)`` and ``True``. A forked DataLoader worker holds a
-    private copy of in-process data as it was at the fork, while a ``TensorStorage``'s
-    length counter stays shared with the parent: it reads at most the length at the fork
-    (memmap storages and remote buffers are shared: live). A spawned worker got a pickled
-    copy: tensor storages are moved to shared memory (live), list-based ones are not.
-    """
+    """``(n, live)``: how many items this process can read consistently, and whether later
+    writes become readable here (a forked worker's private copy of in-process data stops at
+    the fork; memmap, remote and spawned tensor storages are shared: live)."""
     n = len(replay_buffer)
     if torch.utils.data.get_worker_info() is None:
         return n, True
@@ -378,9 +305,7 @@ def _after_in_child() -> None:
         rb, lock, acquired = _HELD.pop()
         storage = rb.storage  # guarded buffers are local
         if acquired and isinstance(storage, tensor_storage) and not isinstance(storage, memmap_storage):
-            # the data is this child's copy as of the fork, but the length counter is shared
-            # with the parent: without this the child's own sampler (online mode) would draw
-            # rows written after the fork, which it holds as uninitialised memory
+            # the child's data stops at the fork, but its length counter is shared with the parent
             _compat.pin_storage_length(storage, _FORK_LEN.get(rb, len(storage)))
         if acquired:
             lock.release()
