@@ -1,13 +1,6 @@
 """From model outputs to rewards: read the score, pick a head, handle non-finite scores,
-and normalise with running statistics.
-
-Scale, shift and clipping are TorchRL's own transforms, composed after the scorer
-(``RewardScaling(loc=shift, scale=scale)``, ``RewardClipping(clamp_min, clamp_max)``, both
-bounds given, a one-sided clip passing ``float("inf")``: TorchRL's fails on ``None``):
-on an env with ``env.append_transform``, on a replay buffer with ``rb.append_transform``,
-or called on a tensordict. Running normalisation is :class:`RunningRewardNorm` here:
-TorchRL's ``VecNormV2`` only runs inside an env's ``step`` (it cannot be called on a
-tensordict or a buffer's rollouts), which is where it fits; this one works in all three.
+and normalise with running statistics (:class:`RunningRewardNorm`). Scale, shift and clip
+are TorchRL's ``RewardScaling``/``RewardClipping``, composed after the scorer.
 """
 
 from __future__ import annotations
@@ -27,13 +20,12 @@ __all__ = ["NonFiniteRewards", "RewardShapeError", "RunningRewardNorm", "extract
 
 
 class RewardShapeError(RuntimeError, ValueError):
-    """The model output is not one scalar reward per input. A ``RuntimeError`` as
-    upstream's ``HFRewardModelWrapper`` raises (and a ``ValueError``)."""
+    """The model output is not one scalar reward per input (a ``RuntimeError`` as upstream raises)."""
 
 
 def extract_scores(out: Any) -> torch.Tensor:
-    """The score tensor of a model output: a bare tensor, ``.logits``/``.rewards``, or a
-    dict's ``"logits"`` (``RuntimeError`` otherwise, as upstream)."""
+    """The score tensor of a model output: a tensor, ``.logits``/``.rewards`` or a dict's
+    ``"logits"`` (else a ``RuntimeError``)."""
     if isinstance(out, torch.Tensor):
         return out
     for name in ("logits", "rewards"):
@@ -81,12 +73,9 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
 
 
 class NonFiniteRewards:
-    """What a scorer does with NaN/inf scores.
-
-    Args:
-        policy: ``"raise"`` (default: ``FloatingPointError``), ``"warn"`` (count them in
-            :attr:`count`, warn once, keep them) or a finite number (count, warn once and
-            write that number instead).
+    """What a scorer does with NaN/inf scores, by ``policy``: ``"raise"`` (default,
+    ``FloatingPointError``), ``"warn"`` (count in :attr:`count`, warn once, keep them) or a
+    finite number (count, warn once, write it instead).
 
     >>> check = NonFiniteRewards(0.0)
     >>> import warnings
@@ -131,21 +120,15 @@ class NonFiniteRewards:
 
 
 class RunningRewardNorm(Transform):
-    """Normalise rewards by running statistics: ``(r - mean) / std``.
+    """Normalise rewards by running statistics: ``(r - mean) / std``, on a tensordict, an
+    env or a replay buffer (where TorchRL's ``VecNormV2`` only runs in an env's step).
 
-    Mean and std are Welford statistics over every finite reward seen (all batch and
-    trailing dims pooled), kept in float64 buffers so they save with ``state_dict``; the
-    std is 1 until two rewards were seen, and at least ``eps``. Non-finite rewards pass
-    through unchanged and are not counted.
-
-    Works where TorchRL's ``VecNormV2`` does not: called on a tensordict
-    (``norm(td)``, e.g. after :class:`~torchrl_trl.rewards.HFRewardModelWrapper`), on an
-    env (``env.append_transform(norm)``, after the reward transform) and on a replay
-    buffer (normalised when sampled).
+    Welford statistics over every finite reward seen, in float64 buffers (saved with
+    ``state_dict``); the std is 1 until two rewards were seen, and at least ``eps``.
+    Non-finite rewards pass through, not counted.
 
     Args:
-        in_keys: the reward keys (default ``["reward"]``; on a tensordict of rollouts use
-            ``[("next", "reward")]``).
+        in_keys: the reward keys (default ``["reward"]``; rollouts: ``[("next", "reward")]``).
         update_stats: whether each call updates the statistics (freeze them for eval).
         eps: floor of the std.
 

@@ -1,30 +1,17 @@
 """Render TorchRL samples into the reward model's own token ids.
 
-What the reward model sees, per input (``input_mode="auto"`` picks the first that
-applies, in this order):
+Inputs, in the order ``input_mode="auto"`` tries them:
 
-1. ``"tokens"`` used as they are, when no re-tokenisation is needed: the reward model
-   has no tokenizer of its own, or ``policy_tokenizer`` is given and equals it (same
-   vocabulary and chat template). Padding is removed with the attention mask.
-2. ``"history"``: the chat (``("history", part)``) rendered with the **reward model's**
-   chat template (``add_generation_prompt=False``) and tokenised with
-   ``add_special_tokens=False``, exactly as ``trl.RewardTrainer`` tokenises
-   conversational preference pairs (``apply_chat_template(messages, tokenize=True)``;
-   no EOS is added: the template writes its own end-of-turn tokens).
-3. ``"text"`` (``("text", part)``, or prompt + response): tokenised with the reward
-   model's tokenizer (``add_special_tokens=True``), with its EOS appended when missing,
-   as ``RewardTrainer`` does for plain-text pairs. A trailing policy EOS that differs from
-   the reward model's is replaced by it.
-4. ``"tokens"`` decoded with ``policy_tokenizer`` (special tokens kept), then as 3.
+1. ``"tokens"`` as they are (padding removed), when the reward model has no tokenizer of
+   its own or ``policy_tokenizer`` equals it (vocabulary and chat template);
+2. ``"history"``: rendered with the reward model's chat template and tokenised with
+   ``add_special_tokens=False``, as ``trl.RewardTrainer`` tokenises chat pairs;
+3. ``"text"``: tokenised with ``add_special_tokens=True``, a differing policy EOS replaced;
+4. ``"tokens"`` decoded with ``policy_tokenizer``, then as 3.
 
-EOS rule (``add_eos="auto"``): text and tokens get the reward model's EOS appended
-unless they already end with it, optionally followed by whitespace (ChatML ends a turn
-with ``"<|im_end|>\\n"``); tokens are left as they are when the reward model's tokenizer
-is unknown (a model object passed without ``tokenizer=``, as upstream). Chat-template
-renders are left exactly as the template writes them. ``"always"``/``"never"`` force it
-either way. Decoding then re-encoding can give other token ids than the policy generated
-(BPE merges across the boundary): prefer history or a shared tokenizer when exactness
-matters.
+EOS rule (``add_eos="auto"``): text and tokens get the reward model's EOS unless they end
+with it (trailing whitespace allowed); tokens are kept when the reward tokenizer is unknown;
+chat renders are kept as the template writes them. ``"always"``/``"never"`` force it.
 """
 
 from __future__ import annotations
@@ -55,13 +42,9 @@ def resolve_input_mode(
     what: str = "input",
     hint: str = "",
 ) -> str:
-    """The input read from ``td``: ``input_mode`` when its keys are present, or for
-    ``"auto"`` the first of ``inputs`` (in their order) that is. ``inputs[mode]`` lists
-    alternative key sets; a mode is present when every key of one of them is.
-
-    Raises:
-        KeyError: naming ``what`` was looked for, the keys tried and the keys available
-            (then ``hint``).
+    """``input_mode``, or for ``"auto"`` the first of ``inputs`` present in ``td``;
+    ``inputs[mode]`` lists alternative key sets (present when every key of one is). A
+    ``KeyError`` names ``what``, the keys tried and those available (then ``hint``).
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({"text": {"response": ["a"]}}, [1])
@@ -101,26 +84,19 @@ def same_tokenizer(a: Any, b: Any) -> bool:
 
 
 class RewardRenderer:
-    """What the reward model sees: which input, which part, the EOS rule, the chat template
-    arguments, and the policy's tokenizer.
-
-    Built by the user with the settings below and handed to
-    :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (``renderer=``), which binds it to
-    the reward model's tokenizer, token keys and EOS with :meth:`bind`. The bound renderer
-    reads a tensordict (or lists of texts / chats) and returns reward-model token ids.
+    """What the reward model sees: input, part, EOS rule, chat template arguments and the
+    policy's tokenizer. :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (``renderer=``)
+    binds it to the reward model with :meth:`bind`; the bound renderer turns a tensordict
+    (or texts / chats) into reward-model token ids.
 
     Keyword Args:
         input_mode: ``"auto"`` (default), ``"tokens"``, ``"text"`` or ``"history"`` (see
-            the module doc).
-        part: which part to score, ``"full"`` (prompt + response, the default) or
-            ``"response"``.
-        add_eos: ``"auto"`` (default; as ``trl.RewardTrainer`` tokenised its pairs),
-            ``"always"`` or ``"never"`` (see the module doc).
+            :mod:`torchrl_trl.rewards.render`).
+        part: ``"full"`` (prompt + response, default) or ``"response"``.
+        add_eos: ``"auto"`` (default), ``"always"`` or ``"never"``.
         chat_template_kwargs: extra arguments to ``apply_chat_template``.
-        policy_tokenizer: the tokenizer that produced the tokens in the tensordict. When it
-            differs from the reward model's (vocabulary or chat template), samples are
-            re-rendered (chat with the reward model's template, else text, else tokens
-            decoded with this tokenizer) and re-tokenised.
+        policy_tokenizer: the tokenizer of the tokens in the tensordict; when it differs from
+            the reward model's, samples are re-rendered and re-tokenised.
 
     Examples:
         >>> import tempfile
@@ -160,13 +136,12 @@ class RewardRenderer:
         self.part = part
         self.add_eos = add_eos
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        # what bind() sets; unbound: no tokenizer, the default keys, no EOS
+        # set by bind(); unbound: no tokenizer, the default keys, no EOS
         self.tokenizer = None
         self.token_key = layouts.token_key(part)
         self.attention_mask_key = layouts.ATTENTION_MASK_KEY
         self.eos_token_id = None
-        #: tokens can be fed as they are (no re-tokenisation)
-        self.tokens_direct = True
+        self.tokens_direct = True  # tokens fed as they are
         self._whitespace_ids: set[int] | None = None
 
     def bind(
@@ -177,14 +152,9 @@ class RewardRenderer:
         attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY,
         eos_token_id: int | None = None,
     ) -> RewardRenderer:
-        """A copy of these settings bound to a reward model.
-
-        Args:
-            tokenizer: the reward model's tokenizer, or ``None`` (then only tokens work).
-            token_key: where tokens are read; defaults to ``("tokens", part)``.
-            attention_mask_key: mask of real tokens (``None``: every stored token is real).
-            eos_token_id: EOS id for token inputs; defaults to the tokenizer's.
-        """
+        """A copy bound to a reward model's ``tokenizer`` (``None``: tokens only), its
+        ``token_key`` (default ``("tokens", part)``), ``attention_mask_key`` (``None``: every
+        stored token is real) and ``eos_token_id`` (default: the tokenizer's)."""
         if self.input_mode in ("text", "history") and tokenizer is None:
             raise ValueError(
                 f"input_mode={self.input_mode!r} needs the reward model's tokenizer: pass "
@@ -217,8 +187,6 @@ class RewardRenderer:
             f"policy_tokenizer={policy})"
         )
 
-    # -- choosing the input --------------------------------------------------------
-
     def _inputs(self) -> dict[str, list[list[NestedKey]]]:
         """The inputs ``"auto"`` tries, in order, each with its alternative key sets."""
         inputs = {"tokens": [[self.token_key]]} if self.tokens_direct else {}
@@ -231,8 +199,7 @@ class RewardRenderer:
         return inputs
 
     def resolve_mode(self, td: TensorDictBase) -> str:
-        """The input actually used for ``td``: ``"tokens"``, ``"tokens->text"``,
-        ``"text"`` or ``"history"``."""
+        """The input used for ``td``: ``"tokens"``, ``"tokens->text"``, ``"text"`` or ``"history"``."""
         mode = resolve_input_mode(td, self.input_mode, self._inputs(), what="reward-model input")
         if mode == "tokens" and not self.tokens_direct and self.policy_tokenizer is not None:
             return "tokens->text"
@@ -240,8 +207,7 @@ class RewardRenderer:
         return mode
 
     def preferred_mode(self) -> str:
-        """The input read when every input is present (``input_mode``, or what ``"auto"``
-        tries first)."""
+        """The input read when every input is present."""
         return next(iter(self._inputs())) if self.input_mode == "auto" else self.input_mode
 
     def in_keys(self, mode: str | None = None) -> list[NestedKey]:
@@ -256,24 +222,14 @@ class RewardRenderer:
 
     @property
     def keeps_tokens(self) -> bool:
-        """Whether token inputs reach the model unchanged (no EOS appended). With
-        ``add_eos="auto"`` and no tokenizer a trailing ``"\\n"`` after EOS cannot be told
-        from text: tokens are used as they are (upstream behaviour)."""
+        """Whether token inputs reach the model unchanged (no EOS appended)."""
         return self.add_eos == "never" or self.eos_token_id is None or (
             self.add_eos == "auto" and self.tokenizer is None
         )
 
     def read_token_ids(self, td: TensorDictBase) -> Ragged:
-        """The real token ids at :attr:`token_key` (padding removed with the mask),
-        checked: integer ids >= 0, at least one real token per sample.
-
-        Raises:
-            KeyError: the configured mask key is absent (``attention_mask_key=None``
-                takes every stored token as real).
-            TypeError: the ids are not integers.
-            ValueError: a negative id, or a sample without tokens (empty, or an
-                all-zero mask row).
-        """
+        """The real token ids at :attr:`token_key` (padding removed with the mask), checked
+        (:func:`~torchrl_trl._token_ids.check_token_ids`); a ``KeyError`` if the mask is absent."""
         mask_key = self.attention_mask_key
         if mask_key is not None and not layouts.has_key(td, mask_key):
             raise KeyError(
@@ -287,14 +243,14 @@ class RewardRenderer:
         try:
             ids = layouts.read_tokens(td, self.part, key=self.token_key, mask_key=mask_key)
         except RuntimeError:
-            # layouts cannot reshape a zero-length member of a lazy stack: name it
+            # a zero-length member of a lazy stack: name it
             check_token_ids(Ragged.from_list(layouts.read_column(td, self.token_key)), where)
             raise
         return check_token_ids(ids, where)
 
     def render(self, td: TensorDictBase, mode: str | None = None) -> Ragged:
-        """Reward-model token ids of every sample of ``td`` (batch flattened row-major);
-        ``mode`` as :meth:`resolve_mode` returns it (resolved when not given)."""
+        """Reward-model token ids of every sample of ``td`` (row-major); ``mode`` as
+        :meth:`resolve_mode` returns it."""
         mode = self.resolve_mode(td) if mode is None else mode
         if mode == "tokens":
             return self.append_eos(self.read_token_ids(td))
@@ -307,8 +263,6 @@ class RewardRenderer:
         ids = self.read_token_ids(td)
         texts = self.policy_tokenizer.batch_decode(ids.tolist(), skip_special_tokens=False)
         return self.encode_texts(texts)
-
-    # -- encoders ------------------------------------------------------------------
 
     def render_messages(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         """Chats -> text with the reward model's chat template."""
@@ -335,7 +289,7 @@ class RewardRenderer:
         return Ragged.from_list(enc)
 
     def prepare_texts(self, texts: list[str]) -> list[str]:
-        """Apply the EOS rule to plain texts (see module doc)."""
+        """Apply the EOS rule to plain texts."""
         eos = self.tokenizer.eos_token
         policy_eos = getattr(self.policy_tokenizer, "eos_token", None)
         out = []
@@ -359,7 +313,7 @@ class RewardRenderer:
         return Ragged.from_list(enc)
 
     def append_eos(self, ids: Ragged) -> Ragged:
-        """Token inputs with the EOS rule applied (see module doc)."""
+        """Token inputs with the EOS rule applied."""
         eos = self.eos_token_id
         if self.keeps_tokens or len(ids) == 0:
             return ids
@@ -392,7 +346,6 @@ class RewardRenderer:
                     i for i, t in enumerate(texts) if t and not t.strip() and i not in specials
                 }
         return self._whitespace_ids
-
 
 
 def _checked_messages(conversation: Any, index: int) -> list[dict]:

@@ -1,9 +1,6 @@
-"""TorchRL rollouts -> the keyword arguments TRL passes a reward function.
-
-The one place that maps a tensordict of LLM rollouts (padded or ragged, history or text)
-onto ``GRPOTrainer._calculate_rewards``'s call: ``prompts``, ``completions``,
-``completion_ids`` and one per-row list per dataset column. The inverse (TRL's arguments
--> rollouts) is :func:`torchrl_trl.rewards.trl_rollouts.rollouts_from_trl`.
+"""TorchRL rollouts -> the keyword arguments TRL passes a reward function (``prompts``,
+``completions``, ``completion_ids``, columns); the inverse is
+:func:`torchrl_trl.rewards.trl_rollouts.rollouts_from_trl`.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ _NO_RESPONSE = (
 
 
 def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None) -> list[NestedKey]:
-    """Every key the arguments may be read from: the prompt/response keys of ``input_mode``
-    (history and text for ``"auto"``), the response tokens and mask, and ``columns``.
+    """Every key the arguments may be read from: prompt/response keys of ``input_mode``,
+    response tokens and mask, and ``columns``.
 
     >>> input_keys("text", {"answer": ("answer",)})  # doctest: +NORMALIZE_WHITESPACE
     [('text', 'prompt'), ('text', 'response'), ('tokens', 'response'),
@@ -50,21 +47,15 @@ def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None) -> li
 
 
 def resolve_mode(td: TensorDictBase, input_mode: InputMode) -> str:
-    """``"history"`` or ``"text"``: ``input_mode``, or for ``"auto"`` history when
-    ``("history", "response")`` is present (see :func:`.render.resolve_input_mode`). Raises
-    a ``KeyError`` naming what to use when the rollouts hold no response at all (e.g. an
-    env's reset or ``next`` tensordict)."""
-    inputs = {
-        "history": [[layouts.history_key("response")]],
-        "text": [[layouts.text_key("response")]],
-    }
+    """``"history"`` or ``"text"`` (``"auto"``: history when ``("history", "response")`` is
+    present); a ``KeyError`` naming what to use when ``td`` holds no response."""
+    inputs = {"history": [[layouts.history_key("response")]], "text": [[layouts.text_key("response")]]}
     return resolve_input_mode(td, input_mode, inputs, what="response to score", hint=_NO_RESPONSE)
 
 
 def column_keys(td: TensorDictBase, columns: Mapping[str, tuple] | None) -> dict[str, tuple]:
-    """``{argument name: rollout key}``: ``columns``, or (``None``) every top-level
-    non-tensor field that is not one of TorchRL's own keys, as TRL passes every dataset
-    column."""
+    """``{argument: rollout key}``: ``columns``, or every top-level non-tensor field that is
+    not one of TorchRL's own keys."""
     if columns is not None:
         return dict(columns)
     sample = td
@@ -97,19 +88,11 @@ def trl_arguments(
     names: Sequence[str] = (),
     columns_td: TensorDictBase | None = None,
 ) -> dict:
-    """The keyword arguments TRL would pass for the rollouts in ``td`` (flattened
-    row-major, ``N`` rows): ``prompts``, ``completions``, ``completion_ids`` (lists of
-    ints, or ``N`` ``None`` without response tokens) and one ``N``-list per column.
-
-    - history rollouts: ``prompts[i]``/``completions[i]`` are lists of plain
-      ``{"role", "content"}`` messages (TRL's conversational format);
-    - text rollouts: ``("text", "prompt")`` and ``("text", "response")`` strings;
-    - ``tokenizer``: completion texts are decoded from the response ids with
-      ``skip_special_tokens=True``, as TRL decodes them.
-
-    ``funcs``/``names``: a function declaring ``completion_ids`` on rollouts without
-    response tokens raises a ``KeyError`` naming it instead of receiving ``None``. Columns
-    missing from ``td`` are looked up in ``columns_td`` (the ``next`` tensordict of a step).
+    """The keyword arguments TRL would pass for the ``N`` rollouts in ``td`` (row-major):
+    ``prompts``, ``completions`` (message lists for history, strings for text; decoded from
+    the response ids when ``tokenizer`` is given), ``completion_ids`` (``None`` without
+    tokens: a ``KeyError`` if one of ``funcs`` declares it) and one ``N``-list per column
+    (looked up in ``columns_td`` when missing from ``td``).
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({"text": {"prompt": ["q"], "response": ["a"]}, "answer": ["4"]}, [1])
@@ -136,17 +119,13 @@ def trl_arguments(
                 f"is missing. Available keys: {layouts.available_keys(td)}"
             )
         decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    if mode == "history":
-        prompts = layouts.read_history(td, "prompt")
-        if decoded is not None:
-            completions = [[{"role": "assistant", "content": c}] for c in decoded]
-        else:
-            completions = layouts.read_history(td, "response")
+    read = layouts.read_history if mode == "history" else layouts.read_text
+    if decoded is None:
+        completions = read(td, "response")
     else:
-        prompts = layouts.read_text(td, "prompt")
-        completions = decoded if decoded is not None else layouts.read_text(td, "response")
+        completions = [[{"role": "assistant", "content": c}] for c in decoded] if mode == "history" else decoded
     completion_ids = ids if ids is not None else [None] * n
-    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
+    kwargs = {"prompts": read(td, "prompt"), "completions": completions, "completion_ids": completion_ids}
     for name, key in column_keys(td, columns).items():
         source = td if layouts.has_key(td, key) else columns_td
         if source is None or not layouts.has_key(source, key):

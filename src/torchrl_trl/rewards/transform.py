@@ -1,24 +1,5 @@
-"""``HFRewardTransform``: score with a Hugging Face reward model inside TorchRL.
-
-It is a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` (on a ``ChatEnv``:
-each step scores the conversation so far and writes ``("next", "reward")`` ``[*B, 1, 1]``,
-turn by turn in multi-turn envs; on a replay buffer: once, when rollouts are written;
-called as a module: scores ``td``) whose scorer it builds when not given ready:
-
-- an :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (built with its renderer and
-  batching objects, or :meth:`~torchrl_trl.rewards.HFRewardModelWrapper.from_pretrained`);
-- a :class:`~torchrl_trl.rewards.service.RewardServiceClient`: one reward model in a named
-  Ray actor shared by every transform (collector, env worker) attached to that name; each
-  renders its samples locally and sends token ids (see :mod:`torchrl_trl.rewards.service`).
-  ``HFRewardTransform(path, use_ray_service=True, actor_name="rm", num_gpus=1)`` builds one
-  with its defaults (TorchRL's ``ModuleTransform`` spelling);
-- a local path or a loaded reward model: wrapped with the defaults, without gradients.
-
-``in_keys`` are the keys the scorer reads (tokens + mask, text or history: see
-:attr:`HFRewardModelWrapper.in_keys`); ``out_keys`` is ``[("next", reward_key)]``. Put
-``KLRewardTransform`` after it on an env (it reads ``next["reward"]``), and post-processing
-too: ``RewardScaling(loc, scale)``, ``RewardClipping``,
-:class:`~torchrl_trl.rewards.RunningRewardNorm`.
+"""``HFRewardTransform``: a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`
+scoring with a Hugging Face reward model, built from a path or a model when not given ready.
 """
 
 from __future__ import annotations
@@ -39,43 +20,30 @@ __all__ = ["HFRewardTransform"]
 
 
 class HFRewardTransform(RewardTransform):
-    """Write reward-model scores as TorchRL rewards: a
-    :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` whose scorer is built
-    from a path or a model when it is not given ready.
+    """Write reward-model scores as TorchRL rewards (on an env's step, a buffer's write, or
+    called on a tensordict).
 
     Args:
-        scorer: what scores: an :class:`HFRewardModelWrapper`, a
+        scorer: an :class:`HFRewardModelWrapper`, a
             :class:`~torchrl_trl.rewards.service.RewardServiceClient`, or a local path / a
-            loaded reward model (wrapped with the defaults, ``inference_mode=True``; with
-            ``use_ray_service=True`` a path is served by a
-            :class:`~torchrl_trl.rewards.service.RewardServiceClient`).
+            loaded reward model (wrapped with ``inference_mode=True``; with
+            ``use_ray_service=True`` a path is served by a ``RewardServiceClient``).
 
     Keyword Args:
-        reward_key: reward key *inside* ``"next"`` (env: ``next_tensordict[reward_key]``;
-            buffer: ``td["next", reward_key]``). Defaults to the scorer's ``reward_key``
-            without a leading ``"next"`` (``"reward"`` unless it was configured).
-        reward_shape: ``"step"`` (default: ``[*B, 1, 1]`` as ``GSM8KRewardParser`` writes
-            and ``MCAdvantage`` reads), ``"trailing"`` or ``"flat"``. The transform writes
-            the reward: the scorer's own ``reward_shape`` (for its standalone use) is not
-            used.
-        accumulate: add to a reward already there (e.g. another parser's) instead of
-            overwriting it. Defaults to ``False``.
+        reward_key: reward key *inside* ``"next"``; defaults to the scorer's without a
+            leading ``"next"``.
+        reward_shape: ``"step"`` (default, ``[*B, 1, 1]``), ``"trailing"`` or ``"flat"``
+            (the scorer's own ``reward_shape`` is not used).
+        accumulate: add to a reward already there instead of overwriting it.
         use_ray_service: serve ``scorer`` (a local path) from a named Ray actor shared by
-            every transform given the same ``actor_name`` (TorchRL's ``ModuleTransform`` /
-            ``RayRetrieveKL`` idiom). Defaults to ``False``.
-        service_backend: ``"ray"`` is the same as ``use_ray_service=True`` (TorchRL's
-            newer spelling); ``"direct"``/``None``: in-process.
+            every transform given the same ``actor_name``.
+        service_backend: ``"ray"`` (same as ``use_ray_service=True``), ``"direct"`` or ``None``.
         actor_name, num_cpus, num_gpus: the service's name and Ray resources (only with
-            ``use_ray_service=True``); for its other settings build the
-            :class:`~torchrl_trl.rewards.service.RewardServiceClient` and pass it.
+            ``use_ray_service=True``).
 
-    The scorer is :attr:`scorer` (counters: ``truncated_count``, ``nonfinite_count``,
-    ``padding_efficiency``; a service client's: ``scorer.stats()``).
+    The scorer is :attr:`scorer` (with its counters, or a client's ``stats()``).
 
     Examples:
-        A reward model with a batching policy, scoring rollouts when they are written to a
-        buffer-like tensordict, then scaled by TorchRL's ``RewardScaling``:
-
         >>> import tempfile, torch
         >>> from tensordict import TensorDict
         >>> from torchrl.envs import RewardScaling
@@ -145,7 +113,7 @@ class HFRewardTransform(RewardTransform):
 
 
 def _removed_error(given: dict) -> TypeError:
-    """Arguments the transform no longer forwards: each named with where it goes now."""
+    """The ``TypeError`` naming where each argument the transform no longer takes went."""
     from .service import CALLER_SIDE_ARGS, MODEL_SIDE_ARGS, SERVICE_ARGS
 
     client = "RewardServiceClient(path, {}): pass the client as the scorer"
@@ -159,6 +127,5 @@ def _removed_error(given: dict) -> TypeError:
     lines = []
     for name in sorted(given):
         home = next((home for names, home in homes if name in names), None)
-        # else a removed keyword of the wrapper's, or an unknown one
         lines.append(moved_line(name) if home is None else f"{name} moved to {home.format(n=name)}")
     return TypeError("HFRewardTransform composes a scorer: " + "; ".join(lines))

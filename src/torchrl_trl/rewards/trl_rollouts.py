@@ -1,9 +1,5 @@
-"""TRL reward-function arguments -> TorchRL rollouts (the inverse of the layout reader).
-
-:func:`rollouts_from_trl` builds the tensordict a TorchRL reward module or parser reads
-from what TRL passes a reward function (``prompts``, ``completions``, ``completion_ids``,
-columns), so TorchRL rewards can run as TRL ``reward_funcs``.
-"""
+"""TRL reward-function arguments -> TorchRL rollouts: :func:`rollouts_from_trl`, the
+tensordict a TorchRL reward module or parser reads."""
 
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ __all__ = ["is_conversational", "rollouts_from_trl"]
 
 
 def is_conversational(prompts: Sequence[Any]) -> bool:
-    """Whether TRL reads these prompts as chat (lists of ``{"role", "content"}``
-    messages): ``trl.data_utils.is_conversational`` on the first prompt.
+    """Whether TRL reads these prompts as chat (``trl.data_utils.is_conversational``).
 
     >>> is_conversational([[{"role": "user", "content": "hi"}]]), is_conversational(["hi"])
     (True, False)
@@ -44,20 +39,11 @@ def rollouts_from_trl(
     columns: dict[str, Sequence[Any]] | None = None,
     tokenizer=None,
 ) -> TensorDictBase:
-    """Build TorchRL rollouts (a lazy stack of ``N`` per-sample TensorDicts) from TRL's
-    reward-function arguments.
-
-    Keys written, per sample:
-
-    - chat data: ``("history", "prompt" | "response" | "full")`` (``History``);
-    - ``("text", "response")`` (the completion text); ``("text", "prompt")`` and
-      ``("text", "full")`` for text data, or for chat data when ``tokenizer`` is given
-      (the prompt rendered with its chat template and a generation prompt);
-    - ``("tokens", "response")`` from ``completion_ids``; ``("tokens", "prompt" | "full")``
-      when ``tokenizer`` is given;
-    - each column at the top level, e.g. ``"answer"``.
-
-    The inverse of :func:`torchrl_trl.rewards.rollout_arguments.trl_arguments`.
+    """TorchRL rollouts (a lazy stack of ``N`` TensorDicts) from TRL's reward-function
+    arguments: ``("history", "prompt" | "response" | "full")`` for chat;
+    ``("text", "response")``, and ``("text", "prompt" | "full")`` for text (for chat with
+    ``tokenizer``: its chat template); ``("tokens", "response")`` from ``completion_ids``,
+    ``("tokens", "prompt" | "full")`` with ``tokenizer``; each column at the top level.
 
     >>> td = rollouts_from_trl(["2+2="], ["4"], [[19]], columns={"answer": ["4"]})
     >>> list(td["text", "full"]), td["tokens", "response"][0].tolist(), list(td["answer"])

@@ -1,8 +1,5 @@
-"""Writing ``[N]`` scores into a tensordict as TorchRL rewards (shape, dtype, device).
-
-One place for the convention every reward-model scorer writes with (the in-process
-:class:`~torchrl_trl.rewards.HFRewardModelWrapper`, the service client and
-:class:`~torchrl_trl.rewards.reward_transform.RewardTransform`).
+"""Writing ``[N]`` scores into a tensordict as TorchRL rewards (shape, dtype, device): the
+one convention every reward scorer writes with.
 """
 
 from __future__ import annotations
@@ -26,10 +23,9 @@ def write_rewards(
     accumulate: bool = False,
 ) -> TensorDictBase:
     """Write ``[N]`` rewards into ``tensordict`` at ``key`` (in place), shaped
-    ``[*batch_size, *trailing dims of reward_shape]``, in the floating dtype of a reward
-    already there (else the default dtype), on the tensordict's device (else that reward's,
-    else CPU). ``accumulate``: add to the reward already at ``key`` (same shape required)
-    instead of overwriting it.
+    ``[*batch_size, *trailing dims of reward_shape]``, in the dtype and on the device of a
+    reward already there (else the default dtype, the tensordict's device or CPU);
+    ``accumulate``: add to that reward (same shape required).
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({("next", "reward"): torch.ones(2, 1, 1)}, batch_size=[2])
