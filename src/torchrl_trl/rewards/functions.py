@@ -75,34 +75,22 @@ class RewardFunctionWrapper(TensorDictModuleBase):
     """TRL-style reward functions as a TensorDict module: ``wrapper(td)`` scores the
     rollouts in ``td`` (any batch shape, padded or ragged) and writes the reward keys.
 
-    Each function is called as TRL's ``GRPOTrainer`` calls it, ``f(prompts=...,
-    completions=..., completion_ids=..., <columns>..., trainer_state=..., log_extra=...,
-    log_metric=...)``: chat rollouts give ``{"role", "content"}`` message lists, text
-    rollouts ``("text", "prompt" | "response")``; ``completion_ids`` are the response token
-    ids (``None`` without tokens); columns are per-row lists of dataset fields (``"answer"``).
-    Sync functions run one after the other, async ones concurrently.
-
-    The reward is ``nansum(weights * rewards_per_func)``: ``None``, NaN and inf are excluded
-    (counted in :attr:`none_counts` / :attr:`nonfinite_counts`, warned once); a row with no
-    reward left gets ``unscorable_reward`` (:attr:`unscorable_count`). A function's exception
-    is re-raised with its name (same type where possible, else
-    :class:`~torchrl_trl.rewards.calling.RewardFunctionError`).
-
-    On a ``ChatEnv`` or a replay buffer's write use :meth:`as_transform` (the wrapper on an
-    env raises a ``KeyError`` saying so); ``rb.append_transform(wrapper)`` scores on sample.
+    Each function is called as TRL's ``GRPOTrainer`` calls it (see
+    :func:`~torchrl_trl.rewards.rollout_arguments.trl_arguments`). The reward is
+    ``nansum(weights * rewards_per_func)``: ``None``, NaN and inf are excluded (counted in
+    :attr:`none_counts` / :attr:`nonfinite_counts`, warned once); a row with no reward left
+    gets ``unscorable_reward``. A function's exception is re-raised with its name. On a
+    ``ChatEnv`` or a replay buffer's write use :meth:`as_transform`.
 
     Args:
         funcs: one reward function or a list of them.
 
     Keyword Args:
         weights: one float per function (default: all ones), as ``GRPOConfig.reward_weights``.
-        columns: the rollout fields passed as keyword arguments: keys (the argument is the
-            key's last part) or ``{argument: key}``. ``None``: every top-level non-tensor
-            field that is not one of TorchRL's own keys, as TRL passes every column.
-        input_mode: ``"history"``, ``"text"`` or ``"auto"`` (history when
-            ``("history", "response")`` is present).
-        tokenizer: the policy tokenizer; completions are then decoded from the response ids
-            with ``skip_special_tokens=True``, as TRL does.
+        columns: the rollout fields passed: keys (the argument is the key's last part) or
+            ``{argument: key}``; ``None``: every top-level non-tensor field not TorchRL's.
+        input_mode: ``"history"``, ``"text"`` or ``"auto"`` (history when present).
+        tokenizer: the policy tokenizer, to decode completions from the response ids.
         reward_key: where the combined reward is written. Default ``("next", "reward")``.
         per_function_keys: also write each function's raw reward (NaN for ``None``):
             ``True`` for ``("next", "reward_<name>")``, or one key per function.
@@ -115,16 +103,12 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             function on the batch; with it: one completion. A ``TimeoutError`` names it.
         executor: ``None`` (run in the caller on the whole batch), or a
             :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or its kind): each
-            function is called once per completion, isolated, with one-element lists;
-            ``log_extra``/``log_metric`` calls are replayed in order. A failed completion
-            gets the executor's ``failure_reward`` (``None``: excluded) and is counted in
-            :attr:`failure_counts`.
+            function called once per completion, isolated; a failure gets the executor's
+            ``failure_reward`` and is counted in :attr:`failure_counts`.
         max_workers, failure_reward, mp_context: deprecated, moved to
             ``executor=RewardExecutor(...)``.
 
-    ``in_keys``: every key it may read (prompt/response keys, response tokens and mask,
-    columns); ``out_keys``: ``reward_key`` and the ``per_function_keys``. A function
-    declaring ``completion_ids`` on rollouts without response tokens raises ``KeyError``.
+    ``in_keys``: every key it may read; ``out_keys``: ``reward_key`` and ``per_function_keys``.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -176,12 +160,10 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         if input_mode not in ("auto", "history", "text"):
             raise ValueError(f"input_mode must be 'auto', 'history' or 'text', got {input_mode!r}")
         self.names = function_names(funcs, names)
-        if weights is None:
-            weights = [1.0] * len(funcs)
+        weights = [1.0] * len(funcs) if weights is None else weights
         if len(weights) != len(funcs):
             raise ValueError(
-                f"Number of reward weights ({len(weights)}) must match number of reward "
-                f"functions ({len(funcs)})"
+                f"Number of reward weights ({len(weights)}) must match number of reward functions ({len(funcs)})"
             )
         self.reward_key = key_tuple(reward_key)
         if per_function_keys is True:
@@ -192,17 +174,12 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         else:
             per_function_keys = [key_tuple(k) for k in per_function_keys]
             if len(per_function_keys) != len(funcs):
-                raise ValueError(
-                    f"per_function_keys has {len(per_function_keys)} keys, expected "
-                    f"{len(funcs)} (one per function)"
-                )
+                n = len(per_function_keys)
+                raise ValueError(f"per_function_keys has {n} keys, expected {len(funcs)} (one per function)")
         self.per_function_keys = per_function_keys
-        if isinstance(columns, Mapping):
-            self.columns = {str(k): key_tuple(v) for k, v in columns.items()}
-        elif columns is not None:
-            self.columns = {key_tuple(k)[-1]: key_tuple(k) for k in columns}
-        else:
-            self.columns = None
+        if columns is not None and not isinstance(columns, Mapping):
+            columns = {key_tuple(k)[-1]: k for k in columns}
+        self.columns = None if columns is None else {str(k): key_tuple(v) for k, v in columns.items()}
         self.in_keys = input_keys(input_mode, self.columns)
         self.out_keys = [self.reward_key, *self.per_function_keys]
         self.funcs = funcs
@@ -217,9 +194,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self.executor = None if config is None else config.build(funcs, self.names, self.timeout)
         self._failures = FailureCounter(self.names, type(self).__name__)
         self.logs = _Logs()
-        self._none = WarnOnce()  # by function name
-        self._nonfinite = WarnOnce()  # by function name
-        self._unscorable = WarnOnce()
+        self._none, self._nonfinite, self._unscorable = WarnOnce(), WarnOnce(), WarnOnce()
 
     @property
     def none_counts(self) -> dict[str, int]:

@@ -34,14 +34,8 @@ __all__ = ["RewardRenderer", "resolve_input_mode", "same_tokenizer"]
 InputMode = Literal["auto", "tokens", "text", "history"]
 
 
-def resolve_input_mode(
-    td: TensorDictBase,
-    input_mode: str,
-    inputs: Mapping[str, Sequence[Sequence[NestedKey]]],
-    *,
-    what: str = "input",
-    hint: str = "",
-) -> str:
+def resolve_input_mode(td: TensorDictBase, input_mode: str, inputs: Mapping[str, Sequence[Sequence[NestedKey]]],
+                       *, what: str = "input", hint: str = "") -> str:
     """``input_mode``, or for ``"auto"`` the first of ``inputs`` present in ``td``;
     ``inputs[mode]`` lists alternative key sets (present when every key of one is). A
     ``KeyError`` names ``what``, the keys tried and those available (then ``hint``).
@@ -70,10 +64,8 @@ def resolve_input_mode(
 
 def same_tokenizer(a: Any, b: Any) -> bool:
     """Whether two tokenizers map text and chats to the same ids."""
-    if a is None or b is None:
-        return False
-    if a is b:
-        return True
+    if a is None or b is None or a is b:
+        return a is not None and a is b
     backend_a, backend_b = (getattr(t, "backend_tokenizer", None) for t in (a, b))
     return (
         a.get_vocab() == b.get_vocab()
@@ -122,15 +114,11 @@ class RewardRenderer:
         policy_tokenizer: Any = None,
     ) -> None:
         if input_mode not in ("auto", "tokens", "text", "history"):
-            raise ValueError(
-                f"input_mode must be 'auto', 'tokens', 'text' or 'history', got {input_mode!r}"
-            )
+            raise ValueError(f"input_mode must be 'auto', 'tokens', 'text' or 'history', got {input_mode!r}")
         if add_eos not in ("auto", "always", "never"):
             raise ValueError(f"add_eos must be 'auto', 'always' or 'never', got {add_eos!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(
-                f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}"
-            )
+            raise TypeError(f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}")
         self.policy_tokenizer = policy_tokenizer
         self.input_mode = input_mode
         self.part = part
@@ -161,8 +149,7 @@ class RewardRenderer:
                 "tokenizer= (or load the model by path, which loads its tokenizer)"
             )
         part = self.part
-        full = layouts.token_key("full")
-        if token_key is not None and part != "full" and key_tuple(token_key) == full:
+        if token_key is not None and part != "full" and key_tuple(token_key) == layouts.token_key("full"):
             raise ValueError(
                 f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot "
                 f"score the {part}; leave token_key unset (it then reads "
@@ -172,9 +159,7 @@ class RewardRenderer:
         bound.tokenizer = tokenizer
         bound.token_key = layouts.token_key(part) if token_key is None else token_key
         bound.attention_mask_key = attention_mask_key
-        if eos_token_id is None and tokenizer is not None:
-            eos_token_id = tokenizer.eos_token_id
-        bound.eos_token_id = eos_token_id
+        bound.eos_token_id = tokenizer.eos_token_id if eos_token_id is None and tokenizer is not None else eos_token_id
         bound.tokens_direct = tokenizer is None or same_tokenizer(tokenizer, self.policy_tokenizer)
         bound._whitespace_ids = None
         return bound
@@ -201,10 +186,8 @@ class RewardRenderer:
     def resolve_mode(self, td: TensorDictBase) -> str:
         """The input used for ``td``: ``"tokens"``, ``"tokens->text"``, ``"text"`` or ``"history"``."""
         mode = resolve_input_mode(td, self.input_mode, self._inputs(), what="reward-model input")
-        if mode == "tokens" and not self.tokens_direct and self.policy_tokenizer is not None:
-            return "tokens->text"
-        # without a policy tokenizer the tokens are taken to be in the reward model's vocabulary
-        return mode
+        decode = mode == "tokens" and not self.tokens_direct and self.policy_tokenizer is not None
+        return "tokens->text" if decode else mode  # no policy tokenizer: tokens in the reward vocabulary
 
     def preferred_mode(self) -> str:
         """The input read when every input is present."""
@@ -217,15 +200,13 @@ class RewardRenderer:
             return [layouts.history_key(self.part)]
         if mode == "text":
             return [layouts.text_key(self.part)]
-        keys = [self.token_key]
-        return keys + ([self.attention_mask_key] if self.attention_mask_key is not None else [])
+        return [self.token_key] + ([self.attention_mask_key] if self.attention_mask_key is not None else [])
 
     @property
     def keeps_tokens(self) -> bool:
         """Whether token inputs reach the model unchanged (no EOS appended)."""
-        return self.add_eos == "never" or self.eos_token_id is None or (
-            self.add_eos == "auto" and self.tokenizer is None
-        )
+        auto_unknown = self.add_eos == "auto" and self.tokenizer is None
+        return self.add_eos == "never" or self.eos_token_id is None or auto_unknown
 
     def read_token_ids(self, td: TensorDictBase) -> Ragged:
         """The real token ids at :attr:`token_key` (padding removed with the mask), checked
@@ -237,9 +218,7 @@ class RewardRenderer:
                 f"TensorDict (tokens at {self.token_key!r}). Pass attention_mask_key=None if "
                 f"every stored token is real. Available keys: {layouts.available_keys(td)}"
             )
-        where = f"tokens at {self.token_key!r}" + (
-            f" (attention mask {mask_key!r})" if mask_key is not None else ""
-        )
+        where = f"tokens at {self.token_key!r}" + (f" (attention mask {mask_key!r})" if mask_key is not None else "")
         try:
             ids = layouts.read_tokens(td, self.part, key=self.token_key, mask_key=mask_key)
         except RuntimeError:
@@ -255,14 +234,11 @@ class RewardRenderer:
         if mode == "tokens":
             return self.append_eos(self.read_token_ids(td))
         if mode == "history":
-            chats = layouts.read_history(td, self.part, tokenizer=self.policy_tokenizer)
-            return self.encode_messages(chats)
+            return self.encode_messages(layouts.read_history(td, self.part, tokenizer=self.policy_tokenizer))
         if mode == "text":
-            texts = layouts.read_text(td, self.part, tokenizer=self.policy_tokenizer)
-            return self.encode_texts(texts)
-        ids = self.read_token_ids(td)
-        texts = self.policy_tokenizer.batch_decode(ids.tolist(), skip_special_tokens=False)
-        return self.encode_texts(texts)
+            return self.encode_texts(layouts.read_text(td, self.part, tokenizer=self.policy_tokenizer))
+        ids = self.read_token_ids(td).tolist()
+        return self.encode_texts(self.policy_tokenizer.batch_decode(ids, skip_special_tokens=False))
 
     def render_messages(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         """Chats -> text with the reward model's chat template."""
@@ -271,22 +247,15 @@ class RewardRenderer:
                 "the reward model's tokenizer has no chat_template: score the text instead "
                 "(input_mode='text') or set tokenizer.chat_template"
             )
-        return [
-            self.tokenizer.apply_chat_template(
-                _checked_messages(c, i),
-                tokenize=False,
-                add_generation_prompt=False,
-                **self.chat_template_kwargs,
-            )
-            for i, c in enumerate(conversations)
-        ]
+        kwargs = {"tokenize": False, "add_generation_prompt": False, **self.chat_template_kwargs}
+        apply = self.tokenizer.apply_chat_template
+        return [apply(_checked_messages(c, i), **kwargs) for i, c in enumerate(conversations)]
 
     def encode_messages(self, conversations: list[list[dict[str, str]]]) -> Ragged:
         texts = self.render_messages(conversations)
         if self.add_eos == "always":
             texts = [t + self.tokenizer.eos_token for t in texts]
-        enc = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return Ragged.from_list(enc)
+        return Ragged.from_list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
 
     def prepare_texts(self, texts: list[str]) -> list[str]:
         """Apply the EOS rule to plain texts."""
@@ -296,9 +265,7 @@ class RewardRenderer:
         for t in texts:
             if policy_eos and policy_eos != eos and t.rstrip().endswith(policy_eos):
                 t = t.rstrip()[: -len(policy_eos)]
-            if eos and (self.add_eos == "always" or (
-                self.add_eos == "auto" and not t.rstrip().endswith(eos)
-            )):
+            if eos and (self.add_eos == "always" or (self.add_eos == "auto" and not t.rstrip().endswith(eos))):
                 t = t + eos
             out.append(t)
         return out
@@ -309,8 +276,8 @@ class RewardRenderer:
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise TypeError(f"text {i} is a {type(t).__name__}, expected str: {t!r}")
-        enc = self.tokenizer(self.prepare_texts(list(texts)), add_special_tokens=True)["input_ids"]
-        return Ragged.from_list(enc)
+        texts = self.prepare_texts(list(texts))
+        return Ragged.from_list(self.tokenizer(texts, add_special_tokens=True)["input_ids"])
 
     def append_eos(self, ids: Ragged) -> Ragged:
         """Token inputs with the EOS rule applied."""
@@ -318,12 +285,10 @@ class RewardRenderer:
         if self.keeps_tokens or len(ids) == 0:
             return ids
         seqs = list(ids.split())
-        changed = False
-        for i, s in enumerate(seqs):
-            if self.add_eos == "always" or not self._ends_with_eos(s.tolist(), eos):
-                seqs[i] = torch.cat([s, s.new_tensor([eos])])
-                changed = True
-        return Ragged.from_list(seqs) if changed else ids
+        add = [self.add_eos == "always" or not self._ends_with_eos(s.tolist(), eos) for s in seqs]
+        if not any(add):
+            return ids
+        return Ragged.from_list([torch.cat([s, s.new_tensor([eos])]) if a else s for s, a in zip(seqs, add)])
 
     def _ends_with_eos(self, seq: list[int], eos: int) -> bool:
         # trailing tokens that decode to whitespace only (ChatML's "\n") do not count
@@ -340,11 +305,8 @@ class RewardRenderer:
             self._whitespace_ids = set()
             if self.tokenizer is not None:
                 specials = set(self.tokenizer.all_special_ids)
-                n = len(self.tokenizer)
-                texts = self.tokenizer.batch_decode([[i] for i in range(n)])
-                self._whitespace_ids = {
-                    i for i, t in enumerate(texts) if t and not t.strip() and i not in specials
-                }
+                texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+                self._whitespace_ids = {i for i, t in enumerate(texts) if t and not t.strip() and i not in specials}
         return self._whitespace_ids
 
 

@@ -25,27 +25,18 @@ from .calling import (
     run_with_timeout, score_items,
 )  # fmt: skip
 from .executors import MOVED_TO_EXECUTOR, RewardExecutor, reward_executor
-from .trl_rollouts import is_conversational, rollouts_from_trl
+from .trl_rollouts import as_messages, is_conversational, rollouts_from_trl
 
 __all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "is_trl_function", "rollouts_from_trl"]
 
 
 def _conversations(prompts, completions) -> list[list[dict]]:
-    out = []
-    for p, c in zip(prompts, completions):
-        if isinstance(c, str):
-            c = [{"role": "assistant", "content": c}]
-        out.append(list(p) + list(c))
-    return out
+    return [list(p) + as_messages(c) for p, c in zip(prompts, completions)]
 
 
 def _default_name(reward: Any) -> str:
-    model = getattr(reward, "model", None)
-    config = getattr(model, "config", None)
-    path = getattr(config, "name_or_path", "") if config is not None else ""
-    if path:
-        return str(path).rstrip("/").split("/")[-1]
-    return type(reward).__name__
+    path = getattr(getattr(getattr(reward, "model", None), "config", None), "name_or_path", "")
+    return str(path).rstrip("/").split("/")[-1] if path else type(reward).__name__
 
 
 def is_trl_function(reward: Any) -> bool:
@@ -182,9 +173,8 @@ class TRLRewardFunc:
             call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
         if self.is_trl_function:  # as TRL would fail, but once here rather than per completion
             check_signature(self.reward, self.__name__, list(call_kwargs))
-        excluded = "it is returned as None (excluded by TRL)"
         rewards, _ = score_items(self.executor, call_kwargs, n, [self.__name__], self._failures,
-                                 self.failure_reward, excluded)
+                                 self.failure_reward, "it is returned as None (excluded by TRL)")
         return rewards[0]  # NaN/inf: counted by __call__
 
     def raw_rewards(self, prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
@@ -194,11 +184,8 @@ class TRLRewardFunc:
             return call_functions([self.reward], [self.__name__], call_kwargs, self.timeout)[0]
         columns = self._select_columns(kwargs)
         with torch.inference_mode():  # as TRL scores its reward models
-            rewards = run_with_timeout(
-                lambda: self._score(prompts, completions, completion_ids, columns),
-                self.timeout,
-                f"reward function {self.__name__!r}",
-            )
+            rewards = run_with_timeout(lambda: self._score(prompts, completions, completion_ids, columns),
+                                       self.timeout, f"reward function {self.__name__!r}")
         rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
         if rewards.shape[1] != 1:
             raise ValueError(
@@ -232,9 +219,7 @@ class TRLRewardFunc:
             return torch.as_tensor(self._call_reward(reward.score_messages, _conversations(prompts, completions)))
         if not chat and hasattr(reward, "score_texts"):
             return torch.as_tensor(self._call_reward(reward.score_texts, [p + c for p, c in zip(prompts, completions)]))
-        td = rollouts_from_trl(
-            prompts, completions, completion_ids, columns=columns, tokenizer=self.tokenizer
-        )
+        td = rollouts_from_trl(prompts, completions, completion_ids, columns=columns, tokenizer=self.tokenizer)
         if _compat.has_own_step(reward):  # a reward parser: reads the step and "next", writes "next"
             parser = self._parser_for(reward, chat)
             next_td = td.select(*columns) if columns else td.empty()
@@ -246,45 +231,36 @@ class TRLRewardFunc:
     def _score_like_trl(self, prompts, completions, chat: bool) -> torch.Tensor:
         """Our HFRewardModelWrapper on the token ids TRL's ``reward_funcs=[model]`` builds:
         chat template (or text) over ``prompt + completion``, ``add_special_tokens=False``."""
-        reward = self.reward
-        tok = reward.tokenizer
-        if chat:
-            conversations = _conversations(prompts, completions)
-            renderer = getattr(reward, "renderer", None)
-            if renderer is not None and hasattr(renderer, "render_messages"):
-                texts = renderer.render_messages(conversations)
-            else:
-                texts = [tok.apply_chat_template(c, tokenize=False) for c in conversations]
-        else:
+        reward, tok = self.reward, self.reward.tokenizer
+        if not chat:
             texts = [p + c for p, c in zip(prompts, completions)]
+        elif hasattr(getattr(reward, "renderer", None), "render_messages"):
+            texts = reward.renderer.render_messages(_conversations(prompts, completions))
+        else:
+            texts = [tok.apply_chat_template(c, tokenize=False) for c in _conversations(prompts, completions)]
         ids = tok(texts, add_special_tokens=False)["input_ids"]
         return self._call_reward(reward.score_ids, layouts.Ragged.from_list(ids))
 
     def _parser_for(self, parser, chat: bool):
         """The parser set up for chat (history) or text data: a shallow copy when it needs keys or a mode."""
         mode = "history" if chat else "text"
-        if mode in self._parsers:
-            return self._parsers[mode]
-        in_keys = list(getattr(parser, "in_keys", []) or [])
-        unset_mode = _compat.parser_input_mode_unset(parser)
-        if in_keys and not unset_mode:
+        if mode not in self._parsers:
+            in_keys = list(getattr(parser, "in_keys", []) or [])
+            unset_mode = _compat.parser_input_mode_unset(parser)
+            if not in_keys or unset_mode:
+                parser = copy.copy(parser)
+            if not in_keys:
+                answer = self.columns[0] if self.columns else "answer"
+                parser.in_keys = [layouts.history_key("full") if chat else layouts.text_key("response"), answer]
+            if unset_mode:
+                first = parser.in_keys[0]
+                _compat.set_parser_input_mode(parser, first[0] if isinstance(first, tuple) else mode)
             self._parsers[mode] = parser
-            return parser
-        parser = copy.copy(parser)
-        if not in_keys:
-            answer = self.columns[0] if self.columns else "answer"
-            first = layouts.history_key("full") if chat else layouts.text_key("response")
-            parser.in_keys = [first, answer]
-        if unset_mode:
-            first = parser.in_keys[0]
-            _compat.set_parser_input_mode(parser, first[0] if isinstance(first, tuple) else mode)
-        self._parsers[mode] = parser
-        return parser
+        return self._parsers[mode]
 
     def _read_reward(self, td: TensorDictBase, *, relative: bool) -> torch.Tensor:
         if self.reward_key is not None:
-            key = key_tuple(self.reward_key)
-            candidates = [strip_next(key) if relative else key]
+            candidates = [strip_next(key_tuple(self.reward_key)) if relative else key_tuple(self.reward_key)]
         elif relative:
             candidates = [("reward",)]
         else:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase, lazy_stack
 
-__all__ = ["is_conversational", "rollouts_from_trl"]
+__all__ = ["as_messages", "is_conversational", "rollouts_from_trl"]
 
 
 def is_conversational(prompts: Sequence[Any]) -> bool:
@@ -23,6 +23,11 @@ def is_conversational(prompts: Sequence[Any]) -> bool:
     if not prompts or (isinstance(prompts[0], list) and not prompts[0]):
         return False
     return trl_is_conversational({"prompt": prompts[0]})
+
+
+def as_messages(completion: Any) -> list[dict]:
+    """A completion as chat messages (a string is one assistant message)."""
+    return [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
 
 
 def _completion_text(completion: Any) -> str:
@@ -69,8 +74,7 @@ def rollouts_from_trl(
         response_text = _completion_text(completion)
         text = {"response": NonTensorData(response_text)}
         if chat:
-            if isinstance(completion, str):
-                completion = [{"role": "assistant", "content": completion}]
+            completion = as_messages(completion)
             row["history"] = {
                 "prompt": History.from_chats([prompt])[0],
                 "response": History.from_chats([completion])[0],
