@@ -28,9 +28,7 @@ def _sample_of(ids: Ragged, bad: torch.Tensor) -> int:
     return int(torch.searchsorted(ids.offsets[1:], position, right=True))
 
 
-def check_token_ids(
-    ids: Ragged, where: str, *, num_embeddings: int | None = None, hint: str = ""
-) -> Ragged:
+def check_token_ids(ids: Ragged, where: str, *, num_embeddings: int | None = None, hint: str = "") -> Ragged:
     """``ids`` if they are integer token ids ``>= 0`` (and ``< num_embeddings``), at least one
     per sample; else an error naming ``where``, the sample and the id (then ``hint``).
 

@@ -117,11 +117,9 @@ def run_coroutines(coros: list, names: list[str], timeout: float | None = None) 
     async def gather():
         return await asyncio.gather(*(one(c, n) for c, n in zip(coros, names)))
 
-    # the margin covers a coroutine that blocks the loop itself (no await)
-    bound = None if timeout is None else timeout + 1.0
+    bound = None if timeout is None else timeout + 1.0  # the margin: a coroutine blocking the loop
     what = f"the async reward functions {names} (one blocks the event loop without awaiting)"
-    message = f"{what} did not return within timeout={bound}s"
-    return run_async(gather(), bound, message, error=FunctionTimeout)
+    return run_async(gather(), bound, f"{what} did not return within timeout={bound}s", error=FunctionTimeout)
 
 
 def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None = None) -> Any:
@@ -162,9 +160,7 @@ def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict
     return out
 
 
-def to_rewards(
-    output: Any, *, name: str, expected: int, none: float | None = math.nan
-) -> list[float | None]:
+def to_rewards(output: Any, *, name: str, expected: int, none: float | None = math.nan) -> list[float | None]:
     """One function's output as ``expected`` floats (``None`` -> ``none``; tensors and numpy
     arrays read as lists), else a ``TypeError``/``ValueError`` naming the function.
 
@@ -175,10 +171,8 @@ def to_rewards(
     ...
     ValueError: reward function 'f' returned 1 rewards, but 2 were expected (one per prompt-completion pair)
     """
-    if isinstance(output, torch.Tensor):
-        output = output.reshape(-1).tolist()
-    elif hasattr(output, "tolist") and not isinstance(output, (str, bytes)):
-        output = output.tolist()  # numpy arrays
+    if hasattr(output, "tolist") and not isinstance(output, (str, bytes)):
+        output = output.reshape(-1).tolist() if isinstance(output, torch.Tensor) else output.tolist()
     if isinstance(output, (str, bytes, Mapping)) or not isinstance(output, Sequence):
         raise TypeError(
             f"reward function {name!r} must return a list of floats (or None), one per "
@@ -216,20 +210,11 @@ def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[l
     >>> items, shared
     ([(0, {'prompts': ['a'], 'log_metric': None}), (0, {'prompts': ['b'], 'log_metric': None})], {'trainer_state': None})
     """
-    shared, per_item = {}, {}
-    for key, value in call_kwargs.items():
-        if key in ("log_extra", "log_metric"):
-            continue
-        if key != "trainer_state" and isinstance(value, (list, tuple)) and len(value) == n:
-            per_item[key] = value
-        else:
-            shared[key] = value
     loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}
-    items = [
-        (i, {**{k: [v[row]] for k, v in per_item.items()}, **loggers})
-        for i in range(n_funcs)
-        for row in range(n)
-    ]
+    rest = {k: v for k, v in call_kwargs.items() if k not in loggers}
+    per_item = {k: v for k, v in rest.items() if k != "trainer_state" and isinstance(v, (list, tuple)) and len(v) == n}
+    shared = {k: v for k, v in rest.items() if k not in per_item}
+    items = [(i, {**{k: [v[row]] for k, v in per_item.items()}, **loggers}) for i in range(n_funcs) for row in range(n)]
     return items, shared
 
 
@@ -295,9 +280,7 @@ class FailureCounter:
     """
 
     def __init__(self, names: Sequence[str], owner: str):
-        self.owner = owner
-        self.names = list(names)
-        self._seen = WarnOnce()  # by (name, kind)
+        self.owner, self.names, self._seen = owner, list(names), WarnOnce()  # by (name, kind)
 
     @property
     def counts(self) -> dict[str, dict[str, int]]:
@@ -319,25 +302,20 @@ def replay_logs(results: Sequence, log_extra: Callable | None, log_metric: Calla
     """Replay the items' ``log_extra``/``log_metric`` calls in item order: each ``log_extra``
     column once, joined over the items (``None`` for an item that did not log it, keeping it
     aligned), then every ``log_metric`` call. A target that is not callable is skipped."""
-    columns = dict.fromkeys(e[1] for r in results for e in r.logs if e[0] == "extra")
     if callable(log_extra):
-        for column in columns:
+        for column in dict.fromkeys(e[1] for r in results for e in r.logs if e[0] == "extra"):
             values: list = []
             for result in results:
                 logged = [e[2] for e in result.logs if e[0] == "extra" and e[1] == column]
                 values.extend(logged[0] if logged else [None])
             log_extra(column, values)
     if callable(log_metric):
-        for result in results:
-            for entry in result.logs:
-                if entry[0] == "metric":
-                    log_metric(entry[1], entry[2])
+        for entry in (e for r in results for e in r.logs if e[0] == "metric"):
+            log_metric(entry[1], entry[2])
 
 
-def score_items(
-    executor, call_kwargs: dict, n: int, names: Sequence[str], failures: FailureCounter,
-    failure_reward: float | None, excluded: str,
-) -> tuple[list[list[float | None]], list[list[bool]]]:
+def score_items(executor, call_kwargs: dict, n: int, names: Sequence[str], failures: FailureCounter,
+                failure_reward: float | None, excluded: str) -> tuple[list[list[float | None]], list[list[bool]]]:
     """Each function on each of the ``n`` completions alone, in an item ``executor``:
     ``(rewards, failed)``, per function one entry per completion (``failure_reward`` where it
     failed, counted in ``failures``; ``excluded`` says what becomes of it without one). The

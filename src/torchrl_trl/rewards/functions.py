@@ -131,22 +131,12 @@ class RewardFunctionWrapper(TensorDictModuleBase):
     """
 
     def __init__(
-        self,
-        funcs: Callable | Sequence[Callable],
-        *,
-        weights: Sequence[float] | None = None,
-        columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
-        input_mode: InputMode = "auto",
-        tokenizer=None,
-        reward_key: NestedKey = layouts.REWARD_KEY,
-        per_function_keys: bool | Sequence[NestedKey] = False,
-        reward_shape: RewardShape = "step",
-        unscorable_reward: float = math.nan,
-        names: Sequence[str] | None = None,
-        trainer_state: Any = None,
-        timeout: float | None = None,
-        executor: str | Executor | RewardExecutor | None = None,
-        **moved,
+        self, funcs: Callable | Sequence[Callable], *, weights: Sequence[float] | None = None,
+        columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None, input_mode: InputMode = "auto",
+        tokenizer=None, reward_key: NestedKey = layouts.REWARD_KEY,
+        per_function_keys: bool | Sequence[NestedKey] = False, reward_shape: RewardShape = "step",
+        unscorable_reward: float = math.nan, names: Sequence[str] | None = None, trainer_state: Any = None,
+        timeout: float | None = None, executor: str | Executor | RewardExecutor | None = None, **moved,
     ):
         moved = moved_keywords(type(self).__name__, moved, MOVED_TO_EXECUTOR)
         config = reward_executor(executor, **moved)
@@ -235,9 +225,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         logs = {"log_extra": self.logs.log_extra, "log_metric": self.logs.log_metric}
         return {**kwargs, "trainer_state": self.trainer_state, **logs}
 
-    def score(
-        self, td: TensorDictBase, columns_td: TensorDictBase | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, td: TensorDictBase, columns_td: TensorDictBase | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rewards, rewards_per_func)`` of the rollouts in ``td``, writing nothing: float32
         ``[N]`` and ``[N, n_funcs]`` (NaN for ``None``), ``N`` the flattened batch."""
         return self.score_arguments(**self.trl_arguments(td, columns_td))

@@ -54,19 +54,16 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
     if logits.ndim != 2 or logits.shape[0] != n_rows:
         raise RewardShapeError(
             f"HFRewardModelWrapper: expected one scalar reward per input with shape [{n_rows}] "
-            f"or [{n_rows}, 1] (or [{n_rows}, num_labels] with head_index=), got "
-            f"{tuple(logits.shape)}"
+            f"or [{n_rows}, 1] (or [{n_rows}, num_labels] with head_index=), got {tuple(logits.shape)}"
         )
     k = logits.shape[-1]
-    if head_index is None:
-        if k != 1:
-            raise RewardShapeError(
-                f"HFRewardModelWrapper: expected one scalar reward per input, got logits of "
-                f"shape {tuple(logits.shape)}: the reward model has a multi-label head "
-                f"(num_labels={k}); pass head_index= (0..{k - 1}) to pick the output to use as "
-                "the reward"
-            )
-        return logits[:, 0]
+    if head_index is None and k != 1:
+        raise RewardShapeError(
+            f"HFRewardModelWrapper: expected one scalar reward per input, got logits of shape "
+            f"{tuple(logits.shape)}: the reward model has a multi-label head (num_labels={k}); pass "
+            f"head_index= (0..{k - 1}) to pick the output to use as the reward"
+        )
+    head_index = 0 if head_index is None else head_index
     if not -k <= head_index < k:
         raise ValueError(f"head_index={head_index} out of range for num_labels={k}")
     return logits[:, head_index]
@@ -88,13 +85,10 @@ class NonFiniteRewards:
     """
 
     def __init__(self, policy: str | float = "raise") -> None:
-        if policy not in ("raise", "warn"):
-            if isinstance(policy, bool) or not isinstance(policy, numbers.Real) or not math.isfinite(policy):
-                raise ValueError(
-                    f"on_nonfinite must be 'raise', 'warn' or a finite replacement value, got {policy!r}"
-                )
-        self.policy = policy
-        self._warn = WarnOnce(RuntimeWarning)
+        number = isinstance(policy, numbers.Real) and not isinstance(policy, bool) and math.isfinite(policy)
+        if policy not in ("raise", "warn") and not number:
+            raise ValueError(f"on_nonfinite must be 'raise', 'warn' or a finite replacement value, got {policy!r}")
+        self.policy, self._warn = policy, WarnOnce(RuntimeWarning)
 
     @property
     def count(self) -> int:
@@ -142,17 +136,14 @@ class RunningRewardNorm(Transform):
         (2.0, 2)
     """
 
-    def __init__(
-        self, in_keys: list[NestedKey] | None = None, *, update_stats: bool = True, eps: float = 1e-6
-    ) -> None:
+    def __init__(self, in_keys: list[NestedKey] | None = None, *, update_stats: bool = True, eps: float = 1e-6) -> None:
         in_keys = ["reward"] if in_keys is None else in_keys
         super().__init__(in_keys=in_keys, out_keys=list(in_keys))
         if not (isinstance(eps, numbers.Real) and eps > 0):
             raise ValueError(f"eps must be a number > 0, got {eps!r}")
         self.update_stats, self.eps = bool(update_stats), float(eps)
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("mean", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("m2", torch.zeros((), dtype=torch.float64))
+        for name in ("count", "mean", "m2"):  # float64 buffers, saved with state_dict
+            self.register_buffer(name, torch.zeros((), dtype=torch.float64))
 
     @property
     def std(self) -> torch.Tensor:
@@ -166,12 +157,10 @@ class RunningRewardNorm(Transform):
         n = x.numel()
         if n == 0:
             return
-        mean_b = x.mean()
-        m2_b = ((x - mean_b) ** 2).sum()
-        total = self.count + n
+        mean_b, total = x.mean(), self.count + n
         delta = mean_b - self.mean
         self.mean += delta * n / total
-        self.m2 += m2_b + delta**2 * self.count * n / total
+        self.m2 += ((x - mean_b) ** 2).sum() + delta**2 * self.count * n / total
         self.count.fill_(total)
 
     def _apply_transform(self, reward: torch.Tensor) -> torch.Tensor:

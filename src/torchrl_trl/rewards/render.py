@@ -105,12 +105,8 @@ class RewardRenderer:
     """
 
     def __init__(
-        self,
-        *,
-        input_mode: InputMode = "auto",
-        part: layouts.Part = "full",
-        add_eos: Literal["auto", "always", "never"] = "auto",
-        chat_template_kwargs: dict | None = None,
+        self, *, input_mode: InputMode = "auto", part: layouts.Part = "full",
+        add_eos: Literal["auto", "always", "never"] = "auto", chat_template_kwargs: dict | None = None,
         policy_tokenizer: Any = None,
     ) -> None:
         if input_mode not in ("auto", "tokens", "text", "history"):
@@ -133,12 +129,8 @@ class RewardRenderer:
         self._whitespace_ids: set[int] | None = None
 
     def bind(
-        self,
-        tokenizer: Any = None,
-        *,
-        token_key: NestedKey | None = None,
-        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY,
-        eos_token_id: int | None = None,
+        self, tokenizer: Any = None, *, token_key: NestedKey | None = None,
+        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY, eos_token_id: int | None = None,
     ) -> RewardRenderer:
         """A copy bound to a reward model's ``tokenizer`` (``None``: tokens only), its
         ``token_key`` (default ``("tokens", part)``), ``attention_mask_key`` (``None``: every

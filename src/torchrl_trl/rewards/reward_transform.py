@@ -65,14 +65,8 @@ class RewardTransform(Transform):
         torch.Size([2, 1, 1])
     """
 
-    def __init__(
-        self,
-        scorer,
-        *,
-        reward_key: NestedKey | None = None,
-        reward_shape: RewardShape | None = None,
-        accumulate: bool = False,
-    ) -> None:
+    def __init__(self, scorer, *, reward_key: NestedKey | None = None, reward_shape: RewardShape | None = None,
+                 accumulate: bool = False) -> None:
         missing = [name for name in _SCORER_API if not hasattr(scorer, name)]
         if missing:
             raise TypeError(
@@ -90,9 +84,8 @@ class RewardTransform(Transform):
         super().__init__(in_keys=list(scorer.in_keys), out_keys=keys)
         self.scorer = scorer
 
-    def _score_into(
-        self, source: TensorDictBase, dest: TensorDictBase, *, inside_next: bool, columns_td=None
-    ) -> TensorDictBase:
+    def _score_into(self, source: TensorDictBase, dest: TensorDictBase, *, inside_next: bool,
+                    columns_td=None) -> TensorDictBase:
         """Score ``source`` into ``dest`` (an env step's ``next`` when ``inside_next``)."""
         for key, value in zip(self.out_keys, self.scorer.score_outputs(source, columns_td)):
             key = strip_next(key) if inside_next else key
@@ -108,9 +101,7 @@ class RewardTransform(Transform):
 
     # replay buffer: score once on write ...
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if tensordict is None:
-            return tensordict
-        return self._score_into(tensordict, tensordict, inside_next=False)
+        return tensordict if tensordict is None else self._score_into(tensordict, tensordict, inside_next=False)
 
     # ... and pass through on sample (and on an env's observations)
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
@@ -119,9 +110,7 @@ class RewardTransform(Transform):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Score ``tensordict`` and write the reward keys (in a replay buffer: pass the sample
         through, it was scored on write)."""
-        if self._in_replay_buffer():
-            return tensordict
-        return self._inv_call(tensordict)
+        return tensordict if self._in_replay_buffer() else self._inv_call(tensordict)
 
     def _in_replay_buffer(self) -> bool:
         # ``container`` raises ValueError in a Compose no env holds: a replay buffer's

@@ -79,13 +79,8 @@ def _plain(value: Any) -> Any:
 
 
 def trl_arguments(
-    td: TensorDictBase,
-    *,
-    input_mode: InputMode = "auto",
-    columns: Mapping[str, tuple] | None = None,
-    tokenizer=None,
-    funcs: Sequence[Callable] = (),
-    names: Sequence[str] = (),
+    td: TensorDictBase, *, input_mode: InputMode = "auto", columns: Mapping[str, tuple] | None = None,
+    tokenizer=None, funcs: Sequence[Callable] = (), names: Sequence[str] = (),
     columns_td: TensorDictBase | None = None,
 ) -> dict:
     """The keyword arguments TRL would pass for the ``N`` rollouts in ``td`` (row-major):

@@ -63,33 +63,21 @@ class HFRewardTransform(RewardTransform):
     """
 
     def __init__(
-        self,
-        scorer: Any,
-        *,
-        reward_key: NestedKey | None = None,
-        reward_shape: RewardShape = "step",
-        accumulate: bool = False,
-        use_ray_service: bool = False,
-        service_backend: str | None = None,
-        actor_name: str | None = None,
-        num_cpus: float | None = None,
-        num_gpus: float | None = None,
-        **removed,
+        self, scorer: Any, *, reward_key: NestedKey | None = None, reward_shape: RewardShape = "step",
+        accumulate: bool = False, use_ray_service: bool = False, service_backend: str | None = None,
+        actor_name: str | None = None, num_cpus: float | None = None, num_gpus: float | None = None, **removed,
     ) -> None:
         if removed:
             raise _removed_error(removed)
         if service_backend not in (None, "direct", "ray"):
-            raise ValueError(
-                f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}"
-            )
+            raise ValueError(f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}")
         if use_ray_service and service_backend == "direct":
             raise ValueError("use_ray_service=True conflicts with service_backend='direct'")
         use_ray_service = bool(use_ray_service) or service_backend == "ray"
-        ray_options = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-        ray_options = {k: v for k, v in ray_options.items() if v is not None}
-        given = sorted([*ray_options, *(["actor_name"] if actor_name is not None else [])])
-        if given and not use_ray_service:
-            raise TypeError(f"{given} only apply with use_ray_service=True")
+        service = {"actor_name": actor_name, "num_cpus": num_cpus, "num_gpus": num_gpus}
+        service = {k: v for k, v in service.items() if v is not None}
+        if service and not use_ray_service:
+            raise TypeError(f"{sorted(service)} only apply with use_ray_service=True")
         if use_ray_service:
             if not isinstance(scorer, (str, os.PathLike)):
                 raise TypeError(
@@ -97,19 +85,16 @@ class HFRewardTransform(RewardTransform):
                     "path, or a RewardServiceClient itself (without use_ray_service), not a "
                     f"{type(scorer).__name__}"
                 )
-            scorer = RewardServiceClient(scorer, actor_name=actor_name, remote_config=ray_options)
-        elif isinstance(scorer, (str, os.PathLike)) or (
-            isinstance(scorer, nn.Module) and not isinstance(scorer, HFRewardModelWrapper)
-        ):
+            service.pop("actor_name", None)
+            scorer = RewardServiceClient(scorer, actor_name=actor_name, remote_config=service)
+        elif isinstance(scorer, (str, os.PathLike, nn.Module)) and not isinstance(scorer, HFRewardModelWrapper):
             scorer = HFRewardModelWrapper(scorer, inference_mode=True)
         elif not isinstance(scorer, (HFRewardModelWrapper, RewardServiceClient)):
             raise TypeError(
                 "scorer must be an HFRewardModelWrapper, a RewardServiceClient, a reward model "
                 f"or a local path, got {type(scorer).__name__}"
             )
-        super().__init__(
-            scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate
-        )
+        super().__init__(scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate)
 
 
 def _removed_error(given: dict) -> TypeError:

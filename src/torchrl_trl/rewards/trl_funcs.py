@@ -70,16 +70,9 @@ class TRLRewardFunc:
     """
 
     def __init__(
-        self,
-        reward: Any,
-        *,
-        tokenizer=None,
-        name: str | None = None,
-        reward_key: NestedKey | None = None,
-        columns: Sequence[str] | None = None,
-        timeout: float | None = None,
-        executor: str | Executor | RewardExecutor | None = None,
-        **moved,
+        self, reward: Any, *, tokenizer=None, name: str | None = None, reward_key: NestedKey | None = None,
+        columns: Sequence[str] | None = None, timeout: float | None = None,
+        executor: str | Executor | RewardExecutor | None = None, **moved,
     ):
         moved = moved_keywords(type(self).__name__, moved, MOVED_TO_EXECUTOR)
         config = reward_executor(executor, **moved)
@@ -277,15 +270,9 @@ class TRLRewardFunc:
 
 
 def as_trl_reward_func(
-    reward: Any,
-    *,
-    tokenizer=None,
-    name: str | None = None,
-    reward_key: NestedKey | None = None,
-    columns: Sequence[str] | None = None,
-    timeout: float | None = None,
-    executor: str | Executor | RewardExecutor | None = None,
-    **moved,
+    reward: Any, *, tokenizer=None, name: str | None = None, reward_key: NestedKey | None = None,
+    columns: Sequence[str] | None = None, timeout: float | None = None,
+    executor: str | Executor | RewardExecutor | None = None, **moved,
 ) -> TRLRewardFunc:
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 

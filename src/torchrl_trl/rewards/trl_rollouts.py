@@ -37,12 +37,8 @@ def _completion_text(completion: Any) -> str:
 
 
 def rollouts_from_trl(
-    prompts: Sequence[Any],
-    completions: Sequence[Any],
-    completion_ids: Sequence[Sequence[int]] | None = None,
-    *,
-    columns: dict[str, Sequence[Any]] | None = None,
-    tokenizer=None,
+    prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None = None,
+    *, columns: dict[str, Sequence[Any]] | None = None, tokenizer=None,
 ) -> TensorDictBase:
     """TorchRL rollouts (a lazy stack of ``N`` TensorDicts) from TRL's reward-function
     arguments: ``("history", "prompt" | "response" | "full")`` for chat;
