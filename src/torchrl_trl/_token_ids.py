@@ -17,8 +17,7 @@ def check_integer_ids(dtype: torch.dtype, where: str) -> None:
     """A ``TypeError`` naming ``where`` unless ``dtype`` holds integer token ids."""
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(
-            f"{where}: token ids must be integers, got dtype {dtype}; store them as int64, "
-            "as TorchRL's wrappers do"
+            f"{where}: token ids must be integers, got dtype {dtype}; store them as int64, as TorchRL's wrappers do"
         )
 
 
@@ -49,8 +48,7 @@ def check_token_ids(ids: Ragged, where: str, *, num_embeddings: int | None = Non
     low, top = int(ids.values.min()), int(ids.values.max())
     if low < 0:
         raise ValueError(
-            f"{where}: negative token id {low} in sample {_sample_of(ids, ids.values < 0)}; "
-            "token ids must be >= 0"
+            f"{where}: negative token id {low} in sample {_sample_of(ids, ids.values < 0)}; token ids must be >= 0"
         )
     if num_embeddings is not None and top >= num_embeddings:
         sample = _sample_of(ids, ids.values >= num_embeddings)
@@ -72,7 +70,6 @@ def check_tokenizer_fits(tokenizer: Any, num_embeddings: int | None, what: str =
     if tokenizer is None or num_embeddings is None or len(tokenizer) <= num_embeddings:
         return
     raise ValueError(
-        f"{what} has {len(tokenizer)} tokens but the model's embedding has {num_embeddings} "
-        "rows: it is not this model's tokenizer (or call model.resize_token_embeddings and "
-        "fine-tune)"
+        f"{what} has {len(tokenizer)} tokens but the model's embedding has {num_embeddings} rows: it is not this "
+        "model's tokenizer (or call model.resize_token_embeddings and fine-tune)"
     )

@@ -247,9 +247,8 @@ def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
         unexpected = [k for k in provided if k not in sig.parameters]
         if unexpected:
             raise TypeError(
-                f"reward function {name!r} does not accept the arguments {unexpected} "
-                f"(TRL passes every column and trainer_state/log_extra/log_metric): add "
-                f"**kwargs to its signature"
+                f"reward function {name!r} does not accept the arguments {unexpected} (TRL passes every column and "
+                "trainer_state/log_extra/log_metric): add **kwargs to its signature"
             )
 
 
@@ -288,11 +287,10 @@ class FailureCounter:
         return {n: {kind: self._seen.counts[(n, kind)] for kind in kinds} for n in self.names}
 
     def add(self, name: str, result, value_note: str) -> None:
-        what = {"error": "raised on", "timeout": "ran past its timeout on"}
+        what = {"error": "raised on", "timeout": "ran past its timeout on"}.get(result.status, "crashed its worker on")
         self._seen.add(
             (name, result.status),
-            f"reward function {name!r} {what.get(result.status, 'crashed its worker on')} a "
-            f"completion ({result.detail}); "
+            f"reward function {name!r} {what} a completion ({result.detail}); "
             f"{value_note} (counted in {self.owner}.failure_counts), once per function and kind",
             stacklevel=6,
         )

@@ -49,14 +49,10 @@ class RewardFunctionTransform(RewardTransform):
     """
 
     def __init__(self, funcs: RewardFunctionWrapper | Callable | Sequence[Callable], **kwargs) -> None:
-        if isinstance(funcs, RewardFunctionWrapper):
-            if kwargs:
-                raise TypeError(
-                    f"pass either a configured RewardFunctionWrapper or reward functions with "
-                    f"RewardFunctionWrapper arguments, not both (got {sorted(kwargs)}); the "
-                    "wrapper's own settings are used"
-                )
-            scorer = funcs
-        else:
-            scorer = RewardFunctionWrapper(funcs, **kwargs)
-        super().__init__(scorer)
+        ready = isinstance(funcs, RewardFunctionWrapper)
+        if ready and kwargs:
+            raise TypeError(
+                "pass either a configured RewardFunctionWrapper or reward functions with RewardFunctionWrapper "
+                f"arguments, not both (got {sorted(kwargs)}); the wrapper's own settings are used"
+            )
+        super().__init__(funcs if ready else RewardFunctionWrapper(funcs, **kwargs))

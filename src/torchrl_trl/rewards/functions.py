@@ -260,10 +260,9 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             row = int(unscorable.nonzero()[0])
             self._unscorable.add(
                 "unscorable",
-                f"All reward functions returned None for {count} completion(s) (or an "
-                f"infinite value, or failed in the executor), e.g. prompt={prompts[row]!r}, "
-                f"completion={completions[row]!r}; their reward is {self.unscorable_reward} "
-                f"(counted in {type(self).__name__}.unscorable_count)",
+                f"All reward functions returned None for {count} completion(s) (or an infinite value, or failed in the "
+                f"executor), e.g. prompt={prompts[row]!r}, completion={completions[row]!r}; their reward is "
+                f"{self.unscorable_reward} (counted in {type(self).__name__}.unscorable_count)",
                 n=count, stacklevel=4,
             )
         rewards[unscorable] = self.unscorable_reward

@@ -35,9 +35,8 @@ def extract_scores(out: Any) -> torch.Tensor:
     if isinstance(out, dict) and "logits" in out:
         return out["logits"]
     raise RuntimeError(
-        "HFRewardModelWrapper: could not extract reward from model output. Got type "
-        f"{type(out).__name__}. Expected an output with a 'logits' or 'rewards' attribute, a "
-        "dict with 'logits', or a bare torch.Tensor."
+        f"HFRewardModelWrapper: could not extract reward from model output. Got type {type(out).__name__}. Expected an "
+        "output with a 'logits' or 'rewards' attribute, a dict with 'logits', or a bare torch.Tensor."
     )
 
 
@@ -102,9 +101,8 @@ class NonFiniteRewards:
         bad = int((~finite).sum())
         if self.policy == "raise":
             raise FloatingPointError(
-                f"reward model returned {bad} non-finite reward(s) out of {scores.numel()} "
-                "(pass on_nonfinite='warn' to count them and continue, or on_nonfinite=<value> "
-                "to replace them)"
+                f"reward model returned {bad} non-finite reward(s) out of {scores.numel()} (pass on_nonfinite='warn' "
+                "to count them and continue, or on_nonfinite=<value> to replace them)"
             )
         self._warn.add("nonfinite", f"reward model returned {bad} non-finite reward(s); counted in "
                        "nonfinite_count", n=bad, stacklevel=4)  # fmt: skip

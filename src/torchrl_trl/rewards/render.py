@@ -1,17 +1,9 @@
-"""Render TorchRL samples into the reward model's own token ids.
-
-Inputs, in the order ``input_mode="auto"`` tries them:
-
-1. ``"tokens"`` as they are (padding removed), when the reward model has no tokenizer of
-   its own or ``policy_tokenizer`` equals it (vocabulary and chat template);
-2. ``"history"``: rendered with the reward model's chat template and tokenised with
-   ``add_special_tokens=False``, as ``trl.RewardTrainer`` tokenises chat pairs;
-3. ``"text"``: tokenised with ``add_special_tokens=True``, a differing policy EOS replaced;
-4. ``"tokens"`` decoded with ``policy_tokenizer``, then as 3.
-
-EOS rule (``add_eos="auto"``): text and tokens get the reward model's EOS unless they end
-with it (trailing whitespace allowed); tokens are kept when the reward tokenizer is unknown;
-chat renders are kept as the template writes them. ``"always"``/``"never"`` force it.
+"""Render TorchRL samples into the reward model's own token ids. ``input_mode="auto"`` tries,
+in order: ``"tokens"`` as they are (the reward model has no tokenizer, or ``policy_tokenizer``
+equals it); ``"history"`` through the reward model's chat template (``add_special_tokens=False``,
+as ``trl.RewardTrainer``); ``"text"`` (``add_special_tokens=True``); tokens decoded with
+``policy_tokenizer``, then as text. EOS rule (``add_eos="auto"``): text and tokens get the
+reward model's EOS unless they end with it (then whitespace); chat renders are kept.
 """
 
 from __future__ import annotations
@@ -143,9 +135,8 @@ class RewardRenderer:
         part = self.part
         if token_key is not None and part != "full" and key_tuple(token_key) == layouts.token_key("full"):
             raise ValueError(
-                f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot "
-                f"score the {part}; leave token_key unset (it then reads "
-                f"{layouts.token_key(part)!r}) or pass part='full'"
+                f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot score the {part}; "
+                f"leave token_key unset (it then reads {layouts.token_key(part)!r}) or pass part='full'"
             )
         bound = copy.copy(self)
         bound.tokenizer = tokenizer
@@ -159,9 +150,8 @@ class RewardRenderer:
     def __repr__(self) -> str:
         policy = type(self.policy_tokenizer).__name__ if self.policy_tokenizer else None
         return (
-            f"{type(self).__name__}(input_mode={self.input_mode!r}, part={self.part!r}, "
-            f"add_eos={self.add_eos!r}, chat_template_kwargs={self.chat_template_kwargs!r}, "
-            f"policy_tokenizer={policy})"
+            f"{type(self).__name__}(input_mode={self.input_mode!r}, part={self.part!r}, add_eos={self.add_eos!r}, "
+            f"chat_template_kwargs={self.chat_template_kwargs!r}, policy_tokenizer={policy})"
         )
 
     def _inputs(self) -> dict[str, list[list[NestedKey]]]:
@@ -285,12 +275,7 @@ class RewardRenderer:
     def _ends_with_eos(self, seq: list[int], eos: int) -> bool:
         # trailing tokens that decode to whitespace only (ChatML's "\n") do not count
         ws = self._whitespace()
-        for tok in reversed(seq):
-            if tok == eos:
-                return True
-            if tok not in ws:
-                return False
-        return False
+        return next((tok for tok in reversed(seq) if tok == eos or tok not in ws), None) == eos
 
     def _whitespace(self) -> set[int]:
         if self._whitespace_ids is None:

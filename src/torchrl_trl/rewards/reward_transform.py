@@ -1,15 +1,10 @@
-"""``RewardTransform``: any reward scorer as a TorchRL ``Transform``. The scorer decides the
-rewards, the transform where they go: on a ``ChatEnv`` each ``env.step`` scores the root
-tensordict (columns such as ``"answer"`` also looked up in ``next``) and writes into ``next``;
-on a replay buffer rollouts are scored once, on write (append it *after* ``MCAdvantage``:
-write transforms run last to first); called directly it scores ``td`` and writes
-``("next", ...)`` into it.
-
-A scorer has ``in_keys``, ``out_keys`` (the reward first; a leading ``"next"`` implied),
-``reward_shape`` and ``score_outputs(td, columns_td=None) -> list[Tensor]`` (one ``[N]``
-tensor per out key): :class:`~torchrl_trl.rewards.HFRewardModelWrapper`,
-:class:`~torchrl_trl.rewards.service.RewardServiceClient`,
-:class:`~torchrl_trl.rewards.RewardFunctionWrapper`.
+"""``RewardTransform``: any reward scorer as a TorchRL ``Transform``, writing into ``next`` on
+a ``ChatEnv`` step, scoring once on a replay buffer's write (append it *after*
+``MCAdvantage``), or scoring ``td`` when called. A scorer has ``in_keys``, ``out_keys`` (the
+reward first), ``reward_shape`` and ``score_outputs(td, columns_td=None) -> list[Tensor]``
+(one ``[N]`` tensor per out key), as :class:`~torchrl_trl.rewards.HFRewardModelWrapper`,
+:class:`~torchrl_trl.rewards.service.RewardServiceClient` and
+:class:`~torchrl_trl.rewards.RewardFunctionWrapper` do.
 """
 
 from __future__ import annotations
@@ -116,10 +111,8 @@ class RewardTransform(Transform):
         # ``container`` raises ValueError in a Compose no env holds: a replay buffer's
         try:
             self.container
-        except ValueError:
-            return True
-        except AttributeError:  # never attached
-            return False
+        except (ValueError, AttributeError) as err:  # AttributeError: never attached
+            return isinstance(err, ValueError)
         return False
 
     def transform_output_spec(self, output_spec: Composite) -> Composite:

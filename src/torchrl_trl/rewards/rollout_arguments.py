@@ -16,6 +16,7 @@ from torchrl_trl import layouts
 
 from .calling import declares
 from .render import resolve_input_mode
+from .trl_rollouts import as_messages
 
 __all__ = ["InputMode", "column_keys", "input_keys", "resolve_mode", "trl_arguments"]
 
@@ -24,10 +25,9 @@ InputMode = Literal["auto", "history", "text"]
 # reward functions take these as prompts/completions/completion_ids, not as columns
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids")
 _NO_RESPONSE = (
-    ". A reward needs the policy's output; on an env that is the root tensordict of a step, "
-    "which env.append_transform(RewardFunctionWrapper(...)) never sees (TorchRL calls a plain "
-    "module on the reset and 'next' tensordicts): attach RewardFunctionTransform(...) (or "
-    "wrapper.as_transform()) to the env instead"
+    ". A reward needs the policy's output; on an env that is the root tensordict of a step, which "
+    "env.append_transform(RewardFunctionWrapper(...)) never sees (TorchRL calls a plain module on the reset and "
+    "'next' tensordicts): attach RewardFunctionTransform(...) (or wrapper.as_transform()) to the env instead"
 )
 
 
@@ -61,13 +61,9 @@ def column_keys(td: TensorDictBase, columns: Mapping[str, tuple] | None) -> dict
     sample = td
     while hasattr(sample, "tensordicts") and sample.tensordicts:
         sample = sample.tensordicts[0]
-    out = {}
-    for key in sample.keys():
-        if key in layouts.TORCHRL_ROOT_KEYS or key in _NOT_COLUMNS:
-            continue
-        if isinstance(sample.get(key), (NonTensorData, NonTensorStack)):
-            out[key] = (key,)
-    return out
+    own = (*layouts.TORCHRL_ROOT_KEYS, *_NOT_COLUMNS)
+    non_tensor = (NonTensorData, NonTensorStack)
+    return {k: (k,) for k in sample.keys() if k not in own and isinstance(sample.get(k), non_tensor)}
 
 
 def _plain(value: Any) -> Any:
@@ -95,38 +91,31 @@ def trl_arguments(
     {'prompts': ['q'], 'completions': ['a'], 'completion_ids': [None], 'answer': ['4']}
     """
     mode = resolve_mode(td, input_mode)
-    n = layouts.batch_numel(td)
-    has_ids = layouts.has_key(td, layouts.token_key("response"))
-    ids = layouts.read_tokens(td, "response").tolist() if has_ids else None
-    if ids is None:
-        needs = [name for f, name in zip(funcs, names) if declares(f, "completion_ids")]
-        if needs:
-            raise KeyError(
-                f"reward functions {needs} take completion_ids, but the rollouts hold no "
-                f"{layouts.token_key('response')!r} to read them from. Available keys: "
-                f"{layouts.available_keys(td)}"
-            )
-    decoded = None
-    if tokenizer is not None:
-        if ids is None:
-            raise KeyError(
-                f"tokenizer= decodes completions from {layouts.token_key('response')!r}, which "
-                f"is missing. Available keys: {layouts.available_keys(td)}"
-            )
-        decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    response = layouts.token_key("response")
+    ids = layouts.read_tokens(td, "response").tolist() if layouts.has_key(td, response) else None
+    needs = [name for f, name in zip(funcs, names) if declares(f, "completion_ids")] if ids is None else []
+    if needs:
+        raise KeyError(
+            f"reward functions {needs} take completion_ids, but the rollouts hold no {response!r} to read "
+            f"them from. Available keys: {layouts.available_keys(td)}"
+        )
+    if tokenizer is not None and ids is None:
+        raise KeyError(
+            f"tokenizer= decodes completions from {response!r}, which is missing. Available keys: "
+            f"{layouts.available_keys(td)}"
+        )
     read = layouts.read_history if mode == "history" else layouts.read_text
-    if decoded is None:
+    if tokenizer is None:
         completions = read(td, "response")
-    else:
-        completions = [[{"role": "assistant", "content": c}] for c in decoded] if mode == "history" else decoded
-    completion_ids = ids if ids is not None else [None] * n
+    else:  # decoded as TRL decodes them
+        completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        completions = [as_messages(c) for c in completions] if mode == "history" else completions
+    completion_ids = ids if ids is not None else [None] * layouts.batch_numel(td)
     kwargs = {"prompts": read(td, "prompt"), "completions": completions, "completion_ids": completion_ids}
     for name, key in column_keys(td, columns).items():
         source = td if layouts.has_key(td, key) else columns_td
         if source is None or not layouts.has_key(source, key):
-            raise KeyError(
-                f"column {name!r}: key {key!r} not found in the rollouts. Available "
-                f"keys: {layouts.available_keys(td)}"
-            )
+            raise KeyError(f"column {name!r}: key {key!r} not found in the rollouts. Available keys: "
+                           f"{layouts.available_keys(td)}")
         kwargs[name] = [_plain(v) for v in layouts.read_column(source, key)]
     return kwargs

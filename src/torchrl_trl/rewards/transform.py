@@ -81,9 +81,8 @@ class HFRewardTransform(RewardTransform):
         if use_ray_service:
             if not isinstance(scorer, (str, os.PathLike)):
                 raise TypeError(
-                    "use_ray_service=True serves the reward model from a local path: pass the "
-                    "path, or a RewardServiceClient itself (without use_ray_service), not a "
-                    f"{type(scorer).__name__}"
+                    "use_ray_service=True serves the reward model from a local path: pass the path, or a "
+                    f"RewardServiceClient itself (without use_ray_service), not a {type(scorer).__name__}"
                 )
             service.pop("actor_name", None)
             scorer = RewardServiceClient(scorer, actor_name=actor_name, remote_config=service)

@@ -45,9 +45,8 @@ def is_trl_function(reward: Any) -> bool:
     module or scorer, and its signature names ``completions`` or takes only ``**kwargs``."""
     from tensordict.nn import TensorDictModuleBase
 
-    if isinstance(reward, (torch.nn.Module, TensorDictModuleBase)):
-        return False
-    if any(hasattr(reward, a) for a in ("score_ids", "score_texts", "score_messages")):
+    scorer = any(hasattr(reward, a) for a in ("score_ids", "score_texts", "score_messages"))
+    if scorer or isinstance(reward, (torch.nn.Module, TensorDictModuleBase)):
         return False
     try:
         params = inspect.signature(reward).parameters.values()
@@ -60,13 +59,10 @@ def is_trl_function(reward: Any) -> bool:
 
 
 class TRLRewardFunc:
-    """A TorchRL reward (or a plain TRL function, run isolated) as a TRL reward function;
-    built by :func:`as_trl_reward_func`.
-
-    ``__call__(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]``:
-    a non-finite reward is returned as ``None`` (excluded by TRL), counted in
-    :attr:`nonfinite` and warned once. Counters: :attr:`calls`, :attr:`scored`,
-    :attr:`nonfinite`, :attr:`failure_counts` (executor modes).
+    """A TorchRL reward (or a plain TRL function, run isolated) as a TRL reward function, built
+    by :func:`as_trl_reward_func`: ``f(prompts, completions, completion_ids=None, **kwargs) ->
+    list[float | None]``. Counters: :attr:`calls`, :attr:`scored`, :attr:`nonfinite` (returned
+    as ``None``), :attr:`failure_counts` (executor modes).
     """
 
     def __init__(
@@ -80,8 +76,7 @@ class TRLRewardFunc:
             raise TypeError("reward is already a TRL reward function")
         if not callable(reward):
             raise TypeError(
-                f"reward must be a TorchRL module or transform, or a TRL reward function, got "
-                f"{type(reward).__name__}"
+                f"reward must be a TorchRL module or transform, or a TRL reward function, got {type(reward).__name__}"
             )
         self.reward = reward
         self.tokenizer = tokenizer
@@ -94,9 +89,7 @@ class TRLRewardFunc:
         self.reward_key = reward_key
         self.columns = list(columns) if columns is not None else None
         self.timeout = positive_seconds(timeout, "timeout")
-        #: calls received, and completions scored
-        self.calls = 0
-        self.scored = 0
+        self.calls = self.scored = 0  # calls received, completions scored
         self._nonfinite = WarnOnce()
         self._parsers: dict[str, Any] = {}
         self.failure_reward = None if config is None else config.failure_reward
@@ -132,18 +125,16 @@ class TRLRewardFunc:
             raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions")
         if not prompts:
             return []
-        if self.executor is not None:
-            out = self._call_items(prompts, completions, completion_ids, kwargs)
-        else:
-            out = self.raw_rewards(prompts, completions, completion_ids, **kwargs)
+        args = (prompts, completions, completion_ids)
+        out = self._call_items(*args, kwargs) if self.executor is not None else self.raw_rewards(*args, **kwargs)
         self.scored += len(prompts)
         bad = [i for i, r in enumerate(out) if r is not None and not math.isfinite(r)]
         if bad:
             self._nonfinite.add(
                 "nonfinite",
                 f"reward function {self.__name__!r} scored {len(bad)} of {len(out)} completions "
-                f"{[out[i] for i in bad[:3]]}; returned as None, which TRL excludes from the "
-                "weighted sum (counted in .nonfinite)",
+                f"{[out[i] for i in bad[:3]]}; returned as None, which TRL excludes from the weighted sum "
+                "(counted in .nonfinite)",
                 n=len(bad),
             )
             for i in bad:
@@ -159,9 +150,8 @@ class TRLRewardFunc:
         if self.is_trl_function and "environments" in call_kwargs and self.executor.kind in ("process", "ray"):
             if declares(self.reward, "environments"):
                 raise TypeError(
-                    f"reward function {self.__name__!r} takes TRL's environments, live objects of "
-                    f"the trainer that cannot be sent to executor={self.executor.kind!r}; use "
-                    "executor='thread'"
+                    f"reward function {self.__name__!r} takes TRL's environments, live objects of the trainer that "
+                    f"cannot be sent to executor={self.executor.kind!r}; use executor='thread'"
                 )
             call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
         if self.is_trl_function:  # as TRL would fail, but once here rather than per completion
@@ -277,41 +267,27 @@ def as_trl_reward_func(
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
     Args:
-        reward: one of
-
-            - our ``HFRewardModelWrapper``: ``prompt + completion`` (chat: rendered with the
-              reward model's chat template) scored micro-batched, the rewards of TRL's own
-              ``reward_funcs=[model]``;
-            - a TorchRL reward parser (a ``Transform`` with its own ``_step``, e.g.
-              ``GSM8KRewardParser``): called as ``env.step`` calls it on rollouts built by
-              :func:`rollouts_from_trl`; without ``in_keys`` it reads ``("history", "full")``
-              (chat) or ``("text", "response")`` and the ``"answer"`` column (or ``columns[0]``);
-            - any TensorDict module writing a reward, read at ``reward_key`` (default:
-              ``("next", "reward")``, ``"reward"`` or an out_key named ``*reward*``);
-            - a plain TRL reward function (it names ``completions`` or takes only
-              ``**kwargs``): called as TRL calls it; useful with ``executor=``.
+        reward: our ``HFRewardModelWrapper`` (``prompt + completion``, chat rendered with its
+            template, scored micro-batched: TRL's own ``reward_funcs=[model]`` rewards); a
+            TorchRL reward parser such as ``GSM8KRewardParser`` (run as ``env.step`` runs it
+            on :func:`rollouts_from_trl`; without ``in_keys`` it reads the history or
+            response text and the ``"answer"`` column, or ``columns[0]``); a TensorDict
+            module writing a reward; or a plain TRL reward function, to use ``executor=``.
 
     Keyword Args:
-        tokenizer: the policy tokenizer, to build ``("text" | "tokens", "prompt" | "full")``
-            for chat data.
+        tokenizer: the policy tokenizer, to build text and tokens for chat data.
         name: the name TRL logs (default: the reward model's directory, or the class name).
-        reward_key: where the module writes the reward.
+        reward_key: where the module writes the reward (default: ``("next", "reward")``,
+            ``"reward"`` or an out_key named ``*reward*``).
         columns: dataset columns to pass (default: all); a missing one is a ``KeyError``.
-        timeout: seconds (``None``: no limit) of one call, or with ``executor`` of one
-            completion (a late one gets ``failure_reward``); a ``TimeoutError`` names it.
-        executor: ``None`` (score the batch in the caller), or a
-            :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or its kind): one
-            completion per call, isolated (TRL's ``environments`` are not sent to processes
-            or Ray); a failure gets ``failure_reward`` (default ``None``), counted in
-            :attr:`TRLRewardFunc.failure_counts`.
-        max_workers, failure_reward, mp_context: deprecated, moved to
-            ``executor=RewardExecutor(...)``.
-
-    Exceptions of ``reward`` are re-raised with the function's name; non-finite rewards come
-    back as ``None`` (counted, warned once).
+        timeout: seconds of one call, or with ``executor`` of one completion.
+        executor: ``None``, or a :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or
+            its kind): one completion per call, isolated; a failure gets ``failure_reward``,
+            counted in :attr:`TRLRewardFunc.failure_counts`.
+        max_workers, failure_reward, mp_context: deprecated, moved to ``executor=``.
 
     Returns:
-        a :class:`TRLRewardFunc`.
+        a :class:`TRLRewardFunc`: exceptions carry its name, non-finite rewards become ``None``.
 
     Examples:
         >>> import tempfile

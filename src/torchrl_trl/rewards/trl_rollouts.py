@@ -31,9 +31,7 @@ def as_messages(completion: Any) -> list[dict]:
 
 
 def _completion_text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    return "".join(m.get("content") or "" for m in completion)
+    return completion if isinstance(completion, str) else "".join(m.get("content") or "" for m in completion)
 
 
 def rollouts_from_trl(
@@ -67,8 +65,8 @@ def rollouts_from_trl(
     for i in range(n):
         prompt, completion = prompts[i], completions[i]
         row: dict[str, Any] = {}
-        response_text = _completion_text(completion)
-        text = {"response": NonTensorData(response_text)}
+        text = {"response": _completion_text(completion)}
+        prompt_text = None if chat else prompt
         if chat:
             completion = as_messages(completion)
             row["history"] = {
@@ -77,20 +75,15 @@ def rollouts_from_trl(
                 "full": History.from_chats([list(prompt) + list(completion)])[0],
             }
             if tokenizer is not None:
-                prompt_text = tokenizer.apply_chat_template(
-                    prompt, tokenize=False, add_generation_prompt=True
-                )
-                text["prompt"] = NonTensorData(prompt_text)
-                text["full"] = NonTensorData(prompt_text + response_text)
-        else:
-            text["prompt"] = NonTensorData(prompt)
-            text["full"] = NonTensorData(prompt + response_text)
-        row["text"] = text
+                prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        if prompt_text is not None:
+            text.update(prompt=prompt_text, full=prompt_text + text["response"])
+        row["text"] = {k: NonTensorData(v) for k, v in text.items()}
         tokens = {}
         if completion_ids is not None:
             tokens["response"] = torch.as_tensor(list(completion_ids[i]), dtype=torch.long)
-        if tokenizer is not None and "prompt" in text:
-            prompt_ids = tokenizer(str(text["prompt"].data), add_special_tokens=False)["input_ids"]
+        if tokenizer is not None and prompt_text is not None:
+            prompt_ids = tokenizer(str(prompt_text), add_special_tokens=False)["input_ids"]
             tokens["prompt"] = torch.as_tensor(prompt_ids, dtype=torch.long)
             if "response" in tokens:
                 tokens["full"] = torch.cat([tokens["prompt"], tokens["response"]])

@@ -29,18 +29,15 @@ def write_rewards(tensordict: TensorDictBase, rewards: torch.Tensor, key: Nested
     existing = tensordict.get(key, None) if layouts.has_key(tensordict, key) else None
     if not isinstance(existing, torch.Tensor) or existing.is_nested:
         existing = None
-    device = tensordict.device
-    if device is None:
-        device = existing.device if existing is not None else torch.device("cpu")
+    device = tensordict.device if tensordict.device is not None else getattr(existing, "device", torch.device("cpu"))
     floating = existing is not None and existing.is_floating_point()
     dtype = existing.dtype if floating else torch.get_default_dtype()
     out = rewards.reshape(*tensordict.batch_size, *trailing_dims(reward_shape)).to(device, dtype)
     if accumulate and existing is not None:
         if existing.shape != out.shape:
             raise ValueError(
-                f"accumulate=True: the reward already at {key!r} has shape {tuple(existing.shape)}, "
-                f"this scorer writes {tuple(out.shape)} (reward_shape={reward_shape!r}); pass the "
-                "reward_shape of the reward it adds to"
+                f"accumulate=True: the reward already at {key!r} has shape {tuple(existing.shape)}, this scorer writes "
+                f"{tuple(out.shape)} (reward_shape={reward_shape!r}); pass the reward_shape of the reward it adds to"
             )
         out = existing.to(out.dtype) + out
     tensordict.set(key, out)
