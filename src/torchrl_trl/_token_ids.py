@@ -1,6 +1,5 @@
-"""Token ids against a vocabulary: are these integer ids, one per position, inside a model's
-embedding; does a tokenizer fit that embedding. The one home of these checks, for the
-dataset's columns and every reward-model scorer.
+"""Token ids against a vocabulary: integer ids inside a model's embedding, a tokenizer that
+fits it. The one home of these checks, for the dataset's columns and every reward scorer.
 """
 
 from __future__ import annotations
@@ -15,12 +14,10 @@ __all__ = ["check_integer_ids", "check_token_ids", "check_tokenizer_fits", "embe
 
 
 def check_integer_ids(dtype: torch.dtype, where: str) -> None:
-    """A ``TypeError`` naming ``where`` unless ``dtype`` holds integer token ids (a float
-    id would be truncated by a cast, a bool one read as 0/1)."""
+    """A ``TypeError`` naming ``where`` unless ``dtype`` holds integer token ids."""
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(
-            f"{where}: token ids must be integers, got dtype {dtype}; store them as int64, "
-            "as TorchRL's wrappers do"
+            f"{where}: token ids must be integers, got dtype {dtype}; store them as int64, as TorchRL's wrappers do"
         )
 
 
@@ -30,12 +27,9 @@ def _sample_of(ids: Ragged, bad: torch.Tensor) -> int:
     return int(torch.searchsorted(ids.offsets[1:], position, right=True))
 
 
-def check_token_ids(
-    ids: Ragged, where: str, *, num_embeddings: int | None = None, hint: str = ""
-) -> Ragged:
-    """``ids`` if they are integer token ids ``>= 0`` (and ``< num_embeddings`` when given),
-    at least one per sample; else an error naming ``where``, the sample and the id
-    (``hint`` is appended to the out-of-vocabulary message).
+def check_token_ids(ids: Ragged, where: str, *, num_embeddings: int | None = None, hint: str = "") -> Ragged:
+    """``ids`` if they are integer token ids ``>= 0`` (and ``< num_embeddings``), at least one
+    per sample; else an error naming ``where``, the sample and the id (then ``hint``).
 
     >>> check_token_ids(Ragged.from_list([[1, 2], [7]]), "input", num_embeddings=5)
     Traceback (most recent call last):
@@ -54,8 +48,7 @@ def check_token_ids(
     low, top = int(ids.values.min()), int(ids.values.max())
     if low < 0:
         raise ValueError(
-            f"{where}: negative token id {low} in sample {_sample_of(ids, ids.values < 0)}; "
-            "token ids must be >= 0"
+            f"{where}: negative token id {low} in sample {_sample_of(ids, ids.values < 0)}; token ids must be >= 0"
         )
     if num_embeddings is not None and top >= num_embeddings:
         sample = _sample_of(ids, ids.values >= num_embeddings)
@@ -67,19 +60,16 @@ def check_token_ids(
 
 
 def embedding_size(model: Any) -> int | None:
-    """Rows of ``model``'s input embedding (``get_input_embeddings().num_embeddings``);
-    ``None`` when it has none (a stand-in module)."""
+    """Rows of ``model``'s input embedding (``None`` when it has none)."""
     get = getattr(model, "get_input_embeddings", None)
     return getattr(get() if callable(get) else None, "num_embeddings", None)
 
 
 def check_tokenizer_fits(tokenizer: Any, num_embeddings: int | None, what: str = "tokenizer"):
-    """A ``ValueError`` when ``tokenizer`` has more tokens than the model's embedding has rows
-    (it is another model's tokenizer); nothing when either is unknown."""
+    """A ``ValueError`` when ``tokenizer`` has more tokens than the embedding has rows."""
     if tokenizer is None or num_embeddings is None or len(tokenizer) <= num_embeddings:
         return
     raise ValueError(
-        f"{what} has {len(tokenizer)} tokens but the model's embedding has {num_embeddings} "
-        "rows: it is not this model's tokenizer (or call model.resize_token_embeddings and "
-        "fine-tune)"
+        f"{what} has {len(tokenizer)} tokens but the model's embedding has {num_embeddings} rows: it is not this "
+        "model's tokenizer (or call model.resize_token_embeddings and fine-tune)"
     )

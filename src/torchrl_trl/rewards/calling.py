@@ -1,15 +1,8 @@
-"""Calling TRL reward functions the way TRL calls them: arguments checked before the call,
-outputs validated, exceptions re-raised with the function's name, optional timeouts.
-
-A TRL reward function is a plain callable (sync or ``async``)::
-
-    f(prompts, completions, completion_ids, **columns) -> list[float | None]
-
-Shared by both directions: :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper`
-(TRL functions scoring TorchRL rollouts) and
-:func:`~torchrl_trl.rewards.trl_funcs.as_trl_reward_func` (a TRL function run isolated).
-Names and the sync/async test are TRL's own (``trl.trainer.utils.get_callable_name`` /
-``is_async_callable``), so a function is logged under the name TRL would log it.
+"""Calling TRL reward functions (``f(prompts, completions, completion_ids, **columns) ->
+list[float | None]``, sync or async) the way TRL calls them: arguments checked, outputs
+validated, exceptions re-raised with the function's name, optional timeouts. Shared by
+:class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` and
+:func:`~torchrl_trl.rewards.trl_funcs.as_trl_reward_func`.
 """
 
 from __future__ import annotations
@@ -28,22 +21,10 @@ from torchrl_trl._checks import WarnOnce
 from torchrl_trl._threads import run_async, run_in_thread
 
 __all__ = [
-    "TRL_EXTRA_KWARGS",
-    "FailureCounter",
-    "FunctionTimeout",
-    "RewardFunctionError",
-    "call_function",
-    "check_signature",
-    "declares",
-    "function_names",
-    "named_error",
-    "per_completion_items",
-    "replay_logs",
-    "run_coroutines",
-    "run_with_timeout",
-    "score_items",
-    "to_rewards",
-]
+    "TRL_EXTRA_KWARGS", "FailureCounter", "FunctionTimeout", "RewardFunctionError", "call_function",
+    "check_signature", "declares", "function_names", "named_error", "per_completion_items",
+    "replay_logs", "run_coroutines", "run_with_timeout", "score_items", "to_rewards",
+]  # fmt: skip
 
 #: keyword arguments TRL passes that are not dataset columns
 TRL_EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
@@ -59,9 +40,8 @@ class FunctionTimeout(TimeoutError):
 
 
 def function_names(funcs: Sequence[Callable], names: Sequence[str] | None = None) -> list[str]:
-    """One unique name per function: ``names`` checked, or TRL's names (``__name__``, the
-    class name of a callable object, through ``functools.partial``) deduplicated with a
-    ``_1``, ``_2``... suffix.
+    """One unique name per function: ``names`` checked, or TRL's names
+    (``trl.trainer.utils.get_callable_name``) deduplicated with a ``_1``, ``_2``... suffix.
 
     >>> import functools
     >>> def acc(prompts, completions, **kw): ...
@@ -87,9 +67,8 @@ def function_names(funcs: Sequence[Callable], names: Sequence[str] | None = None
 
 
 def named_error(err: BaseException, name: str) -> BaseException:
-    """``err`` re-created with the reward function's ``name`` in its message, keeping its
-    type where the type takes a message (so ``except KeyError`` still works); raise the
-    result ``from err``.
+    """``err`` re-created with the function's ``name`` in its message, keeping its type where
+    it takes a message (else :class:`RewardFunctionError`); raise it ``from err``.
 
     >>> named_error(ValueError("bad row"), "acc")
     ValueError("reward function 'acc' raised ValueError: bad row")
@@ -103,8 +82,7 @@ def named_error(err: BaseException, name: str) -> BaseException:
 
 
 def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
-    """``fn()``; with ``timeout`` (s) in a daemon thread
-    (:func:`torchrl_trl._threads.run_in_thread`), raising a :class:`FunctionTimeout`
+    """``fn()``; with ``timeout`` (s) in a daemon thread, raising a :class:`FunctionTimeout`
     naming ``what`` if it has not returned by then (the thread is abandoned).
 
     >>> run_with_timeout(lambda: 3, 1.0, "f")
@@ -117,9 +95,8 @@ def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) ->
 
 
 def run_coroutines(coros: list, names: list[str], timeout: float | None = None) -> list:
-    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop.
-    With ``timeout`` (s), each must finish in time, else :class:`FunctionTimeout` naming
-    it; an exception raised by one is re-raised with its function's name.
+    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop; each
+    within ``timeout`` (s) else :class:`FunctionTimeout`; exceptions carry the function's name.
 
     >>> async def one(): return [1.0]
     >>> run_coroutines([one()], ["one"])
@@ -140,17 +117,14 @@ def run_coroutines(coros: list, names: list[str], timeout: float | None = None) 
     async def gather():
         return await asyncio.gather(*(one(c, n) for c, n in zip(coros, names)))
 
-    # the margin covers a coroutine that blocks the loop itself (no await)
-    bound = None if timeout is None else timeout + 1.0
+    bound = None if timeout is None else timeout + 1.0  # the margin: a coroutine blocking the loop
     what = f"the async reward functions {names} (one blocks the event loop without awaiting)"
-    message = f"{what} did not return within timeout={bound}s"
-    return run_async(gather(), bound, message, error=FunctionTimeout)
+    return run_async(gather(), bound, f"{what} did not return within timeout={bound}s", error=FunctionTimeout)
 
 
 def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None = None) -> Any:
-    """One sync reward function called on a whole batch, as TRL calls it: its exception
-    re-raised with its ``name`` (:func:`named_error`), bounded by ``timeout`` (s) if given.
-    Returns what the function returned (validate it with :func:`to_rewards`).
+    """``func(**kwargs)``, its exception re-raised with its ``name``, bounded by ``timeout``
+    (s) if given; the output is not validated (see :func:`to_rewards`).
 
     >>> call_function(lambda prompts, **kw: [1.0] * len(prompts), "one", {"prompts": ["a", "b"]})
     [1.0, 1.0]
@@ -165,9 +139,8 @@ def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None
 
 def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict,
                    timeout: float | None = None) -> list[list[float | None]]:
-    """Each function called once on the whole batch, as TRL calls them: sync ones one after
-    the other (:func:`call_function`), async ones concurrently (:func:`run_coroutines`),
-    ``timeout`` s each. One list of rewards per function (:func:`to_rewards`, ``None`` kept).
+    """Each function called once on the whole batch (sync ones in turn, async ones
+    concurrently), ``timeout`` s each: one validated list of rewards per function (``None`` kept).
 
     >>> call_functions([lambda prompts, **kw: [1.0, None]], ["f"], {"prompts": ["a", "b"]})
     [[1.0, None]]
@@ -179,8 +152,7 @@ def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict
     pending = [i for i, f in enumerate(funcs) if is_async_callable(f)]
     for i, (func, name) in enumerate(zip(funcs, names)):
         if i not in pending:
-            out[i] = call_function(func, name, kwargs, timeout)
-            out[i] = to_rewards(out[i], name=name, expected=n, none=None)
+            out[i] = to_rewards(call_function(func, name, kwargs, timeout), name=name, expected=n, none=None)
     if pending:
         coros = [funcs[i](**kwargs) for i in pending]
         for i, value in zip(pending, run_coroutines(coros, [names[i] for i in pending], timeout)):
@@ -188,12 +160,9 @@ def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict
     return out
 
 
-def to_rewards(
-    output: Any, *, name: str, expected: int, none: float | None = math.nan
-) -> list[float | None]:
-    """Validate one reward function's output: ``expected`` numbers or ``None`` (-> ``none``);
-    a tensor or a numpy array is read as a list. Raises ``TypeError``/``ValueError``
-    naming the function otherwise.
+def to_rewards(output: Any, *, name: str, expected: int, none: float | None = math.nan) -> list[float | None]:
+    """One function's output as ``expected`` floats (``None`` -> ``none``; tensors and numpy
+    arrays read as lists), else a ``TypeError``/``ValueError`` naming the function.
 
     >>> to_rewards([1, None, 0.5], name="f", expected=3)
     [1.0, nan, 0.5]
@@ -202,10 +171,8 @@ def to_rewards(
     ...
     ValueError: reward function 'f' returned 1 rewards, but 2 were expected (one per prompt-completion pair)
     """
-    if isinstance(output, torch.Tensor):
-        output = output.reshape(-1).tolist()
-    elif hasattr(output, "tolist") and not isinstance(output, (str, bytes)):
-        output = output.tolist()  # numpy arrays
+    if hasattr(output, "tolist") and not isinstance(output, (str, bytes)):
+        output = output.reshape(-1).tolist() if isinstance(output, torch.Tensor) else output.tolist()
     if isinstance(output, (str, bytes, Mapping)) or not isinstance(output, Sequence):
         raise TypeError(
             f"reward function {name!r} must return a list of floats (or None), one per "
@@ -236,36 +203,24 @@ def to_rewards(
 
 def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[list[tuple[int, dict]], dict]:
     """``(items, shared)`` for an item executor: one ``(function index, kwargs)`` item per
-    function and completion (function-major), each argument holding one value per
-    completion (prompts, completions, columns...) cut to a one-element list; ``shared``
-    holds the rest (``trainer_state``...). ``log_extra``/``log_metric`` are set per item by
-    the executor, which records the calls (replayed by :func:`score_items`).
+    function and completion (function-major), per-completion arguments cut to one-element
+    lists; ``shared`` holds the rest. ``log_extra``/``log_metric`` are set by the executor.
 
     >>> items, shared = per_completion_items({"prompts": ["a", "b"], "trainer_state": None, "log_metric": print}, 2)
     >>> items, shared
     ([(0, {'prompts': ['a'], 'log_metric': None}), (0, {'prompts': ['b'], 'log_metric': None})], {'trainer_state': None})
     """
-    shared, per_item = {}, {}
-    for key, value in call_kwargs.items():
-        if key in ("log_extra", "log_metric"):
-            continue
-        if key != "trainer_state" and isinstance(value, (list, tuple)) and len(value) == n:
-            per_item[key] = value
-        else:
-            shared[key] = value
     loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}
-    items = [
-        (i, {**{k: [v[row]] for k, v in per_item.items()}, **loggers})
-        for i in range(n_funcs)
-        for row in range(n)
-    ]
+    rest = {k: v for k, v in call_kwargs.items() if k not in loggers}
+    per_item = {k: v for k, v in rest.items() if k != "trainer_state" and isinstance(v, (list, tuple)) and len(v) == n}
+    shared = {k: v for k, v in rest.items() if k not in per_item}
+    items = [(i, {**{k: [v[row]] for k, v in per_item.items()}, **loggers}) for i in range(n_funcs) for row in range(n)]
     return items, shared
 
 
 def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
-    """Raise a clear error if ``func`` requires an argument that will not be passed
-    (``KeyError``), or does not accept one that will (``TypeError``: TRL passes every
-    column and ``trainer_state``/``log_extra``/``log_metric``).
+    """A ``KeyError`` if ``func`` requires an argument not in ``provided``, a ``TypeError`` if
+    it does not accept one that is (TRL passes every column and its extra keywords).
 
     >>> def needs_solution(prompts, completions, solution, **kw): ...
     >>> check_signature(needs_solution, "needs_solution", ["prompts", "completions", "answer"])
@@ -278,9 +233,7 @@ def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
     except (TypeError, ValueError):
         return
     params = sig.parameters.values()
-    accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
-    columns = [k for k in provided if k not in ("prompts", "completions", "completion_ids")]
-    columns = [k for k in columns if k not in TRL_EXTRA_KWARGS]
+    columns = [k for k in provided if k not in ("prompts", "completions", "completion_ids", *TRL_EXTRA_KWARGS)]
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
             continue
@@ -290,13 +243,12 @@ def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
                 f"column of the rollouts. Columns passed: {columns}. Name the rollout key "
                 f"with columns=[...] (or columns={{{p.name!r}: <key>}})."
             )
-    if not accepts_kwargs:
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
         unexpected = [k for k in provided if k not in sig.parameters]
         if unexpected:
             raise TypeError(
-                f"reward function {name!r} does not accept the arguments {unexpected} "
-                f"(TRL passes every column and trainer_state/log_extra/log_metric): add "
-                f"**kwargs to its signature"
+                f"reward function {name!r} does not accept the arguments {unexpected} (TRL passes every column and "
+                "trainer_state/log_extra/log_metric): add **kwargs to its signature"
             )
 
 
@@ -313,7 +265,7 @@ def declares(func: Callable, arg: str) -> bool:
 
 
 class FailureCounter:
-    """Counts failed items by function name and kind, and warns once per (name, kind).
+    """Counts failed items by function name and kind, warning once per (name, kind).
 
     >>> import warnings
     >>> from torchrl_trl.rewards.executors import ItemResult
@@ -327,9 +279,7 @@ class FailureCounter:
     """
 
     def __init__(self, names: Sequence[str], owner: str):
-        self.owner = owner
-        self.names = list(names)
-        self._seen = WarnOnce()  # by (name, kind)
+        self.owner, self.names, self._seen = owner, list(names), WarnOnce()  # by (name, kind)
 
     @property
     def counts(self) -> dict[str, dict[str, int]]:
@@ -337,47 +287,37 @@ class FailureCounter:
         return {n: {kind: self._seen.counts[(n, kind)] for kind in kinds} for n in self.names}
 
     def add(self, name: str, result, value_note: str) -> None:
-        what = {"error": "raised on", "timeout": "ran past its timeout on"}
+        what = {"error": "raised on", "timeout": "ran past its timeout on"}.get(result.status, "crashed its worker on")
         self._seen.add(
             (name, result.status),
-            f"reward function {name!r} {what.get(result.status, 'crashed its worker on')} a "
-            f"completion ({result.detail}); "
+            f"reward function {name!r} {what} a completion ({result.detail}); "
             f"{value_note} (counted in {self.owner}.failure_counts), once per function and kind",
             stacklevel=6,
         )
 
 
 def replay_logs(results: Sequence, log_extra: Callable | None, log_metric: Callable | None) -> None:
-    """Replay the ``log_extra``/``log_metric`` calls the items' functions made in their
-    workers, in item order: each ``log_extra`` column once, joined over the items (``None``
-    for an item that did not log it, e.g. a failed one, so the column stays aligned with the
-    completions), then every ``log_metric`` call. A target that is not callable is skipped."""
-    columns = dict.fromkeys(e[1] for r in results for e in r.logs if e[0] == "extra")
+    """Replay the items' ``log_extra``/``log_metric`` calls in item order: each ``log_extra``
+    column once, joined over the items (``None`` for an item that did not log it, keeping it
+    aligned), then every ``log_metric`` call. A target that is not callable is skipped."""
     if callable(log_extra):
-        for column in columns:
+        for column in dict.fromkeys(e[1] for r in results for e in r.logs if e[0] == "extra"):
             values: list = []
             for result in results:
                 logged = [e[2] for e in result.logs if e[0] == "extra" and e[1] == column]
                 values.extend(logged[0] if logged else [None])
             log_extra(column, values)
     if callable(log_metric):
-        for result in results:
-            for entry in result.logs:
-                if entry[0] == "metric":
-                    log_metric(entry[1], entry[2])
+        for entry in (e for r in results for e in r.logs if e[0] == "metric"):
+            log_metric(entry[1], entry[2])
 
 
-def score_items(
-    executor, call_kwargs: dict, n: int, names: Sequence[str], failures: FailureCounter,
-    failure_reward: float | None, excluded: str,
-) -> tuple[list[list[float | None]], list[list[bool]]]:
-    """Each function on each of the ``n`` completions alone, in ``executor`` (an item
-    executor of :mod:`~torchrl_trl.rewards.executors`). Returns ``(rewards, failed)``, one
-    list per function of one entry per completion: the reward (``None`` where the function
-    returned ``None``, ``failure_reward`` where it failed) and whether it failed. A failure
-    is counted in ``failures`` and warned about (``excluded``: what becomes of it without
-    a ``failure_reward``); the ``log_extra``/``log_metric`` calls of the items are replayed
-    into ``call_kwargs``'s, per function."""
+def score_items(executor, call_kwargs: dict, n: int, names: Sequence[str], failures: FailureCounter,
+                failure_reward: float | None, excluded: str) -> tuple[list[list[float | None]], list[list[bool]]]:
+    """Each function on each of the ``n`` completions alone, in an item ``executor``:
+    ``(rewards, failed)``, per function one entry per completion (``failure_reward`` where it
+    failed, counted in ``failures``; ``excluded`` says what becomes of it without one). The
+    items' log calls are replayed into ``call_kwargs``'s."""
     results = executor.run(*per_completion_items(call_kwargs, n, len(names)))
     note = excluded if failure_reward is None else f"its reward is failure_reward={failure_reward}"
     rewards, failed = [], []

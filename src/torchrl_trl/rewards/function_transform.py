@@ -1,7 +1,6 @@
-"""``RewardFunctionTransform``: TRL-style reward functions inside a TorchRL env's step or a
-replay buffer's write: a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`
-whose scorer, a :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper`, is built
-from the functions (on a ``ChatEnv`` the step's columns, ``"answer"``..., are read too).
+"""``RewardFunctionTransform``: a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`
+whose scorer is a :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` of TRL-style
+reward functions.
 """
 
 from __future__ import annotations
@@ -20,18 +19,12 @@ class RewardFunctionTransform(RewardTransform):
 
     Args:
         funcs: a configured :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper`
-            (used as it is: its keys, shape, executor and counters; no other argument may
-            be given), or one reward function or a list of them.
+            (used as it is, no other argument allowed), or one reward function or a list.
 
     Keyword Args:
-        **kwargs: with functions, any :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper`
-            argument (``weights``, ``columns``, ``reward_key``, ``reward_shape``,
-            ``executor``, ``timeout``...).
+        **kwargs: with functions, any ``RewardFunctionWrapper`` argument.
 
-    The scorer is :attr:`scorer` (its counters: ``none_counts``, ``failure_counts``...;
-    ``shutdown()`` stops its workers). ``in_keys``/``out_keys`` are the scorer's: the
-    keys it reads from a rollout, and ``("next", "reward")`` (plus the per-function keys);
-    the env's reward spec gains those keys, shaped per ``reward_shape``.
+    The scorer is :attr:`scorer` (its counters; ``shutdown()`` stops its workers).
 
     Examples:
         >>> from tensordict import TensorDict
@@ -56,14 +49,10 @@ class RewardFunctionTransform(RewardTransform):
     """
 
     def __init__(self, funcs: RewardFunctionWrapper | Callable | Sequence[Callable], **kwargs) -> None:
-        if isinstance(funcs, RewardFunctionWrapper):
-            if kwargs:
-                raise TypeError(
-                    f"pass either a configured RewardFunctionWrapper or reward functions with "
-                    f"RewardFunctionWrapper arguments, not both (got {sorted(kwargs)}); the "
-                    "wrapper's own settings are used"
-                )
-            scorer = funcs
-        else:
-            scorer = RewardFunctionWrapper(funcs, **kwargs)
-        super().__init__(scorer)
+        ready = isinstance(funcs, RewardFunctionWrapper)
+        if ready and kwargs:
+            raise TypeError(
+                "pass either a configured RewardFunctionWrapper or reward functions with RewardFunctionWrapper "
+                f"arguments, not both (got {sorted(kwargs)}); the wrapper's own settings are used"
+            )
+        super().__init__(funcs if ready else RewardFunctionWrapper(funcs, **kwargs))

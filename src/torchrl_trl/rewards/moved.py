@@ -1,8 +1,6 @@
-"""Keyword arguments of the reward-model scorers that moved, and where they went.
-
-Removed ones (:data:`MOVED`) raise a ``TypeError`` naming their replacement; deprecated
-ones (:data:`DEPRECATED`) still work for one release, with a ``DeprecationWarning``
-(:func:`torchrl_trl._checks.moved_keywords`).
+"""Keyword arguments of the reward-model scorers that moved, and where: removed ones
+(:data:`MOVED`) raise a ``TypeError`` naming their replacement; deprecated ones
+(:data:`DEPRECATED`) still work, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -47,11 +45,9 @@ MOVED = {
     **{name: _LOADING.format(name) for name in
        ("device", "dtype", "trust_remote_code", "model_kwargs")},
 }  # fmt: skip
-#: keyword arguments that moved into a config object: accepted for one more release, with a
-#: ``DeprecationWarning`` naming their new home
+#: keyword arguments that moved into a config object: accepted with a ``DeprecationWarning``
 DEPRECATED = {"pad_token_id": "pass it to RewardBatching(pad_token_id=...) (batching=)"}
 #: Ray actor options ``RewardServiceClient`` took one by one, now keys of its ``remote_config``
-#: (the actor's Ray options, as TorchRL's ``RayReplayBuffer(remote_config=)`` takes them)
 RAY_OPTIONS = ("namespace", "num_cpus", "num_gpus", "max_restarts", "lifetime")
 CLIENT_DEPRECATED = {
     **DEPRECATED,
@@ -61,8 +57,7 @@ CLIENT_DEPRECATED = {
 
 
 def moved_arguments_error(owner: str, given: dict) -> TypeError:
-    """The ``TypeError`` for keyword arguments ``owner`` no longer takes: each one named
-    with where it moved (unknown ones as unexpected).
+    """The ``TypeError`` naming where each keyword ``owner`` no longer takes moved.
 
     >>> print(moved_arguments_error("HFRewardModelWrapper", {"max_length": 8}))
     HFRewardModelWrapper: max_length moved to RewardBatching(max_length=...) (batching=)
@@ -72,9 +67,7 @@ def moved_arguments_error(owner: str, given: dict) -> TypeError:
 
 def moved_line(name: str) -> str:
     """Where the removed keyword ``name`` went (or that it is unexpected)."""
-    if name in MOVED:
-        return f"{name} moved to {MOVED[name]}"
-    return f"unexpected keyword argument {name!r}"
+    return f"{name} moved to {MOVED[name]}" if name in MOVED else f"unexpected keyword argument {name!r}"
 
 
 def checked_batching(batching: Any, moved: dict, owner: str) -> RewardBatching:

@@ -1,13 +1,6 @@
 """From model outputs to rewards: read the score, pick a head, handle non-finite scores,
-and normalise with running statistics.
-
-Scale, shift and clipping are TorchRL's own transforms, composed after the scorer
-(``RewardScaling(loc=shift, scale=scale)``, ``RewardClipping(clamp_min, clamp_max)``, both
-bounds given, a one-sided clip passing ``float("inf")``: TorchRL's fails on ``None``):
-on an env with ``env.append_transform``, on a replay buffer with ``rb.append_transform``,
-or called on a tensordict. Running normalisation is :class:`RunningRewardNorm` here:
-TorchRL's ``VecNormV2`` only runs inside an env's ``step`` (it cannot be called on a
-tensordict or a buffer's rollouts), which is where it fits; this one works in all three.
+and normalise with running statistics (:class:`RunningRewardNorm`). Scale, shift and clip
+are TorchRL's ``RewardScaling``/``RewardClipping``, composed after the scorer.
 """
 
 from __future__ import annotations
@@ -27,13 +20,12 @@ __all__ = ["NonFiniteRewards", "RewardShapeError", "RunningRewardNorm", "extract
 
 
 class RewardShapeError(RuntimeError, ValueError):
-    """The model output is not one scalar reward per input. A ``RuntimeError`` as
-    upstream's ``HFRewardModelWrapper`` raises (and a ``ValueError``)."""
+    """The model output is not one scalar reward per input (a ``RuntimeError`` as upstream raises)."""
 
 
 def extract_scores(out: Any) -> torch.Tensor:
-    """The score tensor of a model output: a bare tensor, ``.logits``/``.rewards``, or a
-    dict's ``"logits"`` (``RuntimeError`` otherwise, as upstream)."""
+    """The score tensor of a model output: a tensor, ``.logits``/``.rewards`` or a dict's
+    ``"logits"`` (else a ``RuntimeError``)."""
     if isinstance(out, torch.Tensor):
         return out
     for name in ("logits", "rewards"):
@@ -43,9 +35,8 @@ def extract_scores(out: Any) -> torch.Tensor:
     if isinstance(out, dict) and "logits" in out:
         return out["logits"]
     raise RuntimeError(
-        "HFRewardModelWrapper: could not extract reward from model output. Got type "
-        f"{type(out).__name__}. Expected an output with a 'logits' or 'rewards' attribute, a "
-        "dict with 'logits', or a bare torch.Tensor."
+        f"HFRewardModelWrapper: could not extract reward from model output. Got type {type(out).__name__}. Expected an "
+        "output with a 'logits' or 'rewards' attribute, a dict with 'logits', or a bare torch.Tensor."
     )
 
 
@@ -62,31 +53,25 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
     if logits.ndim != 2 or logits.shape[0] != n_rows:
         raise RewardShapeError(
             f"HFRewardModelWrapper: expected one scalar reward per input with shape [{n_rows}] "
-            f"or [{n_rows}, 1] (or [{n_rows}, num_labels] with head_index=), got "
-            f"{tuple(logits.shape)}"
+            f"or [{n_rows}, 1] (or [{n_rows}, num_labels] with head_index=), got {tuple(logits.shape)}"
         )
     k = logits.shape[-1]
-    if head_index is None:
-        if k != 1:
-            raise RewardShapeError(
-                f"HFRewardModelWrapper: expected one scalar reward per input, got logits of "
-                f"shape {tuple(logits.shape)}: the reward model has a multi-label head "
-                f"(num_labels={k}); pass head_index= (0..{k - 1}) to pick the output to use as "
-                "the reward"
-            )
-        return logits[:, 0]
+    if head_index is None and k != 1:
+        raise RewardShapeError(
+            f"HFRewardModelWrapper: expected one scalar reward per input, got logits of shape "
+            f"{tuple(logits.shape)}: the reward model has a multi-label head (num_labels={k}); pass "
+            f"head_index= (0..{k - 1}) to pick the output to use as the reward"
+        )
+    head_index = 0 if head_index is None else head_index
     if not -k <= head_index < k:
         raise ValueError(f"head_index={head_index} out of range for num_labels={k}")
     return logits[:, head_index]
 
 
 class NonFiniteRewards:
-    """What a scorer does with NaN/inf scores.
-
-    Args:
-        policy: ``"raise"`` (default: ``FloatingPointError``), ``"warn"`` (count them in
-            :attr:`count`, warn once, keep them) or a finite number (count, warn once and
-            write that number instead).
+    """What a scorer does with NaN/inf scores, by ``policy``: ``"raise"`` (default,
+    ``FloatingPointError``), ``"warn"`` (count in :attr:`count`, warn once, keep them) or a
+    finite number (count, warn once, write it instead).
 
     >>> check = NonFiniteRewards(0.0)
     >>> import warnings
@@ -99,13 +84,10 @@ class NonFiniteRewards:
     """
 
     def __init__(self, policy: str | float = "raise") -> None:
-        if policy not in ("raise", "warn"):
-            if isinstance(policy, bool) or not isinstance(policy, numbers.Real) or not math.isfinite(policy):
-                raise ValueError(
-                    f"on_nonfinite must be 'raise', 'warn' or a finite replacement value, got {policy!r}"
-                )
-        self.policy = policy
-        self._warn = WarnOnce(RuntimeWarning)
+        number = isinstance(policy, numbers.Real) and not isinstance(policy, bool) and math.isfinite(policy)
+        if policy not in ("raise", "warn") and not number:
+            raise ValueError(f"on_nonfinite must be 'raise', 'warn' or a finite replacement value, got {policy!r}")
+        self.policy, self._warn = policy, WarnOnce(RuntimeWarning)
 
     @property
     def count(self) -> int:
@@ -119,9 +101,8 @@ class NonFiniteRewards:
         bad = int((~finite).sum())
         if self.policy == "raise":
             raise FloatingPointError(
-                f"reward model returned {bad} non-finite reward(s) out of {scores.numel()} "
-                "(pass on_nonfinite='warn' to count them and continue, or on_nonfinite=<value> "
-                "to replace them)"
+                f"reward model returned {bad} non-finite reward(s) out of {scores.numel()} (pass on_nonfinite='warn' "
+                "to count them and continue, or on_nonfinite=<value> to replace them)"
             )
         self._warn.add("nonfinite", f"reward model returned {bad} non-finite reward(s); counted in "
                        "nonfinite_count", n=bad, stacklevel=4)  # fmt: skip
@@ -131,21 +112,15 @@ class NonFiniteRewards:
 
 
 class RunningRewardNorm(Transform):
-    """Normalise rewards by running statistics: ``(r - mean) / std``.
+    """Normalise rewards by running statistics: ``(r - mean) / std``, on a tensordict, an
+    env or a replay buffer (where TorchRL's ``VecNormV2`` only runs in an env's step).
 
-    Mean and std are Welford statistics over every finite reward seen (all batch and
-    trailing dims pooled), kept in float64 buffers so they save with ``state_dict``; the
-    std is 1 until two rewards were seen, and at least ``eps``. Non-finite rewards pass
-    through unchanged and are not counted.
-
-    Works where TorchRL's ``VecNormV2`` does not: called on a tensordict
-    (``norm(td)``, e.g. after :class:`~torchrl_trl.rewards.HFRewardModelWrapper`), on an
-    env (``env.append_transform(norm)``, after the reward transform) and on a replay
-    buffer (normalised when sampled).
+    Welford statistics over every finite reward seen, in float64 buffers (saved with
+    ``state_dict``); the std is 1 until two rewards were seen, and at least ``eps``.
+    Non-finite rewards pass through, not counted.
 
     Args:
-        in_keys: the reward keys (default ``["reward"]``; on a tensordict of rollouts use
-            ``[("next", "reward")]``).
+        in_keys: the reward keys (default ``["reward"]``; rollouts: ``[("next", "reward")]``).
         update_stats: whether each call updates the statistics (freeze them for eval).
         eps: floor of the std.
 
@@ -159,17 +134,14 @@ class RunningRewardNorm(Transform):
         (2.0, 2)
     """
 
-    def __init__(
-        self, in_keys: list[NestedKey] | None = None, *, update_stats: bool = True, eps: float = 1e-6
-    ) -> None:
+    def __init__(self, in_keys: list[NestedKey] | None = None, *, update_stats: bool = True, eps: float = 1e-6) -> None:
         in_keys = ["reward"] if in_keys is None else in_keys
         super().__init__(in_keys=in_keys, out_keys=list(in_keys))
         if not (isinstance(eps, numbers.Real) and eps > 0):
             raise ValueError(f"eps must be a number > 0, got {eps!r}")
         self.update_stats, self.eps = bool(update_stats), float(eps)
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("mean", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("m2", torch.zeros((), dtype=torch.float64))
+        for name in ("count", "mean", "m2"):  # float64 buffers, saved with state_dict
+            self.register_buffer(name, torch.zeros((), dtype=torch.float64))
 
     @property
     def std(self) -> torch.Tensor:
@@ -183,12 +155,10 @@ class RunningRewardNorm(Transform):
         n = x.numel()
         if n == 0:
             return
-        mean_b = x.mean()
-        m2_b = ((x - mean_b) ** 2).sum()
-        total = self.count + n
+        mean_b, total = x.mean(), self.count + n
         delta = mean_b - self.mean
         self.mean += delta * n / total
-        self.m2 += m2_b + delta**2 * self.count * n / total
+        self.m2 += ((x - mean_b) ** 2).sum() + delta**2 * self.count * n / total
         self.count.fill_(total)
 
     def _apply_transform(self, reward: torch.Tensor) -> torch.Tensor:

@@ -1,30 +1,9 @@
-"""Render TorchRL samples into the reward model's own token ids.
-
-What the reward model sees, per input (``input_mode="auto"`` picks the first that
-applies, in this order):
-
-1. ``"tokens"`` used as they are, when no re-tokenisation is needed: the reward model
-   has no tokenizer of its own, or ``policy_tokenizer`` is given and equals it (same
-   vocabulary and chat template). Padding is removed with the attention mask.
-2. ``"history"``: the chat (``("history", part)``) rendered with the **reward model's**
-   chat template (``add_generation_prompt=False``) and tokenised with
-   ``add_special_tokens=False``, exactly as ``trl.RewardTrainer`` tokenises
-   conversational preference pairs (``apply_chat_template(messages, tokenize=True)``;
-   no EOS is added: the template writes its own end-of-turn tokens).
-3. ``"text"`` (``("text", part)``, or prompt + response): tokenised with the reward
-   model's tokenizer (``add_special_tokens=True``), with its EOS appended when missing,
-   as ``RewardTrainer`` does for plain-text pairs. A trailing policy EOS that differs from
-   the reward model's is replaced by it.
-4. ``"tokens"`` decoded with ``policy_tokenizer`` (special tokens kept), then as 3.
-
-EOS rule (``add_eos="auto"``): text and tokens get the reward model's EOS appended
-unless they already end with it, optionally followed by whitespace (ChatML ends a turn
-with ``"<|im_end|>\\n"``); tokens are left as they are when the reward model's tokenizer
-is unknown (a model object passed without ``tokenizer=``, as upstream). Chat-template
-renders are left exactly as the template writes them. ``"always"``/``"never"`` force it
-either way. Decoding then re-encoding can give other token ids than the policy generated
-(BPE merges across the boundary): prefer history or a shared tokenizer when exactness
-matters.
+"""Render TorchRL samples into the reward model's own token ids. ``input_mode="auto"`` tries,
+in order: ``"tokens"`` as they are (the reward model has no tokenizer, or ``policy_tokenizer``
+equals it); ``"history"`` through the reward model's chat template (``add_special_tokens=False``,
+as ``trl.RewardTrainer``); ``"text"`` (``add_special_tokens=True``); tokens decoded with
+``policy_tokenizer``, then as text. EOS rule (``add_eos="auto"``): text and tokens get the
+reward model's EOS unless they end with it (then whitespace); chat renders are kept.
 """
 
 from __future__ import annotations
@@ -47,21 +26,11 @@ __all__ = ["RewardRenderer", "resolve_input_mode", "same_tokenizer"]
 InputMode = Literal["auto", "tokens", "text", "history"]
 
 
-def resolve_input_mode(
-    td: TensorDictBase,
-    input_mode: str,
-    inputs: Mapping[str, Sequence[Sequence[NestedKey]]],
-    *,
-    what: str = "input",
-    hint: str = "",
-) -> str:
-    """The input read from ``td``: ``input_mode`` when its keys are present, or for
-    ``"auto"`` the first of ``inputs`` (in their order) that is. ``inputs[mode]`` lists
-    alternative key sets; a mode is present when every key of one of them is.
-
-    Raises:
-        KeyError: naming ``what`` was looked for, the keys tried and the keys available
-            (then ``hint``).
+def resolve_input_mode(td: TensorDictBase, input_mode: str, inputs: Mapping[str, Sequence[Sequence[NestedKey]]],
+                       *, what: str = "input", hint: str = "") -> str:
+    """``input_mode``, or for ``"auto"`` the first of ``inputs`` present in ``td``;
+    ``inputs[mode]`` lists alternative key sets (present when every key of one is). A
+    ``KeyError`` names ``what``, the keys tried and those available (then ``hint``).
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({"text": {"response": ["a"]}}, [1])
@@ -87,10 +56,8 @@ def resolve_input_mode(
 
 def same_tokenizer(a: Any, b: Any) -> bool:
     """Whether two tokenizers map text and chats to the same ids."""
-    if a is None or b is None:
-        return False
-    if a is b:
-        return True
+    if a is None or b is None or a is b:
+        return a is not None and a is b
     backend_a, backend_b = (getattr(t, "backend_tokenizer", None) for t in (a, b))
     return (
         a.get_vocab() == b.get_vocab()
@@ -101,26 +68,19 @@ def same_tokenizer(a: Any, b: Any) -> bool:
 
 
 class RewardRenderer:
-    """What the reward model sees: which input, which part, the EOS rule, the chat template
-    arguments, and the policy's tokenizer.
-
-    Built by the user with the settings below and handed to
-    :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (``renderer=``), which binds it to
-    the reward model's tokenizer, token keys and EOS with :meth:`bind`. The bound renderer
-    reads a tensordict (or lists of texts / chats) and returns reward-model token ids.
+    """What the reward model sees: input, part, EOS rule, chat template arguments and the
+    policy's tokenizer. :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (``renderer=``)
+    binds it to the reward model with :meth:`bind`; the bound renderer turns a tensordict
+    (or texts / chats) into reward-model token ids.
 
     Keyword Args:
         input_mode: ``"auto"`` (default), ``"tokens"``, ``"text"`` or ``"history"`` (see
-            the module doc).
-        part: which part to score, ``"full"`` (prompt + response, the default) or
-            ``"response"``.
-        add_eos: ``"auto"`` (default; as ``trl.RewardTrainer`` tokenised its pairs),
-            ``"always"`` or ``"never"`` (see the module doc).
+            :mod:`torchrl_trl.rewards.render`).
+        part: ``"full"`` (prompt + response, default) or ``"response"``.
+        add_eos: ``"auto"`` (default), ``"always"`` or ``"never"``.
         chat_template_kwargs: extra arguments to ``apply_chat_template``.
-        policy_tokenizer: the tokenizer that produced the tokens in the tensordict. When it
-            differs from the reward model's (vocabulary or chat template), samples are
-            re-rendered (chat with the reward model's template, else text, else tokens
-            decoded with this tokenizer) and re-tokenised.
+        policy_tokenizer: the tokenizer of the tokens in the tensordict; when it differs from
+            the reward model's, samples are re-rendered and re-tokenised.
 
     Examples:
         >>> import tempfile
@@ -137,74 +97,52 @@ class RewardRenderer:
     """
 
     def __init__(
-        self,
-        *,
-        input_mode: InputMode = "auto",
-        part: layouts.Part = "full",
-        add_eos: Literal["auto", "always", "never"] = "auto",
-        chat_template_kwargs: dict | None = None,
+        self, *, input_mode: InputMode = "auto", part: layouts.Part = "full",
+        add_eos: Literal["auto", "always", "never"] = "auto", chat_template_kwargs: dict | None = None,
         policy_tokenizer: Any = None,
     ) -> None:
         if input_mode not in ("auto", "tokens", "text", "history"):
-            raise ValueError(
-                f"input_mode must be 'auto', 'tokens', 'text' or 'history', got {input_mode!r}"
-            )
+            raise ValueError(f"input_mode must be 'auto', 'tokens', 'text' or 'history', got {input_mode!r}")
         if add_eos not in ("auto", "always", "never"):
             raise ValueError(f"add_eos must be 'auto', 'always' or 'never', got {add_eos!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(
-                f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}"
-            )
+            raise TypeError(f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}")
         self.policy_tokenizer = policy_tokenizer
         self.input_mode = input_mode
         self.part = part
         self.add_eos = add_eos
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        # what bind() sets; unbound: no tokenizer, the default keys, no EOS
+        # set by bind(); unbound: no tokenizer, the default keys, no EOS
         self.tokenizer = None
         self.token_key = layouts.token_key(part)
         self.attention_mask_key = layouts.ATTENTION_MASK_KEY
         self.eos_token_id = None
-        #: tokens can be fed as they are (no re-tokenisation)
-        self.tokens_direct = True
+        self.tokens_direct = True  # tokens fed as they are
         self._whitespace_ids: set[int] | None = None
 
     def bind(
-        self,
-        tokenizer: Any = None,
-        *,
-        token_key: NestedKey | None = None,
-        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY,
-        eos_token_id: int | None = None,
+        self, tokenizer: Any = None, *, token_key: NestedKey | None = None,
+        attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY, eos_token_id: int | None = None,
     ) -> RewardRenderer:
-        """A copy of these settings bound to a reward model.
-
-        Args:
-            tokenizer: the reward model's tokenizer, or ``None`` (then only tokens work).
-            token_key: where tokens are read; defaults to ``("tokens", part)``.
-            attention_mask_key: mask of real tokens (``None``: every stored token is real).
-            eos_token_id: EOS id for token inputs; defaults to the tokenizer's.
-        """
+        """A copy bound to a reward model's ``tokenizer`` (``None``: tokens only), its
+        ``token_key`` (default ``("tokens", part)``), ``attention_mask_key`` (``None``: every
+        stored token is real) and ``eos_token_id`` (default: the tokenizer's)."""
         if self.input_mode in ("text", "history") and tokenizer is None:
             raise ValueError(
                 f"input_mode={self.input_mode!r} needs the reward model's tokenizer: pass "
                 "tokenizer= (or load the model by path, which loads its tokenizer)"
             )
         part = self.part
-        full = layouts.token_key("full")
-        if token_key is not None and part != "full" and key_tuple(token_key) == full:
+        if token_key is not None and part != "full" and key_tuple(token_key) == layouts.token_key("full"):
             raise ValueError(
-                f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot "
-                f"score the {part}; leave token_key unset (it then reads "
-                f"{layouts.token_key(part)!r}) or pass part='full'"
+                f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot score the {part}; "
+                f"leave token_key unset (it then reads {layouts.token_key(part)!r}) or pass part='full'"
             )
         bound = copy.copy(self)
         bound.tokenizer = tokenizer
         bound.token_key = layouts.token_key(part) if token_key is None else token_key
         bound.attention_mask_key = attention_mask_key
-        if eos_token_id is None and tokenizer is not None:
-            eos_token_id = tokenizer.eos_token_id
-        bound.eos_token_id = eos_token_id
+        bound.eos_token_id = tokenizer.eos_token_id if eos_token_id is None and tokenizer is not None else eos_token_id
         bound.tokens_direct = tokenizer is None or same_tokenizer(tokenizer, self.policy_tokenizer)
         bound._whitespace_ids = None
         return bound
@@ -212,12 +150,9 @@ class RewardRenderer:
     def __repr__(self) -> str:
         policy = type(self.policy_tokenizer).__name__ if self.policy_tokenizer else None
         return (
-            f"{type(self).__name__}(input_mode={self.input_mode!r}, part={self.part!r}, "
-            f"add_eos={self.add_eos!r}, chat_template_kwargs={self.chat_template_kwargs!r}, "
-            f"policy_tokenizer={policy})"
+            f"{type(self).__name__}(input_mode={self.input_mode!r}, part={self.part!r}, add_eos={self.add_eos!r}, "
+            f"chat_template_kwargs={self.chat_template_kwargs!r}, policy_tokenizer={policy})"
         )
-
-    # -- choosing the input --------------------------------------------------------
 
     def _inputs(self) -> dict[str, list[list[NestedKey]]]:
         """The inputs ``"auto"`` tries, in order, each with its alternative key sets."""
@@ -231,17 +166,13 @@ class RewardRenderer:
         return inputs
 
     def resolve_mode(self, td: TensorDictBase) -> str:
-        """The input actually used for ``td``: ``"tokens"``, ``"tokens->text"``,
-        ``"text"`` or ``"history"``."""
+        """The input used for ``td``: ``"tokens"``, ``"tokens->text"``, ``"text"`` or ``"history"``."""
         mode = resolve_input_mode(td, self.input_mode, self._inputs(), what="reward-model input")
-        if mode == "tokens" and not self.tokens_direct and self.policy_tokenizer is not None:
-            return "tokens->text"
-        # without a policy tokenizer the tokens are taken to be in the reward model's vocabulary
-        return mode
+        decode = mode == "tokens" and not self.tokens_direct and self.policy_tokenizer is not None
+        return "tokens->text" if decode else mode  # no policy tokenizer: tokens in the reward vocabulary
 
     def preferred_mode(self) -> str:
-        """The input read when every input is present (``input_mode``, or what ``"auto"``
-        tries first)."""
+        """The input read when every input is present."""
         return next(iter(self._inputs())) if self.input_mode == "auto" else self.input_mode
 
     def in_keys(self, mode: str | None = None) -> list[NestedKey]:
@@ -251,29 +182,17 @@ class RewardRenderer:
             return [layouts.history_key(self.part)]
         if mode == "text":
             return [layouts.text_key(self.part)]
-        keys = [self.token_key]
-        return keys + ([self.attention_mask_key] if self.attention_mask_key is not None else [])
+        return [self.token_key] + ([self.attention_mask_key] if self.attention_mask_key is not None else [])
 
     @property
     def keeps_tokens(self) -> bool:
-        """Whether token inputs reach the model unchanged (no EOS appended). With
-        ``add_eos="auto"`` and no tokenizer a trailing ``"\\n"`` after EOS cannot be told
-        from text: tokens are used as they are (upstream behaviour)."""
-        return self.add_eos == "never" or self.eos_token_id is None or (
-            self.add_eos == "auto" and self.tokenizer is None
-        )
+        """Whether token inputs reach the model unchanged (no EOS appended)."""
+        auto_unknown = self.add_eos == "auto" and self.tokenizer is None
+        return self.add_eos == "never" or self.eos_token_id is None or auto_unknown
 
     def read_token_ids(self, td: TensorDictBase) -> Ragged:
-        """The real token ids at :attr:`token_key` (padding removed with the mask),
-        checked: integer ids >= 0, at least one real token per sample.
-
-        Raises:
-            KeyError: the configured mask key is absent (``attention_mask_key=None``
-                takes every stored token as real).
-            TypeError: the ids are not integers.
-            ValueError: a negative id, or a sample without tokens (empty, or an
-                all-zero mask row).
-        """
+        """The real token ids at :attr:`token_key` (padding removed with the mask), checked
+        (:func:`~torchrl_trl._token_ids.check_token_ids`); a ``KeyError`` if the mask is absent."""
         mask_key = self.attention_mask_key
         if mask_key is not None and not layouts.has_key(td, mask_key):
             raise KeyError(
@@ -281,34 +200,27 @@ class RewardRenderer:
                 f"TensorDict (tokens at {self.token_key!r}). Pass attention_mask_key=None if "
                 f"every stored token is real. Available keys: {layouts.available_keys(td)}"
             )
-        where = f"tokens at {self.token_key!r}" + (
-            f" (attention mask {mask_key!r})" if mask_key is not None else ""
-        )
+        where = f"tokens at {self.token_key!r}" + (f" (attention mask {mask_key!r})" if mask_key is not None else "")
         try:
             ids = layouts.read_tokens(td, self.part, key=self.token_key, mask_key=mask_key)
         except RuntimeError:
-            # layouts cannot reshape a zero-length member of a lazy stack: name it
+            # a zero-length member of a lazy stack: name it
             check_token_ids(Ragged.from_list(layouts.read_column(td, self.token_key)), where)
             raise
         return check_token_ids(ids, where)
 
     def render(self, td: TensorDictBase, mode: str | None = None) -> Ragged:
-        """Reward-model token ids of every sample of ``td`` (batch flattened row-major);
-        ``mode`` as :meth:`resolve_mode` returns it (resolved when not given)."""
+        """Reward-model token ids of every sample of ``td`` (row-major); ``mode`` as
+        :meth:`resolve_mode` returns it."""
         mode = self.resolve_mode(td) if mode is None else mode
         if mode == "tokens":
             return self.append_eos(self.read_token_ids(td))
         if mode == "history":
-            chats = layouts.read_history(td, self.part, tokenizer=self.policy_tokenizer)
-            return self.encode_messages(chats)
+            return self.encode_messages(layouts.read_history(td, self.part, tokenizer=self.policy_tokenizer))
         if mode == "text":
-            texts = layouts.read_text(td, self.part, tokenizer=self.policy_tokenizer)
-            return self.encode_texts(texts)
-        ids = self.read_token_ids(td)
-        texts = self.policy_tokenizer.batch_decode(ids.tolist(), skip_special_tokens=False)
-        return self.encode_texts(texts)
-
-    # -- encoders ------------------------------------------------------------------
+            return self.encode_texts(layouts.read_text(td, self.part, tokenizer=self.policy_tokenizer))
+        ids = self.read_token_ids(td).tolist()
+        return self.encode_texts(self.policy_tokenizer.batch_decode(ids, skip_special_tokens=False))
 
     def render_messages(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         """Chats -> text with the reward model's chat template."""
@@ -317,34 +229,25 @@ class RewardRenderer:
                 "the reward model's tokenizer has no chat_template: score the text instead "
                 "(input_mode='text') or set tokenizer.chat_template"
             )
-        return [
-            self.tokenizer.apply_chat_template(
-                _checked_messages(c, i),
-                tokenize=False,
-                add_generation_prompt=False,
-                **self.chat_template_kwargs,
-            )
-            for i, c in enumerate(conversations)
-        ]
+        kwargs = {"tokenize": False, "add_generation_prompt": False, **self.chat_template_kwargs}
+        apply = self.tokenizer.apply_chat_template
+        return [apply(_checked_messages(c, i), **kwargs) for i, c in enumerate(conversations)]
 
     def encode_messages(self, conversations: list[list[dict[str, str]]]) -> Ragged:
         texts = self.render_messages(conversations)
         if self.add_eos == "always":
             texts = [t + self.tokenizer.eos_token for t in texts]
-        enc = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return Ragged.from_list(enc)
+        return Ragged.from_list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
 
     def prepare_texts(self, texts: list[str]) -> list[str]:
-        """Apply the EOS rule to plain texts (see module doc)."""
+        """Apply the EOS rule to plain texts."""
         eos = self.tokenizer.eos_token
         policy_eos = getattr(self.policy_tokenizer, "eos_token", None)
         out = []
         for t in texts:
             if policy_eos and policy_eos != eos and t.rstrip().endswith(policy_eos):
                 t = t.rstrip()[: -len(policy_eos)]
-            if eos and (self.add_eos == "always" or (
-                self.add_eos == "auto" and not t.rstrip().endswith(eos)
-            )):
+            if eos and (self.add_eos == "always" or (self.add_eos == "auto" and not t.rstrip().endswith(eos))):
                 t = t + eos
             out.append(t)
         return out
@@ -355,44 +258,33 @@ class RewardRenderer:
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise TypeError(f"text {i} is a {type(t).__name__}, expected str: {t!r}")
-        enc = self.tokenizer(self.prepare_texts(list(texts)), add_special_tokens=True)["input_ids"]
-        return Ragged.from_list(enc)
+        texts = self.prepare_texts(list(texts))
+        return Ragged.from_list(self.tokenizer(texts, add_special_tokens=True)["input_ids"])
 
     def append_eos(self, ids: Ragged) -> Ragged:
-        """Token inputs with the EOS rule applied (see module doc)."""
+        """Token inputs with the EOS rule applied."""
         eos = self.eos_token_id
         if self.keeps_tokens or len(ids) == 0:
             return ids
         seqs = list(ids.split())
-        changed = False
-        for i, s in enumerate(seqs):
-            if self.add_eos == "always" or not self._ends_with_eos(s.tolist(), eos):
-                seqs[i] = torch.cat([s, s.new_tensor([eos])])
-                changed = True
-        return Ragged.from_list(seqs) if changed else ids
+        add = [self.add_eos == "always" or not self._ends_with_eos(s.tolist(), eos) for s in seqs]
+        if not any(add):
+            return ids
+        return Ragged.from_list([torch.cat([s, s.new_tensor([eos])]) if a else s for s, a in zip(seqs, add)])
 
     def _ends_with_eos(self, seq: list[int], eos: int) -> bool:
         # trailing tokens that decode to whitespace only (ChatML's "\n") do not count
         ws = self._whitespace()
-        for tok in reversed(seq):
-            if tok == eos:
-                return True
-            if tok not in ws:
-                return False
-        return False
+        return next((tok for tok in reversed(seq) if tok == eos or tok not in ws), None) == eos
 
     def _whitespace(self) -> set[int]:
         if self._whitespace_ids is None:
             self._whitespace_ids = set()
             if self.tokenizer is not None:
                 specials = set(self.tokenizer.all_special_ids)
-                n = len(self.tokenizer)
-                texts = self.tokenizer.batch_decode([[i] for i in range(n)])
-                self._whitespace_ids = {
-                    i for i, t in enumerate(texts) if t and not t.strip() and i not in specials
-                }
+                texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+                self._whitespace_ids = {i for i, t in enumerate(texts) if t and not t.strip() and i not in specials}
         return self._whitespace_ids
-
 
 
 def _checked_messages(conversation: Any, index: int) -> list[dict]:

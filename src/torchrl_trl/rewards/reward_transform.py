@@ -1,24 +1,10 @@
-"""``RewardTransform``: any reward scorer as a TorchRL ``Transform``. The scorer decides what
-the rewards are; the transform decides where they are written:
-
-- **on a ``ChatEnv``** (``env.append_transform(RewardTransform(scorer))``): every
-  ``env.step`` scores the policy's output (the root tensordict; the step's ``next``
-  tensordict is where columns such as ``"answer"`` are also looked up) and writes the
-  rewards into ``next`` (``("next", "reward")`` of the rollout, ``[*B, 1, 1]`` by default);
-- **on a replay buffer** (``rb.append_transform(...)``): rollouts are scored once, when
-  written (``extend``); sampling does not score again. The buffer runs its transforms'
-  write path from the last appended to the first, so append it *after* ``MCAdvantage``;
-- **called directly** (``transform(td)``), standalone or while attached to an env: scores
-  ``td`` and writes ``("next", ...)`` into it, as on a buffer write.
-
-A scorer is anything with ``in_keys`` (what it reads), ``out_keys`` (what it writes, the
-reward first; a leading ``"next"`` is implied), ``reward_shape`` and
-``score_outputs(td, columns_td=None) -> list[Tensor]`` (one ``[N]`` tensor per out key,
-``N`` the flattened batch): :class:`~torchrl_trl.rewards.HFRewardModelWrapper`,
+"""``RewardTransform``: any reward scorer as a TorchRL ``Transform``, writing into ``next`` on
+a ``ChatEnv`` step, scoring once on a replay buffer's write (append it *after*
+``MCAdvantage``), or scoring ``td`` when called. A scorer has ``in_keys``, ``out_keys`` (the
+reward first), ``reward_shape`` and ``score_outputs(td, columns_td=None) -> list[Tensor]``
+(one ``[N]`` tensor per out key), as :class:`~torchrl_trl.rewards.HFRewardModelWrapper`,
 :class:`~torchrl_trl.rewards.service.RewardServiceClient` and
-:class:`~torchrl_trl.rewards.RewardFunctionWrapper`. :class:`~torchrl_trl.HFRewardTransform`
-and :class:`~torchrl_trl.RewardFunctionTransform` are this transform with their scorer built
-from a path, a model or reward functions.
+:class:`~torchrl_trl.rewards.RewardFunctionWrapper` do.
 """
 
 from __future__ import annotations
@@ -38,31 +24,22 @@ __all__ = ["RewardTransform"]
 _SCORER_API = ("in_keys", "out_keys", "reward_shape", "score_outputs")
 
 
-def _key(key: tuple) -> NestedKey:
-    return key[0] if len(key) == 1 else key
-
-
 class RewardTransform(Transform):
     """Write a scorer's rewards as TorchRL rewards, inside an env's step, on a replay
     buffer's write, or called as a module.
 
     Args:
-        scorer: an :class:`~torchrl_trl.rewards.HFRewardModelWrapper`, a
-            :class:`~torchrl_trl.rewards.service.RewardServiceClient`, a
-            :class:`~torchrl_trl.rewards.RewardFunctionWrapper`, or anything with their
-            ``in_keys``, ``out_keys``, ``reward_shape`` and ``score_outputs`` (see the
-            module docstring).
+        scorer: anything with ``in_keys``, ``out_keys``, ``reward_shape`` and
+            ``score_outputs`` (see :mod:`torchrl_trl.rewards.reward_transform`).
 
     Keyword Args:
-        reward_key: where the reward (the scorer's first out key) goes, *inside* ``"next"``.
-            Defaults to the scorer's own key without a leading ``"next"``.
-        reward_shape: ``"step"`` (``[*B, 1, 1]``, as ``MCAdvantage`` reads), ``"trailing"``
-            or ``"flat"``. Defaults to the scorer's ``reward_shape``.
-        accumulate: add to a reward already there (e.g. another scorer's) instead of
-            overwriting it. Defaults to ``False``.
+        reward_key: where the reward goes, *inside* ``"next"`` (default: the scorer's key).
+        reward_shape: ``"step"`` (``[*B, 1, 1]``), ``"trailing"`` or ``"flat"``
+            (default: the scorer's).
+        accumulate: add to a reward already there instead of overwriting it.
 
-    ``in_keys`` are the scorer's; ``out_keys`` are the rollout keys written
-    (``("next", ...)``); the env's reward spec gains them, shaped per ``reward_shape``.
+    ``in_keys`` are the scorer's; ``out_keys`` the ``("next", ...)`` keys written, added to
+    the env's reward spec.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -83,14 +60,8 @@ class RewardTransform(Transform):
         torch.Size([2, 1, 1])
     """
 
-    def __init__(
-        self,
-        scorer,
-        *,
-        reward_key: NestedKey | None = None,
-        reward_shape: RewardShape | None = None,
-        accumulate: bool = False,
-    ) -> None:
+    def __init__(self, scorer, *, reward_key: NestedKey | None = None, reward_shape: RewardShape | None = None,
+                 accumulate: bool = False) -> None:
         missing = [name for name in _SCORER_API if not hasattr(scorer, name)]
         if missing:
             raise TypeError(
@@ -108,13 +79,11 @@ class RewardTransform(Transform):
         super().__init__(in_keys=list(scorer.in_keys), out_keys=keys)
         self.scorer = scorer
 
-    def _score_into(
-        self, source: TensorDictBase, dest: TensorDictBase, *, inside_next: bool, columns_td=None
-    ) -> TensorDictBase:
-        """Score ``source``, write into ``dest`` (an env step's ``next`` tensordict when
-        ``inside_next``, so the keys lose their leading ``"next"``)."""
+    def _score_into(self, source: TensorDictBase, dest: TensorDictBase, *, inside_next: bool,
+                    columns_td=None) -> TensorDictBase:
+        """Score ``source`` into ``dest`` (an env step's ``next`` when ``inside_next``)."""
         for key, value in zip(self.out_keys, self.scorer.score_outputs(source, columns_td)):
-            key = _key(key[1:]) if inside_next else key
+            key = strip_next(key) if inside_next else key
             write_rewards(dest, value, key, self.reward_shape, accumulate=self.accumulate)
         return dest
 
@@ -127,32 +96,23 @@ class RewardTransform(Transform):
 
     # replay buffer: score once on write ...
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if tensordict is None:
-            return tensordict
-        return self._score_into(tensordict, tensordict, inside_next=False)
+        return tensordict if tensordict is None else self._score_into(tensordict, tensordict, inside_next=False)
 
     # ... and pass through on sample (and on an env's observations)
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
         return next_tensordict
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Score ``tensordict`` and write the reward keys, standalone or attached to an
-        env. In a replay buffer this is the sampling path, and it passes the sample
-        through: the rollouts were scored when written."""
-        if self._in_replay_buffer():
-            return tensordict
-        return self._inv_call(tensordict)
+        """Score ``tensordict`` and write the reward keys (in a replay buffer: pass the sample
+        through, it was scored on write)."""
+        return tensordict if self._in_replay_buffer() else self._inv_call(tensordict)
 
     def _in_replay_buffer(self) -> bool:
-        # TorchRL's public ``container`` is the env holding the transform (None when
-        # standalone); for a transform in a Compose that no env holds, i.e. a replay
-        # buffer's transforms, it raises ValueError (torchrl 0.14.1)
+        # ``container`` raises ValueError in a Compose no env holds: a replay buffer's
         try:
             self.container
-        except ValueError:
-            return True
-        except AttributeError:  # never attached
-            return False
+        except (ValueError, AttributeError) as err:  # AttributeError: never attached
+            return isinstance(err, ValueError)
         return False
 
     def transform_output_spec(self, output_spec: Composite) -> Composite:

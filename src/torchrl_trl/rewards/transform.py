@@ -1,24 +1,5 @@
-"""``HFRewardTransform``: score with a Hugging Face reward model inside TorchRL.
-
-It is a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` (on a ``ChatEnv``:
-each step scores the conversation so far and writes ``("next", "reward")`` ``[*B, 1, 1]``,
-turn by turn in multi-turn envs; on a replay buffer: once, when rollouts are written;
-called as a module: scores ``td``) whose scorer it builds when not given ready:
-
-- an :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (built with its renderer and
-  batching objects, or :meth:`~torchrl_trl.rewards.HFRewardModelWrapper.from_pretrained`);
-- a :class:`~torchrl_trl.rewards.service.RewardServiceClient`: one reward model in a named
-  Ray actor shared by every transform (collector, env worker) attached to that name; each
-  renders its samples locally and sends token ids (see :mod:`torchrl_trl.rewards.service`).
-  ``HFRewardTransform(path, use_ray_service=True, actor_name="rm", num_gpus=1)`` builds one
-  with its defaults (TorchRL's ``ModuleTransform`` spelling);
-- a local path or a loaded reward model: wrapped with the defaults, without gradients.
-
-``in_keys`` are the keys the scorer reads (tokens + mask, text or history: see
-:attr:`HFRewardModelWrapper.in_keys`); ``out_keys`` is ``[("next", reward_key)]``. Put
-``KLRewardTransform`` after it on an env (it reads ``next["reward"]``), and post-processing
-too: ``RewardScaling(loc, scale)``, ``RewardClipping``,
-:class:`~torchrl_trl.rewards.RunningRewardNorm`.
+"""``HFRewardTransform``: a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`
+scoring with a Hugging Face reward model, built from a path or a model when not given ready.
 """
 
 from __future__ import annotations
@@ -39,43 +20,30 @@ __all__ = ["HFRewardTransform"]
 
 
 class HFRewardTransform(RewardTransform):
-    """Write reward-model scores as TorchRL rewards: a
-    :class:`~torchrl_trl.rewards.reward_transform.RewardTransform` whose scorer is built
-    from a path or a model when it is not given ready.
+    """Write reward-model scores as TorchRL rewards (on an env's step, a buffer's write, or
+    called on a tensordict).
 
     Args:
-        scorer: what scores: an :class:`HFRewardModelWrapper`, a
+        scorer: an :class:`HFRewardModelWrapper`, a
             :class:`~torchrl_trl.rewards.service.RewardServiceClient`, or a local path / a
-            loaded reward model (wrapped with the defaults, ``inference_mode=True``; with
-            ``use_ray_service=True`` a path is served by a
-            :class:`~torchrl_trl.rewards.service.RewardServiceClient`).
+            loaded reward model (wrapped with ``inference_mode=True``; with
+            ``use_ray_service=True`` a path is served by a ``RewardServiceClient``).
 
     Keyword Args:
-        reward_key: reward key *inside* ``"next"`` (env: ``next_tensordict[reward_key]``;
-            buffer: ``td["next", reward_key]``). Defaults to the scorer's ``reward_key``
-            without a leading ``"next"`` (``"reward"`` unless it was configured).
-        reward_shape: ``"step"`` (default: ``[*B, 1, 1]`` as ``GSM8KRewardParser`` writes
-            and ``MCAdvantage`` reads), ``"trailing"`` or ``"flat"``. The transform writes
-            the reward: the scorer's own ``reward_shape`` (for its standalone use) is not
-            used.
-        accumulate: add to a reward already there (e.g. another parser's) instead of
-            overwriting it. Defaults to ``False``.
+        reward_key: reward key *inside* ``"next"``; defaults to the scorer's without a
+            leading ``"next"``.
+        reward_shape: ``"step"`` (default, ``[*B, 1, 1]``), ``"trailing"`` or ``"flat"``
+            (the scorer's own ``reward_shape`` is not used).
+        accumulate: add to a reward already there instead of overwriting it.
         use_ray_service: serve ``scorer`` (a local path) from a named Ray actor shared by
-            every transform given the same ``actor_name`` (TorchRL's ``ModuleTransform`` /
-            ``RayRetrieveKL`` idiom). Defaults to ``False``.
-        service_backend: ``"ray"`` is the same as ``use_ray_service=True`` (TorchRL's
-            newer spelling); ``"direct"``/``None``: in-process.
+            every transform given the same ``actor_name``.
+        service_backend: ``"ray"`` (same as ``use_ray_service=True``), ``"direct"`` or ``None``.
         actor_name, num_cpus, num_gpus: the service's name and Ray resources (only with
-            ``use_ray_service=True``); for its other settings build the
-            :class:`~torchrl_trl.rewards.service.RewardServiceClient` and pass it.
+            ``use_ray_service=True``).
 
-    The scorer is :attr:`scorer` (counters: ``truncated_count``, ``nonfinite_count``,
-    ``padding_efficiency``; a service client's: ``scorer.stats()``).
+    The scorer is :attr:`scorer` (with its counters, or a client's ``stats()``).
 
     Examples:
-        A reward model with a batching policy, scoring rollouts when they are written to a
-        buffer-like tensordict, then scaled by TorchRL's ``RewardScaling``:
-
         >>> import tempfile, torch
         >>> from tensordict import TensorDict
         >>> from torchrl.envs import RewardScaling
@@ -95,57 +63,41 @@ class HFRewardTransform(RewardTransform):
     """
 
     def __init__(
-        self,
-        scorer: Any,
-        *,
-        reward_key: NestedKey | None = None,
-        reward_shape: RewardShape = "step",
-        accumulate: bool = False,
-        use_ray_service: bool = False,
-        service_backend: str | None = None,
-        actor_name: str | None = None,
-        num_cpus: float | None = None,
-        num_gpus: float | None = None,
-        **removed,
+        self, scorer: Any, *, reward_key: NestedKey | None = None, reward_shape: RewardShape = "step",
+        accumulate: bool = False, use_ray_service: bool = False, service_backend: str | None = None,
+        actor_name: str | None = None, num_cpus: float | None = None, num_gpus: float | None = None, **removed,
     ) -> None:
         if removed:
             raise _removed_error(removed)
         if service_backend not in (None, "direct", "ray"):
-            raise ValueError(
-                f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}"
-            )
+            raise ValueError(f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}")
         if use_ray_service and service_backend == "direct":
             raise ValueError("use_ray_service=True conflicts with service_backend='direct'")
         use_ray_service = bool(use_ray_service) or service_backend == "ray"
-        ray_options = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-        ray_options = {k: v for k, v in ray_options.items() if v is not None}
-        given = sorted([*ray_options, *(["actor_name"] if actor_name is not None else [])])
-        if given and not use_ray_service:
-            raise TypeError(f"{given} only apply with use_ray_service=True")
+        service = {"actor_name": actor_name, "num_cpus": num_cpus, "num_gpus": num_gpus}
+        service = {k: v for k, v in service.items() if v is not None}
+        if service and not use_ray_service:
+            raise TypeError(f"{sorted(service)} only apply with use_ray_service=True")
         if use_ray_service:
             if not isinstance(scorer, (str, os.PathLike)):
                 raise TypeError(
-                    "use_ray_service=True serves the reward model from a local path: pass the "
-                    "path, or a RewardServiceClient itself (without use_ray_service), not a "
-                    f"{type(scorer).__name__}"
+                    "use_ray_service=True serves the reward model from a local path: pass the path, or a "
+                    f"RewardServiceClient itself (without use_ray_service), not a {type(scorer).__name__}"
                 )
-            scorer = RewardServiceClient(scorer, actor_name=actor_name, remote_config=ray_options)
-        elif isinstance(scorer, (str, os.PathLike)) or (
-            isinstance(scorer, nn.Module) and not isinstance(scorer, HFRewardModelWrapper)
-        ):
+            service.pop("actor_name", None)
+            scorer = RewardServiceClient(scorer, actor_name=actor_name, remote_config=service)
+        elif isinstance(scorer, (str, os.PathLike, nn.Module)) and not isinstance(scorer, HFRewardModelWrapper):
             scorer = HFRewardModelWrapper(scorer, inference_mode=True)
         elif not isinstance(scorer, (HFRewardModelWrapper, RewardServiceClient)):
             raise TypeError(
                 "scorer must be an HFRewardModelWrapper, a RewardServiceClient, a reward model "
                 f"or a local path, got {type(scorer).__name__}"
             )
-        super().__init__(
-            scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate
-        )
+        super().__init__(scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate)
 
 
 def _removed_error(given: dict) -> TypeError:
-    """Arguments the transform no longer forwards: each named with where it goes now."""
+    """The ``TypeError`` naming where each argument the transform no longer takes went."""
     from .service import CALLER_SIDE_ARGS, MODEL_SIDE_ARGS, SERVICE_ARGS
 
     client = "RewardServiceClient(path, {}): pass the client as the scorer"
@@ -159,6 +111,5 @@ def _removed_error(given: dict) -> TypeError:
     lines = []
     for name in sorted(given):
         home = next((home for names, home in homes if name in names), None)
-        # else a removed keyword of the wrapper's, or an unknown one
         lines.append(moved_line(name) if home is None else f"{name} moved to {home.format(n=name)}")
     return TypeError("HFRewardTransform composes a scorer: " + "; ".join(lines))

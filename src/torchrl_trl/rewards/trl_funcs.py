@@ -1,17 +1,7 @@
-"""TorchRL rewards as TRL ``reward_funcs`` (TorchRL -> TRL).
-
-:func:`as_trl_reward_func` turns a TorchRL reward (our ``HFRewardModelWrapper``, a reward
-parser such as ``GSM8KRewardParser``, or any TensorDict module writing a reward key) into
-the plain callable ``GRPOTrainer``/``RLOOTrainer`` accept in ``reward_funcs``::
-
-    f(prompts, completions, completion_ids, **columns) -> list[float]
-
-It is a callable object with a ``__name__``, deliberately not an ``nn.Module``: TRL treats
-every ``nn.Module`` reward func as a sequence-classification model.
-
-It also wraps a plain TRL reward function, to run it isolated per completion
-(``executor="process"``, ``timeout=``), so a verifier that hangs or crashes on one
-completion does not stop ``GRPOTrainer``.
+"""TorchRL rewards as TRL ``reward_funcs`` (TorchRL -> TRL): :func:`as_trl_reward_func` turns
+a TorchRL reward (``HFRewardModelWrapper``, a reward parser, a TensorDict module) or a plain
+TRL function to run isolated into ``f(prompts, completions, completion_ids, **columns) ->
+list[float]``. It is deliberately not an ``nn.Module``: TRL treats those as reward models.
 """
 
 from __future__ import annotations
@@ -31,38 +21,22 @@ from torchrl_trl import _compat, layouts
 from torchrl_trl._checks import WarnOnce, key_tuple, moved_keywords, positive_seconds, strip_next
 
 from .calling import (
-    TRL_EXTRA_KWARGS,
-    FailureCounter,
-    FunctionTimeout,
-    call_functions,
-    check_signature,
-    declares,
-    named_error,
-    run_with_timeout,
-    score_items,
-)
+    TRL_EXTRA_KWARGS, FailureCounter, call_function, call_functions, check_signature, declares,
+    run_with_timeout, score_items,
+)  # fmt: skip
 from .executors import MOVED_TO_EXECUTOR, RewardExecutor, reward_executor
-from .trl_rollouts import is_conversational, rollouts_from_trl
+from .trl_rollouts import as_messages, is_conversational, rollouts_from_trl
 
 __all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "is_trl_function", "rollouts_from_trl"]
 
 
 def _conversations(prompts, completions) -> list[list[dict]]:
-    out = []
-    for p, c in zip(prompts, completions):
-        if isinstance(c, str):
-            c = [{"role": "assistant", "content": c}]
-        out.append(list(p) + list(c))
-    return out
+    return [list(p) + as_messages(c) for p, c in zip(prompts, completions)]
 
 
 def _default_name(reward: Any) -> str:
-    model = getattr(reward, "model", None)
-    config = getattr(model, "config", None)
-    path = getattr(config, "name_or_path", "") if config is not None else ""
-    if path:
-        return str(path).rstrip("/").split("/")[-1]
-    return type(reward).__name__
+    path = getattr(getattr(getattr(reward, "model", None), "config", None), "name_or_path", "")
+    return str(path).rstrip("/").split("/")[-1] if path else type(reward).__name__
 
 
 def is_trl_function(reward: Any) -> bool:
@@ -71,9 +45,8 @@ def is_trl_function(reward: Any) -> bool:
     module or scorer, and its signature names ``completions`` or takes only ``**kwargs``."""
     from tensordict.nn import TensorDictModuleBase
 
-    if isinstance(reward, (torch.nn.Module, TensorDictModuleBase)):
-        return False
-    if any(hasattr(reward, a) for a in ("score_ids", "score_texts", "score_messages")):
+    scorer = any(hasattr(reward, a) for a in ("score_ids", "score_texts", "score_messages"))
+    if scorer or isinstance(reward, (torch.nn.Module, TensorDictModuleBase)):
         return False
     try:
         params = inspect.signature(reward).parameters.values()
@@ -86,27 +59,16 @@ def is_trl_function(reward: Any) -> bool:
 
 
 class TRLRewardFunc:
-    """A TorchRL reward (or a plain TRL function, run isolated) as a TRL reward function;
-    build it with :func:`as_trl_reward_func`.
-
-    ``__call__(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]``,
-    one reward per completion, in order; a non-finite reward (inf, NaN) is returned as
-    ``None`` (TRL excludes it from the weighted sum), counted in :attr:`nonfinite` and
-    warned about once. Counters: :attr:`calls`, :attr:`scored`, :attr:`nonfinite`, and
-    with an executor :attr:`failure_counts` (``{"error", "timeout", "crash"}``).
+    """A TorchRL reward (or a plain TRL function, run isolated) as a TRL reward function, built
+    by :func:`as_trl_reward_func`: ``f(prompts, completions, completion_ids=None, **kwargs) ->
+    list[float | None]``. Counters: :attr:`calls`, :attr:`scored`, :attr:`nonfinite` (returned
+    as ``None``), :attr:`failure_counts` (executor modes).
     """
 
     def __init__(
-        self,
-        reward: Any,
-        *,
-        tokenizer=None,
-        name: str | None = None,
-        reward_key: NestedKey | None = None,
-        columns: Sequence[str] | None = None,
-        timeout: float | None = None,
-        executor: str | Executor | RewardExecutor | None = None,
-        **moved,
+        self, reward: Any, *, tokenizer=None, name: str | None = None, reward_key: NestedKey | None = None,
+        columns: Sequence[str] | None = None, timeout: float | None = None,
+        executor: str | Executor | RewardExecutor | None = None, **moved,
     ):
         moved = moved_keywords(type(self).__name__, moved, MOVED_TO_EXECUTOR)
         config = reward_executor(executor, **moved)
@@ -114,8 +76,7 @@ class TRLRewardFunc:
             raise TypeError("reward is already a TRL reward function")
         if not callable(reward):
             raise TypeError(
-                f"reward must be a TorchRL module or transform, or a TRL reward function, got "
-                f"{type(reward).__name__}"
+                f"reward must be a TorchRL module or transform, or a TRL reward function, got {type(reward).__name__}"
             )
         self.reward = reward
         self.tokenizer = tokenizer
@@ -128,19 +89,16 @@ class TRLRewardFunc:
         self.reward_key = reward_key
         self.columns = list(columns) if columns is not None else None
         self.timeout = positive_seconds(timeout, "timeout")
-        #: calls received, and completions scored
-        self.calls = 0
-        self.scored = 0
+        self.calls = self.scored = 0  # calls received, completions scored
         self._nonfinite = WarnOnce()
         self._parsers: dict[str, Any] = {}
         self.failure_reward = None if config is None else config.failure_reward
         self.executor = None
         self._failures = FailureCounter([self.__name__], type(self).__name__)
-        # the workers run the function itself, or this object without an executor
-        inner = copy.copy(self)
-        inner.timeout = None  # the executor bounds each completion
-        work = reward if self.is_trl_function else inner.raw_rewards
-        if config is not None:
+        if config is not None:  # the workers run the function, or a copy of this without executor
+            inner = copy.copy(self)
+            inner.timeout = None  # the executor bounds each completion
+            work = reward if self.is_trl_function else inner.raw_rewards
             self.executor = config.build([work], [self.__name__], self.timeout)
 
     @property
@@ -167,18 +125,16 @@ class TRLRewardFunc:
             raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions")
         if not prompts:
             return []
-        if self.executor is not None:
-            out = self._call_items(prompts, completions, completion_ids, kwargs)
-        else:
-            out = self.raw_rewards(prompts, completions, completion_ids, **kwargs)
+        args = (prompts, completions, completion_ids)
+        out = self._call_items(*args, kwargs) if self.executor is not None else self.raw_rewards(*args, **kwargs)
         self.scored += len(prompts)
         bad = [i for i, r in enumerate(out) if r is not None and not math.isfinite(r)]
         if bad:
             self._nonfinite.add(
                 "nonfinite",
                 f"reward function {self.__name__!r} scored {len(bad)} of {len(out)} completions "
-                f"{[out[i] for i in bad[:3]]}; returned as None, which TRL excludes from the "
-                "weighted sum (counted in .nonfinite)",
+                f"{[out[i] for i in bad[:3]]}; returned as None, which TRL excludes from the weighted sum "
+                "(counted in .nonfinite)",
                 n=len(bad),
             )
             for i in bad:
@@ -194,30 +150,25 @@ class TRLRewardFunc:
         if self.is_trl_function and "environments" in call_kwargs and self.executor.kind in ("process", "ray"):
             if declares(self.reward, "environments"):
                 raise TypeError(
-                    f"reward function {self.__name__!r} takes TRL's environments, live objects of "
-                    f"the trainer that cannot be sent to executor={self.executor.kind!r}; use "
-                    "executor='thread'"
+                    f"reward function {self.__name__!r} takes TRL's environments, live objects of the trainer that "
+                    f"cannot be sent to executor={self.executor.kind!r}; use executor='thread'"
                 )
             call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
         if self.is_trl_function:  # as TRL would fail, but once here rather than per completion
             check_signature(self.reward, self.__name__, list(call_kwargs))
-        excluded = "it is returned as None (excluded by TRL)"
         rewards, _ = score_items(self.executor, call_kwargs, n, [self.__name__], self._failures,
-                                 self.failure_reward, excluded)
+                                 self.failure_reward, "it is returned as None (excluded by TRL)")
         return rewards[0]  # NaN/inf: counted by __call__
 
     def raw_rewards(self, prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
-        """The rewards in the caller, without an executor: ``None`` where a TRL function
-        returned ``None``; non-finite values as they are."""
-        if self.is_trl_function:
-            return self._call_function(prompts, completions, completion_ids, kwargs)
+        """The rewards in the caller, without an executor (``None`` and non-finite values kept)."""
+        if self.is_trl_function:  # called as TRL calls it
+            call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            return call_functions([self.reward], [self.__name__], call_kwargs, self.timeout)[0]
         columns = self._select_columns(kwargs)
         with torch.inference_mode():  # as TRL scores its reward models
-            rewards = run_with_timeout(
-                lambda: self._score(prompts, completions, completion_ids, columns),
-                self.timeout,
-                f"reward function {self.__name__!r}",
-            )
+            rewards = run_with_timeout(lambda: self._score(prompts, completions, completion_ids, columns),
+                                       self.timeout, f"reward function {self.__name__!r}")
         rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
         if rewards.shape[1] != 1:
             raise ValueError(
@@ -238,36 +189,21 @@ class TRLRewardFunc:
             columns = {c: columns[c] for c in self.columns}
         return columns
 
-    def _call_function(self, prompts, completions, completion_ids, kwargs) -> list[float | None]:
-        """A plain TRL reward function, called as TRL calls it (``None`` kept)."""
-        call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-        return call_functions([self.reward], [self.__name__], call_kwargs, self.timeout)[0]
-
     def _call_reward(self, fn, *args):
-        """Call into the wrapped TorchRL reward; its exceptions carry this function's name."""
-        try:
-            return fn(*args)
-        except FunctionTimeout:
-            raise
-        except Exception as err:
-            raise named_error(err, self.__name__) from err
+        """``fn(*args)``, its exceptions carrying this function's name."""
+        return call_function(lambda: fn(*args), self.__name__, {})
 
     def _score(self, prompts, completions, completion_ids, columns) -> torch.Tensor:
         reward = self.reward
         chat = is_conversational(prompts)
         if hasattr(reward, "score_ids") and getattr(reward, "tokenizer", None) is not None:
             return self._score_like_trl(prompts, completions, chat)
-        # other scorers exposing text/chat entry points
         if chat and hasattr(reward, "score_messages"):
             return torch.as_tensor(self._call_reward(reward.score_messages, _conversations(prompts, completions)))
         if not chat and hasattr(reward, "score_texts"):
             return torch.as_tensor(self._call_reward(reward.score_texts, [p + c for p, c in zip(prompts, completions)]))
-        td = rollouts_from_trl(
-            prompts, completions, completion_ids, columns=columns, tokenizer=self.tokenizer
-        )
-        if _compat.has_own_step(reward):
-            # a reward parser (GSM8KRewardParser...): reads the step's input and the
-            # columns of "next", writes the reward into "next"
+        td = rollouts_from_trl(prompts, completions, completion_ids, columns=columns, tokenizer=self.tokenizer)
+        if _compat.has_own_step(reward):  # a reward parser: reads the step and "next", writes "next"
             parser = self._parser_for(reward, chat)
             next_td = td.select(*columns) if columns else td.empty()
             out = self._call_reward(_compat.transform_step, parser, td, next_td)
@@ -276,61 +212,43 @@ class TRLRewardFunc:
         return self._read_reward(out if isinstance(out, TensorDictBase) else td, relative=False)
 
     def _score_like_trl(self, prompts, completions, chat: bool) -> torch.Tensor:
-        """Our HFRewardModelWrapper on exactly the token ids TRL's ``reward_funcs=[model]``
-        path builds (``_calculate_rewards``): chat -> the reward tokenizer's chat template
-        over ``prompt + completion``; text -> ``prompt + completion``; both tokenised with
-        ``add_special_tokens=False`` and nothing appended. Scoring is then micro-batched
-        (right padding, token budget) instead of one padded forward."""
-        reward = self.reward
-        tok = reward.tokenizer
-        if chat:
-            conversations = _conversations(prompts, completions)
-            renderer = getattr(reward, "renderer", None)
-            if renderer is not None and hasattr(renderer, "render_messages"):
-                texts = renderer.render_messages(conversations)
-            else:
-                texts = [tok.apply_chat_template(c, tokenize=False) for c in conversations]
-        else:
+        """Our HFRewardModelWrapper on the token ids TRL's ``reward_funcs=[model]`` builds:
+        chat template (or text) over ``prompt + completion``, ``add_special_tokens=False``."""
+        reward, tok = self.reward, self.reward.tokenizer
+        if not chat:
             texts = [p + c for p, c in zip(prompts, completions)]
+        elif hasattr(getattr(reward, "renderer", None), "render_messages"):
+            texts = reward.renderer.render_messages(_conversations(prompts, completions))
+        else:
+            texts = [tok.apply_chat_template(c, tokenize=False) for c in _conversations(prompts, completions)]
         ids = tok(texts, add_special_tokens=False)["input_ids"]
         return self._call_reward(reward.score_ids, layouts.Ragged.from_list(ids))
 
     def _parser_for(self, parser, chat: bool):
-        """The parser set up for this data (chat -> history, else text), without
-        changing the caller's object: a shallow copy gets the input keys and mode."""
+        """The parser set up for chat (history) or text data: a shallow copy when it needs keys or a mode."""
         mode = "history" if chat else "text"
-        if mode in self._parsers:
-            return self._parsers[mode]
-        in_keys = list(getattr(parser, "in_keys", []) or [])
-        unset_mode = _compat.parser_input_mode_unset(parser)
-        if in_keys and not unset_mode:
+        if mode not in self._parsers:
+            in_keys = list(getattr(parser, "in_keys", []) or [])
+            unset_mode = _compat.parser_input_mode_unset(parser)
+            if not in_keys or unset_mode:
+                parser = copy.copy(parser)
+            if not in_keys:
+                answer = self.columns[0] if self.columns else "answer"
+                parser.in_keys = [layouts.history_key("full") if chat else layouts.text_key("response"), answer]
+            if unset_mode:
+                first = parser.in_keys[0]
+                _compat.set_parser_input_mode(parser, first[0] if isinstance(first, tuple) else mode)
             self._parsers[mode] = parser
-            return parser
-        parser = copy.copy(parser)
-        if not in_keys:
-            answer = self.columns[0] if self.columns else "answer"
-            first = layouts.history_key("full") if chat else layouts.text_key("response")
-            parser.in_keys = [first, answer]
-        if unset_mode:
-            first = parser.in_keys[0]
-            _compat.set_parser_input_mode(parser, first[0] if isinstance(first, tuple) else mode)
-        self._parsers[mode] = parser
-        return parser
+        return self._parsers[mode]
 
     def _read_reward(self, td: TensorDictBase, *, relative: bool) -> torch.Tensor:
         if self.reward_key is not None:
-            key = key_tuple(self.reward_key)
-            candidates = [strip_next(key) if relative else key]
+            candidates = [strip_next(key_tuple(self.reward_key)) if relative else key_tuple(self.reward_key)]
         elif relative:
             candidates = [("reward",)]
         else:
-            out_keys = [
-                (k,) if isinstance(k, str) else tuple(k)
-                for k in getattr(self.reward, "out_keys", []) or []
-            ]
-            candidates = [tuple(layouts.REWARD_KEY), ("reward",)] + [
-                k for k in out_keys if "reward" in k[-1]
-            ]
+            out_keys = [key_tuple(k) for k in getattr(self.reward, "out_keys", []) or []]
+            candidates = [tuple(layouts.REWARD_KEY), ("reward",)] + [k for k in out_keys if "reward" in k[-1]]
         for key in candidates:
             if layouts.has_key(td, key):
                 values = layouts.read_column(td, key)
@@ -342,65 +260,34 @@ class TRLRewardFunc:
 
 
 def as_trl_reward_func(
-    reward: Any,
-    *,
-    tokenizer=None,
-    name: str | None = None,
-    reward_key: NestedKey | None = None,
-    columns: Sequence[str] | None = None,
-    timeout: float | None = None,
-    executor: str | Executor | RewardExecutor | None = None,
-    **moved,
+    reward: Any, *, tokenizer=None, name: str | None = None, reward_key: NestedKey | None = None,
+    columns: Sequence[str] | None = None, timeout: float | None = None,
+    executor: str | Executor | RewardExecutor | None = None, **moved,
 ) -> TRLRewardFunc:
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
     Args:
-        reward: one of
-
-            - our ``HFRewardModelWrapper``: TRL's prompts and completions are
-              concatenated (chat: the conversation ``prompt + completion``, rendered with
-              the reward model's chat template; text: ``prompt + completion``) and scored
-              micro-batched, giving the rewards of TRL's own ``reward_funcs=[model]``;
-            - a TorchRL reward parser (a ``Transform`` with its own ``_step``, e.g.
-              ``GSM8KRewardParser``): called as ``env.step`` calls it, on rollouts built
-              from TRL's arguments (see :func:`rollouts_from_trl`); without ``in_keys`` it
-              reads ``("history", "full")`` (chat) or ``("text", "response")`` (text) and
-              the ``"answer"`` column (the first of ``columns`` if given);
-            - any TensorDict module writing a reward: called on those rollouts; the reward
-              is read at ``reward_key`` (default: ``("next", "reward")``, ``"reward"``, or
-              an out_key named like ``*reward*``), one value per completion;
-            - a plain TRL reward function (its signature names ``completions``, or takes
-              only ``**kwargs``): called as TRL calls it; useful with ``executor=``.
+        reward: our ``HFRewardModelWrapper`` (``prompt + completion``, chat rendered with its
+            template, scored micro-batched: TRL's own ``reward_funcs=[model]`` rewards); a
+            TorchRL reward parser such as ``GSM8KRewardParser`` (run as ``env.step`` runs it
+            on :func:`rollouts_from_trl`; without ``in_keys`` it reads the history or
+            response text and the ``"answer"`` column, or ``columns[0]``); a TensorDict
+            module writing a reward; or a plain TRL reward function, to use ``executor=``.
 
     Keyword Args:
-        tokenizer: the policy tokenizer, used to build ``("text", "prompt" | "full")`` and
-            ``("tokens", "prompt" | "full")`` for chat data, for modules reading those.
-        name: the name TRL logs the reward under (default: the reward model's directory
-            name, or the class name).
-        reward_key: where the module writes the reward.
-        columns: dataset columns to pass (default: all the trainer passes); naming one the
-            trainer does not pass raises a ``KeyError``.
-        timeout: seconds (``None``: no limit). Without ``executor``: the limit of one
-            call (the whole batch); scoring then runs in a helper thread and a
-            ``TimeoutError`` names the function if it has not returned. With
-            ``executor``: the limit of one completion; a late one gets ``failure_reward``.
-        executor: ``None`` (default: score the batch in the caller), or a
-            :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or its kind): score
-            **one completion per call**, isolated, as
-            :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` does (TRL's
-            ``environments``, live objects, are not sent to processes or Ray). A failed
-            completion gets the executor's ``failure_reward`` (default ``None``, which TRL
-            excludes), counted in :attr:`TRLRewardFunc.failure_counts`, warned once per kind.
-        max_workers, failure_reward, mp_context: moved to ``executor=RewardExecutor(...)``
-            (accepted for one release, with a ``DeprecationWarning``).
-
-    An exception raised by ``reward`` is re-raised with the function's name (same type
-    where possible, the original as ``__cause__``). Non-finite rewards come back as
-    ``None`` (counted, warned once).
+        tokenizer: the policy tokenizer, to build text and tokens for chat data.
+        name: the name TRL logs (default: the reward model's directory, or the class name).
+        reward_key: where the module writes the reward (default: ``("next", "reward")``,
+            ``"reward"`` or an out_key named ``*reward*``).
+        columns: dataset columns to pass (default: all); a missing one is a ``KeyError``.
+        timeout: seconds of one call, or with ``executor`` of one completion.
+        executor: ``None``, or a :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or
+            its kind): one completion per call, isolated; a failure gets ``failure_reward``,
+            counted in :attr:`TRLRewardFunc.failure_counts`.
+        max_workers, failure_reward, mp_context: deprecated, moved to ``executor=``.
 
     Returns:
-        a :class:`TRLRewardFunc`: ``f(prompts, completions, completion_ids, **kwargs)
-        -> list[float]``.
+        a :class:`TRLRewardFunc`: exceptions carry its name, non-finite rewards become ``None``.
 
     Examples:
         >>> import tempfile
@@ -417,7 +304,6 @@ def as_trl_reward_func(
         >>> len(rewards), all(isinstance(r, float) for r in rewards)
         (2, True)
     """
-    moved = moved_keywords("as_trl_reward_func", moved, MOVED_TO_EXECUTOR)
-    executor = reward_executor(executor, **moved)
+    executor = reward_executor(executor, **moved_keywords("as_trl_reward_func", moved, MOVED_TO_EXECUTOR))
     return TRLRewardFunc(reward, tokenizer=tokenizer, name=name, reward_key=reward_key,
                          columns=columns, timeout=timeout, executor=executor)

@@ -1,9 +1,5 @@
-"""TRL reward-function arguments -> TorchRL rollouts (the inverse of the layout reader).
-
-:func:`rollouts_from_trl` builds the tensordict a TorchRL reward module or parser reads
-from what TRL passes a reward function (``prompts``, ``completions``, ``completion_ids``,
-columns), so TorchRL rewards can run as TRL ``reward_funcs``.
-"""
+"""TRL reward-function arguments -> TorchRL rollouts: :func:`rollouts_from_trl`, the
+tensordict a TorchRL reward module or parser reads."""
 
 from __future__ import annotations
 
@@ -13,12 +9,11 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase, lazy_stack
 
-__all__ = ["is_conversational", "rollouts_from_trl"]
+__all__ = ["as_messages", "is_conversational", "rollouts_from_trl"]
 
 
 def is_conversational(prompts: Sequence[Any]) -> bool:
-    """Whether TRL reads these prompts as chat (lists of ``{"role", "content"}``
-    messages): ``trl.data_utils.is_conversational`` on the first prompt.
+    """Whether TRL reads these prompts as chat (``trl.data_utils.is_conversational``).
 
     >>> is_conversational([[{"role": "user", "content": "hi"}]]), is_conversational(["hi"])
     (True, False)
@@ -30,34 +25,24 @@ def is_conversational(prompts: Sequence[Any]) -> bool:
     return trl_is_conversational({"prompt": prompts[0]})
 
 
+def as_messages(completion: Any) -> list[dict]:
+    """A completion as chat messages (a string is one assistant message)."""
+    return [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
+
+
 def _completion_text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    return "".join(m.get("content") or "" for m in completion)
+    return completion if isinstance(completion, str) else "".join(m.get("content") or "" for m in completion)
 
 
 def rollouts_from_trl(
-    prompts: Sequence[Any],
-    completions: Sequence[Any],
-    completion_ids: Sequence[Sequence[int]] | None = None,
-    *,
-    columns: dict[str, Sequence[Any]] | None = None,
-    tokenizer=None,
+    prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None = None,
+    *, columns: dict[str, Sequence[Any]] | None = None, tokenizer=None,
 ) -> TensorDictBase:
-    """Build TorchRL rollouts (a lazy stack of ``N`` per-sample TensorDicts) from TRL's
-    reward-function arguments.
-
-    Keys written, per sample:
-
-    - chat data: ``("history", "prompt" | "response" | "full")`` (``History``);
-    - ``("text", "response")`` (the completion text); ``("text", "prompt")`` and
-      ``("text", "full")`` for text data, or for chat data when ``tokenizer`` is given
-      (the prompt rendered with its chat template and a generation prompt);
-    - ``("tokens", "response")`` from ``completion_ids``; ``("tokens", "prompt" | "full")``
-      when ``tokenizer`` is given;
-    - each column at the top level, e.g. ``"answer"``.
-
-    The inverse of :func:`torchrl_trl.rewards.rollout_arguments.trl_arguments`.
+    """TorchRL rollouts (a lazy stack of ``N`` TensorDicts) from TRL's reward-function
+    arguments: ``("history", "prompt" | "response" | "full")`` for chat;
+    ``("text", "response")``, and ``("text", "prompt" | "full")`` for text (for chat with
+    ``tokenizer``: its chat template); ``("tokens", "response")`` from ``completion_ids``,
+    ``("tokens", "prompt" | "full")`` with ``tokenizer``; each column at the top level.
 
     >>> td = rollouts_from_trl(["2+2="], ["4"], [[19]], columns={"answer": ["4"]})
     >>> list(td["text", "full"]), td["tokens", "response"][0].tolist(), list(td["answer"])
@@ -80,31 +65,25 @@ def rollouts_from_trl(
     for i in range(n):
         prompt, completion = prompts[i], completions[i]
         row: dict[str, Any] = {}
-        response_text = _completion_text(completion)
-        text = {"response": NonTensorData(response_text)}
+        text = {"response": _completion_text(completion)}
+        prompt_text = None if chat else prompt
         if chat:
-            if isinstance(completion, str):
-                completion = [{"role": "assistant", "content": completion}]
+            completion = as_messages(completion)
             row["history"] = {
                 "prompt": History.from_chats([prompt])[0],
                 "response": History.from_chats([completion])[0],
                 "full": History.from_chats([list(prompt) + list(completion)])[0],
             }
             if tokenizer is not None:
-                prompt_text = tokenizer.apply_chat_template(
-                    prompt, tokenize=False, add_generation_prompt=True
-                )
-                text["prompt"] = NonTensorData(prompt_text)
-                text["full"] = NonTensorData(prompt_text + response_text)
-        else:
-            text["prompt"] = NonTensorData(prompt)
-            text["full"] = NonTensorData(prompt + response_text)
-        row["text"] = text
+                prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        if prompt_text is not None:
+            text.update(prompt=prompt_text, full=prompt_text + text["response"])
+        row["text"] = {k: NonTensorData(v) for k, v in text.items()}
         tokens = {}
         if completion_ids is not None:
             tokens["response"] = torch.as_tensor(list(completion_ids[i]), dtype=torch.long)
-        if tokenizer is not None and "prompt" in text:
-            prompt_ids = tokenizer(str(text["prompt"].data), add_special_tokens=False)["input_ids"]
+        if tokenizer is not None and prompt_text is not None:
+            prompt_ids = tokenizer(str(prompt_text), add_special_tokens=False)["input_ids"]
             tokens["prompt"] = torch.as_tensor(prompt_ids, dtype=torch.long)
             if "response" in tokens:
                 tokens["full"] = torch.cat([tokens["prompt"], tokens["response"]])

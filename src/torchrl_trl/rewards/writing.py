@@ -1,8 +1,5 @@
-"""Writing ``[N]`` scores into a tensordict as TorchRL rewards (shape, dtype, device).
-
-One place for the convention every reward-model scorer writes with (the in-process
-:class:`~torchrl_trl.rewards.HFRewardModelWrapper`, the service client and
-:class:`~torchrl_trl.rewards.reward_transform.RewardTransform`).
+"""Writing ``[N]`` scores into a tensordict as TorchRL rewards (shape, dtype, device): the
+one convention every reward scorer writes with.
 """
 
 from __future__ import annotations
@@ -17,19 +14,12 @@ from .shape import RewardShape, trailing_dims
 __all__ = ["write_rewards"]
 
 
-def write_rewards(
-    tensordict: TensorDictBase,
-    rewards: torch.Tensor,
-    key: NestedKey,
-    reward_shape: RewardShape,
-    *,
-    accumulate: bool = False,
-) -> TensorDictBase:
+def write_rewards(tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey, reward_shape: RewardShape,
+                  *, accumulate: bool = False) -> TensorDictBase:
     """Write ``[N]`` rewards into ``tensordict`` at ``key`` (in place), shaped
-    ``[*batch_size, *trailing dims of reward_shape]``, in the floating dtype of a reward
-    already there (else the default dtype), on the tensordict's device (else that reward's,
-    else CPU). ``accumulate``: add to the reward already at ``key`` (same shape required)
-    instead of overwriting it.
+    ``[*batch_size, *trailing dims of reward_shape]``, in the dtype and on the device of a
+    reward already there (else the default dtype, the tensordict's device or CPU);
+    ``accumulate``: add to that reward (same shape required).
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({("next", "reward"): torch.ones(2, 1, 1)}, batch_size=[2])
@@ -39,18 +29,15 @@ def write_rewards(
     existing = tensordict.get(key, None) if layouts.has_key(tensordict, key) else None
     if not isinstance(existing, torch.Tensor) or existing.is_nested:
         existing = None
-    device = tensordict.device
-    if device is None:
-        device = existing.device if existing is not None else torch.device("cpu")
+    device = tensordict.device if tensordict.device is not None else getattr(existing, "device", torch.device("cpu"))
     floating = existing is not None and existing.is_floating_point()
     dtype = existing.dtype if floating else torch.get_default_dtype()
     out = rewards.reshape(*tensordict.batch_size, *trailing_dims(reward_shape)).to(device, dtype)
     if accumulate and existing is not None:
         if existing.shape != out.shape:
             raise ValueError(
-                f"accumulate=True: the reward already at {key!r} has shape {tuple(existing.shape)}, "
-                f"this scorer writes {tuple(out.shape)} (reward_shape={reward_shape!r}); pass the "
-                "reward_shape of the reward it adds to"
+                f"accumulate=True: the reward already at {key!r} has shape {tuple(existing.shape)}, this scorer writes "
+                f"{tuple(out.shape)} (reward_shape={reward_shape!r}); pass the reward_shape of the reward it adds to"
             )
         out = existing.to(out.dtype) + out
     tensordict.set(key, out)
