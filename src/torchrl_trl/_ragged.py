@@ -29,8 +29,6 @@ class Ragged:
         >>> ids, mask = seqs.to_padded(0, side="left")
         >>> ids.tolist()
         [[1, 2, 3], [0, 0, 4]]
-        >>> seqs.select([1, 0]).tolist()
-        [[4], [1, 2, 3]]
     """
 
     values: torch.Tensor
@@ -63,11 +61,6 @@ class Ragged:
         """One Python list per sample."""
         flat, bounds = self.values.tolist(), self.offsets.tolist()
         return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
-
-    def select(self, index: torch.Tensor | Sequence[int]) -> Ragged:
-        """The samples at ``index``, in that order."""
-        seqs = self.split()
-        return Ragged.from_list([seqs[i] for i in torch.as_tensor(index, dtype=torch.long).tolist()], self.values.dtype)
 
     def to_padded(
         self, pad_value: int | float = 0, *, side: Literal["left", "right"] = "right", width: int | None = None

@@ -355,7 +355,8 @@ def to_messages(history: Any) -> list[dict[str, str]]:
     for i, m in enumerate(_messages(history)):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
             role, content = type(m["role"]).__name__, type(m["content"]).__name__
-            raise TypeError(f"chat message {i}: role {role}, content {content} ({m['content']!r:.40}), expected str")
+            raise TypeError(
+                f"chat message {i} has role {role} and content {content} ({m['content']!r:.40}); expected strings")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

@@ -102,7 +102,7 @@ class RewardBatching:
         ``equal_lengths`` (a model that cannot be told what is padding) batches only
         sequences of one length together."""
         multiple = None if equal_lengths else self.pad_to_multiple_of
-        # row views + one masked copy per micro-batch: ``Ragged.select`` is slow on a busy CPU
+        # row views + one masked copy per micro-batch (no per-batch gather of the flat values)
         rows = ids.split()
         for index in plan_micro_batches(
             ids.lengths, max_tokens_per_batch=self.max_tokens_per_batch, max_batch_size=self.max_batch_size,
