@@ -334,14 +334,17 @@ def _noop(**kwargs):
 
 class RayItemExecutor(ItemExecutor):
     """One Ray task per item (``num_cpus=1``, no retries), force-cancelled past its deadline;
-    the first call waits (``startup_timeout``) for ``max_workers`` warm workers."""
+    the first call waits (``startup_timeout``) for ``max_workers`` warm workers, and a worker
+    that died (a crash, a cancelled task) is replaced the same way before the next item starts,
+    so no item's ``timeout`` pays for a worker's start-up."""
 
     kind = "ray"
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
-        # _job: the Ray job the remote function and the refs belong to
+        # _job: the Ray job the remote function and the refs belong to; _dead: workers to replace
         self._remote = self._funcs_ref = self._shared_ref = self._job = None
+        self._dead = 0
 
     def _begin(self, shared, n):
         import ray
@@ -354,16 +357,29 @@ class RayItemExecutor(ItemExecutor):
         if self._remote is None:
             self._remote = ray.remote(num_cpus=1, max_retries=0)(_ray_call_item)
             self._funcs_ref = ray.put(self.funcs)
-            # loading the shared arguments (TRL's TrainerState) imports modules: not on the clock
-            warm = [self._remote.remote([_noop], 0, shared, {}) for _ in range(self.max_workers)]
-            ready, _ = ray.wait(warm, num_returns=len(warm), timeout=self.startup_timeout)
-            if len(ready) < len(warm):
-                raise RuntimeError(
-                    f"executor='ray': {len(warm) - len(ready)} of {len(warm)} Ray workers did not "
-                    f"start within {self.startup_timeout}s (max_workers={self.max_workers}; the "
-                    "cluster may have fewer free CPUs)"
-                )
+            self._warm(self.max_workers, shared)
         self._shared_ref = ray.put(shared)  # serialised once per call, not once per item
+
+    def _warm(self, n: int, shared) -> None:
+        """Wait for ``n`` workers that ran a no-op: starting one, and loading the shared
+        arguments (TRL's TrainerState imports modules), is not on an item's clock."""
+        import ray
+
+        warm = [self._remote.remote([_noop], 0, shared, {}) for _ in range(n)]
+        ready, _ = ray.wait(warm, num_returns=n, timeout=self.startup_timeout)
+        if len(ready) < n:
+            raise RuntimeError(
+                f"executor='ray': {n - len(ready)} of {n} Ray workers did not start within "
+                f"{self.startup_timeout}s (max_workers={self.max_workers}; the cluster may have fewer free CPUs)"
+            )
+
+    def _slot(self, running: dict):
+        free = self.max_workers - len(running)
+        if self._dead and free > 0:  # replace dead workers (as many as are free) before the next item
+            n = min(self._dead, free)
+            self._dead -= n
+            self._warm(n, self._shared_ref)
+        return super()._slot(running)
 
     def _submit(self, slot, index, func_index, kwargs, shared):
         return self._remote.remote(self._funcs_ref, func_index, self._shared_ref, kwargs)
@@ -383,11 +399,13 @@ class RayItemExecutor(ItemExecutor):
                 out.append((ref, ItemResult("error", detail=_describe(cause))))
             except (rex.WorkerCrashedError, rex.RayActorError, rex.TaskCancelledError,
                     rex.ObjectLostError) as err:
+                self._dead += 1
                 out.append((ref, ItemResult("crash", detail=_describe(err).splitlines()[0])))
         return out
 
     def _cancel(self, ref):
         import ray
 
-        ray.cancel(ref, force=True)
+        ray.cancel(ref, force=True)  # kills its worker
+        self._dead += 1
         return self._late("Ray task cancelled")
