@@ -15,7 +15,8 @@ import torch
 from tensordict import set_list_to_stack
 
 set_list_to_stack(True).set()
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# under pytest-xdist (scripts/test.sh) the workers share the cores: one intra-op thread each
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
