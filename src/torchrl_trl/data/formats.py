@@ -21,8 +21,8 @@ from . import features as F
 from .columns import array_rows, column_name, prompt_response_ids
 
 __all__ = [
-    "CHOSEN_KEY", "COLUMN_KINDS", "LABEL_KEY", "MARGIN_KEY", "REJECTED_KEY", "BufferFormat", "available_formats",
-    "check_format", "get_format", "register_format", "simple_format",
+    "CHOSEN_KEY", "LABEL_KEY", "MARGIN_KEY", "REJECTED_KEY", "BufferFormat", "available_formats", "check_format",
+    "get_format", "register_format",
 ]
 CHOSEN_KEY, REJECTED_KEY, MARGIN_KEY, LABEL_KEY = "chosen", "rejected", "margin", "label"
 
@@ -136,28 +136,29 @@ def check_format(fmt: BufferFormat, td: TensorDictBase) -> None:
         )
 
 
-#: column kinds of :func:`simple_format`: ``kind -> (read(td, part), key(part), feature())``
-COLUMN_KINDS: dict[str, tuple[Callable, Callable, Callable]] = {
+# Built-in formats. Text columns are read from ("text", part) (prompts with the chat template
+# applied, as TorchRL stores them), conversational ones from ("history", part) as messages.
+_KINDS = {  # kind -> (read(td, part), key(part), feature())
     "text": (layouts.read_text, layouts.text_key, F.string),
     "history": (layouts.read_history, layouts.history_key, F.messages),
 }
 
 
-def _read_columns(td: TensorDictBase, spec: tuple) -> dict[str, list]:
-    return {name: COLUMN_KINDS[kind][0](td, part) for name, kind, part in spec}
+def _columns(td: TensorDictBase, kind: str, parts: tuple) -> dict[str, list]:
+    return {column: _KINDS[kind][0](td, part) for column, part in parts}
 
 
-def _column_features(spec: tuple) -> dict[str, Any]:
-    return {name: COLUMN_KINDS[kind][2]() for name, kind, _ in spec}
+def _columns_features(kind: str, parts: tuple) -> dict[str, Any]:
+    return {column: _KINDS[kind][2]() for column, _ in parts}
 
 
-def simple_format(name: str, description: str, **columns: tuple[str, Any]) -> BufferFormat:
-    """A picklable :class:`BufferFormat` whose column ``name=(kind, part)`` is read by
-    :data:`COLUMN_KINDS` ``[kind]`` (e.g. ``prompt=("text", "prompt")``)."""
-    spec = tuple((col, kind, part) for col, (kind, part) in columns.items())
-    keys = tuple(COLUMN_KINDS[kind][1](part) for _, kind, part in spec)
-    return BufferFormat(name, keys, partial(_read_columns, spec=spec), partial(_column_features, spec), description)
-
+def _read_format(name: str, kind: str, description: str, **parts: str) -> BufferFormat:
+    """A format whose column ``column=part`` is ``(kind, part)`` read as text or messages
+    (functools.partial, not lambdas: formats pickle into DataLoader workers)."""
+    spec = tuple(parts.items())
+    keys = tuple(_KINDS[kind][1](part) for _, part in spec)
+    return BufferFormat(name, keys, partial(_columns, kind=kind, parts=spec),
+                        partial(_columns_features, kind, spec), description)
 
 
 def _sft_tokenized(td: TensorDictBase) -> dict[str, list]:
@@ -165,7 +166,7 @@ def _sft_tokenized(td: TensorDictBase) -> dict[str, list]:
     return {"input_ids": array_rows(ids), "completion_mask": array_rows(completion_mask)}
 
 
-def _tokenized_features() -> dict:
+def _sft_tokenized_features() -> dict:
     return {"input_ids": F.token_list(), "completion_mask": F.token_list()}
 
 
@@ -173,15 +174,21 @@ def _margin(td: TensorDictBase) -> list[float]:
     return td.get(MARGIN_KEY).reshape(-1).tolist()
 
 
-def _labels(td: TensorDictBase, part=None) -> list[bool]:
-    return [bool(v) for v in td.get(LABEL_KEY).reshape(-1).tolist()]
+def _kto(td: TensorDictBase, kind: str) -> dict[str, list]:
+    labels = [bool(v) for v in td.get(LABEL_KEY).reshape(-1).tolist()]
+    return {**_columns(td, kind, (("prompt", "prompt"), ("completion", "response"))), "label": labels}
 
 
-COLUMN_KINDS["label"] = (_labels, lambda part: LABEL_KEY, partial(F.value, "bool"))
+def _kto_features(kind: str) -> dict:
+    return {"prompt": _KINDS[kind][2](), "completion": _KINDS[kind][2](), "label": F.value("bool")}
+
+
+def _kto_keys(kind: str) -> tuple:
+    return (_KINDS[kind][1]("prompt"), _KINDS[kind][1]("response"), LABEL_KEY)
 
 
 def _pairs(td: TensorDictBase, kind: str, margin: bool = False) -> dict[str, list]:
-    read = COLUMN_KINDS[kind][0]
+    read = _KINDS[kind][0]
     chosen, rejected = td.get(CHOSEN_KEY), td.get(REJECTED_KEY)
     prompt = read(chosen, "prompt")
     for i, (a, b) in enumerate(zip(prompt, read(rejected, "prompt"))):
@@ -195,9 +202,13 @@ def _pairs(td: TensorDictBase, kind: str, margin: bool = False) -> dict[str, lis
 
 
 def _pair_features(kind: str, margin: bool = False) -> dict:
-    feature = COLUMN_KINDS[kind][2]
+    feature = _KINDS[kind][2]
     out = {"prompt": feature(), "chosen": feature(), "rejected": feature()}
     return {**out, "margin": F.value("float32")} if margin else out
+
+
+def _pair_keys(key: Callable) -> tuple:
+    return tuple((side, *key(part)) for side in (CHOSEN_KEY, REJECTED_KEY) for part in ("prompt", "response"))
 
 
 def _reward_tokenized(td: TensorDictBase) -> dict[str, list]:
@@ -209,39 +220,45 @@ def _reward_tokenized_features() -> dict:
     return {"chosen_ids": F.token_list(), "rejected_ids": F.token_list(), "margin": F.value("float32")}
 
 
-def _side_keys(key_fn) -> tuple:
-    return tuple((side, *key_fn(part)) for side in (CHOSEN_KEY, REJECTED_KEY) for part in ("prompt", "response"))
-
-
-# text columns come from ("text", ...) (prompts with the chat template applied), messages from ("history", ...)
-for _kind, _suffix, _what in (("text", "", "text"), ("history", "_conversational", "role/content messages")):
-    _keys, _prompt, _completion = _side_keys(COLUMN_KINDS[_kind][1]), (_kind, "prompt"), (_kind, "response")
-    for _fmt in (
-        simple_format(f"sft{_suffix}", f"prompt/completion {_what} (SFTTrainer)", prompt=_prompt,
-                      completion=_completion),
-        simple_format(f"grpo{_suffix}", f"prompt {_what} (GRPOTrainer/RLOOTrainer)", prompt=_prompt),
-        simple_format(f"rloo{_suffix}", f"prompt {_what} (RLOOTrainer, as GRPO)", prompt=_prompt),
-        simple_format(f"kto{_suffix}", f"prompt/completion {_what} and a desirable label (KTOTrainer, unpaired)",
-                      prompt=_prompt, completion=_completion, label=("label", None)),
-        BufferFormat(f"dpo{_suffix}", _keys, partial(_pairs, kind=_kind), partial(_pair_features, _kind),
-                     f"prompt/chosen/rejected {_what} from preference pairs (DPOTrainer, RewardTrainer)"),
-        BufferFormat(f"reward{_suffix}", (*_keys, MARGIN_KEY), partial(_pairs, kind=_kind, margin=True),
-                     partial(_pair_features, _kind, margin=True),
-                     f"prompt/chosen/rejected {_what} and the reward gap as margin (RewardTrainer)"),
-    ):
-        register_format(_fmt)
-del _kind, _suffix, _what, _keys, _prompt, _completion, _fmt
-register_format(simple_format(
-    "sft_messages", "the whole chat as role/content messages (SFTTrainer, conversational language modeling)",
-    messages=("history", "full"),
-))
-register_format(BufferFormat(
-    "sft_tokenized", (layouts.token_key("prompt"), layouts.token_key("response")), _sft_tokenized,
-    _tokenized_features, "pre-tokenized input_ids (prompt + response, no padding) and completion_mask "
-    "(SFTConfig(completion_only_loss=True) makes TRL train on the response only)",
-))
-# DPOTrainer always tokenizes itself, so there is no dpo_tokenized
-register_format(BufferFormat(
-    "reward_tokenized", (*_side_keys(layouts.token_key), MARGIN_KEY), _reward_tokenized, _reward_tokenized_features,
-    "pre-tokenized chosen_ids/rejected_ids (prompt + response) and margin (RewardTrainer)",
-))
+for _fmt in (
+    _read_format("sft", "text", "prompt/completion text (SFTTrainer, prompt-completion)",
+                 prompt="prompt", completion="response"),
+    _read_format("sft_conversational", "history", "prompt/completion as role/content messages (SFTTrainer, "
+                 "conversational prompt-completion)", prompt="prompt", completion="response"),
+    _read_format("sft_messages", "history", "the whole chat as role/content messages (SFTTrainer, "
+                 "conversational language modeling)", messages="full"),
+    BufferFormat("sft_tokenized", (layouts.token_key("prompt"), layouts.token_key("response")), _sft_tokenized,
+                 _sft_tokenized_features, "pre-tokenized input_ids (prompt + response, no padding) and "
+                 "completion_mask (SFTConfig(completion_only_loss=True) makes TRL train on the response only)"),
+    _read_format("grpo", "text", "prompt text with the chat template applied (GRPOTrainer/RLOOTrainer)",
+                 prompt="prompt"),
+    _read_format("grpo_conversational", "history", "prompt as role/content messages (GRPOTrainer/RLOOTrainer)",
+                 prompt="prompt"),
+    _read_format("rloo", "text", "prompt text with the chat template applied (RLOOTrainer, as GRPO)",
+                 prompt="prompt"),
+    _read_format("rloo_conversational", "history", "prompt as role/content messages (RLOOTrainer, as GRPO)",
+                 prompt="prompt"),
+    # preference pairs (data.preference_pairs): DPOTrainer always tokenizes itself, so no dpo_tokenized
+    BufferFormat("dpo", _pair_keys(layouts.text_key), partial(_pairs, kind="text"), partial(_pair_features, "text"),
+                 "prompt/chosen/rejected text from preference pairs (DPOTrainer, RewardTrainer)"),
+    BufferFormat("dpo_conversational", _pair_keys(layouts.history_key), partial(_pairs, kind="history"),
+                 partial(_pair_features, "history"),
+                 "prompt/chosen/rejected messages from preference pairs (DPOTrainer, RewardTrainer)"),
+    BufferFormat("reward", (*_pair_keys(layouts.text_key), MARGIN_KEY), partial(_pairs, kind="text", margin=True),
+                 partial(_pair_features, "text", margin=True),
+                 "prompt/chosen/rejected text and the reward gap as margin (RewardTrainer)"),
+    BufferFormat("reward_conversational", (*_pair_keys(layouts.history_key), MARGIN_KEY),
+                 partial(_pairs, kind="history", margin=True), partial(_pair_features, "history", margin=True),
+                 "prompt/chosen/rejected messages and the reward gap as margin (RewardTrainer)"),
+    BufferFormat("reward_tokenized", (*_pair_keys(layouts.token_key), MARGIN_KEY), _reward_tokenized,
+                 _reward_tokenized_features,
+                 "pre-tokenized chosen_ids/rejected_ids (prompt + response) and margin (RewardTrainer)"),
+    # unpaired rollouts with a bool label (data.kto_rows)
+    BufferFormat("kto", _kto_keys("text"), partial(_kto, kind="text"), partial(_kto_features, "text"),
+                 "prompt/completion text and a desirable label (KTOTrainer, unpaired)"),
+    BufferFormat("kto_conversational", _kto_keys("history"), partial(_kto, kind="history"),
+                 partial(_kto_features, "history"),
+                 "prompt/completion messages and a desirable label (KTOTrainer, unpaired)"),
+):
+    register_format(_fmt)
+del _fmt
