@@ -21,7 +21,7 @@ import weakref
 
 import cloudpickle
 
-from .executors import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
+from .scheduler import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
 
 __all__ = ["ProcessItemExecutor"]
 

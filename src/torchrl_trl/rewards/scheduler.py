@@ -1,0 +1,141 @@
+"""The item scheduler every reward executor kind shares (:class:`ItemExecutor`): items run at most
+``max_workers`` at a time, each bounded by a deadline. Worker processes import this module: no torch."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchrl_trl._threads import run_async
+
+__all__ = ["FAILURE_KINDS", "ItemExecutor", "ItemResult", "call_item"]
+
+#: the ways one item can fail: the function raised, ran past ``timeout``, or its worker died
+FAILURE_KINDS = ("error", "timeout", "crash")
+
+
+@dataclass
+class ItemResult:
+    """What one item gave: ``status`` ``"ok"`` (``value``) or one of :data:`FAILURE_KINDS` (``detail``)."""
+
+    status: str
+    value: Any = None
+    detail: str = ""
+    logs: list = field(default_factory=list)
+
+
+def call_item(func: Callable, kwargs: dict) -> tuple[Any, list]:
+    """``(func(**kwargs), logs)``, awaited if async, with ``log_extra``/``log_metric``
+    recorded into ``logs`` as ``("extra", column, values)`` / ``("metric", name, value)``."""
+    logs: list = []
+    kwargs = dict(kwargs)
+    if "log_extra" in kwargs:
+        kwargs["log_extra"] = lambda column, values: logs.append(("extra", column, list(values)))
+    if "log_metric" in kwargs:
+        kwargs["log_metric"] = lambda name, value: logs.append(("metric", name, value))
+    out = func(**kwargs)
+    if inspect.isawaitable(out):
+        out = run_async(out)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(out, torch.Tensor):
+        out = out.tolist()
+    return out, logs
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _deadline(seconds: float | None) -> float | None:
+    return None if seconds is None else time.monotonic() + seconds
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class ItemExecutor:
+    """Runs items, at most :attr:`max_workers` at a time, each bounded by :attr:`timeout`.
+    A subclass defines ``_submit(slot, index, func_index, kwargs, shared) -> handle``,
+    ``_collect(handles, wait_for) -> [(handle, ItemResult)]`` and ``_cancel(handle) -> detail``."""
+
+    kind = "base"
+
+    def __init__(self, funcs: Sequence[Callable], names: Sequence[str], timeout: float | None, config):
+        self.funcs, self.names, self.timeout = list(funcs), list(names), timeout
+        self.config, self.startup_timeout = config, config.startup_timeout
+        self.max_workers = config.max_workers or self._default_workers(os.cpu_count() or 1)
+        self._reset_runtime()
+
+    def _default_workers(self, cpus: int) -> int:
+        return cpus
+
+    def run(self, items: Sequence[tuple[int, dict]], shared: dict | None = None) -> list:
+        """One :class:`ItemResult` per item, in order; ``shared`` kwargs go to every call."""
+        if not items:
+            return []
+        items, shared = list(items), dict(shared or {})
+        results: list[ItemResult | None] = [None] * len(items)
+        pending = deque(range(len(items)))
+        with self._lock:
+            self._running = running = {}  # handle -> [item index, deadline]
+            self._begin(shared, len(items))
+            try:
+                while pending or running:
+                    while pending and (slot := self._slot(running)) is not None:
+                        index = pending.popleft()
+                        handle = self._submit(slot, index, *items[index], shared)
+                        if handle is None:  # the slot was gone (a dead idle worker): retry
+                            pending.appendleft(index)
+                            continue
+                        running[handle] = [index, _deadline(self._first_timeout())]
+                    first = min((d for _, d in running.values() if d is not None), default=None)
+                    for handle, result in self._collect(list(running), _left(first)):
+                        results[running.pop(handle)[0]] = result
+                    now = time.monotonic()
+                    for handle, (index, deadline) in list(running.items()):
+                        if deadline is not None and now >= deadline:
+                            del running[handle]
+                            results[index] = ItemResult("timeout", detail=self._cancel(handle))
+            except BaseException:  # interrupted (Ctrl-C, a bad argument): no stale task survives
+                for handle in list(running):
+                    self._cancel(handle)
+                raise
+        return results  # type: ignore[return-value]
+
+    def _begin(self, shared: dict, n: int) -> None:
+        pass
+
+    def _slot(self, running: dict):  # where the next item can go now (None: wait)
+        return True if len(running) < self.max_workers else None
+
+    def _first_timeout(self) -> float | None:
+        return self.timeout
+
+    def _late(self, how: str) -> str:
+        return f"no result within timeout={self.timeout}s; {how}"
+
+    def shutdown(self) -> None:
+        """Stop the workers (a later ``run`` starts new ones)."""
+
+    def __getstate__(self):
+        # a copy (deepcopy, pickling the wrapper) gets the configuration, not the workers
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(timeout={self.timeout}, max_workers={self.max_workers})"
