@@ -51,9 +51,10 @@ def key_tuple(key) -> tuple:
 
 
 def strip_next(key):
-    """A nested key without its leading ``"next"``: ``("next", "reward")`` -> ``("reward",)``."""
+    """A nested key without its leading ``"next"``: ``("next", "reward")`` -> ``"reward"``,
+    ``("next", "a", "b")`` -> ``("a", "b")`` (a one-name key as the plain name users wrote)."""
     if isinstance(key, tuple) and len(key) > 1 and key[0] == "next":
-        return key[1:]
+        return key[1] if len(key) == 2 else key[1:]
     return key
 
 

@@ -70,7 +70,7 @@ class RewardTransform(Transform):
             )
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
-        keys = [("next", *strip_next(key_tuple(k))) for k in scorer.out_keys]
+        keys = [("next", *key_tuple(strip_next(key_tuple(k)))) for k in scorer.out_keys]
         if reward_key is not None:
             keys[0] = ("next", *key_tuple(reward_key))
         self.reward_shape = scorer.reward_shape if reward_shape is None else reward_shape
