@@ -41,6 +41,11 @@ from torchrl.data import LazyMemmapStorage, LazyStackStorage, LazyTensorStorage,
 from torchrl_trl.data import EpochPass, TorchRLBufferDataset
 
 
+# Token ids drawn from a real vocabulary's range: Python keeps one shared object for each int
+# below 257 only, so ids below that would hide what Python-list rows cost to build.
+VOCAB = 32_000
+
+
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -135,7 +140,7 @@ def fixed_length(rows=4096, t=256, batch=256, repeats=5):
 
     warnings.filterwarnings("ignore", message="To copy construct from a tensor")
     rb = ReplayBuffer(storage=LazyTensorStorage(rows))
-    rb.extend(TensorDict({"input_ids": torch.randint(1, 100, (rows, t))}, [rows]))
+    rb.extend(TensorDict({"input_ids": torch.randint(1, VOCAB, (rows, t))}, [rows]))
     nb = rows // batch
     up = Upstream(rb, batch, keys=["input_ids"], num_batches=nb).as_hf_dataset()
     ds = TorchRLBufferDataset(rb, batch, keys=["input_ids"], num_batches=nb)
@@ -163,7 +168,7 @@ def collator_floor(rows, t, up, repeats):
     the most any dataset yielding that row type can reach on this path."""
     from torchrl_trl.data.columns import array_rows
 
-    ids = torch.randint(1, 100, (rows, t))
+    ids = torch.randint(1, VOCAB, (rows, t))
     kinds = {"tensor rows": list(ids.unbind(0)), "numpy rows": list(ids.numpy()),
              "ArrayRow lists": array_rows(ids), "plain lists": ids.tolist()}
     fns = {"upstream": lambda: drain(up)}
@@ -184,8 +189,8 @@ def ragged(rows=4096, batch=256, repeats=5):
     for n in lengths.tolist():
         p = int(n) // 3
         tokens = {
-            "prompt": torch.randint(1, 100, (p,)), "response": torch.randint(1, 100, (int(n) - p,)),
-            "full": torch.randint(1, 100, (int(n),)),
+            "prompt": torch.randint(1, VOCAB, (p,)), "response": torch.randint(1, VOCAB, (int(n) - p,)),
+            "full": torch.randint(1, VOCAB, (int(n),)),
         }  # fmt: skip
         tds.append(TensorDict({"tokens": tokens}, []))
     rb.extend(lazy_stack(tds))
@@ -261,7 +266,7 @@ def scale(rows, t=512, batch=1024):
         rb = ReplayBuffer(storage=LazyMemmapStorage(rows, scratch_dir=tmp))
         for start in range(0, rows, 10_000):
             n = min(10_000, rows - start)
-            ids = torch.randint(1, 30_000, (n, t), dtype=torch.int32)
+            ids = torch.randint(1, VOCAB, (n, t), dtype=torch.int32)
             rb.extend(TensorDict({"input_ids": ids}, [n]))
         storage_mb = rows * t * 4 / 2**20
         rss0 = rss_mb()

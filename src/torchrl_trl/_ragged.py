@@ -88,6 +88,11 @@ def chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
     """The tensor at ``key`` as dense ``[n_i, T_i]`` chunks in row-major order of ``td``'s
     batch: one per dense member of a lazy stack, one per sample where values are ragged."""
     if isinstance(td, LazyStackedTensorDict):
+        if td.stack_dim == 0 and td.batch_dims == 1:  # a sample per member (LazyStackStorage rows)
+            values = td.get(key, as_list=True)  # one call, not a get per member
+            if values is not None and all(isinstance(v, torch.Tensor) and v.ndim == 1 and not v.is_nested
+                                          for v in values):
+                return [v[None] for v in values]
         return [chunk for sub in members(td) for chunk in chunks(sub, key)]
     value = get_values(td, key)
     if isinstance(value, list):  # one tensor per sample

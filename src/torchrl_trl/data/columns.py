@@ -5,6 +5,7 @@ names a nested key) or ``fn(batch) -> list``; ``tokens.<part>`` yields only the 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -164,10 +165,9 @@ def array_rows(values: Any) -> list[ArrayRow] | None:
     if lengths is None:
         pieces = array.reshape(values.shape)
         return [ArrayRow.from_array(p, v) for p, v in zip(pieces, pieces.tolist())]
-    ends = np.cumsum(np.asarray(lengths.tolist(), dtype=np.int64))
+    bounds = [0, *itertools.accumulate(lengths.tolist())]
     flat_list = array.tolist()
-    pieces = np.split(array, ends[:-1]) if len(ends) else []
-    return [ArrayRow.from_array(p, flat_list[e - len(p):e]) for p, e in zip(pieces, ends.tolist())]
+    return [ArrayRow.from_array(array[a:b], flat_list[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dtype | None]:
