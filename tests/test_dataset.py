@@ -103,6 +103,36 @@ def test_lazy_stack_rollouts_formats_and_features(rollouts, policy_and_tokenizer
     assert [r["tokens.response"].tolist() for r in raw] == responses
 
 
+def test_token_rows_are_lists_whose_tensors_are_private_copies(rollouts):
+    """What TRL does to token rows (``torch.tensor``, truncation by slicing, its collator) sees
+    the list's values; tensors made from a row never share memory with it."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    td = rollouts[:]
+    prompts, responses = layouts.read_tokens(td, "prompt").tolist(), layouts.read_tokens(td, "response").tolist()
+    expected = [p + r for p, r in zip(prompts, responses)]
+    rows = list(TorchRLBufferDataset(rollouts, 3, format="sft_tokenized", reading="epoch").as_hf_dataset())
+    ids = [r["input_ids"] for r in rows]
+    assert all(isinstance(row, list) for row in ids) and ids == expected
+    for row, want in zip(ids, expected):
+        assert torch.tensor(row).tolist() == want and torch.tensor(row).dtype == torch.int64
+        for sl in (slice(None, 3), slice(-2, None), slice(None, None, -2), slice(1, 4, 2)):
+            assert row[sl] == want[sl] and torch.tensor(row[sl]).tolist() == want[sl]
+        torch.as_tensor(row).fill_(-1)  # a copy: the row keeps its values
+        assert torch.tensor(row).tolist() == want
+    row, head = ids[0], ids[0][:2]
+    row.append(7)
+    row[0] = 99
+    assert torch.tensor(row).tolist() == [99, *expected[0][1:], 7]  # in-place changes reach tensors
+    assert torch.tensor(head).tolist() == expected[0][:2]  # a slice taken before does not change
+
+    batch = DataCollatorForLanguageModeling(pad_token_id=0)([{"input_ids": r["input_ids"][-4:]} for r in rows[1:]])
+    tails = [want[-4:] for want in expected[1:]]
+    width = max(map(len, tails))
+    assert batch["input_ids"].tolist() == [t + [0] * (width - len(t)) for t in tails]
+    assert batch["labels"].tolist() == [t + [-100] * (width - len(t)) for t in tails]
+
+
 def test_columns_callable_and_map_snapshot(rollouts):
     ds = TorchRLBufferDataset(
         rollouts, 4, reading="epoch",

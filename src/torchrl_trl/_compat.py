@@ -95,7 +95,7 @@ def datasets_examples_iterable_base() -> type:
     reads as Arrow.
 
     Private: ``datasets.iterable_dataset._BaseExamplesIterable`` (datasets 5.2); the public
-    ``from_generator`` re-encodes every row, 3x slower in ``benchmarks/bench_dataset.py``.
+    ``from_generator`` re-encodes every row, 2.5x slower in ``benchmarks/bench_dataset.py``.
     """
     from datasets.iterable_dataset import _BaseExamplesIterable
 

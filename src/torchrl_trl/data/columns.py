@@ -91,14 +91,16 @@ def to_pylist(values: Any) -> list:
 class ArrayRow(list):
     """A plain Python list of integers or bools that hands ``torch.tensor(row)`` its values
     as one private array copy through DLPack (TRL's collators call ``torch.tensor`` on
-    every row). An in-place change of the list drops the array.
+    every row). A slice is an ``ArrayRow`` of the same array (TRL's trainers truncate rows by
+    slicing before collating), so indexing runs in Python (about 0.2 us, ten times a list's).
+    An in-place change of the list drops the array.
 
     >>> import numpy as np, torch
     >>> row = ArrayRow.from_array(np.array([5, 6, 7]))
     >>> row == [5, 6, 7], isinstance(row, list)
     (True, True)
-    >>> torch.tensor(row)
-    tensor([5, 6, 7])
+    >>> torch.tensor(row), torch.tensor(row[1:])
+    (tensor([5, 6, 7]), tensor([6, 7]))
     >>> row.append(8)
     >>> torch.tensor(row)
     tensor([5, 6, 7, 8])
@@ -121,6 +123,13 @@ class ArrayRow(list):
 
     def __dlpack_device__(self):
         return _CPU_DEVICE
+
+    def __getitem__(self, index):
+        item = list.__getitem__(self, index)
+        array = getattr(self, "_array", None)
+        if type(index) is slice and array is not None:
+            return ArrayRow.from_array(array[index], item)
+        return item
 
 
 def _dropping_array(name: str):
