@@ -91,7 +91,7 @@ def to_pylist(values: Any) -> list:
 class ArrayRow(list):
     """A plain Python list of integers or bools that hands ``torch.tensor(row)`` its values
     as one private array copy through DLPack (TRL's collators call ``torch.tensor`` on
-    every row). A slice is an ``ArrayRow`` of the same array (TRL's trainers truncate rows by
+    every row). A slice is an ``ArrayRow`` of the same array (``SFTTrainer`` truncates rows by
     slicing before collating), so indexing runs in Python (about 0.2 us, ten times a list's).
     An in-place change of the list drops the array.
 
