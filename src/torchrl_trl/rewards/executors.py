@@ -135,11 +135,14 @@ class ThreadItemExecutor(ItemExecutor):
         return index
 
     def _collect(self, busy, wait_for):
+        done = []
         try:
-            index, result = self._done.get(timeout=wait_for)
+            done.append(self._done.get(timeout=wait_for))
+            while True:
+                done.append(self._done.get_nowait())
         except queue.Empty:
-            return []
-        return [(index, result)] if index in busy else []  # else: an abandoned one, late
+            pass
+        return [(index, result) for index, result in done if index in busy]  # else: abandoned, late
 
     def _cancel(self, index):
         self.abandoned += 1
@@ -262,6 +265,8 @@ class RayItemExecutor(ItemExecutor):
         from ray import exceptions as rex
 
         finished, _ = ray.wait(busy, num_returns=1, timeout=wait_for)
+        if finished:  # and every other one finished by now
+            finished, _ = ray.wait(busy, num_returns=len(busy), timeout=0)
         out = []
         for ref in finished:
             try:

@@ -64,7 +64,9 @@ def _left(deadline: float | None) -> float | None:
 class ItemExecutor:
     """Runs items, at most :attr:`max_workers` at a time, each bounded by :attr:`timeout`.
     A subclass defines ``_submit(slot, index, func_index, kwargs, shared) -> handle``,
-    ``_collect(handles, wait_for) -> [(handle, ItemResult)]`` and ``_cancel(handle) -> detail``."""
+    ``_collect(handles, wait_for) -> [(handle, ItemResult)]`` (every handle finished by then,
+    waiting up to ``wait_for`` s for a first one: what it leaves out is timed out) and
+    ``_cancel(handle) -> detail``."""
 
     kind = "base"
 
