@@ -133,6 +133,15 @@ def test_token_rows_are_lists_whose_tensors_are_private_copies(rollouts):
     assert batch["labels"].tolist() == [t + [-100] * (width - len(t)) for t in tails]
 
 
+def test_tensors_true_gives_one_tensor_per_row_as_upstream(rollouts):
+    responses = layouts.read_tokens(rollouts[:], "response").tolist()
+    for kwargs in ({"keys": ["tokens.response"]}, {"columns": {"ids": "tokens.response"}}):
+        ds = TorchRLBufferDataset(rollouts, 3, reading="epoch", sharding=Sharding(num_shards=1), **kwargs)
+        rows = [next(iter(row.values())) for row in ds.as_hf_dataset(tensors=True)]
+        assert all(type(r) is torch.Tensor and r.ndim == 1 for r in rows)
+        assert [r.tolist() for r in rows] == responses
+
+
 def test_columns_callable_and_map_snapshot(rollouts):
     ds = TorchRLBufferDataset(
         rollouts, 4, reading="epoch",

@@ -272,6 +272,8 @@ def test_bad_input_errors(checkpoints, tok, rm):
         HFRewardModelWrapper(rm, renderer=RewardRenderer(input_mode="tokens"))(td)
     with pytest.raises(ValueError, match="tokenizer"):
         HFRewardModelWrapper(rm, renderer=RewardRenderer(input_mode="text"))
+    with pytest.raises(ValueError, match=r"\['add_generation_prompt'\] cannot be set"):
+        RewardRenderer(chat_template_kwargs={"add_generation_prompt": True, "enable_thinking": False})
     # a tokenizer whose vocabulary does not fit the model
     big = make_tokenizer(vocab_size=200)
     with pytest.raises(ValueError, match="200 tokens.*160 rows"):

@@ -5,12 +5,18 @@ import numbers
 import warnings
 from collections import Counter
 
-__all__ = ["WarnOnce", "key_tuple", "moved_keywords", "non_negative_int", "positive_int", "positive_seconds",
-           "strip_next"]
+__all__ = ["WarnOnce", "check_group_size", "key_tuple", "moved_keywords", "non_negative_int", "positive_int",
+           "positive_seconds", "strip_next"]
 
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_group_size(group_size) -> None:
+    """A ``ValueError`` unless ``group_size`` is ``None`` or an int >= 2 (completions per prompt)."""
+    if group_size is not None and (not _is_int(group_size) or group_size < 2):
+        raise ValueError(f"group_size must be an integer >= 2 or None, got {group_size!r}")
 
 
 def positive_int(value, name: str, *, allow_none: bool = False):

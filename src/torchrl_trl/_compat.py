@@ -2,6 +2,8 @@
 version it was checked against; covered by ``tests/test_compat.py``."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 
 def replay_lock(replay_buffer):
     """The ``threading.RLock`` a ``torchrl.data.ReplayBuffer`` holds while it writes or
@@ -85,8 +87,6 @@ def pin_storage_length(storage, n: int) -> None:
     >>> len(rb.storage)
     3
     """
-    from types import SimpleNamespace
-
     storage._len_value = SimpleNamespace(value=int(n))  # a process-private length counter
 
 

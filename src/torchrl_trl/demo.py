@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -187,7 +188,7 @@ def train_reward_model(init_path: Path, cfg: DemoConfig) -> tuple[Path, float]:
     return out_dir, float((chosen > rejected).float().mean())
 
 
-def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> dict:
+def run_grpo(policy_path: Path, rm_path: Path, cfg: DemoConfig) -> tuple[dict, Any, Any, Any]:
     """Step 3, TorchRL GRPO (``LLMCollector`` over ``ChatEnv`` + ``HFRewardTransform`` ->
     ``MCAdvantage`` -> ``GRPOLoss``): ``(per-iteration scores, model, tokenizer, archive)``,
     ``archive`` a buffer of every scored rollout."""

@@ -93,7 +93,8 @@ class ArrayRow(list):
     as one private array copy through DLPack (TRL's collators call ``torch.tensor`` on
     every row). A slice is an ``ArrayRow`` of the same array (``SFTTrainer`` truncates rows by
     slicing before collating), so indexing runs in Python (about 0.2 us, ten times a list's).
-    An in-place change of the list drops the array.
+    An in-place change of the list drops the array. An empty row gives an int64 tensor (an
+    empty ``list`` gives float32).
 
     >>> import numpy as np, torch
     >>> row = ArrayRow.from_array(np.array([5, 6, 7]))

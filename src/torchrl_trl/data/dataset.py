@@ -24,10 +24,12 @@ __all__ = ["TorchRLBufferDataset"]
 #: keywords that moved into ``reading=`` / ``sharding=``, and where they went
 _MOVED = {
     "mode": "pass reading='epoch' or reading='online' (or an EpochPass / OnlineSampling)",
-    **{k: f"pass reading=EpochPass({k}=...)" for k in ("shuffle", "num_passes")},
+    "shuffle": "pass reading=EpochPass(shuffle=...)",
+    "num_passes": "pass reading=EpochPass(num_passes=...)",
     "seed": "pass reading=EpochPass(seed=...) or reading=OnlineSampling(seed=...)",
     "num_shards": "pass sharding=Sharding(num_shards=...)",
-    **dict.fromkeys(("rank", "world_size"), "pass sharding=Sharding(rank=..., world_size=...)"),
+    "rank": "pass sharding=Sharding(rank=..., world_size=...)",
+    "world_size": "pass sharding=Sharding(rank=..., world_size=...)",
 }
 
 
@@ -59,8 +61,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         sharding: a :class:`~torchrl_trl.data.Sharding` (shards of the Hugging Face iterable;
             ``rank``/``world_size`` to split ``__iter__``'s epoch pass over processes).
         sample_filter: ``fn(batch) -> bool tensor [B]`` (one per row): rows where it is
-            ``False`` are not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`).
-            Another dtype or number of values raises.
+            ``False`` are not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`), so an
+            epoch pass yields fewer than ``len(self)`` rows. Another dtype or number of values raises.
         index_column: yield each row's storage index (an int) under this column name (e.g.
             for :func:`torchrl_trl.online.update_priorities`; needs
             ``remove_unused_columns=False`` in the trainer's config).
@@ -159,7 +161,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
     @property
     def in_keys(self) -> list[NestedKey]:
-        """The nested keys read by name from each stored sample."""
+        """The nested keys read by name from each stored sample (not those a callable column reads)."""
         self._reader.require_items()
         return self._columns.in_keys(self._reader.fetch(torch.arange(1)))
 
@@ -209,7 +211,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     def as_hf_dataset(self, *, map_style: bool = False, tensors: bool = False, **snapshot_kwargs):
         """A ``datasets.IterableDataset`` declaring :attr:`features`, made of the sharding's
         shards (``map_style=True``: :meth:`to_hf_dataset`). Rows hold Python values;
-        ``tensors=True``: tensor and token columns as 1-D tensors (as upstream). Its
+        ``tensors=True``: the tensor and token columns of ``keys``/``columns`` as 1-D tensors,
+        one per row, ragged ones too (as upstream; a format's columns are what it builds). Its
         ``set_epoch`` reaches this dataset. Epoch reading with several ranks: call it on every
         rank (it broadcasts rank 0's buffer length)."""
         if map_style:

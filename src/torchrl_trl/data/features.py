@@ -24,7 +24,9 @@ def value(dtype: str = "string"):
     return Value(dtype)
 
 
-string = value  # ``Value("string")``
+def string():
+    """``datasets.Value("string")``."""
+    return value("string")
 
 
 def token_list(dtype: str = "int64"):
@@ -39,10 +41,6 @@ def messages():
     from datasets import List
 
     return List({"role": string(), "content": string()})
-
-
-def _dtype_name(dtype: torch.dtype | None, default: str, no_dtype: str) -> str:
-    return no_dtype if dtype is None else _DTYPES.get(dtype, default)
 
 
 def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
@@ -61,9 +59,9 @@ def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
         if isinstance(v, bool):
             return value("bool")
         if isinstance(v, int):
-            return value(_dtype_name(dtype, "int64", "int64"))
+            return value("int64" if dtype is None else _DTYPES.get(dtype, "int64"))
         if isinstance(v, float):
-            return value(_dtype_name(dtype, "float32", "float64"))
+            return value("float64" if dtype is None else _DTYPES.get(dtype, "float32"))
         if isinstance(v, torch.Tensor):
             return infer_feature([v.tolist()], v.dtype)
         if isinstance(v, Mapping):
@@ -74,5 +72,5 @@ def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
         raise TypeError(f"cannot build a datasets feature for values of type {type(v).__name__}")
     # only empty lists / None: a list of the dtype, or a string
     if any(isinstance(v, (list, tuple)) for v in values):
-        return List(value(_dtype_name(dtype, "int64", "string")))
+        return List(value("string" if dtype is None else _DTYPES.get(dtype, "int64")))
     raise ValueError("cannot infer a feature: every row of the column is None")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
@@ -138,25 +138,32 @@ def check_format(fmt: BufferFormat, td: TensorDictBase) -> None:
 
 # Built-in formats. Text columns are read from ("text", part) (prompts with the chat template
 # applied, as TorchRL stores them), conversational ones from ("history", part) as messages.
-_KINDS = {  # kind -> (read(td, part), key(part), feature())
-    "text": (layouts.read_text, layouts.text_key, F.string),
-    "history": (layouts.read_history, layouts.history_key, F.messages),
+class _Kind(NamedTuple):
+    read: Callable[[TensorDictBase, str], list]  # read(td, part) -> one value per row
+    key: Callable[[str], tuple]  # key(part) -> the nested key read
+    feature: Callable[[], Any]  # feature() -> the datasets feature of a column
+
+
+_KINDS = {
+    "text": _Kind(layouts.read_text, layouts.text_key, F.string),
+    "history": _Kind(layouts.read_history, layouts.history_key, F.messages),
 }
+_KTO_PARTS = (("prompt", "prompt"), ("completion", "response"))
 
 
 def _columns(td: TensorDictBase, kind: str, parts: tuple) -> dict[str, list]:
-    return {column: _KINDS[kind][0](td, part) for column, part in parts}
+    return {column: _KINDS[kind].read(td, part) for column, part in parts}
 
 
 def _columns_features(kind: str, parts: tuple) -> dict[str, Any]:
-    return {column: _KINDS[kind][2]() for column, _ in parts}
+    return {column: _KINDS[kind].feature() for column, _ in parts}
 
 
 def _read_format(name: str, kind: str, description: str, **parts: str) -> BufferFormat:
     """A format whose column ``column=part`` is ``(kind, part)`` read as text or messages
     (functools.partial, not lambdas: formats pickle into DataLoader workers)."""
     spec = tuple(parts.items())
-    keys = tuple(_KINDS[kind][1](part) for _, part in spec)
+    keys = tuple(_KINDS[kind].key(part) for _, part in spec)
     return BufferFormat(name, keys, partial(_columns, kind=kind, parts=spec),
                         partial(_columns_features, kind, spec), description)
 
@@ -176,19 +183,19 @@ def _margin(td: TensorDictBase) -> list[float]:
 
 def _kto(td: TensorDictBase, kind: str) -> dict[str, list]:
     labels = [bool(v) for v in td.get(LABEL_KEY).reshape(-1).tolist()]
-    return {**_columns(td, kind, (("prompt", "prompt"), ("completion", "response"))), "label": labels}
+    return {**_columns(td, kind, _KTO_PARTS), "label": labels}
 
 
 def _kto_features(kind: str) -> dict:
-    return {"prompt": _KINDS[kind][2](), "completion": _KINDS[kind][2](), "label": F.value("bool")}
+    return {**_columns_features(kind, _KTO_PARTS), "label": F.value("bool")}
 
 
 def _kto_keys(kind: str) -> tuple:
-    return (_KINDS[kind][1]("prompt"), _KINDS[kind][1]("response"), LABEL_KEY)
+    return (*(_KINDS[kind].key(part) for _, part in _KTO_PARTS), LABEL_KEY)
 
 
 def _pairs(td: TensorDictBase, kind: str, margin: bool = False) -> dict[str, list]:
-    read = _KINDS[kind][0]
+    read = _KINDS[kind].read
     chosen, rejected = td.get(CHOSEN_KEY), td.get(REJECTED_KEY)
     prompt = read(chosen, "prompt")
     for i, (a, b) in enumerate(zip(prompt, read(rejected, "prompt"))):
@@ -202,7 +209,7 @@ def _pairs(td: TensorDictBase, kind: str, margin: bool = False) -> dict[str, lis
 
 
 def _pair_features(kind: str, margin: bool = False) -> dict:
-    feature = _KINDS[kind][2]
+    feature = _KINDS[kind].feature
     out = {"prompt": feature(), "chosen": feature(), "rejected": feature()}
     return {**out, "margin": F.value("float32")} if margin else out
 

@@ -14,6 +14,7 @@ from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensor_collecti
 from tensordict.utils import NestedKey
 
 from .. import layouts
+from .._checks import check_group_size
 
 __all__ = ["Groups", "SkipStats", "SkippedRolloutsWarning", "find_groups", "read_rewards", "to_rollouts"]
 
@@ -84,8 +85,14 @@ class SkipStats:
 
 @dataclass
 class Groups:
-    """Rollouts ``[N]``, their float rewards ``[N]``, each group's id (str, number or tuple)
-    and members (int64 indices into ``rollouts``, in arrival order), and the :class:`SkipStats`."""
+    """The groups :func:`find_groups` found.
+
+    Attributes:
+        rollouts: the rollouts ``[N]``; rewards: their float rewards ``[N]``.
+        ids: each group's id (str, number or tuple); members: its int64 indices into
+            ``rollouts``, in arrival order.
+        stats: the :class:`SkipStats` of what was left out.
+    """
 
     rollouts: TensorDictBase
     rewards: torch.Tensor
@@ -137,11 +144,6 @@ def read_rewards(td: TensorDictBase, reward_key: NestedKey = layouts.REWARD_KEY)
         shape = tuple(bad.shape) if isinstance(bad, torch.Tensor) else type(bad).__name__
         raise ValueError(f"expected one reward per rollout at {reward_key!r}, got a rollout with reward shape {shape}")
     return torch.stack([r.reshape(()) for r in rows]).float()
-
-
-def check_group_size(group_size: Any) -> None:
-    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2):
-        raise ValueError(f"group_size must be an integer >= 2 or None, got {group_size!r}")
 
 
 def read_scored(rollouts, reward_key: NestedKey, op: str) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor, Any]:
@@ -208,10 +210,10 @@ def find_groups(rollouts, *, group_key: NestedKey = "query", reward_key: NestedK
     [[0, 1], [2, 3]]
     """
     check_group_size(group_size)
-    td, rewards, finite, stats = read_scored(rollouts, reward_key, op)
+    td, rewards, kept, stats = read_scored(rollouts, reward_key, op)
     ids = _group_ids(td, group_key)
     queues: dict[Any, list[int]] = {}
-    for i in finite.tolist():
+    for i in kept.tolist():
         queues.setdefault(ids[i], []).append(i)
     group_ids, members = [], []
     for gid, rows in queues.items():

@@ -13,8 +13,8 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 
 from .. import layouts
-from .._checks import positive_int
-from .groups import check_group_size, find_groups, read_scored, take_rows
+from .._checks import check_group_size, positive_int
+from .groups import find_groups, read_scored, take_rows
 from .formats import CHOSEN_KEY, LABEL_KEY, MARGIN_KEY, REJECTED_KEY
 
 __all__ = ["best_of_n", "kto_rows", "preference_pairs"]
@@ -40,11 +40,12 @@ def _check_threshold(name: str, value) -> float:
     return float(value)
 
 
-def _choices(groups, k: int = 1):
-    """``(g, members, rewards)`` of each group larger than ``k`` and not all tied (others counted)."""
+def _choices(groups, k: int | None = None):
+    """``(g, members, rewards)`` of each group not all tied and, given ``k``, larger than ``k``
+    (others counted)."""
     for g, rows in enumerate(groups.members):
         r = groups.rewards[rows]
-        if len(rows) <= k:
+        if k is not None and len(rows) <= k:
             groups.stats.skip("group_not_larger_than_k")
         elif bool((r == r[0]).all()):
             groups.stats.skip("tied_group")

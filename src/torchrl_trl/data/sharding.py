@@ -42,8 +42,8 @@ class Sharding:
     DataLoader workers and Hugging Face shards.
 
     Args:
-        num_shards: shards of the Hugging Face iterable (``None``: the reading strategy's
-            default per process, see :meth:`shards`), split over ranks and workers.
+        num_shards: shards of the Hugging Face iterable, split over ranks and workers
+            (``None``: ``4 * world_size`` for epoch reading, ``world_size`` online).
         rank, world_size: for ``TorchRLBufferDataset.__iter__`` only: split an epoch pass
             over processes (a plain ``DataLoader``); leave unset when a trainer shards.
 

@@ -71,8 +71,6 @@ class TreeEncoder:
 
     def python(self, x: Any, path: tuple) -> dict:
         """``x`` as a JSON node: JSON data, or what :meth:`__call__` encodes."""
-        from tensordict import is_tensor_collection
-
         if x is None or isinstance(x, (bool, int, str)):
             return {"T": "py", "v": x}
         if isinstance(x, float):
@@ -84,6 +82,8 @@ class TreeEncoder:
             if bad:
                 raise TypeError(f"save_buffer: the dict at {_key_str(path)!r} has non-string keys {bad[:3]}")
             return {"T": "dict", "v": {k: self(v, path + (k,)) for k, v in x.items()}}
+        from tensordict import is_tensor_collection
+
         if isinstance(x, torch.Tensor) or is_tensor_collection(x):
             return self(x, path)
         raise TypeError(
@@ -125,8 +125,10 @@ class TreeDecoder:
                 raise self.error(f"load_buffer: {self.where} names tensor {node.get('id')!r} at {_key_str(path)!r}, "
                                  "which is not among the saved tensors")
             return self.tensors[node["id"]]
-        if kind in ("py", "float"):
-            return float(value) if kind == "float" else value
+        if kind == "py":
+            return value
+        if kind == "float":
+            return float(value)
         if kind in ("list", "tuple"):
             out = [self(v, path + (i,)) for i, v in enumerate(value)]
             return out if kind == "list" else tuple(out)

@@ -35,8 +35,9 @@ class AsyncGroupCollector:
     Args:
         rollout: a :class:`TorchRLRolloutFunc` whose policy's model is *not* the trainer's,
             optionally with a one-turn ``env``, ``context_fn`` and a replay buffer (it receives
-            every rollout). Unless its ``logprobs`` is ``"generate"``, behaviour log-probs are
-            recorded (:class:`~torchrl_trl.online.BehaviourLogProbsPostproc`).
+            every rollout). Behaviour log-probs are recorded
+            (:class:`~torchrl_trl.online.BehaviourLogProbsPostproc`) unless its ``logprobs`` is
+            ``"generate"``, or ``"auto"`` with a trainer that does not read them.
         prompts: a sequence (cycled forever) or an iterator of TRL prompts.
 
     Keyword Args:

@@ -86,7 +86,7 @@ class BehaviourLogProbsPostproc:
 class BehaviourLogProbsMixin:
     """Mix into ``GRPOTrainer`` (``class Trainer(BehaviourLogProbsMixin, GRPOTrainer)``) so TRL's
     loss uses the rollout func's log-probs as ``old_per_token_logps`` (ratio ``pi_theta / mu``),
-    unless TRL corrects itself (``trl_corrects_logprobs``). NaN behaviour log-probs raise
+    unless TRL corrects them itself (``use_vllm`` with ``vllm_importance_sampling_correction``). NaN behaviour log-probs raise
     ``ValueError`` on trained tokens and are set to 0 on masked ones.
 
     Example (``Base`` stands in for ``GRPOTrainer``, whose loss then reads the old log-probs):

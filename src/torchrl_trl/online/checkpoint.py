@@ -184,7 +184,8 @@ def load_buffer(
     """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (same storage/sampler/writer types
     and capacity), without unpickling or running write transforms. ``classes``: more tensorclasses to
     rebuild; ``restore_state=False``: the items only. Returns the manifest (``len``, ``write_count``,
-    ``extra`` entries); raises :class:`BufferCheckpointError` for a checkpoint not read safely.
+    ``extra`` entries); raises :class:`BufferCheckpointError` for a checkpoint not read safely
+    (the old pickle format, files not matching the manifest, a class not allowed).
 
     >>> import tempfile, torch
     >>> from tensordict import TensorDict
@@ -294,8 +295,9 @@ class BufferCheckpointCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             extra = {"global_step": state.global_step}
-            if collector_policy_version(self.collector) is not None:
-                extra["policy_version"] = collector_policy_version(self.collector)
+            version = collector_policy_version(self.collector)  # a Ray collector: one remote call
+            if version is not None:
+                extra["policy_version"] = version
             save_buffer(self.replay_buffer, self.checkpoint_dir(args, state), extra=extra, classes=self.classes)
         return control
 

@@ -207,7 +207,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
 
     def push(self, model: torch.nn.Module | TensorDictBase | None, *, version: int | None = None) -> int:
         """Send ``model``'s weights (or a TensorDict of them; ``None``: none) to the collector's policy
-        between two of its batches (:meth:`paused`); returns its new policy version (``version`` if given)."""
+        between two of its batches (:meth:`paused`); returns its new policy version (``version`` if given).
+        A Ray actor loads them while it generates: a batch in flight can mix two versions and is
+        stamped with the new one, so keep ``max_staleness >= 1`` there."""
         start = time.monotonic()
         with self.paused():
             if model is not None:

@@ -89,7 +89,8 @@ def forward_fields(steps: Sequence[TensorDictBase], keys: Sequence[NestedKey] | 
     over turns as ``"torchrl_reward"``."""
     last = steps[-1]
     if keys is None:
-        keys = [k for k in layouts.first_member(last).keys() if k not in {*layouts.TORCHRL_ROOT_KEYS, *OWN_KEYS}]
+        skip = {*layouts.TORCHRL_ROOT_KEYS, *OWN_KEYS}
+        keys = [k for k in layouts.first_member(last).keys() if k not in skip]
     fields = {}
     for key in keys:
         name = key if isinstance(key, str) else ".".join(key)

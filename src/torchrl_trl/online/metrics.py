@@ -34,8 +34,11 @@ class CollectorMetricsCallback(TrainerCallback):
         log_buffer_staleness: log mean/max staleness of (up to 4096 of) the newest stored items.
         log_prefix: prefix of the collector metrics.
 
-    Logged: ``<prefix>buffer_size``, ``write_count``, ``frames_per_sec`` (since the previous step's
-    log), ``collect_seconds``, ``weight_updates``, ``policy_version``, and ``staleness/*``.
+    Logged: ``<prefix>buffer_size``, ``<prefix>write_count``, ``<prefix>frames_per_sec`` (since
+    the previous step's log), ``<prefix>policy_version``; with a ``collection`` also
+    ``<prefix>collect_seconds`` and ``<prefix>weight_updates``; the :class:`StalenessFilter`'s
+    ``staleness/*``; with ``log_buffer_staleness`` and a policy version,
+    ``staleness/buffer_mean`` and ``staleness/buffer_max``.
 
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> rb = ReplayBuffer(storage=ListStorage(8))

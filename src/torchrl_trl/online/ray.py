@@ -42,7 +42,9 @@ def make_ray_replay_buffer(
     num_cpus: float = 0, ray_init_config: dict[str, Any] | None = None, name: str | None = None,
     namespace: str | None = None, **kwargs
 ):
-    """A ``torchrl.data.RayReplayBuffer`` (one Ray actor owns the storage; ``close()`` kills it).
+    """A ``torchrl.data.RayReplayBuffer`` (one Ray actor owns the storage; ``close()`` kills it,
+    and :func:`~torchrl_trl.online.save_buffer` saves local buffers only: copy ``buffer[:]``
+    into a local ``ReplayBuffer`` first to keep what it holds).
 
     Args:
         capacity: the storage's size.
@@ -50,7 +52,8 @@ def make_ray_replay_buffer(
         sampler: a zero-argument factory of the sampler (built inside the actor).
         num_cpus: CPUs reserved for the buffer actor.
         ray_init_config: ``ray.init`` arguments when Ray is not initialised yet.
-        name, namespace: make it a named actor, for :func:`connect_ray_replay_buffer`.
+        name, namespace: make it a named actor, for :func:`connect_ray_replay_buffer`
+            (``namespace`` default: the current job's, which other jobs do not see).
         **kwargs: other ``ReplayBuffer`` arguments (``batch_size``, ``writer`` factory...).
 
     >>> import torch
@@ -114,7 +117,8 @@ def connect_ray_replay_buffer(
     Args:
         name: the actor's name.
         namespace: the actor's namespace (as given when it was made).
-        address: the cluster to join when Ray is not initialised here (``"auto"``, ``"HOST:6379"``).
+        address: the cluster to join when Ray is not initialised here (``"auto"``, ``"HOST:6379"``
+            or the creator's ``ray.get_runtime_context().gcs_address``); ignored if it is.
         timeout: seconds to wait for the actor, then ``LookupError`` (``None``: no limit).
         ray_init_config: other ``ray.init`` arguments.
 

@@ -128,7 +128,7 @@ class TorchRLRolloutFunc:
         else:
             steps = self._run_env(self.policy, prompts)
         rows = turns_to_trl(steps)
-        if (logprobs or self._logprobs_mode(None)) == "rescore":
+        if (logprobs or self._logprobs_mode(trainer=None)) == "rescore":  # no trainer: "auto" rescores
             if self._scorer is None or self._scorer.model is not self.policy.model:
                 self._scorer = ResponseScorer(self.policy)
             rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
@@ -155,7 +155,10 @@ class TorchRLRolloutFunc:
         from ..rewards.trl_funcs import is_conversational
 
         chat = is_conversational(prompts)
-        input_mode = self.env.input_mode if self.env is not None else "history" if chat else "text"
+        if self.env is not None:
+            input_mode = self.env.input_mode
+        else:
+            input_mode = "history" if chat else "text"
         model = trainer.accelerator.unwrap_model(trainer.model)
         generate_kwargs = {"max_new_tokens": trainer.max_completion_length, "do_sample": True,
                            "temperature": trainer.temperature}

@@ -70,7 +70,9 @@ class StalenessFilter:
     >>> from tensordict import TensorDict
     >>> batch = TensorDict({"next": {"policy_version": torch.tensor([0, 3, 5, 5])}}, [4])
     >>> filt = StalenessFilter(max_staleness=2, consumer_version=5)
-    >>> filt(batch).tolist()  # warns once: "dropping rows older than ..."
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True):  # warns once: "dropping rows older than ..."
+    ...     filt(batch).tolist()
     [False, True, True, True]
     >>> [round(w, 3) for w in filt.weight_column(batch)]  # 1 / (1 + staleness), to down-weight instead
     [0.167, 0.333, 1.0, 1.0]

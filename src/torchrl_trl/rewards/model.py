@@ -32,8 +32,12 @@ __all__ = ["HFRewardModelWrapper", "load_reward_model", "moved_arguments_error"]
 def load_reward_model(path: str | os.PathLike, *, trust_remote_code: bool = False,
                       dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                       load_tokenizer: bool = True, **model_kwargs) -> tuple[nn.Module, Any]:
-    """``(model in eval mode, tokenizer or None)``: ``AutoModelForSequenceClassification``
-    (safetensors only) and its tokenizer from a local directory (``trl.RewardTrainer``'s).
+    """Load a reward model, ``AutoModelForSequenceClassification`` (safetensors only), and
+    its tokenizer from a local directory (``trl.RewardTrainer``'s output).
+
+    ``dtype``/``device``: where the weights go; ``load_tokenizer=False``: no tokenizer;
+    ``model_kwargs``: more ``from_pretrained`` arguments. Returns ``(model in eval mode,
+    tokenizer or None)``.
 
     >>> import tempfile
     >>> from torchrl_trl import testing
@@ -133,7 +137,16 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
             written instead.
         pad_token_id: deprecated, use ``RewardBatching(pad_token_id=...)``.
 
+    The first four keyword arguments are upstream's, with the same meaning and defaults. A
+    module with no ``config`` and no pad id (a stand-in, as in upstream's tests) gets the
+    stored ids and mask as given, in row chunks of the token budget, when the rows have one
+    width and nothing is truncated or appended; else right-padded with 0 beside their mask.
+
     Attributes:
+        in_keys: the keys read when every input is present (see :meth:`RewardRenderer.in_keys`).
+        renderer: the renderer bound to this model (tokenizer, keys, EOS).
+        max_length: the longest input fed to the model.
+        num_embeddings: rows of the model's input embedding (``None`` if unknown).
         truncated_count, nonfinite_count: inputs truncated / non-finite rewards so far.
         real_tokens, processed_tokens: token counters (:attr:`padding_efficiency`).
 

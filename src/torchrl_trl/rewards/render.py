@@ -56,8 +56,10 @@ def resolve_input_mode(td: TensorDictBase, input_mode: str, inputs: Mapping[str,
 
 def same_tokenizer(a: Any, b: Any) -> bool:
     """Whether two tokenizers map text and chats to the same ids."""
-    if a is None or b is None or a is b:
-        return a is not None and a is b
+    if a is None or b is None:
+        return False
+    if a is b:
+        return True
     backend_a, backend_b = (getattr(t, "backend_tokenizer", None) for t in (a, b))
     return (
         a.get_vocab() == b.get_vocab()
@@ -78,7 +80,8 @@ class RewardRenderer:
             :mod:`torchrl_trl.rewards.render`).
         part: ``"full"`` (prompt + response, default) or ``"response"``.
         add_eos: ``"auto"`` (default), ``"always"`` or ``"never"``.
-        chat_template_kwargs: extra arguments to ``apply_chat_template``.
+        chat_template_kwargs: extra arguments to ``apply_chat_template`` (not ``tokenize`` or
+            ``add_generation_prompt``: a ``ValueError``).
         policy_tokenizer: the tokenizer of the tokens in the tensordict; when it differs from
             the reward model's, samples are re-rendered and re-tokenised.
 
@@ -107,6 +110,9 @@ class RewardRenderer:
             raise ValueError(f"add_eos must be 'auto', 'always' or 'never', got {add_eos!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}")
+        if fixed := sorted({"tokenize", "add_generation_prompt"} & set(chat_template_kwargs or {})):
+            raise ValueError(f"chat_template_kwargs: {fixed} cannot be set: the reward model scores the rendered chat "
+                             "as text (tokenize=False), without a generation prompt, as trl.RewardTrainer does")
         self.policy_tokenizer = policy_tokenizer
         self.input_mode = input_mode
         self.part = part
@@ -275,7 +281,10 @@ class RewardRenderer:
     def _ends_with_eos(self, seq: list[int], eos: int) -> bool:
         # trailing tokens that decode to whitespace only (ChatML's "\n") do not count
         ws = self._whitespace()
-        return next((tok for tok in reversed(seq) if tok == eos or tok not in ws), None) == eos
+        for tok in reversed(seq):
+            if tok == eos or tok not in ws:
+                return tok == eos
+        return False
 
     def _whitespace(self) -> set[int]:
         if self._whitespace_ids is None:

@@ -111,8 +111,10 @@ class RewardTransform(Transform):
         # ``container`` raises ValueError in a Compose no env holds: a replay buffer's
         try:
             self.container
-        except (ValueError, AttributeError) as err:  # AttributeError: never attached
-            return isinstance(err, ValueError)
+        except ValueError:
+            return True
+        except AttributeError:  # never attached
+            return False
         return False
 
     def transform_output_spec(self, output_spec: Composite) -> Composite:

@@ -17,8 +17,8 @@ __all__ = ["write_rewards"]
 def write_rewards(tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey, reward_shape: RewardShape,
                   *, accumulate: bool = False) -> TensorDictBase:
     """Write ``[N]`` rewards into ``tensordict`` at ``key`` (in place), shaped
-    ``[*batch_size, *trailing dims of reward_shape]``, in the dtype and on the device of a
-    reward already there (else the default dtype, the tensordict's device or CPU);
+    ``[*batch_size, *trailing dims of reward_shape]``, in the floating dtype and on the device
+    of a reward already there (else the default dtype, the tensordict's device or CPU);
     ``accumulate``: add to that reward (same shape required).
 
     >>> from tensordict import TensorDict
