@@ -326,6 +326,48 @@ def test_a_worker_that_cannot_load_the_functions_in_startup_timeout_raises(tmp_p
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_workers_start_up_is_not_on_an_items_clock():
+    """Issue 33, defect 6: a RewardFunctionWrapper sent to a fresh worker imports torch and
+    torchrl when unpickled (before the worker says it is ready), and its first call imported
+    TRL (transformers, datasets: 5-8 s on 2 cores), which counted against the first item's
+    timeout: as_trl_reward_func(RewardFunctionWrapper(f), executor="process", timeout=2)
+    returned [None, None] (each replacement worker paid it again). Workers now warm the
+    functions up while starting, under startup_timeout, before any item is sent."""
+    func = as_trl_reward_func(RewardFunctionWrapper(by_text), executor=RewardExecutor("process", max_workers=1),
+                              timeout=TIMEOUT)
+    try:
+        assert func(["q", "q"], ["ab", "abc"]) == [2.0, 3.0]
+        assert func.failure_counts == {"error": 0, "timeout": 0, "crash": 0}
+        assert func.executor.replaced == 0
+    finally:
+        func.shutdown()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_loading_the_functions_is_not_on_an_items_clock(tmp_path, monkeypatch):
+    """A function whose module takes longer to import in the workers than an item's timeout
+    (a worker's start-up): every item still gets its whole timeout."""
+    (tmp_path / "slow_load.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('SLOW_LOAD'):\n"
+        "    time.sleep(3)\n"
+        "def quick(prompts, completions, **kw):\n    return [float(len(completions[0]))]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slow_load
+
+    monkeypatch.setenv("SLOW_LOAD", "1")  # the workers, fresh interpreters, take 3 s to load it
+    func = as_trl_reward_func(slow_load.quick, executor=RewardExecutor("process", max_workers=2), timeout=1)
+    try:
+        assert func(["q"] * 3, ["a", "bb", "ccc"]) == [1.0, 2.0, 3.0]
+        assert func.failure_counts == {"error": 0, "timeout": 0, "crash": 0}
+    finally:
+        func.shutdown()
+
+
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_trl_function_per_completion_with_logs():
     """as_trl_reward_func(plain TRL function, executor="process"): TRL's call, one

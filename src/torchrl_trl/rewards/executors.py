@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from torchrl_trl._checks import positive_int, positive_seconds
 from torchrl_trl._threads import in_caller_modes
 
-from .scheduler import FAILURE_KINDS, ItemExecutor, ItemResult, _describe, call_item
+from .scheduler import FAILURE_KINDS, ItemExecutor, ItemResult, _describe, call_item, warm_up
 
 __all__ = ["FAILURE_KINDS", "MOVED_TO_EXECUTOR", "ItemExecutor", "ItemResult", "RewardExecutor", "ThreadItemExecutor",
            "FuturesItemExecutor", "RayItemExecutor", "call_item", "reward_executor"]
@@ -38,7 +38,9 @@ class RewardExecutor:
         failure_reward: the reward of a completion that raised, timed out or crashed its
             worker; ``None`` (default): excluded, like TRL's ``None``.
         startup_timeout: seconds a new process or Ray worker may take to load the
-            functions and the shared arguments (default 120); not counted in ``timeout``.
+            functions and the shared arguments and warm them up (the imports a first call
+            would do, :func:`~torchrl_trl.rewards.scheduler.warm_up`; default 120); not
+            counted in ``timeout``.
 
     Examples:
         >>> RewardExecutor("thread", max_workers=2, failure_reward=0).failure_reward
@@ -201,11 +203,11 @@ class FuturesItemExecutor(ItemExecutor):
 
 
 def _ray_call_item(funcs, index, shared, kwargs):
+    if index is None:  # a warm-up task: the shared arguments are loaded, the functions warmed up
+        for func in funcs:
+            warm_up(func)
+        return None
     return call_item(funcs[index], {**shared, **kwargs})
-
-
-def _noop(**kwargs):
-    return None
 
 
 class RayItemExecutor(ItemExecutor):
@@ -237,11 +239,12 @@ class RayItemExecutor(ItemExecutor):
         self._shared_ref = ray.put(shared)  # serialised once per call, not once per item
 
     def _warm(self, n: int, shared) -> None:
-        """Wait for ``n`` workers that ran a no-op: starting one, and loading the shared
-        arguments (TRL's TrainerState imports modules), is not on an item's clock."""
+        """Wait for ``n`` workers that loaded the functions and the shared arguments (TRL's
+        TrainerState imports modules) and warmed the functions up (:func:`warm_up`): a
+        worker's start-up is not on an item's clock."""
         import ray
 
-        warm = [self._remote.remote([_noop], 0, shared, {}) for _ in range(n)]
+        warm = [self._remote.remote(self._funcs_ref, None, shared, {}) for _ in range(n)]
         ready, _ = ray.wait(warm, num_returns=n, timeout=self.startup_timeout)
         if len(ready) < n:
             raise RuntimeError(

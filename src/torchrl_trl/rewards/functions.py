@@ -29,6 +29,7 @@ from .calling import (
 from .executors import MOVED_TO_EXECUTOR, RewardExecutor, reward_executor
 from .reward_transform import RewardTransform
 from .rollout_arguments import InputMode, input_keys, trl_arguments
+from .scheduler import warm_up
 from .shape import RewardShape, trailing_dims
 from .writing import write_rewards
 
@@ -210,6 +211,16 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         """Stop the executor's worker processes (a later call starts new ones)."""
         if self.executor is not None:
             self.executor.shutdown()
+
+    def _torchrl_trl_warm_up(self) -> None:
+        """In a fresh executor worker (``as_trl_reward_func(wrapper, executor=...)``), before its
+        first item: the imports a first call would do (TRL's ``is_async_callable``, which loads
+        its trainer utilities), then the reward functions' own warm-up
+        (:func:`~torchrl_trl.rewards.scheduler.warm_up`)."""
+        from trl.trainer.utils import is_async_callable  # noqa: F401  call_functions
+
+        for func in self.funcs:
+            warm_up(func)
 
     def as_transform(self) -> RewardTransform:
         """This scorer (shared, with its counters) as a :class:`RewardTransform`."""

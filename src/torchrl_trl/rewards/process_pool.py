@@ -21,7 +21,7 @@ import weakref
 
 import cloudpickle
 
-from .scheduler import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item
+from .scheduler import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item, warm_up
 
 __all__ = ["ProcessItemExecutor"]
 
@@ -73,7 +73,10 @@ _WORKER_COMMAND = (
 
 
 def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
-    """A worker process: load the functions (``conn``'s first message), run tasks until told to stop."""
+    """A worker process: load the functions (``conn``'s first message) and warm them up
+    (:func:`~torchrl_trl.rewards.scheduler.warm_up`: the imports their first call would do),
+    say it is ready, run tasks until told to stop. Loading and warming up are its start-up,
+    bounded by ``startup_timeout``; no item's ``timeout`` pays for them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if die_with_parent:
         _die_with_parent()
@@ -82,6 +85,8 @@ def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
         conn = multiprocessing.connection.Connection(conn)
     try:
         funcs = pickle.loads(conn.recv_bytes())
+        for func in funcs:
+            warm_up(func)
     except BaseException as err:
         conn.send(("init_error", _describe(err)))
         return

@@ -15,7 +15,7 @@ from typing import Any
 
 from torchrl_trl._threads import run_async
 
-__all__ = ["FAILURE_KINDS", "ItemExecutor", "ItemResult", "call_item"]
+__all__ = ["FAILURE_KINDS", "WARM_UP", "ItemExecutor", "ItemResult", "call_item", "warm_up"]
 
 #: the ways one item can fail: the function raised, ran past ``timeout``, or its worker died
 FAILURE_KINDS = ("error", "timeout", "crash")
@@ -47,6 +47,29 @@ def call_item(func: Callable, kwargs: dict) -> tuple[Any, list]:
     if torch is not None and isinstance(out, torch.Tensor):
         out = out.tolist()
     return out, logs
+
+
+#: The method a reward object may define to do, once per worker, what its first call would do
+#: before any work (imports): a fresh worker runs it while starting, within ``startup_timeout``,
+#: so that no item's ``timeout`` pays for it.
+WARM_UP = "_torchrl_trl_warm_up"
+
+
+def warm_up(func: Callable) -> None:
+    """Run the :data:`WARM_UP` method of ``func`` (of its object, for a bound method), if any.
+
+    >>> class Scorer:
+    ...     def _torchrl_trl_warm_up(self):
+    ...         print("imports done")
+    ...     def score(self, prompts, completions, **kwargs):
+    ...         return [1.0] * len(completions)
+    >>> warm_up(Scorer().score)
+    imports done
+    """
+    owner = func.__self__ if inspect.ismethod(func) else func
+    hook = getattr(type(owner), WARM_UP, None)  # on the class: a __getattr__ answers nothing here
+    if callable(hook):
+        hook(owner)
 
 
 def _describe(err: BaseException) -> str:

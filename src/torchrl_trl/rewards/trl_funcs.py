@@ -25,6 +25,7 @@ from .calling import (
     run_with_timeout, score_items,
 )  # fmt: skip
 from .executors import MOVED_TO_EXECUTOR, RewardExecutor, reward_executor
+from .scheduler import warm_up
 from .trl_rollouts import as_messages, is_conversational, rollouts_from_trl
 
 __all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "is_trl_function", "rollouts_from_trl"]
@@ -115,6 +116,15 @@ class TRLRewardFunc:
         """Stop the executor's worker processes (a later call starts new ones)."""
         if self.executor is not None:
             self.executor.shutdown()
+
+    def _torchrl_trl_warm_up(self) -> None:
+        """In a fresh executor worker, before its first item: the imports a first call would do
+        (TRL's ``is_conversational`` imports transformers and datasets, seconds of work), then
+        the wrapped reward's own warm-up. See :func:`~torchrl_trl.rewards.scheduler.warm_up`."""
+        import trl.data_utils  # noqa: F401  is_conversational
+        from torchrl.data.llm import History  # noqa: F401  rollouts_from_trl, for chat
+
+        warm_up(self.reward)
 
     def __repr__(self) -> str:
         return f"TRLRewardFunc({self.__name__!r}, reward={type(self.reward).__name__})"
