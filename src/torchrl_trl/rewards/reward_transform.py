@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torchrl.data import Composite, Unbounded
-from torchrl.envs import Transform
+from torchrl.envs import EnvBase, Transform
 
 from .._checks import key_tuple, strip_next
 from .shape import RewardShape, trailing_dims
@@ -21,6 +21,7 @@ from .writing import write_rewards
 
 __all__ = ["RewardTransform"]
 
+_BUFFER = object()  # RewardTransform._holder() in a replay buffer
 _SCORER_API = ("in_keys", "out_keys", "reward_shape", "score_outputs")
 
 
@@ -39,7 +40,8 @@ class RewardTransform(Transform):
         accumulate: add to a reward already there instead of overwriting it.
 
     ``in_keys`` are the scorer's; ``out_keys`` the ``("next", ...)`` keys written, added to
-    the env's reward spec.
+    the env's reward spec. In an env it scores once per step, in ``_step`` (the env's inverse
+    pass over the policy's output passes through): one reward-model forward per completion.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -94,9 +96,12 @@ class RewardTransform(Transform):
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
         return tensordict_reset
 
-    # replay buffer: score once on write ...
+    # replay buffer: score once on write ... (an env runs the inverse pass on the policy's output
+    # before its step too: _step scores there, so scoring here as well ran the model twice)
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return tensordict if tensordict is None else self._score_into(tensordict, tensordict, inside_next=False)
+        if tensordict is None or self._in_env():
+            return tensordict
+        return self._score_into(tensordict, tensordict, inside_next=False)
 
     # ... and pass through on sample (and on an env's observations)
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
@@ -105,17 +110,25 @@ class RewardTransform(Transform):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Score ``tensordict`` and write the reward keys (in a replay buffer: pass the sample
         through, it was scored on write)."""
-        return tensordict if self._in_replay_buffer() else self._inv_call(tensordict)
+        if self._in_replay_buffer():
+            return tensordict
+        return self._score_into(tensordict, tensordict, inside_next=False)
+
+    def _holder(self):
+        """The env holding this transform, :data:`_BUFFER` in a replay buffer's Compose (no env
+        holds it: ``container`` raises ``ValueError``), ``None`` when never attached."""
+        try:
+            return self.container
+        except ValueError:
+            return _BUFFER
+        except AttributeError:  # never attached
+            return None
 
     def _in_replay_buffer(self) -> bool:
-        # ``container`` raises ValueError in a Compose no env holds: a replay buffer's
-        try:
-            self.container
-        except ValueError:
-            return True
-        except AttributeError:  # never attached
-            return False
-        return False
+        return self._holder() is _BUFFER
+
+    def _in_env(self) -> bool:
+        return isinstance(self._holder(), EnvBase)
 
     def transform_output_spec(self, output_spec: Composite) -> Composite:
         # out_keys are rollout keys ("next", ...); the env's reward spec is relative to "next"
