@@ -72,12 +72,13 @@ def test_grpo_step_with_reward_trainer_model(checkpoints, policy_and_tokenizer, 
     assert len(rb) == 4
     data = rb[:]
 
-    # rewards are the loaded reward model's own scores of what the policy generated
+    # rewards are the loaded reward model's own scores of what the policy generated: each chat
+    # rendered with its own template (as RewardTrainer trained it), alone
     rm = AutoModelForSequenceClassification.from_pretrained(trained_reward_model).eval()
-    ids = layouts.read_tokens(data, "full").tolist()
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in layouts.read_history(data, "full")]
     with torch.no_grad():
         ref = torch.stack(
-            [rm(input_ids=torch.tensor([i + ([tokenizer.eos_token_id] if i[-1] != tokenizer.eos_token_id else [])])).logits[0, 0] for i in ids]
+            [rm(input_ids=torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"]])).logits[0, 0] for t in texts]
         )
     rewards = torch.stack(data.get(("next", "reward"), as_list=True))
     assert rewards.shape == (4, 1, 1)

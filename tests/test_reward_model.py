@@ -545,7 +545,13 @@ def test_in_keys_are_the_keys_read(checkpoints, tok, rm):
     assert history.in_keys == [("history", "full")]
     text = HFRewardModelWrapper(other, renderer=RewardRenderer(policy_tokenizer=tok, input_mode="text"))
     assert text.in_keys == [("text", "full")]
-    same = HFRewardModelWrapper(checkpoints.reward_model, renderer=RewardRenderer(policy_tokenizer=tok))
+    # the same tokenizer: a chat is still re-rendered with the reward model's own template
+    # (TorchRL renders with a template of its own); stored tokens go in as they are only
+    # without a chat, or when asked for
+    same_chat = HFRewardModelWrapper(checkpoints.reward_model, renderer=RewardRenderer(policy_tokenizer=tok))
+    assert same_chat.in_keys == [("history", "full")]
+    assert same_chat.renderer.resolve_mode(_ragged_td(_ids(tok))) == "tokens"
+    same = HFRewardModelWrapper(checkpoints.reward_model, renderer=RewardRenderer(policy_tokenizer=tok, input_mode="tokens"))
     assert same.in_keys == [("tokens", "full"), ("masks", "all_attention_mask")]
     # a tensordict holding only the declared keys is enough (select relies on it)
     td = _history_td(CONVS)
@@ -565,6 +571,9 @@ def test_in_keys_are_the_keys_read(checkpoints, tok, rm):
     torch.testing.assert_close(history(td.select(*history.in_keys))["reward"], ref_history, atol=1e-5, rtol=0)
     ref_tokens = torch.stack([_alone(rm, i) for i in _ids(tok)])
     torch.testing.assert_close(same(td.select(*same.in_keys))["reward"], ref_tokens, atol=1e-5, rtol=0)
+    rendered = [tok.apply_chat_template(c, tokenize=False) for c in CONVS]
+    ref_chat = torch.stack([_alone(rm, tok(t, add_special_tokens=False)["input_ids"]) for t in rendered])
+    torch.testing.assert_close(same_chat(td.select(*same_chat.in_keys))["reward"], ref_chat, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("is_causal", [True, False])

@@ -118,7 +118,7 @@ def test_composes_with_retrieve_kl(checkpoints, policy_and_tokenizer):
 def test_called_as_a_module_writes_the_reward_and_declares_what_it_reads(checkpoints, policy_and_tokenizer):
     """``transform(td)`` (and inside a TensorDictSequential after the policy) writes
     ``("next", "reward")``; ``in_keys`` are what is read: the chat for a reward model with
-    its own template, tokens + mask for one sharing the policy's tokenizer."""
+    its own template (sharing the policy's tokenizer or not), tokens + mask when asked for."""
     from tensordict import TensorDict
     from tensordict.nn import TensorDictSequential
     from torchrl.data.llm import History
@@ -128,8 +128,12 @@ def test_called_as_a_module_writes_the_reward_and_declares_what_it_reads(checkpo
     path = checkpoints.reward_model_other_tokenizer
     tf = HFRewardTransform(_scorer(path, tok))
     assert tf.in_keys == [("history", "full")] and tf.out_keys == [("next", "reward")]
+    # the same tokenizer: the chat is still re-rendered with the reward model's template
     same = HFRewardTransform(_scorer(checkpoints.reward_model, tok))
-    assert same.in_keys == [("tokens", "full"), ("masks", "all_attention_mask")]
+    assert same.in_keys == [("history", "full")]
+    tokens = HFRewardTransform(HFRewardModelWrapper.from_pretrained(
+        checkpoints.reward_model, inference_mode=True, renderer=RewardRenderer(policy_tokenizer=tok, input_mode="tokens")))
+    assert tokens.in_keys == [("tokens", "full"), ("masks", "all_attention_mask")]
 
     torch.manual_seed(0)
     policy = make_policy_wrapper(model, tok, max_new_tokens=6)

@@ -1,9 +1,24 @@
 """Render TorchRL samples into the reward model's own token ids. ``input_mode="auto"`` tries,
-in order: ``"tokens"`` as they are (the reward model has no tokenizer, or ``policy_tokenizer``
-equals it); ``"history"`` through the reward model's chat template (``add_special_tokens=False``,
-as ``trl.RewardTrainer``); ``"text"`` (``add_special_tokens=True``); tokens decoded with
-``policy_tokenizer``, then as text. EOS rule (``add_eos="auto"``): text and tokens get the
-reward model's EOS unless they end with it (then whitespace); chat renders are kept.
+in order:
+
+1. ``"history"``, when the reward model has a chat template (and ``part="full"``): the chat
+   rendered with the reward model's own template (``add_special_tokens=False``, as
+   ``trl.RewardTrainer``), even when ``policy_tokenizer`` equals the reward model's tokenizer.
+   The stored tokens are what TorchRL rendered, not ``tokenizer.apply_chat_template``:
+   ``History.apply_chat_template`` picks a template of its own by the tokenizer's name (for
+   a local path TorchRL's ``chatml_format``, without the model's default system line), so
+   the same tokenizer does not mean the same rendering. Re-rendering costs a tokenisation,
+   far less than the forward; checking that the tokens equal the render would cost the same
+   tokenisation and save nothing.
+2. ``"tokens"`` as they are, when they are in the reward model's vocabulary (it has no
+   tokenizer, or ``policy_tokenizer`` equals it): samples without a chat (text or tokens
+   input modes), and ``part="response"`` (no template around a reply).
+3. ``"history"`` without a chat template only with ``input_mode="history"`` (an error).
+4. ``"text"`` (``add_special_tokens=True``).
+5. tokens of another tokenizer, decoded with ``policy_tokenizer``, then as text.
+
+EOS rule (``add_eos="auto"``): text and tokens get the reward model's EOS unless they end
+with it (then whitespace); chat renders are kept.
 """
 
 from __future__ import annotations
@@ -83,7 +98,9 @@ class RewardRenderer:
         chat_template_kwargs: extra arguments to ``apply_chat_template`` (not ``tokenize`` or
             ``add_generation_prompt``: a ``ValueError``).
         policy_tokenizer: the tokenizer of the tokens in the tensordict; when it differs from
-            the reward model's, samples are re-rendered and re-tokenised.
+            the reward model's, samples are re-rendered and re-tokenised. When it equals it,
+            stored tokens are scored as they are only where no chat is re-rendered with the
+            reward model's template (see :mod:`torchrl_trl.rewards.render`).
 
     Examples:
         >>> import tempfile
@@ -149,6 +166,7 @@ class RewardRenderer:
         bound.token_key = layouts.token_key(part) if token_key is None else token_key
         bound.attention_mask_key = attention_mask_key
         bound.eos_token_id = tokenizer.eos_token_id if eos_token_id is None and tokenizer is not None else eos_token_id
+        # the stored ids are in the reward model's vocabulary; a chat is still re-rendered (_inputs)
         bound.tokens_direct = tokenizer is None or same_tokenizer(tokenizer, self.policy_tokenizer)
         bound._whitespace_ids = None
         return bound
@@ -161,10 +179,16 @@ class RewardRenderer:
         )
 
     def _inputs(self) -> dict[str, list[list[NestedKey]]]:
-        """The inputs ``"auto"`` tries, in order, each with its alternative key sets."""
-        inputs = {"tokens": [[self.token_key]]} if self.tokens_direct else {}
-        if self.input_mode == "history" or getattr(self.tokenizer, "chat_template", None):
+        """The inputs ``"auto"`` tries, in order, each with its alternative key sets (the
+        order is the module's: a chat first where the reward model has a template for it)."""
+        template = bool(getattr(self.tokenizer, "chat_template", None))
+        inputs = {}
+        if template and self.part == "full":
             inputs["history"] = [[layouts.history_key(self.part)]]
+        if self.tokens_direct:
+            inputs["tokens"] = [[self.token_key]]
+        if self.input_mode == "history" or template:
+            inputs.setdefault("history", [[layouts.history_key(self.part)]])
         inputs["text"] = [[layouts.text_key(self.part)]]
         if self.part == "full":
             inputs["text"].append([layouts.text_key("prompt"), layouts.text_key("response")])
