@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 from .._checks import positive_int
+from ..padding import check_policy_padding
 from .behaviour import BehaviourLogProbsPostproc
 from .callback import CollectorError
 from .collector_rollouts import LLMCollectorRolloutFunc
@@ -84,6 +85,7 @@ class AsyncGroupCollector:
                 "for multi-turn episodes build an LLMCollector over the ChatEnv (yield_completed_trajectories=True, "
                 "a buffer with MCAdvantage(grpo_size=...)) and read it with LLMCollectorRolloutFunc"
             )
+        check_policy_padding(rollout.policy, "AsyncGroupCollector")  # also a policy set on rollout after it was built
         self.rollout, policy, env = rollout, rollout.policy, rollout.env
         self.group_size = group_size
         self.prompts_per_batch = prompts_per_batch

@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from .._checks import WarnOnce, moved_keywords, non_negative_int, positive_int, positive_seconds
 from .._buffers import local_sampler
 from .._threads import run_in_thread
+from ..padding import check_policy_padding
 from .metrics import CollectorMetricsCallback, insert_before_reporters
 from .ray import is_ray_collector
 from .staleness import StalenessFilter, collector_policy_version
@@ -89,6 +90,9 @@ class CollectorCallback(TrainerCallback):
 
     Args:
         collector: an ``LLMCollector`` (any TorchRL collector) or a ``RayLLMCollector`` (runs remotely).
+            A local collector's LLM policy must keep its tokens through padding
+            (:func:`torchrl_trl.safe_policy_wrapper`): a pad == eos policy is refused with a
+            ``ValueError`` (:func:`torchrl_trl.check_policy_padding`).
         replay_buffer: the buffer (default ``collector.replay_buffer``).
         frames_per_step: items per collection (default ``collector.frames_per_batch``).
         collect_every: collect every this many optimizer steps (synchronous mode).
@@ -137,6 +141,8 @@ class CollectorCallback(TrainerCallback):
         self.collector = collector
         self.replay_buffer = rb
         self.remote = is_ray_collector(collector)
+        if not self.remote:  # a pad == eos policy writes rows without their EOS: refused before anything trains
+            check_policy_padding(getattr(collector, "policy", None), "CollectorCallback")
         if frames_per_step is None:
             frames_per_step = 1 if self.remote else int(getattr(collector, "frames_per_batch", None) or 1)
         self.frames_per_step = positive_int(frames_per_step, "frames_per_step")

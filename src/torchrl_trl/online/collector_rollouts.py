@@ -19,6 +19,7 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import positive_int, positive_seconds
+from ..padding import check_policy_padding
 from .callback import CollectorError
 from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, episodes_to_trl
 from .group_rollouts import GroupRolloutFunc, RolloutGroup, split_groups, take_fresh
@@ -37,6 +38,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         collector: built with ``replay_buffer=``, ``track_policy_version=True``, a policy with
             its own weights (multi-turn: ``yield_completed_trajectories=True``) and, for exact
             log-probs, ``postproc=BehaviourLogProbsPostproc(policy)``. Started on the first call.
+            An in-process collector's policy must keep its tokens through padding
+            (:func:`torchrl_trl.safe_policy_wrapper`): a pad == eos policy is refused with a
+            ``ValueError`` (:func:`torchrl_trl.check_policy_padding`).
         replay_buffer: the buffer it writes into (local or ``RayReplayBuffer``), with an
             ``MCAdvantage(grpo_size=group_size)`` write transform where a group can span batches.
 
@@ -101,6 +105,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         self._pushed_step: int | None = None
         self._started = False
         self._in_process = not is_ray_collector(collector)
+        if self._in_process:  # a Ray collector's policy lives in its actor
+            check_policy_padding(getattr(collector, "policy", None), "LLMCollectorRolloutFunc")
         self.max_pending_groups = positive_int(max_pending_groups, "max_pending_groups", allow_none=True)
         if self.max_pending_groups is not None and not self._in_process:
             raise ValueError(

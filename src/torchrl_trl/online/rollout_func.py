@@ -18,6 +18,7 @@ from tensordict.utils import NestedKey
 
 from .. import layouts
 from .._checks import WarnOnce, positive_int
+from ..padding import check_policy_padding, safe_policy_wrapper
 from .behaviour import ResponseScorer, trl_corrects_logprobs
 from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, rollout_batch, turns_to_trl
 from .prompt_primer import check_history_batch, columns_td, context_columns, env_query
@@ -33,8 +34,12 @@ class TorchRLRolloutFunc:
 
     Args:
         policy: a TorchRL ``TransformersWrapper`` (``generate=True``, ``return_log_probs=True``,
-            ``input_mode`` ``"text"`` or ``"history"``). ``None``: built on the first call
-            around the trainer's model and tokenizer with TRL's generation settings.
+            ``input_mode`` ``"text"`` or ``"history"``) whose padding loses no token: build it with
+            :func:`torchrl_trl.safe_policy_wrapper` (a pad == eos policy is refused with a
+            ``ValueError``, :func:`torchrl_trl.check_policy_padding`). ``None``: built that way on
+            the first call around the trainer's model and tokenizer (a copy with a pad token of its
+            own where its pad is the EOS) with TRL's generation settings (``max_completion_length``,
+            sampling, its EOS ids, ``GRPOConfig.generation_kwargs`` last).
 
     Keyword Args:
         env: a TorchRL ``ChatEnv`` in the policy's input mode, given the prompts as ``"query"``
@@ -150,8 +155,6 @@ class TorchRLRolloutFunc:
             return self.policy
         if trainer is None:
             raise ValueError("policy=None builds the policy from the trainer, but no trainer was passed")
-        from torchrl.modules.llm import TransformersWrapper
-
         from ..rewards.trl_funcs import is_conversational
 
         chat = is_conversational(prompts)
@@ -166,8 +169,19 @@ class TorchRLRolloutFunc:
         for name, off in {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}.items():
             if getattr(trainer, name, None) not in (None, off):
                 generate_kwargs[name] = getattr(trainer, name)
-        self.policy = TransformersWrapper(
-            model, tokenizer=trainer.processing_class, input_mode=input_mode, generate=True, return_log_probs=True,
+        if getattr(trainer, "eos_token_ids", None):  # TRL stops at the tokenizer's EOS and the model's
+            generate_kwargs["eos_token_id"] = list(trainer.eos_token_ids)
+        # GRPOConfig.generation_kwargs override these, as in TRL's own generation (do_sample=False: greedy, where
+        # transformers ignores the trainer's sampling settings and TorchRL refuses them)
+        extra = getattr(getattr(trainer, "args", None), "generation_kwargs", None) or {}
+        if extra.get("do_sample") is False:
+            for name in ("temperature", "top_p", "top_k", "min_p"):
+                generate_kwargs.pop(name, None)
+        generate_kwargs.update(extra)
+        # a copy of the trainer's tokenizer with a pad token of its own where its pad is the EOS (TRL sets pad = eos
+        # when there is none): TorchRL would take every EOS for padding, and drop it from completion_ids
+        self.policy = safe_policy_wrapper(
+            model, trainer.processing_class, input_mode=input_mode, generate=True, return_log_probs=True,
             pad_output=False, generate_kwargs=generate_kwargs,
         )
         return self.policy
@@ -266,6 +280,7 @@ def _check_policy(policy) -> None:
     mode = getattr(policy, "input_mode", None)
     if mode not in ("text", "history"):
         raise ValueError(f"policy.input_mode must be 'text' or 'history', got {mode!r}")
+    check_policy_padding(policy, "TorchRLRolloutFunc")
 
 
 def _group_size(trainer, n: int, expected: int | None = None) -> int:
