@@ -90,8 +90,14 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         weights: one float per function (default: all ones), as ``GRPOConfig.reward_weights``.
         columns: the rollout fields passed: keys (the argument is the key's last part) or
             ``{argument: key}``; ``None``: every top-level non-tensor field not TorchRL's.
-        input_mode: ``"history"``, ``"text"`` or ``"auto"`` (history when present).
-        tokenizer: the policy tokenizer, to decode completions from the response ids.
+        input_mode: ``"history"``, ``"text"``, ``"tokens"`` or ``"auto"`` (history when
+            present, else text, else tokens when ``tokenizer`` is given). ``"tokens"``
+            (rollouts of ``ChatEnv(input_mode="tokens")``): prompts are the prompt ids decoded
+            with their special tokens, completions strings; it needs ``tokenizer``.
+        tokenizer: the policy tokenizer. Given, completions are decoded from the response
+            ids as TRL decodes them (``skip_special_tokens=True``); without it they are the
+            stored chat or text, and rows that lost tokens to padding (a policy whose pad
+            token is its EOS) are refused by the layout reader.
         reward_key: where the combined reward is written. Default ``("next", "reward")``.
         per_function_keys: also write each function's raw reward (NaN for ``None``):
             ``True`` for ``("next", "reward_<name>")``, or one key per function.
@@ -148,8 +154,13 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         for f in funcs:
             if not callable(f):
                 raise TypeError(f"reward functions must be callable, got {type(f).__name__}")
-        if input_mode not in ("auto", "history", "text"):
-            raise ValueError(f"input_mode must be 'auto', 'history' or 'text', got {input_mode!r}")
+        if input_mode not in ("auto", "history", "text", "tokens"):
+            raise ValueError(f"input_mode must be 'auto', 'history', 'text' or 'tokens', got {input_mode!r}")
+        if input_mode == "tokens" and tokenizer is None:
+            raise ValueError(
+                "RewardFunctionWrapper(input_mode='tokens') decodes prompts and completions from the rollouts' "
+                "tokens: pass tokenizer= (the policy's)"
+            )
         self.names = function_names(funcs, names)
         weights = [1.0] * len(funcs) if weights is None else weights
         if len(weights) != len(funcs):
@@ -171,7 +182,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         if columns is not None and not isinstance(columns, Mapping):
             columns = {key_tuple(k)[-1]: k for k in columns}
         self.columns = None if columns is None else {str(k): key_tuple(v) for k, v in columns.items()}
-        self.in_keys = input_keys(input_mode, self.columns)
+        self.in_keys = input_keys(input_mode, self.columns, tokenizer=tokenizer is not None)
         self.out_keys = [self.reward_key, *self.per_function_keys]
         self.funcs = funcs
         self.weights = torch.tensor([float(w) for w in weights], dtype=torch.float32)
