@@ -74,3 +74,66 @@ def _ray_left_running():
     if not running_before and _ray_running():
         sys.modules["ray"].shutdown()
         pytest.fail("this module left Ray running (shut down now)")
+
+
+#: Bumped whenever the recipe of ``smollm2_reward_dir`` changes (a new cache folder then).
+SMOLLM2_REWARD_VERSION = 4
+
+
+@pytest.fixture(scope="session")
+def smollm2_reward_dir(smollm2_dir):
+    """A reward model from the real backbone: ``AutoModelForSequenceClassification`` on
+    SmolLM2-135M-Instruct (one label, ``config.pad_token_id`` the tokenizer's), its score head
+    trained 2 steps by a real ``trl.RewardTrainer`` on conversational chosen/rejected pairs (the
+    backbone frozen: ~20 s once on 2 busy cores, full fine-tuning took ~100 s), saved with its
+    tokenizer (as shipped: pad == eos). Built once into ``$TORCHRL_TRL_CACHE`` (or
+    ``~/.cache/torchrl_trl``) under a file lock with an atomic rename, so the xdist workers and
+    later sessions reuse it."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    root = Path(os.environ.get("TORCHRL_TRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "torchrl_trl"))
+    target = root / f"SmolLM2-135M-Instruct-reward-v{SMOLLM2_REWARD_VERSION}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if (target / "model.safetensors").is_file():
+        return target
+    with FileLock(str(target) + ".lock"):
+        if (target / "model.safetensors").is_file():
+            return target  # another worker built it meanwhile
+        from datasets import Dataset
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from trl import RewardConfig, RewardTrainer
+
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(smollm2_dir, num_labels=1)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.model.requires_grad_(False)  # the score head trains: seconds, not minutes, on a CPU
+        head = model.score.weight.detach().clone()
+        user = lambda q: {"role": "user", "content": q}  # noqa: E731
+        reply = lambda a: {"role": "assistant", "content": a}  # noqa: E731
+        pairs = Dataset.from_list([
+            {"chosen": [user("What is 2+3?"), reply("2 + 3 = 5.")],
+             "rejected": [user("What is 2+3?"), reply("I do not know.")]},
+            {"chosen": [user("Is the sky blue?"), reply("Yes.")],
+             "rejected": [user("Is the sky blue?"), reply("Bananas.")]},
+        ])
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            args = RewardConfig(
+                output_dir=os.path.join(tmp, "run"), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
+                max_length=64, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
+                gradient_checkpointing=False,
+            )
+            trainer = RewardTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer)
+            trainer.train()
+            assert not torch.equal(trainer.model.score.weight.detach(), head), "RewardTrainer left the score head as it was"
+            shutil.rmtree(args.output_dir, ignore_errors=True)
+            trainer.model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)  # atomic: a reader never sees half a checkpoint
+            os.mkdir(tmp)  # for TemporaryDirectory's own clean-up
+    return target
