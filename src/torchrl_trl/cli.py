@@ -126,6 +126,7 @@ def cmd_inspect(args) -> int:
         return 0
     td = rb[:]
     print(f"storage: {type(rb.storage).__name__}")
+    layouts.check_padding_kept(td, repairable=True)
     print(f"layout:  {_layout(td)}")
     print("keys:", *(f"  {key}" for key in layouts.available_keys(td)), sep="\n")
     formats = [name for name in available_formats() if not get_format(name).missing_keys(td)]
@@ -341,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from .layouts import PaddingLostError
+
     try:
         return args.func(args)
-    except CLIError as err:
+    except (CLIError, PaddingLostError) as err:  # rollouts TorchRL damaged are the user's data, not a bug
         parser.exit(2, f"torchrl-trl {args.command}: error: {err}\n")

@@ -26,8 +26,8 @@ from . import _ragged
 from ._ragged import Ragged, available_keys, batch_numel, first_member, has_key
 
 __all__ = [
-    "ATTENTION_MASK_KEY", "DONE_KEY", "Part", "REWARD_KEY", "Ragged", "TORCHRL_ROOT_KEYS",
-    "available_keys", "batch_numel", "check_strings_kept", "decoded_padding", "first_member",
+    "ATTENTION_MASK_KEY", "DONE_KEY", "PaddingLostError", "Part", "REWARD_KEY", "Ragged", "TORCHRL_ROOT_KEYS",
+    "available_keys", "batch_numel", "check_padding_kept", "check_strings_kept", "decoded_padding", "first_member",
     "has_key", "history_key", "padding_text", "read_column", "read_history", "read_text",
     "read_tokens", "text_key", "to_messages", "token_key",
 ]
@@ -70,13 +70,17 @@ def history_key(part: Part) -> NestedKey:
 
 def read_tokens(
     td: TensorDictBase, part: Part = "full", *, key: NestedKey | None = None,
-    mask_key: NestedKey | None = ATTENTION_MASK_KEY,
+    mask_key: NestedKey | None = ATTENTION_MASK_KEY, check: bool = True,
 ) -> Ragged:
-    """The real (unpadded) token ids of each sample at ``("tokens", part)`` (or ``key``).
+    """The real (unpadded) token ids of each sample at ``("tokens", part)`` (or ``key``, e.g.
+    ``("log_probs", "response")``).
 
     Padding is removed with the full sequence's mask at ``mask_key`` when present; ``part``
-    says how it lines up. Returns :class:`Ragged` int64 ids, one sample per batch element.
-    Raises ``KeyError`` naming the available keys, ``ValueError`` for a mask that does not fit.
+    says how it lines up. Padded rows whose mask took real tokens for padding (pad == eos)
+    are read with the mask rebuilt from the tokens (:func:`check_padding_kept`; ``check=False``
+    skips that). Returns :class:`Ragged` int64 ids, one sample per batch element. Raises
+    ``KeyError`` naming the available keys, ``ValueError`` for a mask that does not fit and
+    :class:`PaddingLostError` for ragged rows that lost tokens to padding.
 
     Examples:
         Left-padded tokens (``pad_output=True``) and ragged ones read the same:
@@ -97,11 +101,15 @@ def read_tokens(
     except KeyError:
         _ragged.require(td, key, "read_tokens")
         raise
+    if key[0] in ("tokens", "log_probs") and check:
+        check_padding_kept(td, repairable=True)
     if mask_key is None or not has_key(td, mask_key):
         values = [t.reshape(-1) for t in tokens]
         lengths = [n for t in tokens for n in [t.shape[-1]] * t.shape[0]]
         return Ragged(torch.cat(values), torch.tensor(lengths, dtype=torch.long))
     masks = _ragged.chunks(td, mask_key)
+    if mask_key == ATTENTION_MASK_KEY and check and (lost := _lost_pad_id(td)) is not None:
+        masks = _rebuilt_masks(td, masks, lost[0])
     if [t.shape[0] for t in tokens] != [m.shape[0] for m in masks]:
         # one side stacks and the other does not: line them up sample by sample
         tokens, masks = _rows(tokens), _rows(masks)
@@ -129,6 +137,145 @@ def _slice_mask(full_mask: torch.Tensor, width: int, part: str) -> torch.Tensor 
     if n < width:
         return None
     return full_mask[..., :width] if part == "prompt" else full_mask[..., n - width :]
+
+
+class PaddingLostError(ValueError):
+    """Rollouts in which TorchRL's wrapper took real tokens for padding (its pad token is also a
+    token of the chat, most often the EOS): what it dropped cannot be read back."""
+
+
+_PAD_FIX = (
+    "Collect with a policy built by torchrl_trl.safe_policy_wrapper(model, tokenizer, ...), which gives TorchRL a pad "
+    "token of its own that never occurs in a chat"
+)
+
+
+def _holes(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a ``[n, T]`` bool mask, whether a 0 lies between its first and last 1."""
+    first = mask.int().argmax(-1)
+    last = mask.shape[-1] - 1 - mask.flip(-1).int().argmax(-1)
+    return mask.any(-1) & (mask.sum(-1) != last - first + 1)
+
+
+def _lost_pad_id(td: TensorDictBase) -> tuple[int, bool] | None:
+    """For padded rows that TorchRL's mask took real tokens from: ``(the pad id, whether a
+    prompt lost tokens)``; ``None`` when every masked-out id is padding. Lost tokens show as 0s
+    between real tokens, or as an id both masked out and real (a safe pad never occurs in a chat)."""
+    if not has_key(td, ATTENTION_MASK_KEY) or not has_key(td, token_key("full")):
+        return None
+    masked, real, hole_ids = [], [], []
+    for t, m in zip(_ragged.chunks(td, token_key("full")), _ragged.chunks(td, ATTENTION_MASK_KEY)):
+        m = m.bool()
+        if t.shape != m.shape or m.all():
+            continue
+        masked.append(t[~m].unique())
+        real.append(t[m].unique())
+        if (holes := _holes(m)).any():
+            row = holes.nonzero()[0, 0]
+            inside = (m[row].int().cumsum(-1) > 0) & (m[row].flip(-1).int().cumsum(-1).flip(-1) > 0)
+            hole_ids.append(t[row][inside & ~m[row]][:1])
+    if hole_ids:
+        return int(hole_ids[0]), True
+    if not masked:
+        return None
+    masked_ids = torch.cat(masked).unique()
+    shared = masked_ids[torch.isin(masked_ids, torch.cat(real))]
+    return (int(shared[0]), False) if shared.numel() else None
+
+
+def _rebuilt_masks(td: TensorDictBase, masks: list[torch.Tensor], pad_id: int) -> list[torch.Tensor]:
+    """Full-sequence masks of padded rows rebuilt from the tokens where ``pad_id`` was also a
+    real token: the prompt is real after its left padding, the response up to and with its
+    first ``pad_id`` (the EOS generation stopped at), all of it when it holds none."""
+    fulls, prompts = _ragged.chunks(td, token_key("full")), _ragged.chunks(td, token_key("prompt"))
+    out = []
+    for t, m, p in zip(fulls, masks, prompts):
+        width, prompt_width = t.shape[-1], p.shape[-1]
+        if m.shape != t.shape or prompt_width > width:
+            out.append(m)
+            continue
+        cols = torch.arange(width).expand(t.shape)
+        prompt_start = m[:, :prompt_width].int().argmax(-1, keepdim=True)
+        is_pad = t[:, prompt_width:] == pad_id
+        stop = torch.where(is_pad.any(-1), is_pad.int().argmax(-1), width - prompt_width).unsqueeze(-1)
+        out.append((cols >= prompt_start) & ((cols < prompt_width) | (cols - prompt_width <= stop)))
+    return out
+
+
+def _has_text(td: TensorDictBase) -> bool:
+    return any(has_key(td, key(part)) for key in (text_key, history_key) for part in ("prompt", "full"))
+
+
+def _rebuilt_texts(td: TensorDictBase, part: Part, tokenizer: Any) -> list[str] | None:
+    """``None`` for rows whose padding kept every token; for padded rows that lost tokens to
+    padding, ``part``'s text decoded from the rebuilt tokens (a ``PaddingLostError`` without
+    ``tokenizer``); ragged rows that lost tokens raise."""
+    check_padding_kept(td, repairable=True)
+    if _lost_pad_id(td) is None:
+        return None
+    if tokenizer is None:
+        check_padding_kept(td)  # raises, saying how to read them
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in read_tokens(td, part).tolist()]
+
+
+def check_padding_kept(td: TensorDictBase, *, repairable: bool = False) -> None:
+    """A :class:`PaddingLostError` when TorchRL's wrapper took real tokens of ``td`` for padding
+    (its pad token was the EOS or another token of the chat):
+
+    - padded rows (``pad_output=True``) where an id under the mask's 0s is also a real token.
+      Their tokens are all there: with ``repairable=True`` they pass (:func:`read_tokens`
+      rebuilds their mask), else the error says how to read them; but rows without text or
+      chat (``input_mode="tokens"``) whose prompt lost tokens were generated from a prompt with
+      those tokens masked out, and are refused;
+    - ragged rows (``pad_output=False``) whose ``("tokens", "full")`` is shorter than prompt +
+      response (chats: the prompt's end-of-turn tokens were dropped): the reply's final EOS, its
+      log-prob and the reply's text are gone, and whether a reply ended cannot be told.
+
+    Not caught: ragged rows of ``input_mode="text"`` or ``"tokens"`` whose only loss is the
+    reply's EOS look whole (the row holds no trace of it); :func:`torchrl_trl.check_policy_padding`
+    refuses the policy that writes them.
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> rows = TensorDict({"tokens": {"full": torch.tensor([[5, 2, 6, 7, 2, 2]]), "prompt": torch.tensor([[5, 2, 6]]),
+    ...                               "response": torch.tensor([[7, 2, 2]])},
+    ...                    "masks": {"all_attention_mask": torch.tensor([[1, 0, 1, 1, 0, 0]])}}, [1])
+    >>> check_padding_kept(rows)  # the EOS (2) was the pad: a 0 between real tokens
+    Traceback (most recent call last):
+    ...
+    torchrl_trl.layouts.PaddingLostError: padded rollouts have token id 2 under the 0s of ('masks', 'all_attention_mask') where it is a real token: TorchRL's wrapper took real tokens for padding (its pad token is also the EOS), and these rows hold no text (input_mode='tokens'): generate saw their prompts with those tokens masked out, so the replies are not what the model writes. They cannot be trained on. Collect with a policy built by torchrl_trl.safe_policy_wrapper(model, tokenizer, ...), which gives TorchRL a pad token of its own that never occurs in a chat
+    """
+    if (lost := _lost_pad_id(td)) is not None:
+        pad, prompt_masked = lost
+        text = _has_text(td)
+        if repairable and (text or not prompt_masked):
+            return
+        why = (
+            "and these rows hold no text (input_mode='tokens'): generate saw their prompts with those tokens masked "
+            "out, so the replies are not what the model writes. They cannot be trained on"
+            if prompt_masked and not text else
+            "so their texts and chats are cut. Their tokens are whole: read_tokens and the *_tokenized formats read "
+            "them, and layouts.read_text/read_history(td, tokenizer=<the policy's tokenizer>) rebuild texts from them"
+        )
+        raise PaddingLostError(
+            f"padded rollouts have token id {pad} under the 0s of {ATTENTION_MASK_KEY!r} where it is a real token: "
+            f"TorchRL's wrapper took real tokens for padding (its pad token is also the EOS), {why}. {_PAD_FIX}"
+        )
+    keys = [token_key(p) for p in _PARTS]
+    if not all(has_key(td, k) for k in keys):
+        return
+    prompt, response, full = (read_tokens(td, p, check=False).lengths for p in _PARTS)
+    short = (full < prompt + response).nonzero().flatten()
+    if not short.numel():
+        return
+    i = int(short[0])
+    found = f"sample {i}'s ('tokens', 'full') holds {int(full[i])} tokens, its prompt + response {int(prompt[i] + response[i])}"
+    raise PaddingLostError(
+        f"rollouts lost tokens to padding: {found}. TorchRL's wrapper took the tokens equal to its pad token for "
+        "padding (pad == eos): the reply's final EOS and its log-prob (and in chats the prompt's end-of-turn tokens "
+        "and the reply's text) are gone, and whether a reply ended cannot be told. These rollouts cannot be trained "
+        f"on. {_PAD_FIX}, and collect them again"
+    )
 
 
 def read_column(td: TensorDictBase, key: NestedKey) -> list[Any]:
@@ -161,9 +308,12 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
     """The text of each sample at ``("text", part)``; ``"full"`` falls back to
     prompt + response. Pad strings TorchRL decoded into the text (``input_mode="history"``,
     ``pad_output=True``) are removed where the mask says (``tokenizer``: see :func:`padding_text`).
-    Raises ``TypeError`` for a non-string, ``ValueError`` for strings lost in storage
-    (:func:`check_strings_kept`)."""
+    Rows that lost tokens to padding (:func:`check_padding_kept`) are decoded from their
+    rebuilt tokens with ``tokenizer`` where padded, else refused. Raises ``TypeError`` for a
+    non-string, ``ValueError`` for strings lost in storage (:func:`check_strings_kept`)."""
     key = text_key(part)
+    if has_key(td, token_key("full")) and (rebuilt := _rebuilt_texts(td, part, tokenizer)) is not None:
+        return rebuilt
     if part == "full" and not has_key(td, key) and has_key(td, text_key("prompt")):
         prompts, responses = read_text(td, "prompt"), read_text(td, "response")
         return [p + r for p, r in zip(prompts, responses)]
@@ -363,10 +513,16 @@ def to_messages(history: Any) -> list[dict[str, str]]:
 
 def read_history(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None) -> list[list[dict[str, str]]]:
     """The chat of each sample at ``("history", part)`` as role/content dicts, pad strings
-    TorchRL left in an open turn removed (``tokenizer`` as in :func:`read_text`)."""
+    TorchRL left in an open turn removed (``tokenizer`` as in :func:`read_text`). Replies of
+    padded rows that lost tokens to padding are rebuilt from their tokens with ``tokenizer``
+    (else refused, as in :func:`read_text`)."""
     key = history_key(part)
     _ragged.require(td, key, "read_history")
     check_strings_kept(td)  # chat content is no witness: two token rows can parse to one chat
+    if part != "prompt" and has_key(td, token_key("full")):
+        replies = _rebuilt_texts(td, "response", tokenizer)
+        if replies is not None:
+            return _rebuilt_history(td, part, replies, tokenizer)
     raw = []
     for sub in _ragged.leaves(td):
         history = sub.get(key)
@@ -380,6 +536,16 @@ def read_history(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = No
         for i in open_rows if pad else ():
             out[i] = _strip_trailing(out[i], pad)
     return out
+
+
+def _rebuilt_history(td: TensorDictBase, part: Part, replies: list[str], tokenizer: Any) -> list[list[dict[str, str]]]:
+    """The chats of padded rows whose replies were cut by padding: the stored prompt turns, then
+    each reply decoded from its rebuilt tokens, its closing EOS left out."""
+    eos = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) if tokenizer.eos_token_id is not None else None
+    messages = [[{"role": "assistant", "content": r[: -len(eos)] if eos and r.endswith(eos) else r}] for r in replies]
+    if part == "response":
+        return messages
+    return [prompt + reply for prompt, reply in zip(read_history(td, "prompt"), messages)]
 
 
 def _complete(conversation: Any) -> bool:

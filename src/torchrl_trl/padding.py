@@ -112,7 +112,18 @@ def safe_policy_wrapper(model: Any, tokenizer: Any, *, pad_token: str | None = N
 def check_policy_padding(policy: Any, where: str) -> None:
     """A ``ValueError`` naming ``where`` when ``policy`` (a TorchRL LLM wrapper) would lose
     tokens to padding: its pad token is unsafe (:func:`pad_is_unsafe`), or ``generate`` pads
-    with another id than the tokenizer's. Policies without a Hugging Face tokenizer pass."""
+    with another id than the tokenizer's. Policies without a Hugging Face tokenizer pass.
+
+    >>> from torchrl.modules.llm import TransformersWrapper
+    >>> from torchrl_trl.testing import make_policy, make_tokenizer
+    >>> tok = make_tokenizer()
+    >>> model = make_policy(tok)
+    >>> tok.pad_token = tok.eos_token
+    >>> check_policy_padding(TransformersWrapper(model, tokenizer=tok, input_mode="history"), "my loop")
+    Traceback (most recent call last):
+    ...
+    ValueError: my loop: the tokenizer's pad token '<|im_end|>' (id 2) is its EOS; ...
+    """
     tokenizer = getattr(policy, "tokenizer", None)
     if tokenizer is None or not hasattr(tokenizer, "pad_token_id"):
         return

@@ -147,8 +147,11 @@ def read_rewards(td: TensorDictBase, reward_key: NestedKey = layouts.REWARD_KEY)
 
 
 def read_scored(rollouts, reward_key: NestedKey, op: str) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor, Any]:
-    """``(rollouts [N], rewards [N], indices of finite rewards, stats)``; non-finite ones counted."""
+    """``(rollouts [N], rewards [N], indices of finite rewards, stats)``; non-finite ones counted.
+    Rollouts that lost tokens to padding are refused here, before any row is built
+    (:func:`~torchrl_trl.layouts.check_padding_kept`)."""
     td = to_rollouts(rollouts)
+    layouts.check_padding_kept(td, repairable=True)
     rewards = read_rewards(td, reward_key)
     stats = SkipStats(op=op, rollouts=td.numel())
     finite = torch.isfinite(rewards)
