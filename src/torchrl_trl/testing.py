@@ -180,12 +180,13 @@ def make_policy_wrapper(
     model, tokenizer, *, pad_output: bool = False, max_new_tokens: int = 8, input_mode: str = "history",
     generate: bool = True, **kwargs,
 ):
-    """A TorchRL ``TransformersWrapper`` around a tiny policy, sampling ``max_new_tokens``."""
-    from torchrl.modules.llm import TransformersWrapper
+    """A TorchRL ``TransformersWrapper`` around a policy, sampling ``max_new_tokens``, built by
+    :func:`torchrl_trl.safe_policy_wrapper` (a pad token that never occurs in a chat)."""
+    from .padding import safe_policy_wrapper
 
     generate_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": True} if generate else None
-    return TransformersWrapper(
-        model, tokenizer=tokenizer, input_mode=input_mode, generate=generate, return_log_probs=True,
+    return safe_policy_wrapper(
+        model, tokenizer, input_mode=input_mode, generate=generate, return_log_probs=True,
         pad_output=pad_output, generate_kwargs=generate_kwargs, **kwargs,
     )
 
