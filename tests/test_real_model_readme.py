@@ -63,3 +63,34 @@ def test_quickstart_1_with_torchrls_plain_wrapper_is_refused_before_training(smo
     plain = plain.replace("trainer.train()", "raise AssertionError('trained on damaged rollouts')")
     with pytest.raises(PaddingLostError, match="safe_policy_wrapper"):
         _run(plain, line, tmp_path, monkeypatch)
+
+
+TINY_PAIR = "model_dir, reward_model_dir = ckpts.policy, ckpts.reward_model_other_tokenizer"
+
+
+def test_quickstart_2_scores_and_trains_on_the_real_replies(smollm2_dir, smollm2_reward_dir, tmp_path, monkeypatch):
+    """Each reward equals the reward model's score of that chat alone, rendered with its own
+    template; GRPOLoss is computed over the assistant tokens; the learner pass keeps the stored
+    tokens and log-probs."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from real_model import reward_alone
+    from torchrl_trl import layouts
+
+    line, code = _quickstart(1)
+    assert TINY_PAIR in code
+    code = code.replace(TINY_PAIR, f"model_dir, reward_model_dir = {str(smollm2_dir)!r}, {str(smollm2_reward_dir)!r}")
+    ns = _run(code, line, tmp_path, monkeypatch)
+    try:
+        rollouts = ns["rollouts"]
+        rm = AutoModelForSequenceClassification.from_pretrained(smollm2_reward_dir).eval()
+        rm_tok = AutoTokenizer.from_pretrained(smollm2_reward_dir)
+        chats = layouts.read_history(rollouts, "full")
+        assert all(c[-1]["role"] == "assistant" and c[-1]["content"] for c in chats)
+        want = torch.tensor([reward_alone(rm, rm_tok, c) for c in chats])
+        torch.testing.assert_close(rollouts["next", "reward"].reshape(-1), want, atol=1e-4, rtol=0)
+        assert ns["loss"].detach().item() != 0.0
+        for key in (("tokens", "prompt"), ("tokens", "response"), ("log_probs", "response")):
+            assert layouts.has_key(ns["replay_buffer"][:], key), key
+    finally:
+        _end_like_a_script(ns)
