@@ -51,20 +51,24 @@ policy = AutoModelForCausalLM.from_pretrained(model_dir)
 # ``ChatEnv`` asks the questions (each twice: a GRPO-style group), TorchRL's
 # ``TransformersWrapper`` answers with its default ``pad_output=False`` (ragged tokens,
 # the layout upstream's adapter fails on), and ``LLMCollector`` writes every turn into a
-# ``ReplayBuffer(LazyStackStorage)``.
+# ``ReplayBuffer(LazyStackStorage)``. :func:`torchrl_trl.safe_policy_wrapper` builds that
+# wrapper with a pad token that never occurs in a chat: with a tokenizer whose pad is its
+# EOS (most chat models) the plain wrapper drops every end-of-turn token from the rollouts
+# (see :doc:`/troubleshooting`).
 from torch.utils.data import DataLoader
 from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer
 from torchrl.envs import StepCounter
 from torchrl.envs.llm import ChatEnv
-from torchrl.modules.llm import TransformersWrapper
+
+from torchrl_trl import safe_policy_wrapper
 
 questions = [f"what is {i} plus {i}?" for i in range(4)]
 loader = DataLoader(questions, batch_size=2, collate_fn=lambda qs: {"query": qs})
 env = ChatEnv.from_dataloader(dataloader=loader, batch_size=2, repeats=2, input_mode="history")
 env = env.append_transform(StepCounter(max_steps=1))  # one assistant turn per episode
-wrapper = TransformersWrapper(
-    policy, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
+wrapper = safe_policy_wrapper(
+    policy, tokenizer, input_mode="history", generate=True, return_log_probs=True,
     generate_kwargs={"max_new_tokens": 8, "do_sample": True},
 )
 buffer = ReplayBuffer(storage=LazyStackStorage(64))

@@ -74,13 +74,18 @@ reward_trainer.save_model(f"{workdir}/rm")
 # ``HFRewardTransform`` loads the saved directory by path (model and tokenizer). Each
 # ``env.step`` scores the conversation so far and writes ``("next", "reward")`` shaped
 # ``[B, 1, 1]``, the convention ``MCAdvantage`` and ``GRPOLoss`` read.
+# :func:`torchrl_trl.safe_policy_wrapper` builds TorchRL's ``TransformersWrapper`` with a
+# pad token that never occurs in a chat: with a tokenizer whose pad is its EOS (most chat
+# models) the plain wrapper drops every end-of-turn token from the rollouts (see
+# :doc:`/troubleshooting`).
 from torch.utils.data import DataLoader
 from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer
 from torchrl.envs import StepCounter
 from torchrl.envs.llm import ChatEnv
-from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
+
+from torchrl_trl import safe_policy_wrapper
 
 tokenizer = AutoTokenizer.from_pretrained(paths.policy)
 policy = AutoModelForCausalLM.from_pretrained(paths.policy)
@@ -95,8 +100,8 @@ env = env.append_transform(HFRewardTransform(scorer))
 
 buffer = ReplayBuffer(storage=LazyStackStorage(16), batch_size=2 * group_size)
 buffer.append_transform(MCAdvantage(grpo_size=group_size))  # groups completions of the same prompt
-sampler = TransformersWrapper(
-    policy, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
+sampler = safe_policy_wrapper(
+    policy, tokenizer, input_mode="history", generate=True, return_log_probs=True,
     generate_kwargs={"max_new_tokens": 8, "do_sample": True},
 )
 collector = LLMCollector(env=env, policy=sampler, dialog_turns_per_batch=2 * group_size,
@@ -136,7 +141,7 @@ fig.tight_layout()
 # -------------
 # ``GRPOLoss`` needs the sampling policy's log-probabilities of the full sequence: a
 # ``generate=False`` pass of TorchRL's wrapper writes ``("log_probs", "full")``.
-learner = TransformersWrapper(policy, tokenizer=tokenizer, input_mode="history", generate=False,
+learner = safe_policy_wrapper(policy, tokenizer, input_mode="history", generate=False,
                               return_log_probs=True, pad_output=False)
 loss_fn = GRPOLoss(learner, entropy_coeff=0.0)
 optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)

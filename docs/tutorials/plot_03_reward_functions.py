@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tensordict import set_list_to_stack
 
-from torchrl_trl import HFRewardModelWrapper, RewardBatching, RewardFunctionWrapper, as_trl_reward_func
+from torchrl_trl import HFRewardModelWrapper, RewardBatching, RewardFunctionWrapper, as_trl_reward_func, safe_policy_wrapper
 from torchrl_trl.testing import tiny_checkpoints
 
 set_list_to_stack(True).set()
@@ -62,12 +62,15 @@ policy = AutoModelForCausalLM.from_pretrained(paths.policy)
 
 # ChatEnv carries every dataset field ("answer") into the rollouts, and the wrapper passes
 # it to the functions by keyword, as TRL's GRPOTrainer passes dataset columns.
+# :func:`torchrl_trl.safe_policy_wrapper` builds TorchRL's ``TransformersWrapper`` with a
+# pad token that never occurs in a chat: with a tokenizer whose pad is its EOS (most chat
+# models) the plain wrapper drops every end-of-turn token from the rollouts (see
+# :doc:`/troubleshooting`).
 from torch.utils.data import DataLoader
 from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer
 from torchrl.envs import StepCounter
 from torchrl.envs.llm import ChatEnv
-from torchrl.modules.llm import TransformersWrapper
 
 rows = [{"query": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
 loader = DataLoader(rows, batch_size=2, collate_fn=lambda batch: {k: [r[k] for r in batch] for k in batch[0]})
@@ -76,8 +79,8 @@ env = env.append_transform(StepCounter(max_steps=1))
 env = env.append_transform(
     RewardFunctionWrapper([vowel_fraction, says_the_answer], weights=[1.0, 0.5], per_function_keys=True).as_transform()
 )
-wrapper = TransformersWrapper(
-    policy, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
+wrapper = safe_policy_wrapper(
+    policy, tokenizer, input_mode="history", generate=True, return_log_probs=True,
     generate_kwargs={"max_new_tokens": 8, "do_sample": True},
 )
 buffer = ReplayBuffer(storage=LazyStackStorage(16))

@@ -36,18 +36,21 @@ warnings.filterwarnings("ignore", message=r"You are using 'rollout_func', which 
 # ``tiny_checkpoints`` saves a tiny policy offline with ``save_pretrained``; with a real
 # model this is a hub id or a local directory. The task is a verifiable reward: the share
 # of vowels in the answer. The TorchRL policy is a ``TransformersWrapper`` around the very
-# model TRL trains (shared weights: on-policy).
+# model TRL trains (shared weights: on-policy), built by
+# :func:`torchrl_trl.safe_policy_wrapper` with a pad token that never occurs in a chat: with
+# a tokenizer whose pad is its EOS (most chat models) the plain wrapper drops every reply's
+# final EOS, and :class:`~torchrl_trl.TorchRLRolloutFunc` refuses such a policy (see
+# :doc:`/troubleshooting`).
 import tempfile
 
 import torch
 from datasets import Dataset
 from tensordict import set_list_to_stack
 from torchrl.data import LazyStackStorage, ReplayBuffer
-from torchrl.modules.llm import TransformersWrapper
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from torchrl_trl import TorchRLRolloutFunc
+from torchrl_trl import TorchRLRolloutFunc, safe_policy_wrapper
 from torchrl_trl.testing import tiny_checkpoints
 
 set_list_to_stack(True).set()
@@ -78,8 +81,8 @@ def grpo_args(name, steps):
 
 
 model = AutoModelForCausalLM.from_pretrained(paths.policy)
-policy = TransformersWrapper(
-    model, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
+policy = safe_policy_wrapper(
+    model, tokenizer, input_mode="history", generate=True, return_log_probs=True,
     pad_output=False, generate_kwargs={"max_new_tokens": 8, "do_sample": True},
 )
 buffer = ReplayBuffer(storage=LazyStackStorage(1_000))
@@ -124,8 +127,8 @@ print("a completion:  ", repr(items[-1]["text", "response"]))
 from torchrl_trl import AsyncGroupCollector, AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
 
 model = AutoModelForCausalLM.from_pretrained(paths.policy)
-generator_policy = TransformersWrapper(
-    AutoModelForCausalLM.from_pretrained(paths.policy), tokenizer=tokenizer, input_mode="history",
+generator_policy = safe_policy_wrapper(
+    AutoModelForCausalLM.from_pretrained(paths.policy), tokenizer, input_mode="history",
     generate=True, return_log_probs=True, pad_output=False,
     generate_kwargs={"max_new_tokens": 8, "do_sample": True},
 )
