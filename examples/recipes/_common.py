@@ -1,6 +1,7 @@
 """Shared pieces of the recipes: the config file, the ``--dry-run`` stand-ins, prompts,
 the TorchRL ``ChatEnv`` and the policy wrapper. Everything TorchRL is built with TorchRL's
-own API; nothing here is specific to one direction."""
+own API (its ``TransformersWrapper`` through ``torchrl_trl.safe_policy_wrapper``, for a pad
+token that never occurs in a chat); nothing here is specific to one direction."""
 
 from __future__ import annotations
 
@@ -124,22 +125,32 @@ def load_policy(cfg: dict):
     return model.to(cfg["device"]), tokenizer
 
 
+def policy_wrapper(model, tokenizer, cfg: dict, **kwargs):
+    """TorchRL's ``TransformersWrapper`` around ``model`` (history mode, on ``cfg["device"]``),
+    built by ``torchrl_trl.safe_policy_wrapper``: a pad token that never occurs in a chat
+    (``cfg["pad_token"]``, or one it picks), so no end-of-turn token is taken for padding."""
+    from torchrl_trl import safe_policy_wrapper
+
+    return safe_policy_wrapper(model, tokenizer, pad_token=cfg.get("pad_token"), input_mode="history",
+                               device=cfg["device"], **kwargs)
+
+
 def make_sampler(model, tokenizer, cfg: dict):
-    """TorchRL's generating policy: ``TransformersWrapper`` around ``model``, or a
+    """TorchRL's generating policy: :func:`policy_wrapper` around ``model``, or a
     ``vLLMWrapper`` around a vLLM engine on ``cfg["policy"]`` when ``generator: vllm``."""
     gen = dict(cfg["generation"])
     if cfg.get("generator", "transformers") == "vllm":
         from torchrl.modules.llm import vLLMWrapper
         from vllm import LLM  # only when asked: vLLM is not a dependency
 
+        from torchrl_trl.padding import safe_pad_tokenizer
+
         engine = LLM(model=cfg["policy"], dtype=cfg["dtype"],
                      gpu_memory_utilization=cfg.get("vllm_gpu_memory_utilization", 0.3))
-        return vLLMWrapper(engine, tokenizer=tokenizer, input_mode="history", generate=True,
-                           return_log_probs=True, generate_kwargs=gen)
-    from torchrl.modules.llm import TransformersWrapper
-
-    return TransformersWrapper(model, tokenizer=tokenizer, input_mode="history", generate=True,
-                               return_log_probs=True, generate_kwargs=gen, device=cfg["device"])
+        # TorchRL's vLLMWrapper finds padding as tokens != pad_token_id too: the same safe pad
+        return vLLMWrapper(engine, tokenizer=safe_pad_tokenizer(tokenizer, pad_token=cfg.get("pad_token")),
+                           input_mode="history", generate=True, return_log_probs=True, generate_kwargs=gen)
+    return policy_wrapper(model, tokenizer, cfg, generate=True, return_log_probs=True, generate_kwargs=gen)
 
 
 def reward_transform(cfg: dict, policy_tokenizer):

@@ -32,7 +32,6 @@ import _common  # noqa: E402
 def main() -> None:
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
-    from torchrl.modules.llm import TransformersWrapper
     from torchrl.objectives.llm.grpo import GRPOLoss, MCAdvantage
 
     args = _common.parse_args(__doc__.splitlines()[0], "hf_reward_to_torchrl_grpo.yaml")
@@ -46,8 +45,7 @@ def main() -> None:
     env = env.append_transform(_common.reward_transform(cfg, tokenizer))
     sampler = _common.make_sampler(model, tokenizer, cfg)
     # the same weights, scoring the sampled sequences: ("log_probs", "full") for GRPOLoss
-    learner = TransformersWrapper(model, tokenizer=tokenizer, input_mode="history", generate=False,
-                                  return_log_probs=True, pad_output=False, device=cfg["device"])
+    learner = _common.policy_wrapper(model, tokenizer, cfg, generate=False, return_log_probs=True, pad_output=False)
     loss_fn = GRPOLoss(learner, clip_epsilon=g["clip_epsilon"], entropy_coeff=g["entropy_coeff"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=g["learning_rate"], weight_decay=g["weight_decay"])
 
