@@ -20,8 +20,11 @@ from typing import Any
 __all__ = ["PAD_CANDIDATES", "check_policy_padding", "eos_token_ids", "pad_is_unsafe", "safe_pad_tokenizer",
            "safe_policy_wrapper"]
 
-#: Pad tokens tried, in order, when a tokenizer's own pad is unsafe (each must already be in the vocabulary).
-PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>", "<|end_of_text|>")
+#: Pad tokens tried, in order, when a tokenizer's own pad is unsafe; each must be an added (atomic)
+#: token of the vocabulary, which plain text never tokenises into. ``<|fim_pad|>``: Qwen2.5, whose
+#: ``<|endoftext|>`` is also one of its generation config's EOS ids.
+PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>", "<|fim_pad|>",
+                  "<|vision_pad|>", "<|end_of_text|>")
 
 _FIX = (
     "build the policy with torchrl_trl.safe_policy_wrapper(model, tokenizer, ...), which gives it a pad token of its "
@@ -69,17 +72,17 @@ def safe_pad_tokenizer(tokenizer: Any, model: Any = None, *, pad_token: str | No
     if pad_token is None and not pad_is_unsafe(tokenizer, model):
         return tokenizer
     unsafe = eos_token_ids(tokenizer, model) | _chat_token_ids(tokenizer)
-    vocab = tokenizer.get_vocab()
+    atomic = tokenizer.get_added_vocab()
     candidates = [pad_token] if pad_token is not None else PAD_CANDIDATES
     for candidate in candidates:
-        if candidate in vocab and vocab[candidate] not in unsafe:
+        if candidate in atomic and atomic[candidate] not in unsafe:
             safe = copy.deepcopy(tokenizer)
             safe.pad_token = candidate
             return safe
-    tried = repr(pad_token) if pad_token is not None else f"any of {list(PAD_CANDIDATES)}"
+    tried = repr(pad_token) if pad_token is not None else f"one of {list(PAD_CANDIDATES)}"
     raise ValueError(
-        f"safe_pad_tokenizer: the vocabulary has no {tried} that is neither an EOS nor in the chat template. Add a "
-        "pad token of its own: tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and "
+        f"safe_pad_tokenizer: the tokenizer has no added token {tried} that is neither an EOS id nor in the chat "
+        "template. Add a pad token of its own: tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and "
         "model.resize_token_embeddings(len(tokenizer)), then pass both here"
     )
 
