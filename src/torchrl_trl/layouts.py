@@ -161,13 +161,14 @@ def _lost_pad_id(td: TensorDictBase) -> tuple[int, bool] | None:
     """For padded rows that TorchRL's mask took real tokens from: ``(the pad id, whether a
     prompt lost tokens)``; ``None`` when every masked-out id is padding. Lost tokens show as 0s
     between real tokens, or as an id both masked out and real (a safe pad never occurs in a chat)."""
-    if not has_key(td, ATTENTION_MASK_KEY) or not has_key(td, token_key("full")):
-        return None
+    if not all(has_key(td, k) for k in (ATTENTION_MASK_KEY, token_key("full"), token_key("prompt"))):
+        return None  # TorchRL's wrappers write all three: anything else is not their padding
     masked, real, hole_ids = [], [], []
     for t, m in zip(_ragged.chunks(td, token_key("full")), _ragged.chunks(td, ATTENTION_MASK_KEY)):
         m = m.bool()
         if t.shape != m.shape or m.all():
             continue
+        t, m = t[m.any(-1)], m[m.any(-1)]  # a row with no real token says nothing of its padding
         masked.append(t[~m].unique())
         real.append(t[m].unique())
         if (holes := _holes(m)).any():
