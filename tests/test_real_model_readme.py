@@ -45,7 +45,9 @@ def test_quickstart_1_trains_on_the_real_replies(smollm2_dir, tmp_path, monkeypa
             ids = rb[i].get(("tokens", "response")).tolist()
             closed = ids[-1] == tok.eos_token_id
             want.append(tok.decode(ids[:-1] if closed else ids))
-        assert sorted(r["completion"][0]["content"] for r in rows) == sorted(want)
+        # TorchRL's History parser strips a turn's surrounding whitespace: a reply cut by
+        # max_new_tokens after a space token reads without it (TorchRL's, not ours to undo)
+        assert sorted(r["completion"][0]["content"] for r in rows) == sorted(w.strip() for w in want)
         assert sum(bool(w) for w in want) == len(want), "every reply has content"
     finally:
         _end_like_a_script(ns)

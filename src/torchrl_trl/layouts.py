@@ -101,15 +101,14 @@ def read_tokens(
     except KeyError:
         _ragged.require(td, key, "read_tokens")
         raise
-    if key[0] in ("tokens", "log_probs") and check:
-        check_padding_kept(td, repairable=True)
+    lost = _padding_loss(td, repairable=True) if check and key[0] in ("tokens", "log_probs") else None
     if mask_key is None or not has_key(td, mask_key):
         values = [t.reshape(-1) for t in tokens]
         lengths = [n for t in tokens for n in [t.shape[-1]] * t.shape[0]]
         return Ragged(torch.cat(values), torch.tensor(lengths, dtype=torch.long))
     masks = _ragged.chunks(td, mask_key)
-    if mask_key == ATTENTION_MASK_KEY and check and (lost := _lost_pad_id(td)) is not None:
-        masks = _rebuilt_masks(td, masks, lost[0])
+    if lost is not None and mask_key == ATTENTION_MASK_KEY:
+        masks = _rebuilt_masks(td, masks, lost)
     if [t.shape[0] for t in tokens] != [m.shape[0] for m in masks]:
         # one side stacks and the other does not: line them up sample by sample
         tokens, masks = _rows(tokens), _rows(masks)
@@ -211,11 +210,10 @@ def _rebuilt_texts(td: TensorDictBase, part: Part, tokenizer: Any) -> list[str] 
     """``None`` for rows whose padding kept every token; for padded rows that lost tokens to
     padding, ``part``'s text decoded from the rebuilt tokens (a ``PaddingLostError`` without
     ``tokenizer``); ragged rows that lost tokens raise."""
-    check_padding_kept(td, repairable=True)
-    if _lost_pad_id(td) is None:
+    if _padding_loss(td, repairable=True) is None:
         return None
     if tokenizer is None:
-        check_padding_kept(td)  # raises, saying how to read them
+        _padding_loss(td)  # raises, saying how to read them
     return [tokenizer.decode(ids, skip_special_tokens=False) for ids in read_tokens(td, part).tolist()]
 
 
@@ -246,11 +244,17 @@ def check_padding_kept(td: TensorDictBase, *, repairable: bool = False) -> None:
     ...
     torchrl_trl.layouts.PaddingLostError: padded rollouts have token id 2 under the 0s of ('masks', 'all_attention_mask') where it is a real token: TorchRL's wrapper took real tokens for padding (its pad token is also the EOS), and these rows hold no text (input_mode='tokens'): generate saw their prompts with those tokens masked out, so the replies are not what the model writes. They cannot be trained on. Collect with a policy built by torchrl_trl.safe_policy_wrapper(model, tokenizer, ...), which gives TorchRL a pad token of its own that never occurs in a chat
     """
+    _padding_loss(td, repairable=repairable)
+
+
+def _padding_loss(td: TensorDictBase, *, repairable: bool = False) -> int | None:
+    """:func:`check_padding_kept`, returning the pad id of padded rows that pass as repairable
+    (``None``: nothing was lost)."""
     if (lost := _lost_pad_id(td)) is not None:
         pad, prompt_masked = lost
         text = _has_text(td)
         if repairable and (text or not prompt_masked):
-            return
+            return pad
         why = (
             "and these rows hold no text (input_mode='tokens'): generate saw their prompts with those tokens masked "
             "out, so the replies are not what the model writes. They cannot be trained on"
@@ -262,13 +266,12 @@ def check_padding_kept(td: TensorDictBase, *, repairable: bool = False) -> None:
             f"padded rollouts have token id {pad} under the 0s of {ATTENTION_MASK_KEY!r} where it is a real token: "
             f"TorchRL's wrapper took real tokens for padding (its pad token is also the EOS), {why}. {_PAD_FIX}"
         )
-    keys = [token_key(p) for p in _PARTS]
-    if not all(has_key(td, k) for k in keys):
-        return
+    if not all(has_key(td, token_key(p)) for p in _PARTS):
+        return None
     prompt, response, full = (read_tokens(td, p, check=False).lengths for p in _PARTS)
     short = (full < prompt + response).nonzero().flatten()
     if not short.numel():
-        return
+        return None
     i = int(short[0])
     found = f"sample {i}'s ('tokens', 'full') holds {int(full[i])} tokens, its prompt + response {int(prompt[i] + response[i])}"
     raise PaddingLostError(
