@@ -28,7 +28,7 @@ from ._ragged import Ragged, available_keys, batch_numel, first_member, has_key
 __all__ = [
     "ATTENTION_MASK_KEY", "DONE_KEY", "PaddingLostError", "Part", "REWARD_KEY", "Ragged", "TORCHRL_ROOT_KEYS",
     "available_keys", "batch_numel", "check_padding_kept", "check_strings_kept", "decoded_padding", "first_member",
-    "has_key", "history_key", "padding_text", "read_column", "read_history", "read_text",
+    "has_key", "history_key", "padding_checked_once", "padding_text", "read_column", "read_history", "read_text",
     "read_tokens", "text_key", "to_messages", "token_key",
 ]
 
@@ -156,14 +156,18 @@ def _holes(mask: torch.Tensor) -> torch.Tensor:
     return mask.any(-1) & (mask.sum(-1) != last - first + 1)
 
 
-def _lost_pad_id(td: TensorDictBase) -> tuple[int, bool] | None:
+def _lost_pad_id(td: TensorDictBase) -> tuple[int, bool] | None | Literal[False]:
     """For padded rows that TorchRL's mask took real tokens from: ``(the pad id, whether a
-    prompt lost tokens)``; ``None`` when every masked-out id is padding. Lost tokens show as 0s
-    between real tokens, or as an id both masked out and real (a safe pad never occurs in a chat)."""
-    if not all(has_key(td, k) for k in (ATTENTION_MASK_KEY, token_key("full"), token_key("prompt"))):
-        return None  # TorchRL's wrappers write all three: anything else is not their padding
+    prompt lost tokens)``; ``None`` when every masked-out id is padding, ``False`` when no row
+    is padded. Lost tokens show as 0s between real tokens, or as an id both masked out and real
+    (a safe pad never occurs in a chat)."""
+    masks, fulls = _chunks_if_set(td, ATTENTION_MASK_KEY), _chunks_if_set(td, token_key("full"))
+    if masks is None or fulls is None or not has_key(td, token_key("prompt")):
+        return False  # TorchRL's wrappers write all three: anything else is not their padding
+    if bool(torch.cat([m.reshape(-1) for m in masks]).all()):
+        return False  # one pass where nothing is padded (ragged rows)
     masked, real, hole_ids = [], [], []
-    for t, m in zip(_ragged.chunks(td, token_key("full")), _ragged.chunks(td, ATTENTION_MASK_KEY)):
+    for t, m in zip(fulls, masks):
         m = m.bool()
         if t.shape != m.shape or m.all():
             continue
@@ -177,10 +181,49 @@ def _lost_pad_id(td: TensorDictBase) -> tuple[int, bool] | None:
     if hole_ids:
         return int(hole_ids[0]), True
     if not masked:
-        return None
+        return False
     masked_ids = torch.cat(masked).unique()
     shared = masked_ids[torch.isin(masked_ids, torch.cat(real))]
     return (int(shared[0]), False) if shared.numel() else None
+
+
+def _short_rows(td: TensorDictBase) -> str | None:
+    """Where no row is padded (the stored widths are the real lengths): the first sample whose
+    ``("tokens", "full")`` is shorter than its prompt + response, described; else ``None``."""
+    try:
+        prompt, response, full = (_widths(td, token_key(p)) for p in _PARTS)
+    except KeyError:
+        return None
+    short = (full < prompt + response).nonzero().flatten()
+    if not short.numel():
+        return None
+    i = int(short[0])
+    return f"sample {i}'s ('tokens', 'full') holds {int(full[i])} tokens, its prompt + response {int(prompt[i] + response[i])}"
+
+
+_CHECKED: ContextVar[dict | None] = ContextVar("torchrl_trl_padding_checked", default=None)
+
+
+def _memoised(td: TensorDictBase, scan):
+    """``scan(td)``, computed once per ``td`` object inside :func:`padding_checked_once`."""
+    memo = _CHECKED.get()
+    if memo is None:
+        return scan(td)
+    key = (id(td), scan.__name__)
+    if key not in memo:
+        memo[key] = (td, scan(td))  # td held: its id cannot be reused while the memo lives
+    return memo[key][1]
+
+
+@contextmanager
+def padding_checked_once():
+    """Within this context, each rollout batch (the same tensordict object) is checked for
+    tokens lost to padding once, however many readers read it; it must not change meanwhile."""
+    token = _CHECKED.set({})
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
 
 
 def _rebuilt_masks(td: TensorDictBase, masks: list[torch.Tensor], pad_id: int) -> list[torch.Tensor]:
@@ -200,6 +243,19 @@ def _rebuilt_masks(td: TensorDictBase, masks: list[torch.Tensor], pad_id: int) -
         stop = torch.where(is_pad.any(-1), is_pad.int().argmax(-1), width - prompt_width).unsqueeze(-1)
         out.append((cols >= prompt_start) & ((cols < prompt_width) | (cols - prompt_width <= stop)))
     return out
+
+
+def _chunks_if_set(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
+    """:func:`_ragged.chunks`, ``None`` where ``key`` is not set (cheaper than asking first)."""
+    try:
+        return _ragged.chunks(td, key)
+    except KeyError:
+        return None
+
+
+def _widths(td: TensorDictBase, key: NestedKey) -> torch.Tensor:
+    """Each sample's stored width at ``key`` (its length where nothing is padded); ``KeyError`` if unset."""
+    return torch.tensor([n for t in _ragged.chunks(td, key) for n in [t.shape[-1]] * t.shape[0]])
 
 
 def _has_text(td: TensorDictBase) -> bool:
@@ -250,7 +306,8 @@ def check_padding_kept(td: TensorDictBase, *, repairable: bool = False) -> None:
 def _padding_loss(td: TensorDictBase, *, repairable: bool = False) -> int | None:
     """:func:`check_padding_kept`, returning the pad id of padded rows that pass as repairable
     (``None``: nothing was lost)."""
-    if (lost := _lost_pad_id(td)) is not None:
+    lost = _memoised(td, _lost_pad_id)
+    if lost:
         pad, prompt_masked = lost
         text = _has_text(td)
         if repairable and (text or not prompt_masked):
@@ -266,14 +323,10 @@ def _padding_loss(td: TensorDictBase, *, repairable: bool = False) -> int | None
             f"padded rollouts have token id {pad} under the 0s of {ATTENTION_MASK_KEY!r} where it is a real token: "
             f"TorchRL's wrapper took real tokens for padding (its pad token is also the EOS), {why}. {_PAD_FIX}"
         )
-    if not all(has_key(td, token_key(p)) for p in _PARTS):
+    if lost is None:
+        return None  # padded rows whose masked ids are all padding
+    if (found := _memoised(td, _short_rows)) is None:
         return None
-    prompt, response, full = (read_tokens(td, p, check=False).lengths for p in _PARTS)
-    short = (full < prompt + response).nonzero().flatten()
-    if not short.numel():
-        return None
-    i = int(short[0])
-    found = f"sample {i}'s ('tokens', 'full') holds {int(full[i])} tokens, its prompt + response {int(prompt[i] + response[i])}"
     raise PaddingLostError(
         f"rollouts lost tokens to padding: {found}. TorchRL's wrapper took the tokens equal to its pad token for "
         "padding (pad == eos): the reply's final EOS and its log-prob (and in chats the prompt's end-of-turn tokens "

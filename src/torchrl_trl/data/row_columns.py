@@ -77,7 +77,7 @@ class RowColumns:
         tensors for tensor leaves, ``"columnar"`` :func:`read_key_columnar` forms."""
         cols: dict[str, Any] = {}
         if self.format is not None:
-            with layouts.decoded_padding(pad_text=self.pad_text):
+            with layouts.decoded_padding(pad_text=self.pad_text), layouts.padding_checked_once():
                 cols.update(self.format(batch))
         for key in self.raw_keys(batch):
             cols[column_name(key)], self.dtypes[column_name(key)] = _read(batch, key, python)
