@@ -1,5 +1,6 @@
 """The real-model tier for TorchRL -> TRL data: SmolLM2-135M-Instruct's rollouts, as TorchRL's
-own ``TransformersWrapper`` writes them in every input mode, padded and ragged, read back by the
+own ``TransformersWrapper`` writes them in every input mode, padded and ragged (its output, and
+read back from a ``LazyStackStorage`` and a ``ListStorage``), read by the
 layout readers and the dataset formats, against an independent reference (each prompt
 generated alone, greedy, unpadded: ``tests/real_model.py``).
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict, lazy_stack
-from torchrl.data import LazyStackStorage, ReplayBuffer
+from torchrl.data import LazyStackStorage, ListStorage, ReplayBuffer
 from torchrl.data.llm import History
 from torchrl.modules.llm import TransformersWrapper
 
@@ -57,7 +58,10 @@ def _generate(model, tok, mode, pad_output, safe):
     out = policy(_inputs(tok, mode))
     rb = ReplayBuffer(storage=LazyStackStorage(8))
     rb.extend(out)
-    return out, rb
+    listed = ReplayBuffer(storage=ListStorage(8))
+    listed.extend(out)
+    # what readers meet: the wrapper's output, LazyStackStorage and ListStorage reads, in order
+    return (out, rb[:], listed[:]), rb
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +91,9 @@ def safe_rollouts(smollm2_model, smollm2_dir):
 @pytest.mark.parametrize("mode", MODES)
 def test_safe_wrapper_rows_equal_the_reference(safe_rollouts, reference, smollm2_model, smollm2_dir, mode, padded):
     tok = smollm2_tokenizer(smollm2_dir, "own")
-    out, rb = safe_rollouts[mode, padded]
+    views, rb = safe_rollouts[mode, padded]
     want = reference[mode]
-    for td in (out, rb[:]):
+    for td in views:
         assert layouts.read_tokens(td, "prompt").tolist() == [p for p, _ in want]
         assert layouts.read_tokens(td, "response").tolist() == [r for _, r in want]
         assert layouts.read_tokens(td, "full").tolist() == [p + r for p, r in want]
@@ -134,9 +138,9 @@ def test_shipped_tokenizer_ragged_chats_are_refused(shipped_rollouts, smollm2_di
     """Ragged chats lost the prompt's end-of-turn tokens, the reply's EOS and its text: nothing
     reads them. (Ragged text/tokens rows whose only loss is the reply's EOS hold no trace of
     it: only check_policy_padding, where a policy is received, catches those.)"""
-    out, rb = shipped_rollouts["history", False]
+    views, rb = shipped_rollouts["history", False]
     tok = smollm2_tokenizer(smollm2_dir, "eos")
-    for td in (out, rb[:]):
+    for td in views:
         with pytest.raises(PaddingLostError, match="safe_policy_wrapper"):
             layouts.read_tokens(td, "response")
         with pytest.raises(PaddingLostError, match="pad == eos"):
@@ -151,8 +155,8 @@ def test_shipped_tokenizer_ragged_chats_are_refused(shipped_rollouts, smollm2_di
 def test_shipped_tokenizer_padded_tokens_mode_is_refused(shipped_rollouts):
     """Tokens mode fed generate the prompt with its EOS masked out: the replies are not the
     model's (they differ from the reference), and no reader takes them."""
-    out, rb = shipped_rollouts["tokens", True]
-    for td in (out, rb[:]):
+    views, rb = shipped_rollouts["tokens", True]
+    for td in views:
         with pytest.raises(PaddingLostError, match="input_mode='tokens'"):
             layouts.read_tokens(td, "response")
 
@@ -162,10 +166,10 @@ def test_shipped_tokenizer_padded_rows_are_rebuilt_from_tokens(shipped_rollouts,
                                                                smollm2_dir, mode):
     """Padded rows kept every token (the mask lied): tokens read right; texts and chats are
     rebuilt from them with the tokenizer, and refused without it."""
-    out, rb = shipped_rollouts[mode, True]
+    views, rb = shipped_rollouts[mode, True]
     tok = smollm2_tokenizer(smollm2_dir, "eos")
     want = reference[mode]
-    for td in (out, rb[:]):
+    for td in views:
         assert layouts.read_tokens(td, "prompt").tolist() == [p for p, _ in want]
         assert layouts.read_tokens(td, "response").tolist() == [r for _, r in want]
         assert layouts.read_tokens(td, "full").tolist() == [p + r for p, r in want]
