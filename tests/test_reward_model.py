@@ -1,6 +1,5 @@
 """HFRewardModelWrapper: the same rewards whatever the input layout, re-tokenisation,
-micro-batching, truncation, post-processing transforms, device/dtype, bad input, and
-removed keywords naming their replacement."""
+micro-batching, truncation, post-processing transforms, device/dtype and bad input."""
 
 import warnings
 
@@ -286,10 +285,14 @@ def test_bad_input_errors(checkpoints, tok, rm):
     with pytest.raises(ValueError, match="no pad token"):
         HFRewardModelWrapper(nopad, batching=RewardBatching(min_fill=None))(two.clone())
     one_by_one = HFRewardModelWrapper(nopad, batching=RewardBatching(max_batch_size=1), inference_mode=True)(two.clone())["reward"]
-    padded = HFRewardModelWrapper(nopad, batching=RewardBatching(min_fill=None, pad_token_id=tok.pad_token_id), inference_mode=True)(two.clone())
+    batching = RewardBatching(min_fill=None, pad_token_id=tok.pad_token_id)  # gives the model a pad id
+    scorer = HFRewardModelWrapper(nopad, batching=batching, inference_mode=True)
+    assert scorer.pad_token_id == nopad.config.pad_token_id == tok.pad_token_id
+    padded = scorer(two.clone())
     ref = torch.stack([_alone(nopad, i) for i in _ids(tok)[:2]])  # each alone, unpadded
     torch.testing.assert_close(one_by_one, ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(padded["reward"], ref, atol=1e-5, rtol=0)
+    assert scorer.processed_tokens > scorer.real_tokens  # one padded forward, not one by one
 
 
 class _NaNModel(torch.nn.Module):
@@ -386,52 +389,6 @@ def test_batching_arguments_checked_at_construction(kwargs, error, words):
 def test_numeric_arguments_checked_at_construction(rm, kwargs, error, words):
     with pytest.raises(error, match=words):
         HFRewardModelWrapper(rm, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "name, value, replacement",
-    [
-        ("max_tokens_per_batch", 64, r"RewardBatching\(max_tokens_per_batch=...\)"),
-        ("min_fill", None, r"RewardBatching\(min_fill=...\)"),
-        ("packing", True, r"RewardBatching\(packing=...\)"),
-        ("truncation", "error", r"RewardBatching\(truncation=...\)"),
-        ("policy_tokenizer", None, r"RewardRenderer\(policy_tokenizer=...\)"),
-        ("part", "response", r"RewardRenderer\(part=...\)"),
-        ("add_eos", "never", r"RewardRenderer\(add_eos=...\)"),
-        ("scale", 2.0, r"RewardScaling\(loc=shift, scale=scale"),
-        ("clip", (0, 1), r"RewardClipping"),
-        ("normalize", "running", r"RunningRewardNorm"),
-        ("nonfinite_value", 0.0, r"on_nonfinite=<value>"),
-        ("accumulate", True, r"HFRewardTransform\(scorer, accumulate=True\)"),
-        ("reward_dtype", torch.float64, r"DTypeCastTransform"),
-        ("device", "cpu", r"from_pretrained\(path, device=...\)"),
-        ("dtype", torch.bfloat16, r"from_pretrained\(path, dtype=...\)"),
-        ("trust_remote_code", True, r"from_pretrained\(path, trust_remote_code=...\)"),
-    ],
-)
-def test_removed_keyword_names_its_replacement(rm, name, value, replacement):
-    with pytest.raises(TypeError, match=rf"{name} moved to .*{replacement}"):
-        HFRewardModelWrapper(rm, **{name: value})
-    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
-        HFRewardModelWrapper(rm, bogus=1)
-
-
-def test_pad_token_id_keyword_moved_to_batching_still_works(tok):
-    """``pad_token_id=`` moved into RewardBatching: for one release the keyword warns,
-    naming its new home, and still pads the batch (two lengths, one forward, each equal
-    to the sequence alone); given twice with other values it is refused."""
-    from torchrl_trl.testing import make_reward_model
-
-    nopad = make_reward_model(tok, pad_token_id=None)
-    two = _ragged_td(_ids(tok)[:2])
-    with pytest.warns(DeprecationWarning, match=r"pad_token_id=...\) is deprecated.*RewardBatching\(pad_token_id=...\)"):
-        scorer = HFRewardModelWrapper(nopad, pad_token_id=tok.pad_token_id, batching=RewardBatching(min_fill=None), inference_mode=True)
-    assert scorer.batching.pad_token_id == scorer.pad_token_id == nopad.config.pad_token_id == tok.pad_token_id
-    ref = torch.stack([_alone(nopad, i) for i in _ids(tok)[:2]])
-    torch.testing.assert_close(scorer(two.clone())["reward"], ref, atol=1e-5, rtol=0)
-    assert scorer.processed_tokens > scorer.real_tokens  # one padded forward, not one by one
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
-        HFRewardModelWrapper(nopad, pad_token_id=1, batching=RewardBatching(pad_token_id=2))
 
 
 def test_micro_batch_planner_refuses_zero_rows():

@@ -203,18 +203,16 @@ def test_service_arguments_are_checked(checkpoints, policy_and_tokenizer):
         RewardServiceClient(path, timeout=float("inf"))
     with pytest.raises(ValueError, match="inference_mode=False"):
         RewardServiceClient(path, inference_mode=False)
-    with pytest.raises(TypeError, match="unexpected argument"):
+    with pytest.raises(TypeError, match=r"RewardServiceClient\(\) got unexpected keyword argument\(s\) \['max_tokens'\]"):
         RewardServiceClient(path, max_tokens=3)
-    # a model-side loading argument is not refused as moved (it applies in the actor): the
-    # next error is the timeout's
+    # a model-side loading argument is accepted (it applies in the actor): the next error is
+    # the timeout's
     with pytest.raises(ValueError, match="timeout must be a finite"):
         RewardServiceClient(path, device="cpu", dtype=torch.float32, timeout=float("inf"))
     with pytest.raises(ValueError, match="name the actor with actor_name="):
         RewardServiceClient(path, remote_config={"name": "rm"})
-    with pytest.raises(TypeError, match=r"max_tokens_per_batch moved to RewardBatching\(max_tokens_per_batch=...\)"):
-        RewardServiceClient(path, max_tokens_per_batch=3)
     with pytest.raises(TypeError, match="use_ray_service=True serves the reward model from a local path"):
-        HFRewardTransform(HFRewardModelWrapper(path), service_backend="ray")
+        HFRewardTransform(HFRewardModelWrapper(path), use_ray_service=True)
 
 
 class _Created(Exception):
@@ -255,25 +253,15 @@ def recording_ray(monkeypatch):
     return fake.asked
 
 
-@pytest.mark.parametrize("deprecated", [False, True])
-def test_ray_options_reach_the_actor(checkpoints, recording_ray, deprecated):
-    """``remote_config`` is the actor's Ray options; the one-by-one keywords it replaces
-    (and ``pad_token_id``, now in RewardBatching) still have their effect for one release,
-    each with a DeprecationWarning naming its new home."""
+def test_ray_options_reach_the_actor(checkpoints, recording_ray):
+    """``remote_config`` is the actor's Ray options; the wrapper's settings go to the actor."""
     path = str(checkpoints.reward_model)
     ray_options = {"num_cpus": 0.5, "num_gpus": 1, "namespace": "rl", "max_restarts": 2}
-    if deprecated:
-        with pytest.warns(DeprecationWarning) as caught, pytest.raises(_Created):
-            RewardServiceClient(path, actor_name="rm", pad_token_id=0, **ray_options)
-        homes = sorted(str(w.message).split(": ", 1)[1] for w in caught)
-        assert homes == sorted([f"pass it in remote_config={{{name!r}: ...}} (Ray actor options)" for name in ray_options]
-                               + ["pass it to RewardBatching(pad_token_id=...) (batching=)"])
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            with pytest.raises(_Created):
-                RewardServiceClient(path, actor_name="rm", remote_config=ray_options,
-                                    batching=RewardBatching(pad_token_id=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(_Created):
+            RewardServiceClient(path, actor_name="rm", remote_config=ray_options,
+                                batching=RewardBatching(pad_token_id=0))
     assert recording_ray["options"] == {**ray_options, "name": "rm", "get_if_exists": True, "lifetime": "detached",
                                      "max_task_retries": -1, "max_concurrency": 1000}
     (model_path, settings), kwargs = recording_ray["args"]

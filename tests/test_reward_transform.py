@@ -150,36 +150,10 @@ def test_called_as_a_module_writes_the_reward_and_declares_what_it_reads(checkpo
 
 
 def test_service_arguments_need_use_ray_service(checkpoints):
-    """Service settings without the service, or an unknown backend, are refused (no Ray
-    needed to tell)."""
+    """Service settings without the service are refused (no Ray needed to tell)."""
     path = str(checkpoints.reward_model)
     with pytest.raises(TypeError, match=r"\['actor_name', 'num_gpus'\] only apply with use_ray_service=True"):
         HFRewardTransform(path, actor_name="rm", num_gpus=1)
-    with pytest.raises(ValueError, match="service_backend must be"):
-        HFRewardTransform(path, service_backend="grpc")
-    with pytest.raises(ValueError, match="conflicts"):
-        HFRewardTransform(path, use_ray_service=True, service_backend="direct")
-
-
-@pytest.mark.parametrize(
-    "name, value, replacement",
-    [
-        ("policy_tokenizer", None, r"RewardRenderer\(policy_tokenizer=...\)"),
-        ("max_tokens_per_batch", 64, r"RewardBatching\(max_tokens_per_batch=...\)"),
-        ("scale", 2.0, r"RewardScaling"),
-        ("tokenizer", None, r"HFRewardModelWrapper.from_pretrained\(path, tokenizer=...\)"),
-        ("device", "cpu", r"HFRewardModelWrapper.from_pretrained\(path, device=...\)"),
-        ("inference_mode", False, r"HFRewardModelWrapper.from_pretrained\(path, inference_mode=...\)"),
-        ("timeout", 3, r"RewardServiceClient\(path, timeout=...\)"),
-        ("max_restarts", 1, r"RewardServiceClient\(path, remote_config=\{'max_restarts': ...\}\)"),
-        ("pad_token_id", 0, r"from_pretrained\(path, batching=RewardBatching\(pad_token_id=...\)\)"),
-    ],
-)
-def test_removed_keyword_names_its_replacement(checkpoints, name, value, replacement):
-    """The transform composes a scorer: a wrapper or service argument passed to it is
-    refused with where it goes now (no model is loaded to tell)."""
-    with pytest.raises(TypeError, match=rf"HFRewardTransform composes a scorer: {name} moved to .*{replacement}"):
-        HFRewardTransform(str(checkpoints.reward_model), **{name: value})
 
 
 def test_scorer_kinds(checkpoints):

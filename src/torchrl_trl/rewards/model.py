@@ -15,18 +15,17 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from .. import layouts
-from .._checks import WarnOnce, moved_keywords
+from .._checks import WarnOnce
 from .._token_ids import check_token_ids, check_tokenizer_fits, embedding_size
 from ..layouts import Ragged
 from .batching import RewardBatching
-from .moved import DEPRECATED, checked_batching, moved_arguments_error
 from .packing import causal_classifier, packing_unsupported, score_pack
 from .postprocess import NonFiniteRewards, extract_scores, select_head
 from .render import RewardRenderer
 from .shape import RewardShape, trailing_dims
 from .writing import write_rewards
 
-__all__ = ["HFRewardModelWrapper", "load_reward_model", "moved_arguments_error"]
+__all__ = ["HFRewardModelWrapper", "load_reward_model"]
 
 
 def load_reward_model(path: str | os.PathLike, *, trust_remote_code: bool = False,
@@ -135,7 +134,6 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
             ``[*B, 1, 1]`` (see :mod:`torchrl_trl.rewards.shape`).
         on_nonfinite: ``"raise"`` (default) on NaN/inf scores, ``"warn"`` or a number
             written instead.
-        pad_token_id: deprecated, use ``RewardBatching(pad_token_id=...)``.
 
     The first four keyword arguments are upstream's, with the same meaning and defaults. A
     module with no ``config`` and no pad id (a stand-in, as in upstream's tests) gets the
@@ -174,13 +172,11 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY, reward_key: NestedKey = "reward",
         inference_mode: bool = False, tokenizer: Any = None, renderer: RewardRenderer | None = None,
         batching: RewardBatching | None = None, head_index: int | None = None, reward_shape: RewardShape = "flat",
-        on_nonfinite: Literal["raise", "warn"] | float = "raise", **moved,
+        on_nonfinite: Literal["raise", "warn"] | float = "raise",
     ) -> None:  # fmt: skip
-        owner = type(self).__name__
-        removed = {k: v for k, v in moved.items() if k not in DEPRECATED}
-        if removed:
-            raise moved_arguments_error(owner, removed)
-        batching = checked_batching(batching, moved_keywords(owner, moved, DEPRECATED), owner)
+        batching = RewardBatching() if batching is None else batching
+        if not isinstance(batching, RewardBatching):
+            raise TypeError(f"{type(self).__name__}: batching must be a RewardBatching, got {type(batching).__name__}")
         super().__init__()
         if isinstance(model, (str, os.PathLike)):
             model, loaded_tok = load_reward_model(model, load_tokenizer=tokenizer is None)

@@ -20,11 +20,9 @@ import torch
 from tensordict.utils import NestedKey
 
 from .. import layouts
-from .._checks import moved_keywords
 from .._token_ids import check_integer_ids, check_token_ids
 from ..layouts import Ragged
 from .model import HFRewardModelWrapper, RenderingScorer
-from .moved import CLIENT_DEPRECATED, MOVED, RAY_OPTIONS, checked_batching, moved_arguments_error
 from .shape import trailing_dims
 
 __all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError", "SERVICE_ARGS"]
@@ -216,9 +214,7 @@ class RewardServiceClient(RenderingScorer):
         reward_key, reward_shape: as :class:`HFRewardModelWrapper`.
         inference_mode: must be ``True``: no gradients cross the wire.
         **kwargs: :meth:`HFRewardModelWrapper.from_pretrained` arguments (the rendering
-            ones apply here, the others in the actor). Deprecated: ``namespace``,
-            ``num_cpus``, ``num_gpus``, ``max_restarts``, ``lifetime`` (use
-            ``remote_config``) and ``pad_token_id`` (use ``batching``).
+            ones apply here, the others in the actor).
 
     Examples:
         Starting the actor needs a Ray cluster (``tests/test_reward_service.py`` runs it)::
@@ -241,22 +237,16 @@ class RewardServiceClient(RenderingScorer):
         max_wait_ms: float = 5.0, reward_key: NestedKey = "reward", reward_shape: str = "flat",
         inference_mode: bool = True, **kwargs,
     ) -> None:  # fmt: skip
-        owner = type(self).__name__
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(
                 f"a reward-model service loads its model from a local path (safetensors), got a "
                 f"{type(model).__name__}: save it with save_pretrained and pass the directory"
             )
-        removed = {k: v for k, v in kwargs.items() if k in MOVED and k not in MODEL_SIDE_ARGS}
-        if removed:
-            raise moved_arguments_error(owner, removed)
-        moved = {k: kwargs.pop(k) for k in list(kwargs) if k in CLIENT_DEPRECATED}
-        moved = moved_keywords(owner, moved, CLIENT_DEPRECATED)
         unknown = sorted(set(kwargs) - MODEL_SIDE_ARGS - CALLER_SIDE_ARGS)
         if unknown:
             raise TypeError(
-                f"unexpected argument(s) {unknown}; the service accepts {sorted(SERVICE_ARGS)} and "
-                f"the HFRewardModelWrapper arguments {sorted(MODEL_SIDE_ARGS | CALLER_SIDE_ARGS)}"
+                f"{type(self).__name__}() got unexpected keyword argument(s) {unknown}; it accepts "
+                f"{sorted(SERVICE_ARGS)} and the HFRewardModelWrapper arguments {sorted(MODEL_SIDE_ARGS | CALLER_SIDE_ARGS)}"
             )
         if not inference_mode:
             raise ValueError(
@@ -269,14 +259,12 @@ class RewardServiceClient(RenderingScorer):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         if not _is_number(max_wait_ms) or max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
-        options = _actor_options(remote_config, moved, actor_name)
+        options = _actor_options(remote_config, actor_name)
         self.model_path = os.path.abspath(os.fspath(model))
         self.actor_name, self.timeout = actor_name, float(timeout)
         self.namespace = options.get("namespace")
         self.reward_shape, self.inference_mode = reward_shape, True
         settings = {k: v for k, v in kwargs.items() if k in MODEL_SIDE_ARGS}
-        if "pad_token_id" in moved:
-            settings["batching"] = checked_batching(settings.get("batching"), moved, owner)
         ray = _require_ray()
         if not ray.is_initialized():
             ray.init()
@@ -359,11 +347,11 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _actor_options(remote_config: dict | None, moved: dict, actor_name: str | None) -> dict:
-    """The actor's Ray options: ``remote_config`` and the deprecated one-by-one ones over the defaults."""
+def _actor_options(remote_config: dict | None, actor_name: str | None) -> dict:
+    """The actor's Ray options: ``remote_config`` over the defaults."""
     if remote_config is not None and not isinstance(remote_config, dict):
         raise TypeError(f"remote_config must be a dict of Ray actor options, got {remote_config!r}")
-    given = {**{k: moved[k] for k in RAY_OPTIONS if k in moved}, **(remote_config or {})}
+    given = dict(remote_config or {})
     if "name" in given or "get_if_exists" in given:
         raise ValueError("remote_config: name the actor with actor_name=, not in remote_config")
     options = {"max_restarts": 0, "max_concurrency": 1000}

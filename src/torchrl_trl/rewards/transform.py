@@ -11,7 +11,6 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from .model import HFRewardModelWrapper
-from .moved import DEPRECATED, RAY_OPTIONS, moved_line
 from .reward_transform import RewardTransform
 from .service import RewardServiceClient
 from .shape import RewardShape
@@ -37,7 +36,6 @@ class HFRewardTransform(RewardTransform):
         accumulate: add to a reward already there instead of overwriting it.
         use_ray_service: serve ``scorer`` (a local path) from a named Ray actor shared by
             every transform given the same ``actor_name``.
-        service_backend: ``"ray"`` (same as ``use_ray_service=True``), ``"direct"`` or ``None``.
         actor_name, num_cpus, num_gpus: the service's name and Ray resources (only with
             ``use_ray_service=True``).
 
@@ -64,16 +62,9 @@ class HFRewardTransform(RewardTransform):
 
     def __init__(
         self, scorer: Any, *, reward_key: NestedKey | None = None, reward_shape: RewardShape = "step",
-        accumulate: bool = False, use_ray_service: bool = False, service_backend: str | None = None,
-        actor_name: str | None = None, num_cpus: float | None = None, num_gpus: float | None = None, **removed,
+        accumulate: bool = False, use_ray_service: bool = False,
+        actor_name: str | None = None, num_cpus: float | None = None, num_gpus: float | None = None,
     ) -> None:
-        if removed:
-            raise _removed_error(removed)
-        if service_backend not in (None, "direct", "ray"):
-            raise ValueError(f"service_backend must be 'ray', 'direct' or None, got {service_backend!r}")
-        if use_ray_service and service_backend == "direct":
-            raise ValueError("use_ray_service=True conflicts with service_backend='direct'")
-        use_ray_service = bool(use_ray_service) or service_backend == "ray"
         service = {"actor_name": actor_name, "num_cpus": num_cpus, "num_gpus": num_gpus}
         service = {k: v for k, v in service.items() if v is not None}
         if service and not use_ray_service:
@@ -94,22 +85,3 @@ class HFRewardTransform(RewardTransform):
                 f"or a local path, got {type(scorer).__name__}"
             )
         super().__init__(scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate)
-
-
-def _removed_error(given: dict) -> TypeError:
-    """The ``TypeError`` naming where each argument the transform no longer takes went."""
-    from .service import CALLER_SIDE_ARGS, MODEL_SIDE_ARGS, SERVICE_ARGS
-
-    client = "RewardServiceClient(path, {}): pass the client as the scorer"
-    wrapper = "the scorer: HFRewardTransform(HFRewardModelWrapper.from_pretrained(path, {}))"
-    homes = [
-        (SERVICE_ARGS, client.format("{n}=...")),
-        (RAY_OPTIONS, client.format("remote_config={{{n!r}: ...}}")),
-        (DEPRECATED, wrapper.format("batching=RewardBatching({n}=...)")),
-        (MODEL_SIDE_ARGS | CALLER_SIDE_ARGS | {"inference_mode"}, wrapper.format("{n}=...")),
-    ]
-    lines = []
-    for name in sorted(given):
-        home = next((home for names, home in homes if name in names), None)
-        lines.append(moved_line(name) if home is None else f"{name} moved to {home.format(n=name)}")
-    return TypeError("HFRewardTransform composes a scorer: " + "; ".join(lines))
