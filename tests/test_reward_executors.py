@@ -257,31 +257,6 @@ def test_bad_arguments_raise_naming_them():
         wrapper.shutdown()
 
 
-@pytest.mark.timeout(60)
-def test_moved_executor_keywords_warn_and_still_apply():
-    """max_workers=, mp_context=, failure_reward= moved into RewardExecutor: for one release
-    the old keywords still work, each with a DeprecationWarning naming its new home."""
-    with pytest.warns(DeprecationWarning, match=r"RewardFunctionWrapper\(max_workers=\.\.\.\).*"
-                                                r"executor=RewardExecutor\(<kind>, max_workers=\.\.\.\)"):
-        wrapper = RewardFunctionWrapper(by_text, executor="thread", timeout=THREAD_TIMEOUT, max_workers=3)
-    assert wrapper.executor.max_workers == 3 and wrapper.executor.kind == "thread"
-    with pytest.warns(DeprecationWarning, match="failure_reward"):
-        wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("thread"), failure_reward=-2.0)
-    with pytest.warns(UserWarning, match="failure_reward=-2.0"):
-        _same(_rewards(wrapper(_text_rollouts(["raise", "ab"]))), [-2.0, 2.0])
-    with pytest.warns(DeprecationWarning, match=r"as_trl_reward_func\(mp_context=\.\.\.\)"):
-        func = as_trl_reward_func(by_text, executor="process", mp_context="fork", failure_reward=0.5)
-    assert func.executor.mp_context == "fork" and func.failure_reward == 0.5
-    func.shutdown()
-    # as before: they apply with an executor only, and a keyword that never existed is refused
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="max_workers applies with an executor"):
-        RewardFunctionWrapper(by_text, max_workers=2)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="failure_reward applies with an executor"):
-        as_trl_reward_func(by_text, failure_reward=0.0)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'max_worker'"):
-        RewardFunctionWrapper(by_text, executor="thread", max_worker=2)
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_functions_a_worker_cannot_import_raise(tmp_path, monkeypatch):

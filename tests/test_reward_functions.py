@@ -337,12 +337,9 @@ def test_a_scorer_in_a_replay_buffer_scores_on_write_with_invert():
     assert calls == [2]  # sampling does not score again
 
 
-def test_reward_shape_names_and_the_old_tuple_form():
+def test_reward_shape_names():
     td = RewardFunctionWrapper(lambda prompts, completions, **kw: [1.0, 2.0], reward_shape="trailing")(_text_rollouts())
     assert td["next", "reward"].shape == (2, 1)
-    for old, name in (((1, 1), "step"), ((), "flat"), ((1,), "trailing")):
-        with pytest.raises(ValueError, match=f"old tuple form; pass reward_shape='{name}'"):
-            RewardFunctionWrapper(n_ids, reward_shape=old)
     with pytest.raises(ValueError, match=r"reward_shape must be one of \['flat', 'step', 'trailing'\]"):
         RewardFunctionWrapper(n_ids, reward_shape="scalar")
 

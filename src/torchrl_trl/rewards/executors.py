@@ -8,14 +8,14 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torchrl_trl._checks import positive_int, positive_seconds
 from torchrl_trl._threads import in_caller_modes
 
 from .scheduler import FAILURE_KINDS, ItemExecutor, ItemResult, _describe, call_item, warm_up
 
-__all__ = ["FAILURE_KINDS", "MOVED_TO_EXECUTOR", "ItemExecutor", "ItemResult", "RewardExecutor", "ThreadItemExecutor",
+__all__ = ["FAILURE_KINDS", "ItemExecutor", "ItemResult", "RewardExecutor", "ThreadItemExecutor",
            "FuturesItemExecutor", "RayItemExecutor", "call_item", "reward_executor"]
 
 _KINDS = ("process", "thread", "ray")
@@ -82,31 +82,16 @@ class RewardExecutor:
         return cls.get(self.kind, FuturesItemExecutor)(funcs, names, timeout, self)
 
 
-#: RewardFunctionWrapper / as_trl_reward_func keywords that moved into RewardExecutor
-MOVED_TO_EXECUTOR = {
-    name: f"pass executor=RewardExecutor(<kind>, {name}=...)"
-    for name in ("max_workers", "mp_context", "failure_reward")
-}
-
-
-def reward_executor(executor, **moved) -> RewardExecutor | None:
+def reward_executor(executor) -> RewardExecutor | None:
     """``executor=`` (``None``, a kind, an Executor or a :class:`RewardExecutor`) as a
-    :class:`RewardExecutor`, with the :data:`MOVED_TO_EXECUTOR` keywords applied.
+    :class:`RewardExecutor` (``None`` stays ``None``: functions run in the caller).
 
-    >>> reward_executor("thread", max_workers=2).max_workers
-    2
+    >>> reward_executor("thread").kind
+    'thread'
     """
-    moved = {k: v for k, v in moved.items() if v is not None}
-    if executor is None:
-        if moved:
-            raise ValueError(
-                f"{'/'.join(moved)} {'applies' if len(moved) == 1 else 'apply'} with an executor "
-                "(executor='process' | 'thread' | 'ray' | an Executor | a RewardExecutor); "
-                "executor is None (functions run in the caller)"
-            )
-        return None
-    executor = executor if isinstance(executor, RewardExecutor) else RewardExecutor(executor)
-    return replace(executor, **moved)
+    if executor is None or isinstance(executor, RewardExecutor):
+        return executor
+    return RewardExecutor(executor)
 
 
 class ThreadItemExecutor(ItemExecutor):

@@ -15,7 +15,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from torchrl_trl import layouts
-from torchrl_trl._checks import WarnOnce, key_tuple, moved_keywords, positive_seconds, strip_next
+from torchrl_trl._checks import WarnOnce, key_tuple, positive_seconds, strip_next
 
 from .calling import (
     FailureCounter,
@@ -26,36 +26,14 @@ from .calling import (
     function_names,
     score_items,
 )
-from .executors import MOVED_TO_EXECUTOR, RewardExecutor, reward_executor
+from .executors import RewardExecutor, reward_executor
 from .reward_transform import RewardTransform
 from .rollout_arguments import InputMode, input_keys, trl_arguments
 from .scheduler import warm_up
 from .shape import RewardShape, trailing_dims
 from .writing import write_rewards
 
-__all__ = ["FunctionTimeout", "RewardFunctionError", "RewardFunctionWrapper", "check_reward_shape"]
-
-_OLD_SHAPES = {(): "flat", (1,): "trailing", (1, 1): "step"}
-
-
-def check_reward_shape(reward_shape: Any) -> RewardShape:
-    """``reward_shape`` if it is ``"flat"``, ``"trailing"`` or ``"step"``; the old tuple
-    form raises a ``ValueError`` naming its new name.
-
-    >>> check_reward_shape((1, 1))
-    Traceback (most recent call last):
-    ...
-    ValueError: reward_shape=(1, 1) is the old tuple form; pass reward_shape='step' (one of 'flat' [*B], 'trailing' [*B, 1], 'step' [*B, 1, 1])
-    """
-    if isinstance(reward_shape, (tuple, list, torch.Size)):
-        name = _OLD_SHAPES.get(tuple(reward_shape))
-        hint = f"pass reward_shape={name!r}" if name else "no name matches it"
-        raise ValueError(
-            f"reward_shape={reward_shape!r} is the old tuple form; {hint} (one of 'flat' [*B], "
-            "'trailing' [*B, 1], 'step' [*B, 1, 1])"
-        )
-    trailing_dims(reward_shape)  # a ValueError naming the choices
-    return reward_shape
+__all__ = ["FunctionTimeout", "RewardFunctionError", "RewardFunctionWrapper"]
 
 
 class _Logs:
@@ -102,7 +80,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         per_function_keys: also write each function's raw reward (NaN for ``None``):
             ``True`` for ``("next", "reward_<name>")``, or one key per function.
         reward_shape: ``"step"`` (default, ``[*B, 1, 1]``), ``"trailing"`` (``[*B, 1]``) or
-            ``"flat"`` (``[*B]``); the old tuple form raises a ``ValueError``.
+            ``"flat"`` (``[*B]``).
         unscorable_reward: the reward of a row every function returned ``None`` for.
         names: names of the functions (default: TRL's, ``__name__``, deduplicated).
         trainer_state: passed as ``trainer_state``.
@@ -112,8 +90,6 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or its kind): each
             function called once per completion, isolated; a failure gets the executor's
             ``failure_reward`` and is counted in :attr:`failure_counts`.
-        max_workers, failure_reward, mp_context: deprecated, moved to
-            ``executor=RewardExecutor(...)``.
 
     ``in_keys``: every key it may read; ``out_keys``: ``reward_key`` and ``per_function_keys``.
 
@@ -143,10 +119,9 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         tokenizer=None, reward_key: NestedKey = layouts.REWARD_KEY,
         per_function_keys: bool | Sequence[NestedKey] = False, reward_shape: RewardShape = "step",
         unscorable_reward: float = math.nan, names: Sequence[str] | None = None, trainer_state: Any = None,
-        timeout: float | None = None, executor: str | Executor | RewardExecutor | None = None, **moved,
+        timeout: float | None = None, executor: str | Executor | RewardExecutor | None = None,
     ):
-        moved = moved_keywords(type(self).__name__, moved, MOVED_TO_EXECUTOR)
-        config = reward_executor(executor, **moved)
+        config = reward_executor(executor)
         super().__init__()
         funcs = [funcs] if callable(funcs) else list(funcs)
         if not funcs:
@@ -188,7 +163,8 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self.weights = torch.tensor([float(w) for w in weights], dtype=torch.float32)
         self.input_mode = input_mode
         self.tokenizer = tokenizer
-        self.reward_shape = check_reward_shape(reward_shape)
+        trailing_dims(reward_shape)  # checks the name
+        self.reward_shape = reward_shape
         self.unscorable_reward = float(unscorable_reward)
         self.trainer_state = trainer_state
         self.timeout = positive_seconds(timeout, "timeout")

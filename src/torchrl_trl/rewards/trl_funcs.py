@@ -18,13 +18,13 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from torchrl_trl import _compat, layouts
-from torchrl_trl._checks import WarnOnce, key_tuple, moved_keywords, positive_seconds, strip_next
+from torchrl_trl._checks import WarnOnce, key_tuple, positive_seconds, strip_next
 
 from .calling import (
     TRL_EXTRA_KWARGS, FailureCounter, call_function, call_functions, check_signature, declares,
     run_with_timeout, score_items,
 )  # fmt: skip
-from .executors import MOVED_TO_EXECUTOR, RewardExecutor, reward_executor
+from .executors import RewardExecutor, reward_executor
 from .scheduler import warm_up
 from .trl_rollouts import as_messages, is_conversational, rollouts_from_trl
 
@@ -69,10 +69,9 @@ class TRLRewardFunc:
     def __init__(
         self, reward: Any, *, tokenizer=None, name: str | None = None, reward_key: NestedKey | None = None,
         columns: Sequence[str] | None = None, timeout: float | None = None,
-        executor: str | Executor | RewardExecutor | None = None, **moved,
+        executor: str | Executor | RewardExecutor | None = None,
     ):
-        moved = moved_keywords(type(self).__name__, moved, MOVED_TO_EXECUTOR)
-        config = reward_executor(executor, **moved)
+        config = reward_executor(executor)
         if isinstance(reward, TRLRewardFunc):
             raise TypeError("reward is already a TRL reward function")
         if not callable(reward):
@@ -272,7 +271,7 @@ class TRLRewardFunc:
 def as_trl_reward_func(
     reward: Any, *, tokenizer=None, name: str | None = None, reward_key: NestedKey | None = None,
     columns: Sequence[str] | None = None, timeout: float | None = None,
-    executor: str | Executor | RewardExecutor | None = None, **moved,
+    executor: str | Executor | RewardExecutor | None = None,
 ) -> TRLRewardFunc:
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
@@ -294,7 +293,6 @@ def as_trl_reward_func(
         executor: ``None``, or a :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or
             its kind): one completion per call, isolated; a failure gets ``failure_reward``,
             counted in :attr:`TRLRewardFunc.failure_counts`.
-        max_workers, failure_reward, mp_context: deprecated, moved to ``executor=``.
 
     Returns:
         a :class:`TRLRewardFunc`: exceptions carry its name, non-finite rewards become ``None``.
@@ -314,6 +312,5 @@ def as_trl_reward_func(
         >>> len(rewards), all(isinstance(r, float) for r in rewards)
         (2, True)
     """
-    executor = reward_executor(executor, **moved_keywords("as_trl_reward_func", moved, MOVED_TO_EXECUTOR))
     return TRLRewardFunc(reward, tokenizer=tokenizer, name=name, reward_key=reward_key,
                          columns=columns, timeout=timeout, executor=executor)
