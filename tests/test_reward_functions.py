@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from torchrl_trl import layouts
-from torchrl_trl.rewards.function_transform import RewardFunctionTransform
 from torchrl_trl.rewards.functions import RewardFunctionWrapper
 from torchrl_trl.rewards.reward_transform import RewardTransform
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
@@ -94,7 +93,7 @@ def test_replay_buffer_before_mcadvantage(policy_and_tokenizer):
     wrapper = RewardFunctionWrapper(f)
     rb = ReplayBuffer(storage=LazyStackStorage(16), batch_size=4)
     rb.append_transform(MCAdvantage(grpo_size=2))
-    rb.append_transform(RewardFunctionTransform(wrapper))  # write transforms run last-to-first: scored first
+    rb.append_transform(wrapper.as_transform())  # write transforms run last-to-first: scored first
     collect_rollouts(make_policy_wrapper(model, tok), make_chat_env(ROWS), total_turns=4, replay_buffer=rb)
     data = rb[:]
     assert len(rb) == 4
@@ -294,10 +293,10 @@ def test_in_keys_are_the_keys_read_and_completion_ids_never_silently_none():
         RewardFunctionWrapper(needs_ids)(_text_rollouts())
 
 
-def test_attached_to_an_env_a_call_still_scores_and_the_old_attachment_says_what_to_use(policy_and_tokenizer):
-    """The old RewardFunctionWrapper returned its input unchanged once attached to an env
-    (a silent no-op); the scorer never does, nor does its transform outside a buffer.
-    Passing the scorer itself to env.append_transform fails naming the transform."""
+def test_attached_to_an_env_a_call_still_scores_and_the_wrong_attachment_says_what_to_use(policy_and_tokenizer):
+    """A call of the scorer always scores (never a silent no-op), and so does its transform
+    outside a buffer. Passing the scorer itself to env.append_transform fails naming
+    as_transform()."""
     model, tok = policy_and_tokenizer
     scorer = RewardFunctionWrapper(n_ids)
     transform = scorer.as_transform()
@@ -312,10 +311,8 @@ def test_attached_to_an_env_a_call_still_scores_and_the_old_attachment_says_what
         assert not layouts.has_key(td, ("next", "reward"))
         out = score(td)
         torch.testing.assert_close(_stack(out, ("next", "reward")), expected)
-    with pytest.raises(KeyError, match=r"found no response to score.*RewardFunctionTransform"):
+    with pytest.raises(KeyError, match=r"found no response to score.*wrapper\.as_transform\(\)"):
         make_chat_env(ROWS).append_transform(RewardFunctionWrapper(n_ids)).reset()
-    with pytest.raises(TypeError, match="either a configured RewardFunctionWrapper"):
-        RewardFunctionTransform(scorer, weights=[2.0])
 
 
 def test_a_scorer_in_a_replay_buffer_scores_on_write_with_invert():

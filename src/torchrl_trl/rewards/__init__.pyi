@@ -2,7 +2,6 @@
 
 from .functions import RewardFunctionWrapper as RewardFunctionWrapper
 from .executors import RewardExecutor as RewardExecutor
-from .function_transform import RewardFunctionTransform as RewardFunctionTransform
 from .batching import RewardBatching as RewardBatching
 from .model import HFRewardModelWrapper as HFRewardModelWrapper, load_reward_model as load_reward_model
 from .postprocess import RunningRewardNorm as RunningRewardNorm

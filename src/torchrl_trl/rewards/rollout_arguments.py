@@ -27,7 +27,7 @@ _NOT_COLUMNS = ("prompt", "completion", "completion_ids")
 _NO_RESPONSE = (
     ". A reward needs the policy's output; on an env that is the root tensordict of a step, which "
     "env.append_transform(RewardFunctionWrapper(...)) never sees (TorchRL calls a plain module on the reset and "
-    "'next' tensordicts): attach RewardFunctionTransform(...) (or wrapper.as_transform()) to the env instead"
+    "'next' tensordicts): attach wrapper.as_transform() to the env instead"
 )
 _DECODE = "pass tokenizer= (the policy's) to decode prompts and completions from the tokens"
 
