@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from torchrl_trl import testing
-from torchrl_trl.data import TorchRLBufferDataset
+from torchrl_trl.data import EpochPass, Sharding, TorchRLBufferDataset
 
 
 def buffer(n):
@@ -29,8 +29,8 @@ def received(n, num_shards, tmp):
 
     tok = testing.make_tokenizer()
     model = testing.make_policy(tok)
-    ds = TorchRLBufferDataset(buffer(n), 4, mode="epoch", shuffle=True, seed=1,
-                              columns={"input_ids": "input_ids"}, num_shards=num_shards)
+    ds = TorchRLBufferDataset(buffer(n), 4, reading=EpochPass(shuffle=True, seed=1),
+                              columns={"input_ids": "input_ids"}, sharding=Sharding(num_shards=num_shards))
     args = SFTConfig(output_dir=tmp, max_steps=1, per_device_train_batch_size=4, use_cpu=True, bf16=False,
                      report_to=[], save_strategy="no", ddp_backend="gloo", dataloader_num_workers=0)
     assert torch.distributed.is_initialized()  # as_hf_dataset() below agrees the pass length over ranks

@@ -10,12 +10,12 @@ def train_one_pass(rb, out: str, steps: int = 3) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from torchrl_trl import testing
-    from torchrl_trl.data import TorchRLBufferDataset
+    from torchrl_trl.data import EpochPass, TorchRLBufferDataset
 
     rank = int(os.environ["RANK"])
     tok = testing.make_tokenizer()
     model = testing.make_policy(tok)
-    ds = TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True, seed=1, columns={"input_ids": "input_ids"})
+    ds = TorchRLBufferDataset(rb, 4, reading=EpochPass(shuffle=True, seed=1), columns={"input_ids": "input_ids"})
     seen = []
 
     class Recording(SFTTrainer):

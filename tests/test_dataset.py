@@ -246,7 +246,7 @@ def test_bad_inputs_raise_at_once(rollouts):
 
 
 # ---------------------------------------------------------------------------
-# Reading strategies (reading=) and the shorthands that build them
+# Reading strategies (reading=) and the strings and num_batches= that build them
 # ---------------------------------------------------------------------------
 
 
@@ -269,59 +269,33 @@ def test_reading_strategies_and_their_names():
     assert TorchRLBufferDataset(rb, 4, sharding=Sharding(num_shards=3)).sharding.num_shards == 3
 
 
-@pytest.mark.parametrize("moved,new", [
-    ({"mode": "epoch"}, {"reading": "epoch"}),
-    ({"mode": "epoch", "shuffle": True, "seed": 3, "num_passes": 2}, {"reading": EpochPass(True, 3, 2)}),
-    ({"num_batches": 3, "seed": 5}, {"reading": OnlineSampling(3, 5)}),
-    ({"num_shards": 3}, {"sharding": Sharding(num_shards=3)}),
-    ({"rank": 1, "world_size": 2}, {"sharding": Sharding(rank=1, world_size=2)}),
-])
-def test_moved_keywords_warn_and_keep_their_meaning(moved, new):
-    """Each keyword that moved into ``reading=``/``sharding=`` warns, naming where it went,
-    and makes the dataset the new form makes."""
-    rb, _ = _dense(12)
-    with pytest.warns(DeprecationWarning) as caught:
-        old = TorchRLBufferDataset(rb, 4, keys=["input_ids"], **moved)
-    homes = {name: str(w.message) for w in caught for name in moved if f"({name}=...)" in str(w.message)}
-    moved_names = sorted(k for k in moved if k != "num_batches")  # num_batches is upstream's: not moved
-    assert sorted(homes) == moved_names
-    for name in moved_names:
-        assert ("reading=" if name in ("mode", "shuffle", "seed", "num_passes") else "sharding=") in homes[name]
-    ref = TorchRLBufferDataset(rb, 4, keys=["input_ids"], **new)
-    assert old.reading == ref.reading and repr(old.sharding) == repr(ref.sharding)
-    if old.mode == "epoch":
-        assert _ids(old) == _ids(ref)
-    with pytest.raises(TypeError, match=r"TorchRLBufferDataset\(\) got an unexpected keyword argument 'shufle'"):
-        TorchRLBufferDataset(rb, 4, shufle=True)
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"reading": 3}, TypeError, "reading must be 'epoch', 'online', an EpochPass or an OnlineSampling, got int"),
     ({"reading": "offline"}, ValueError, "reading must be 'online' or 'epoch', got 'offline'"),
-    ({"reading": "epoch", "mode": "epoch"}, TypeError, "pass reading='epoch' or mode='epoch', not both"),
-    ({"reading": "EPOCH", "mode": "epoch"}, TypeError, r"\['mode'\] inside reading="),
-    ({"reading": "EPOCH", "num_passes": 2}, TypeError, r"\['num_passes'\] inside reading=EpochPass"),
-    ({"reading": "ONLINE", "num_batches": 2}, TypeError, r"\['num_batches'\] inside reading=OnlineSampling"),
-    ({"reading": "ONLINE", "seed": 1, "shuffle": True}, TypeError, r"\['seed', 'shuffle'\] inside reading="),
+    ({"reading": OnlineSampling(), "num_batches": 2}, TypeError, r"num_batches=2 inside reading=OnlineSampling"),
     ({"reading": "epoch", "num_batches": 3}, ValueError, r"num_batches=3 is for online sampling.*num_passes"),
-    ({"num_passes": 2}, ValueError, "num_passes=2 is for reading='epoch'"),
-    ({"mode": "offline"}, ValueError, "reading must be 'online' or 'epoch', got 'offline'"),
     ({"sharding": 4}, TypeError, "sharding must be a torchrl_trl.data.Sharding, got int"),
-    ({"sharding": Sharding(), "num_shards": 2}, TypeError, r"\['num_shards'\] inside sharding=Sharding"),
     ({"batch_size": 0}, ValueError, "batch_size must be a positive integer, got 0"),
     ({"num_batches": 0}, ValueError, "num_batches must be a positive integer or None, got 0"),
-    ({"num_shards": 0}, ValueError, "num_shards must be a positive integer or None, got 0"),
-    ({"rank": 0}, ValueError, "pass both rank and world_size"),
-    ({"rank": 2, "world_size": 2}, ValueError, r"rank must be an int in \[0, world_size=2\), got 2"),
+    ({"shuffle": True}, TypeError, r"got an unexpected keyword argument 'shuffle'"),
+    ({"num_shards": 2}, TypeError, r"got an unexpected keyword argument 'num_shards'"),
 ])
 def test_reading_and_sharding_arguments_are_checked(kwargs, error, match):
     rb, _ = _dense()
     kwargs = {**kwargs}
-    kwargs["reading"] = {"EPOCH": EpochPass(), "ONLINE": OnlineSampling()}.get(kwargs.get("reading"), kwargs.get("reading"))
     batch_size = kwargs.pop("batch_size", 4)
     with pytest.raises(error, match=match):
         TorchRLBufferDataset(rb, batch_size, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_shards": 0}, "num_shards must be a positive integer or None, got 0"),
+    ({"rank": 0}, "pass both rank and world_size"),
+    ({"rank": 2, "world_size": 2}, r"rank must be an int in \[0, world_size=2\), got 2"),
+])
+def test_sharding_settings_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Sharding(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs,match", [

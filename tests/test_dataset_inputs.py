@@ -81,14 +81,6 @@ def test_len_counts_rows_of_batch_shaped_items(grouped_rollouts, storage):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_online_shuffle_is_refused():
-    rb = _ids_buffer(8)
-    with pytest.raises(ValueError, match=r"shuffle=True is for reading='epoch'.*RandomSampler"):
-        TorchRLBufferDataset(rb, 4, shuffle=True)
-    assert TorchRLBufferDataset(rb, 4, mode="epoch", shuffle=True).reading == EpochPass(shuffle=True)
-
-
 def _token_rows(dtype):
     n, t = 4, 3
     return TensorDict({

@@ -11,7 +11,7 @@ from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 
 from torchrl_trl import layouts, testing
-from torchrl_trl.data import TorchRLBufferDataset
+from torchrl_trl.data import EpochPass, OnlineSampling, TorchRLBufferDataset
 from torchrl_trl.online import (
     BufferCheckpointCallback,
     CollectorCallback,
@@ -314,7 +314,7 @@ def test_staleness_filter_drops_counts_and_weights():
     versions = [0, 1, 2, 3, 4, 5, 5, 2]
     rb = _versioned_buffer(versions)
     filt = StalenessFilter(max_staleness=2, consumer_version=5)
-    ds = TorchRLBufferDataset(rb, 3, mode="epoch", sample_filter=filt,
+    ds = TorchRLBufferDataset(rb, 3, reading="epoch", sample_filter=filt,
                               columns={"id": "id", "weight": filt.weight_column})
     with pytest.warns(UserWarning, match="max_staleness=2"):
         rows = list(ds.as_hf_dataset())
@@ -377,7 +377,8 @@ def test_priority_feedback_from_compute_loss(policy_and_tokenizer, tmp_path):
     n = 12
     sampler = TensorPrioritizedSampler(n, alpha=1.0, beta=1.0)
     rb = _id_buffer(n, sampler)
-    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index", num_batches=None, seed=0)
+    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index",
+                              reading=OnlineSampling(num_batches=None, seed=0))
     updates = []
 
     class PriorityTrainer(Trainer):
@@ -408,7 +409,9 @@ def test_priority_feedback_from_compute_loss(policy_and_tokenizer, tmp_path):
     # sampling follows the updated priorities
     update_priorities(rb, torch.arange(n), torch.tensor([1e6] + [1e-3] * (n - 1)))
     torch.manual_seed(0)
-    got = [row["index"] for row in TorchRLBufferDataset(rb, 8, columns={"input_ids": "input_ids"}, index_column="index", seed=1)]
+    ds = TorchRLBufferDataset(rb, 8, columns={"input_ids": "input_ids"}, index_column="index",
+                              reading=OnlineSampling(seed=1))
+    got = [row["index"] for row in ds]
     assert got.count(0) >= 7
     with pytest.raises(TypeError, match="keeps no priorities"):
         update_priorities(_id_buffer(4), [0], [1.0])
@@ -472,8 +475,8 @@ def _resume_run(tmp_path, max_steps, resume=None):
         rb.extend(TensorDict({"input_ids": ids}, [18]))
     else:
         load_buffer(rb, tmp_path / f"checkpoint-{resume}" / "torchrl_buffer")
-    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index", mode="epoch",
-                              shuffle=True, seed=3)
+    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index",
+                              reading=EpochPass(shuffle=True, seed=3))
     seen = []
 
     class Recording(Trainer):
@@ -613,8 +616,8 @@ def test_concurrent_writer_and_reader_see_whole_items(storage):
             errors.append(e)
 
     keys = ["id", "double", "tokens"]
-    online = TorchRLBufferDataset(rb, 8, keys=keys, num_batches=None, seed=0)
-    epoch = TorchRLBufferDataset(rb, 8, keys=keys, mode="epoch")
+    online = TorchRLBufferDataset(rb, 8, keys=keys, reading=OnlineSampling(num_batches=None, seed=0))
+    epoch = TorchRLBufferDataset(rb, 8, keys=keys, reading="epoch")
     t = threading.Thread(target=writer, daemon=True)
     t.start()
     rows = 0

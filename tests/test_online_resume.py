@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from torchrl_trl import testing
-from torchrl_trl.data import TorchRLBufferDataset
+from torchrl_trl.data import EpochPass, TorchRLBufferDataset
 from torchrl_trl.online import BufferCheckpointCallback, load_buffer
 
 N = 10  # items; batches of 4 rows: a pass is 2.5 steps
@@ -30,8 +30,8 @@ def _run(out, max_steps, resume=None, num_passes=None):
         rb.extend(TensorDict({"input_ids": torch.stack([1 + i, torch.full_like(i, 5), torch.full_like(i, 6)], -1)}, [N]))
     else:
         load_buffer(rb, out / f"checkpoint-{resume}" / "torchrl_buffer")
-    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index", mode="epoch",
-                              shuffle=True, seed=5, num_passes=num_passes)
+    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index",
+                              reading=EpochPass(shuffle=True, seed=5, num_passes=num_passes))
     seen = []
 
     class Recording(Trainer):
@@ -64,13 +64,13 @@ def test_resume_after_the_first_pass_gives_same_next_samples(tmp_path):
 def test_num_passes_bounds_an_iterator():
     rb = ReplayBuffer(storage=LazyTensorStorage(8))
     rb.extend(TensorDict({"id": torch.arange(5)}, [5]))
-    ds = TorchRLBufferDataset(rb, 2, keys=["id"], mode="epoch", shuffle=True, seed=1, num_passes=3)
+    ds = TorchRLBufferDataset(rb, 2, keys=["id"], reading=EpochPass(shuffle=True, seed=1, num_passes=3))
     ids = [int(r["id"]) for r in ds]
     assert len(ds) == len(ids) == 15 and all(sorted(ids[k * 5 : k * 5 + 5]) == list(range(5)) for k in range(3))
     with pytest.raises(TypeError, match="num_passes=None"):
-        len(TorchRLBufferDataset(rb, 2, keys=["id"], mode="epoch", num_passes=None))
+        len(TorchRLBufferDataset(rb, 2, keys=["id"], reading=EpochPass(num_passes=None)))
     with pytest.raises(ValueError, match="num_passes"):
-        TorchRLBufferDataset(rb, 2, mode="epoch", num_passes=0)
+        EpochPass(num_passes=0)
     # the map-style snapshot is one pass, whatever num_passes says
-    snap = TorchRLBufferDataset(rb, 2, keys=["id"], mode="epoch", num_passes=None).to_hf_dataset()
+    snap = TorchRLBufferDataset(rb, 2, keys=["id"], reading=EpochPass(num_passes=None)).to_hf_dataset()
     assert sorted(snap["id"]) == list(range(5))

@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 import torch  # noqa: E402
 
 from torchrl_trl import layouts  # noqa: E402
-from torchrl_trl.data import TorchRLBufferDataset  # noqa: E402
+from torchrl_trl.data import EpochPass, Sharding, TorchRLBufferDataset  # noqa: E402
 from torchrl_trl.online import CollectorCallback, CollectorError, CollectorMetricsCallback, wait_for_items  # noqa: E402
 from torchrl_trl.online.ray import is_ray_collector, make_ray_collector, make_ray_replay_buffer  # noqa: E402
 
@@ -134,7 +134,7 @@ def test_ray_collector_feeds_trainer_then_faults(ray_session, tmp_path):
         assert n >= 4 and len(_versions(rb)) == n
         with pytest.raises(TimeoutError):  # nobody writes anymore: waiting is bounded
             wait_for_items(rb, n + 1, timeout=0.5)
-        epoch = TorchRLBufferDataset(rb, 4, format="sft_tokenized", mode="epoch")
+        epoch = TorchRLBufferDataset(rb, 4, format="sft_tokenized", reading="epoch")
         assert len(list(epoch)) == n
     finally:
         rb.close()
@@ -152,12 +152,12 @@ def test_ray_buffer_epoch_reads_each_item_once(ray_session):
     rb = make_ray_replay_buffer(32, storage=LazyTensorStorage)
     try:
         rb.extend(TensorDict({"id": torch.arange(10), "x": 3 * torch.arange(10)}, [10]))
-        ranks = [list(TorchRLBufferDataset(rb, 3, keys=["id", "x"], mode="epoch", shuffle=True, seed=2,
-                                           rank=r, world_size=2)) for r in range(2)]
+        ranks = [list(TorchRLBufferDataset(rb, 3, keys=["id", "x"], reading=EpochPass(shuffle=True, seed=2),
+                                           sharding=Sharding(rank=r, world_size=2))) for r in range(2)]
         ids = sorted(int(row["id"]) for rows in ranks for row in rows)
         assert ids == list(range(10)) and all(ranks)
         assert all(int(row["x"]) == 3 * int(row["id"]) for rows in ranks for row in rows)
-        rows = list(TorchRLBufferDataset(rb, 4, keys=["id"], index_column="index", mode="epoch").as_hf_dataset())
+        rows = list(TorchRLBufferDataset(rb, 4, keys=["id"], index_column="index", reading="epoch").as_hf_dataset())
         assert [r["index"] for r in rows] == [r["id"] for r in rows] == list(range(10))
     finally:
         rb.close()

@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from .._checks import moved_keywords, positive_int
+from .._checks import positive_int
 from . import hf
 from .buffer_reader import BufferReader, check_strings_survive
 from .columns import ColumnSpec
@@ -20,17 +20,6 @@ from .row_columns import RowColumns
 from .sharding import Sharding
 
 __all__ = ["TorchRLBufferDataset"]
-
-#: keywords that moved into ``reading=`` / ``sharding=``, and where they went
-_MOVED = {
-    "mode": "pass reading='epoch' or reading='online' (or an EpochPass / OnlineSampling)",
-    "shuffle": "pass reading=EpochPass(shuffle=...)",
-    "num_passes": "pass reading=EpochPass(num_passes=...)",
-    "seed": "pass reading=EpochPass(seed=...) or reading=OnlineSampling(seed=...)",
-    "num_shards": "pass sharding=Sharding(num_shards=...)",
-    "rank": "pass sharding=Sharding(rank=..., world_size=...)",
-    "world_size": "pass sharding=Sharding(rank=..., world_size=...)",
-}
 
 
 class TorchRLBufferDataset(torch.utils.data.IterableDataset):
@@ -69,10 +58,6 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         tokenizer: the policy's tokenizer, optional; its pad string is removed from decoded
             ``text``/``history`` (see :func:`torchrl_trl.layouts.read_text`).
 
-    Moved keywords (they work for one more release, with a ``DeprecationWarning``):
-    ``mode``, ``shuffle``, ``seed``, ``num_passes`` (into ``reading=``) and ``num_shards``,
-    ``rank``, ``world_size`` (into ``sharding=``).
-
     Yields:
         ``dict[str, Any]`` rows: Python values for ``format``/``columns``; raw keys keep
         upstream's types (tensors, non-tensor data). ``tokens.<part>`` keys: unpadded tokens.
@@ -110,18 +95,18 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
                  reading: Literal["online", "epoch"] | EpochPass | OnlineSampling | None = None,
                  sharding: Sharding | None = None,
                  sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None, index_column: str | None = None,
-                 tokenizer: Any = None, **moved) -> None:
+                 tokenizer: Any = None) -> None:
         from torchrl.data.replay_buffers import ReplayBuffer
 
-        moved = moved_keywords("TorchRLBufferDataset", moved, _MOVED)
         if not isinstance(replay_buffer, ReplayBuffer):
             got = type(replay_buffer).__name__
             raise TypeError(f"replay_buffer must be a torchrl ReplayBuffer instance, got {got}.")
         positive_int(batch_size, "batch_size")
         positive_int(num_batches, "num_batches", allow_none=True)
-        by_sharding = {k: moved.pop(k) for k in ("num_shards", "rank", "world_size") if k in moved}
-        self._reading: ReadingStrategy = reading_from_arguments(reading, num_batches=num_batches, **moved)
-        self._sharding = _sharding(sharding, by_sharding)
+        self._reading: ReadingStrategy = reading_from_arguments(reading, num_batches=num_batches)
+        if sharding is not None and not isinstance(sharding, Sharding):
+            raise TypeError(f"sharding must be a torchrl_trl.data.Sharding, got {type(sharding).__name__}")
+        self._sharding = Sharding() if sharding is None else sharding
         # a string, not the tokenizer: cheap to send to DataLoader workers
         pad_text = None if tokenizer is None else tokenizer.decode([tokenizer.pad_token_id], skip_special_tokens=False)
         self._columns = RowColumns(
@@ -240,14 +225,3 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             f"format={c.format.name if c.format is not None else None}, columns={list(c.columns)}, "
             f"reading={self._reading!r}, sharding={self._sharding!r})"
         )
-
-
-def _sharding(sharding: Sharding | None, moved: dict[str, Any]) -> Sharding:
-    """``sharding``, or the one the moved ``num_shards``/``rank``/``world_size`` make."""
-    if sharding is None:
-        return Sharding(**moved)
-    if not isinstance(sharding, Sharding):
-        raise TypeError(f"sharding must be a torchrl_trl.data.Sharding, got {type(sharding).__name__}")
-    if moved:
-        raise TypeError(f"pass {sorted(moved)} inside sharding={sharding!r}, not beside it")
-    return sharding

@@ -184,8 +184,6 @@ class OnlineSampling:
 
 
 ReadingStrategy = EpochPass | OnlineSampling
-#: ``TorchRLBufferDataset``'s moved reading keywords and their defaults
-_SHORTHANDS = {"mode": None, "shuffle": False, "seed": None, "num_passes": 1}
 
 
 def _up_to(n: int | None) -> Iterator[int]:
@@ -198,45 +196,30 @@ def _check_seed(seed: Any, name: str, expected: str) -> None:
         raise ValueError(f"{name} must be {expected}, got {seed!r}")
 
 
-def reading_from_arguments(reading: ReadingStrategy | str | None = None, *, num_batches: int | None = 1,
-                           **shorthands) -> ReadingStrategy:
-    """The strategy of ``TorchRLBufferDataset(reading=, num_batches=)``; ``shorthands``: the
-    moved ``mode``, ``shuffle``, ``seed``, ``num_passes`` (a setting of the other kind raises).
+def reading_from_arguments(reading: ReadingStrategy | str | None = None, *,
+                           num_batches: int | None = 1) -> ReadingStrategy:
+    """The strategy of ``TorchRLBufferDataset(reading=, num_batches=)``.
 
-    >>> reading_from_arguments("epoch", shuffle=True)
-    EpochPass(shuffle=True, seed=0, num_passes=1)
-    >>> reading_from_arguments(num_batches=4, seed=3)
-    OnlineSampling(num_batches=4, seed=3)
+    >>> reading_from_arguments("epoch")
+    EpochPass(shuffle=False, seed=0, num_passes=1)
+    >>> reading_from_arguments(num_batches=4)
+    OnlineSampling(num_batches=4, seed=None)
     """
-    defaults = {**_SHORTHANDS, "num_batches": 1}
-    values = {**defaults, **shorthands, "num_batches": num_batches}
-    given = sorted(k for k, v in values.items() if v != defaults[k])
-    mode, shuffle, seed, num_passes = (values[k] for k in _SHORTHANDS)
     if isinstance(reading, (EpochPass, OnlineSampling)):
-        if given:
-            raise TypeError(f"pass {given} inside reading={reading!r}, not beside it")
+        if num_batches != 1:
+            raise TypeError(f"pass num_batches={num_batches!r} inside reading={reading!r}, not beside it")
         return reading
     if reading is not None and not isinstance(reading, str):
         what = type(reading).__name__
         raise TypeError(f"reading must be 'epoch', 'online', an EpochPass or an OnlineSampling, got {what}")
-    if reading is not None and mode is not None:
-        raise TypeError(f"pass reading={reading!r} or mode={mode!r}, not both")
-    mode = reading if reading is not None else (mode or "online")
+    mode = reading or "online"
     if mode == "epoch":
         if num_batches != 1:
             raise ValueError(
                 f"num_batches={num_batches!r} is for online sampling (batches drawn by the "
                 "sampler); an epoch pass reads every stored item: set EpochPass(num_passes=)"
             )
-        return EpochPass(shuffle, 0 if seed is None else seed, num_passes)
+        return EpochPass()
     if mode != "online":
         raise ValueError(f"reading must be 'online' or 'epoch', got {mode!r}.")
-    if shuffle:
-        raise ValueError(
-            "shuffle=True is for reading='epoch' (a permuted pass over the stored items); "
-            "online sampling draws rows with the replay buffer's own sampler (give the "
-            "buffer a RandomSampler to sample at random)."
-        )
-    if "num_passes" in given:
-        raise ValueError(f"num_passes={num_passes!r} is for reading='epoch'; online sampling draws num_batches batches")
-    return OnlineSampling(num_batches, seed)
+    return OnlineSampling(num_batches)
