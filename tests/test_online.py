@@ -227,8 +227,7 @@ def _next_write(rb, cb, timeout=120.0) -> int:
 @pytest.mark.timeout(120)
 def test_collector_callback_logs_nothing_its_metrics_callback_logs(checkpoints, tmp_path):
     """Collection and metrics are two callbacks: the collector callback alone adds nothing
-    to the logs, a CollectorMetricsCallback beside it reports on it under its own prefix;
-    the keywords that moved to it still work for one release, with a DeprecationWarning."""
+    to the logs, a CollectorMetricsCallback beside it reports on it under its own prefix."""
     from trl import SFTTrainer
 
     trainer_model, tok = _load(checkpoints)
@@ -236,7 +235,7 @@ def test_collector_callback_logs_nothing_its_metrics_callback_logs(checkpoints, 
     rb = ReplayBuffer(storage=LazyStackStorage(64))
     collector = _collector(collector_model, tok, rb)
     cb = CollectorCallback(collector, min_buffer_size=4)
-    assert cb.metrics_callback is None and not cb.remote  # a local LLMCollector is not a Ray one
+    assert not cb.remote  # a local LLMCollector is not a Ray one
     cb.collect(4)
     ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None)
 
@@ -256,20 +255,6 @@ def test_collector_callback_logs_nothing_its_metrics_callback_logs(checkpoints, 
     assert [h["c/policy_version"] for h in logs] == [3, 4]
     assert [h["c/buffer_size"] for h in logs] == [h["c/write_count"] for h in logs] == [len(rb) - 4, len(rb)]
     assert not any(k.startswith(("collector/", "staleness/")) for h in logs for k in h)
-    with pytest.raises(RuntimeError, match=r"CollectorMetricsCallback\(cb\)"):
-        cb.metrics()
-
-    # deprecated: the callback builds and feeds the metrics callback itself
-    with pytest.warns(DeprecationWarning, match=r"CollectorCallback\(log_prefix=...\) is deprecated.*"
-                                               r"CollectorMetricsCallback\(cb, log_prefix=...\)"):
-        old = CollectorCallback(collector, log_prefix="old/", min_buffer_size=0)
-    with old:
-        logs = train(old)
-    assert [h["old/policy_version"] for h in logs] == [5, 6] and old.metrics()["old/policy_version"] == 6
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"logs nothing.*'log_prefix'"):
-        CollectorCallback(collector, log_metrics=False, log_prefix="x/")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'log_metric'"):
-        CollectorCallback(collector, log_metric=False)
     with pytest.raises(ValueError, match="replay_buffer="):
         CollectorMetricsCallback()
 

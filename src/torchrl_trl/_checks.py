@@ -5,7 +5,7 @@ import numbers
 import warnings
 from collections import Counter
 
-__all__ = ["WarnOnce", "check_group_size", "key_tuple", "moved_keywords", "non_negative_int", "positive_int",
+__all__ = ["WarnOnce", "check_group_size", "key_tuple", "non_negative_int", "positive_int",
            "positive_seconds", "strip_next"]
 
 
@@ -89,23 +89,3 @@ class WarnOnce:
         self.counts[reason] += n
         if first:
             warnings.warn(f"{message} (warning once)", self.category, stacklevel=stacklevel)
-
-
-def moved_keywords(owner: str, kwargs: dict, moved: dict[str, str]) -> dict:
-    """``kwargs``, each one warning with a ``DeprecationWarning`` naming its new home
-    (``moved[name]``); a keyword not in ``moved`` is a ``TypeError``.
-
-    >>> moved_keywords("Thing", {"typo": 1}, {"old": "..."})
-    Traceback (most recent call last):
-    ...
-    TypeError: Thing() got an unexpected keyword argument 'typo'
-    """
-    for name in kwargs:
-        if name not in moved:
-            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
-        warnings.warn(
-            f"{owner}({name}=...) is deprecated and goes in the next release: {moved[name]}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    return dict(kwargs)

@@ -11,24 +11,17 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .._checks import WarnOnce, moved_keywords, non_negative_int, positive_int, positive_seconds
+from .._checks import WarnOnce, non_negative_int, positive_int, positive_seconds
 from .._buffers import local_sampler
 from .._threads import run_in_thread
 from ..padding import check_policy_padding
-from .metrics import CollectorMetricsCallback, insert_before_reporters
+from .metrics import insert_before_reporters
 from .ray import is_ray_collector
 from .staleness import StalenessFilter, collector_policy_version
 from .weights import GenerationLock, push_weights
 
 #: consecutive collector batches that write nothing before ``collect`` gives up
 _MAX_EMPTY_BATCHES = 64
-
-#: keywords that configured the metrics this callback used to log, and where they went
-_MOVED_TO_METRICS = {
-    "log_metrics": "the metrics are logged by a second callback: trainer.add_callback(CollectorMetricsCallback(cb))",
-    "log_buffer_staleness": "pass it to CollectorMetricsCallback(cb, log_buffer_staleness=...)",
-    "log_prefix": "pass it to CollectorMetricsCallback(cb, log_prefix=...)",
-}
 
 __all__ = ["CollectorCallback", "CollectorError", "wait_for_items"]
 
@@ -107,12 +100,12 @@ class CollectorCallback(TrainerCallback):
         staleness: a :class:`StalenessFilter` whose ``consumer_version`` follows the policy version.
         shutdown_on_end: shut a local collector down in :meth:`close`.
 
-    Metrics are logged by ``CollectorMetricsCallback(cb)`` (``log_metrics=``, ``log_buffer_staleness=``
-    and ``log_prefix=`` still work, deprecated). Use as a context manager (or call :meth:`close`).
+    Metrics are logged by a second callback, ``CollectorMetricsCallback(cb)``. Use as a context
+    manager (or call :meth:`close`).
 
     >>> from torchrl.collectors.llm import LLMCollector
     >>> from torchrl.data import LazyStackStorage, ReplayBuffer
-    >>> from torchrl_trl import testing
+    >>> from torchrl_trl import CollectorMetricsCallback, testing
     >>> tok = testing.make_tokenizer()
     >>> policy = testing.make_policy_wrapper(testing.make_policy(tok), tok, max_new_tokens=2)
     >>> env = testing.make_chat_env([{"query": "1+1?", "answer": "2"}], batch_size=2)
@@ -131,9 +124,8 @@ class CollectorCallback(TrainerCallback):
         self, collector, *, replay_buffer=None, frames_per_step: int | None = None, collect_every: int = 1,
         background: bool = False, min_buffer_size: int = 1, wait_timeout: float | None = 60.0,
         update_weights_every: int = 1, weights_fn: Callable[[torch.nn.Module], Any] | None = None,
-        staleness: StalenessFilter | None = None, shutdown_on_end: bool = False, **moved
+        staleness: StalenessFilter | None = None, shutdown_on_end: bool = False,
     ) -> None:
-        moved = moved_keywords("CollectorCallback", moved, _MOVED_TO_METRICS)
         rb = replay_buffer if replay_buffer is not None else getattr(collector, "replay_buffer", None)
         if rb is None:
             raise ValueError("CollectorCallback: the collector has no replay_buffer; build it with "
@@ -166,12 +158,6 @@ class CollectorCallback(TrainerCallback):
         self._started_remote = False
         self._warnings = WarnOnce()
         self._hung: threading.Thread | None = None  # a sync batch that outlived wait_timeout
-        # deprecated: the callback built a CollectorMetricsCallback and forwarded its events
-        self.metrics_callback: CollectorMetricsCallback | None = None
-        if moved and moved.pop("log_metrics", True):
-            self.metrics_callback = CollectorMetricsCallback(self, **moved)
-        elif moved:
-            raise ValueError(f"CollectorCallback: log_metrics=False logs nothing that {sorted(moved)} could configure")
 
     def _write_count(self) -> int:
         return int(self.replay_buffer.write_count)
@@ -347,13 +333,6 @@ class CollectorCallback(TrainerCallback):
             missing = self.min_buffer_size - len(self.replay_buffer)
             if missing > 0:
                 self.collect(missing, model=model)
-        if self.metrics_callback is not None:
-            self.metrics_callback.on_train_begin(args, state, control, **kwargs)
-        return control
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.metrics_callback is not None:
-            self.metrics_callback.on_step_begin(args, state, control, **kwargs)
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -367,17 +346,6 @@ class CollectorCallback(TrainerCallback):
             self.push_weights(model)
         if not (self.background or self.remote) and step % self.collect_every == 0:
             self.collect(model=model)
-        return control
-
-    def metrics(self) -> dict[str, float]:
-        """Deprecated: call ``CollectorMetricsCallback(cb).metrics()``."""
-        if self.metrics_callback is None:
-            raise RuntimeError("CollectorCallback keeps no metrics; they are CollectorMetricsCallback(cb).metrics()")
-        return self.metrics_callback.metrics()
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.metrics_callback is not None:
-            self.metrics_callback.on_log(args, state, control, logs=logs, **kwargs)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
