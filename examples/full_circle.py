@@ -60,7 +60,7 @@ def run(workdir, *, seed=0, train_prompts=32, heldout_prompts=16, group_size=4, 
     from trl import RewardConfig, RewardTrainer
 
     from torchrl_trl import testing
-    from torchrl_trl.data import TorchRLBufferDataset
+    from torchrl_trl.data import EpochPass, TorchRLBufferDataset
     from torchrl_trl.data.groups import SkippedRolloutsWarning
     from torchrl_trl.data.preference import preference_pairs
     from torchrl_trl.rewards import HFRewardModelWrapper, HFRewardTransform
@@ -83,7 +83,7 @@ def run(workdir, *, seed=0, train_prompts=32, heldout_prompts=16, group_size=4, 
     args = RewardConfig(output_dir=str(workdir / "rm"), max_steps=steps, per_device_train_batch_size=8,
                         learning_rate=learning_rate, seed=seed, use_cpu=True, bf16=False, report_to=[],
                         save_strategy="no", logging_steps=steps, disable_tqdm=True)
-    dataset = TorchRLBufferDataset(pairs, 8, format="dpo_conversational", mode="epoch", shuffle=True, seed=seed)
+    dataset = TorchRLBufferDataset(pairs, 8, format="dpo_conversational", reading=EpochPass(shuffle=True, seed=seed))
     trainer = RewardTrainer(model=AutoModelForSequenceClassification.from_pretrained(ckpt.reward_model),
                             args=args, train_dataset=dataset.as_hf_dataset(), processing_class=tok)
     trainer.train()

@@ -62,7 +62,7 @@ def train_dpo(cfg: dict, model, tokenizer, buffer):
     """``preference_pairs`` -> ``TorchRLBufferDataset`` -> ``trl.DPOTrainer``. Returns the trainer."""
     from trl import DPOConfig, DPOTrainer
 
-    from torchrl_trl import TorchRLBufferDataset
+    from torchrl_trl import EpochPass, TorchRLBufferDataset
     from torchrl_trl.data.preference import preference_pairs
 
     p = cfg["pairs"]
@@ -71,7 +71,7 @@ def train_dpo(cfg: dict, model, tokenizer, buffer):
     print(f"{len(pairs)} preference pairs; skipped: {pairs.build_stats}")
     d = dict(cfg["dpo"])
     dataset = TorchRLBufferDataset(pairs, batch_size=d["per_device_train_batch_size"],
-                                   format="dpo_conversational", mode="epoch", shuffle=True, seed=cfg["seed"])
+                                   format="dpo_conversational", reading=EpochPass(shuffle=True, seed=cfg["seed"]))
     on_cpu = cfg["device"] == "cpu"
     args = DPOConfig(
         output_dir=str(Path(cfg["output_dir"]) / "dpo"), seed=cfg["seed"],
