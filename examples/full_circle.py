@@ -96,8 +96,7 @@ def run(workdir, *, seed=0, train_prompts=32, heldout_prompts=16, group_size=4, 
         transforms=[RewardFunctionWrapper(digit_count, reward_key=("next", "true_reward")).as_transform(),
                     HFRewardTransform(str(workdir / "rm_trained"))],
     )
-    HFRewardModelWrapper(str(ckpt.reward_model), reward_key=("next", "untrained_reward"), reward_shape="step",
-                         inference_mode=True)(heldout[:])
+    HFRewardModelWrapper.for_grpo(str(ckpt.reward_model), reward_key=("next", "untrained_reward"))(heldout[:])
 
     # 4. does the learned reward rank the held-out pairs as the function does?
     with warnings.catch_warnings():

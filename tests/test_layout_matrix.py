@@ -25,7 +25,7 @@ from torchrl.data import LazyMemmapStorage, LazyStackStorage, LazyTensorStorage,
 from torchrl.data.llm import History
 from torchrl.modules.llm import TransformersWrapper
 
-from torchrl_trl import HFRewardModelWrapper, RewardFunctionWrapper, layouts
+from torchrl_trl import HFRewardModelWrapper, RewardFunctionWrapper, RewardRenderer, layouts
 from torchrl_trl.data import TorchRLBufferDataset
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy, make_tokenizer
 
@@ -308,9 +308,9 @@ def test_reward_model_own_tokenizer(produced, reward_models, producer, storage):
     _, rm, rm_tok = reward_models
     if _strings_lost(produced, producer, storage):
         with _refused():
-            HFRewardModelWrapper(rm, tokenizer=rm_tok, inference_mode=True)(td.copy())
+            HFRewardModelWrapper(rm, renderer=RewardRenderer(tokenizer=rm_tok), inference_mode=True)(td.copy())
         return
-    out = HFRewardModelWrapper(rm, tokenizer=rm_tok, inference_mode=True)(td.copy())
+    out = HFRewardModelWrapper(rm, renderer=RewardRenderer(tokenizer=rm_tok), inference_mode=True)(td.copy())
     got = out.get("reward").reshape(-1)
     want = []
     for s in _samples(td):

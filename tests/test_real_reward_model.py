@@ -192,7 +192,7 @@ def test_quickstart2_plain_wrapper_pad_eos(smollm2_model, tok, rm, greedy_replie
     from torchrl.modules.llm import TransformersWrapper
 
     model, rm_tok = rm
-    scorer = HFRewardModelWrapper.for_grpo(model, tokenizer=rm_tok, renderer=RewardRenderer(policy_tokenizer=tok))
+    scorer = HFRewardModelWrapper.for_grpo(model, renderer=RewardRenderer(tokenizer=rm_tok, policy_tokenizer=tok))
     env = make_chat_env([{"query": q} for q in SAME_LENGTH_QUERIES], batch_size=2, group_size=1)
     env = env.append_transform(HFRewardTransform(scorer))
     plain = TransformersWrapper(
@@ -240,7 +240,7 @@ def test_wrapper_on_policy_outputs(smollm2_model, tok, rm, greedy_replies, input
     env = ChatEnv.from_dataloader(dataloader=prompt_dataloader(rows, 2), batch_size=2, repeats=1,
                                   input_mode=input_mode, tokenizer=tok).append_transform(StepCounter(max_steps=1))
     model, rm_tok = rm
-    scorer = HFRewardModelWrapper(model, tokenizer=rm_tok, renderer=RewardRenderer(policy_tokenizer=tok),
+    scorer = HFRewardModelWrapper(model, renderer=RewardRenderer(tokenizer=rm_tok, policy_tokenizer=tok),
                                   inference_mode=True)
     diffs = []
     for pad_output in (True, False):

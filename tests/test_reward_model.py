@@ -9,7 +9,7 @@ from tensordict import NonTensorStack, TensorDict, lazy_stack
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from torchrl_trl.layouts import Ragged
-from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching, RewardRenderer, RunningRewardNorm
+from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching, RewardOutput, RewardRenderer, RunningRewardNorm
 
 CONVS = [
     [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "four"}],
@@ -255,7 +255,7 @@ def test_multi_label_head(checkpoints, tok):
     td = _ragged_td(_ids(tok))
     with pytest.raises(ValueError, match="num_labels=3.*head_index"):
         HFRewardModelWrapper(model)(td.clone())
-    r = HFRewardModelWrapper(model, head_index=2, inference_mode=True)(td.clone())["reward"]
+    r = HFRewardModelWrapper(model, output=RewardOutput(head_index=2), inference_mode=True)(td.clone())["reward"]
     with torch.no_grad():
         ref = torch.stack([model(input_ids=torch.tensor([i])).logits[0, 2] for i in _ids(tok)])
     torch.testing.assert_close(r, ref, atol=1e-5, rtol=0)
@@ -276,7 +276,7 @@ def test_bad_input_errors(checkpoints, tok, rm):
     # a tokenizer whose vocabulary does not fit the model
     big = make_tokenizer(vocab_size=200)
     with pytest.raises(ValueError, match="200 tokens.*160 rows"):
-        HFRewardModelWrapper(rm, tokenizer=big)
+        HFRewardModelWrapper(rm, renderer=RewardRenderer(tokenizer=big))
     with pytest.raises(ValueError, match=r"token id 500 in sample 0 is outside the model's embedding.*policy_tokenizer"):
         HFRewardModelWrapper(rm)(_ragged_td([[1, 2, 500]]))
     # no pad token
@@ -312,13 +312,13 @@ class _NaNModel(torch.nn.Module):
 
 def test_nonfinite_rewards(tok):
     td = _ragged_td(_ids(tok))
-    with pytest.raises(FloatingPointError, match="non-finite"):
+    with pytest.raises(FloatingPointError, match=r"expected finite rewards, the model returned \d NaN/inf of 4"):
         HFRewardModelWrapper(_NaNModel(), batching=RewardBatching(pad_token_id=0))(td.clone())
-    w = HFRewardModelWrapper(_NaNModel(), on_nonfinite=0.0, batching=RewardBatching(max_batch_size=1))
+    w = HFRewardModelWrapper(_NaNModel(), output=RewardOutput(on_nonfinite=0.0), batching=RewardBatching(max_batch_size=1))
     with pytest.warns(RuntimeWarning, match="non-finite"):
         r = w(td.clone())["reward"]
     assert w.nonfinite_count == 4 and torch.equal(r, torch.zeros(4))
-    kept = HFRewardModelWrapper(_NaNModel(), on_nonfinite="warn", batching=RewardBatching(max_batch_size=1))
+    kept = HFRewardModelWrapper(_NaNModel(), output=RewardOutput(on_nonfinite="warn"), batching=RewardBatching(max_batch_size=1))
     with pytest.warns(RuntimeWarning, match="non-finite"):
         r = kept(td.clone())["reward"]
     assert kept.nonfinite_count == 4 and bool(r.isnan().all())
@@ -378,16 +378,27 @@ def test_batching_arguments_checked_at_construction(kwargs, error, words):
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        ({"head_index": 0.5}, TypeError, "head_index"),
-        ({"on_nonfinite": float("inf")}, ValueError, "on_nonfinite"),
-        ({"on_nonfinite": "ignore"}, ValueError, "on_nonfinite"),
-        ({"reward_shape": "column"}, ValueError, "reward_shape"),
-        ({"renderer": {"part": "response"}}, TypeError, "renderer must be a RewardRenderer"),
-        ({"batching": 128}, TypeError, "batching must be a RewardBatching"),
+        ({"head_index": 0.5}, TypeError, "RewardOutput: head_index must be an int or None, got 0.5"),
+        ({"on_nonfinite": float("inf")}, ValueError, "RewardOutput: on_nonfinite"),
+        ({"on_nonfinite": "ignore"}, ValueError, "RewardOutput: on_nonfinite"),
+        ({"shape": "column"}, ValueError, "reward_shape"),
     ],
 )
-def test_numeric_arguments_checked_at_construction(rm, kwargs, error, words):
+def test_output_arguments_checked_at_construction(kwargs, error, words):
     with pytest.raises(error, match=words):
+        RewardOutput(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"renderer": {"part": "response"}}, "HFRewardModelWrapper: renderer must be a RewardRenderer or None, got dict"),
+        ({"batching": 128}, "HFRewardModelWrapper: batching must be a RewardBatching or None, got int"),
+        ({"output": "step"}, "HFRewardModelWrapper: output must be a RewardOutput or None, got str"),
+    ],
+)
+def test_config_arguments_checked_at_construction(rm, kwargs, words):
+    with pytest.raises(TypeError, match=words):
         HFRewardModelWrapper(rm, **kwargs)
 
 
@@ -457,10 +468,11 @@ def test_from_pretrained_places_and_casts(checkpoints, rm, tok):
     )
     assert next(scorer.model.parameters()).dtype == torch.bfloat16
     assert scorer.tokenizer is not None and not scorer.model.training
-    with pytest.raises(TypeError, match="from_pretrained takes a local directory"):
+    with pytest.raises(TypeError, match="HFRewardModelWrapper.from_pretrained: expected a local directory"):
         HFRewardModelWrapper.from_pretrained(rm)
-    # wrapper arguments pass through; the tokenizer given is used instead of the saved one
-    scorer = HFRewardModelWrapper.from_pretrained(checkpoints.reward_model, tokenizer=tok, reward_shape="step")
+    # wrapper arguments pass through; the renderer's tokenizer is used instead of the saved one
+    scorer = HFRewardModelWrapper.from_pretrained(checkpoints.reward_model, renderer=RewardRenderer(tokenizer=tok),
+                                                  output=RewardOutput(shape="step"))
     assert scorer.tokenizer is tok and scorer.reward_shape == "step"
 
 

@@ -18,7 +18,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer  # no
 
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.layouts import Ragged  # noqa: E402
-from torchrl_trl.rewards import HFRewardModelWrapper, HFRewardTransform, RewardBatching, RewardRenderer  # noqa: E402
+from torchrl_trl.rewards import (  # noqa: E402
+    HFRewardModelWrapper, HFRewardTransform, RewardBatching, RewardOutput, RewardRenderer,
+)
 from torchrl_trl.rewards.service import RewardServiceClient, RewardServiceError  # noqa: E402
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper  # noqa: E402
 
@@ -66,7 +68,8 @@ def _collect_in_worker(path, policy_path, actor_name):
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(policy_path)
     model = AutoModelForCausalLM.from_pretrained(policy_path).eval()
-    client = RewardServiceClient(path, actor_name=actor_name, renderer=RewardRenderer(policy_tokenizer=tok), timeout=60)
+    client = RewardServiceClient(path, renderer=RewardRenderer(policy_tokenizer=tok), remote_config={"name": actor_name},
+                                 timeout=60)
     tf = HFRewardTransform(client)
     env = make_chat_env(ROWS, batch_size=2, group_size=1).append_transform(tf)
     rb = collect_rollouts(make_policy_wrapper(model, tok, max_new_tokens=6), env, total_turns=4, seed=1)
@@ -78,8 +81,8 @@ def _collect_in_worker(path, policy_path, actor_name):
 def test_two_collectors_share_one_service(ray_session, checkpoints, policy_and_tokenizer):
     model, tok = policy_and_tokenizer
     path = str(checkpoints.reward_model_other_tokenizer)
-    client = RewardServiceClient(path, actor_name="rm-shared", renderer=RewardRenderer(policy_tokenizer=tok),
-                                 remote_config={"num_cpus": 0}, timeout=60)  # fmt: skip
+    client = RewardServiceClient(path, renderer=RewardRenderer(policy_tokenizer=tok),
+                                 remote_config={"name": "rm-shared", "num_cpus": 0}, timeout=60)  # fmt: skip
     tf = HFRewardTransform(client)
     assert tf.in_keys == [("history", "full")] and tf.out_keys == [("next", "reward")]
     # the second collector runs in another process, concurrently with the first
@@ -118,8 +121,8 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
     path = str(checkpoints.reward_model_other_tokenizer)
     # 3 s of bounded wait: five threads released by one barrier meet in one flush even on
     # a busy machine
-    client = RewardServiceClient(path, actor_name="rm-batching", batching=RewardBatching(max_tokens_per_batch=64), max_wait_ms=3000,
-                                 remote_config={"num_cpus": 0}, timeout=60)  # fmt: skip
+    client = RewardServiceClient(path, batching=RewardBatching(max_tokens_per_batch=64), max_wait_ms=3000,
+                                 remote_config={"name": "rm-batching", "num_cpus": 0}, timeout=60)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
 
     def seqs(lengths):
@@ -162,7 +165,8 @@ def test_concurrent_requests_coalesce_split_and_route_back(ray_session, checkpoi
 
     # a caller whose timeout is shorter than the service takes (here: it holds a lone
     # request up to 3 s for company) gets the error naming its timeout, not a hang
-    impatient = RewardServiceClient(path, actor_name="rm-batching", batching=RewardBatching(max_tokens_per_batch=64), timeout=0.3)
+    impatient = RewardServiceClient(path, batching=RewardBatching(max_tokens_per_batch=64),
+                                    remote_config={"name": "rm-batching"}, timeout=0.3)
     with pytest.raises(RewardServiceError, match=r"'rm-batching' did not answer score\(\) within timeout=0\.3s"):
         impatient.score_ids(Ragged.from_list(seqs([5])))
     client.shutdown()
@@ -180,7 +184,7 @@ def test_restart_if_configured_then_killed_service_errors_within_bound(ray_sessi
     assert ref[0] != ref[1]
     torch.testing.assert_close(HFRewardModelWrapper(path, inference_mode=True).score_texts(texts), ref, atol=1e-5, rtol=0)
     # the caller's timeout outlasts the test's: an error by the timeout could not pass
-    client = RewardServiceClient(path, actor_name="rm-faults", remote_config={"num_cpus": 0, "max_restarts": 1}, timeout=600)
+    client = RewardServiceClient(path, remote_config={"name": "rm-faults", "num_cpus": 0, "max_restarts": 1}, timeout=600)
     torch.testing.assert_close(client.score_texts(texts), ref, atol=1e-5, rtol=0)
     pid = client.info()["pid"]
     # max_restarts=1: Ray restarts the killed actor (weights reloaded) and the call goes through
@@ -197,20 +201,16 @@ def test_restart_if_configured_then_killed_service_errors_within_bound(ray_sessi
 def test_service_arguments_are_checked(checkpoints, policy_and_tokenizer):
     model, tok = policy_and_tokenizer
     path = str(checkpoints.reward_model)
-    with pytest.raises(TypeError, match="local path"):
+    with pytest.raises(TypeError, match="RewardServiceClient: expected a local path"):
         RewardServiceClient(model)
-    with pytest.raises(ValueError, match="timeout must be a finite"):
+    with pytest.raises(ValueError, match="RewardServiceClient: timeout must be a finite"):
         RewardServiceClient(path, timeout=float("inf"))
-    with pytest.raises(ValueError, match="inference_mode=False"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'inference_mode'"):
         RewardServiceClient(path, inference_mode=False)
-    with pytest.raises(TypeError, match=r"RewardServiceClient\(\) got unexpected keyword argument\(s\) \['max_tokens'\]"):
-        RewardServiceClient(path, max_tokens=3)
-    # a model-side loading argument is accepted (it applies in the actor): the next error is
-    # the timeout's
-    with pytest.raises(ValueError, match="timeout must be a finite"):
-        RewardServiceClient(path, device="cpu", dtype=torch.float32, timeout=float("inf"))
-    with pytest.raises(ValueError, match="name the actor with actor_name="):
-        RewardServiceClient(path, remote_config={"name": "rm"})
+    with pytest.raises(TypeError, match="RewardServiceClient: model_kwargs takes load_reward_model's loading"):
+        RewardServiceClient(path, model_kwargs={"load_tokenizer": False})
+    with pytest.raises(TypeError, match="RewardServiceClient: output must be a RewardOutput or None, got str"):
+        RewardServiceClient(path, output="step")
     with pytest.raises(TypeError, match="use_ray_service=True serves the reward model from a local path"):
         HFRewardTransform(HFRewardModelWrapper(path), use_ray_service=True)
 
@@ -260,21 +260,23 @@ def test_ray_options_reach_the_actor(checkpoints, recording_ray):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(_Created):
-            RewardServiceClient(path, actor_name="rm", remote_config=ray_options,
-                                batching=RewardBatching(pad_token_id=0))
+            RewardServiceClient(path, remote_config={**ray_options, "name": "rm"}, batching=RewardBatching(pad_token_id=0),
+                                output=RewardOutput(head_index=1, shape="step"), model_kwargs={"device": "cpu"})
     assert recording_ray["options"] == {**ray_options, "name": "rm", "get_if_exists": True, "lifetime": "detached",
                                      "max_task_retries": -1, "max_concurrency": 1000}
-    (model_path, settings), kwargs = recording_ray["args"]
-    assert model_path == path and settings == {"batching": RewardBatching(pad_token_id=0)}
-    assert kwargs == {"max_wait_ms": 5.0}
+    (model_path,), kwargs = recording_ray["args"]
+    # the service-side settings: batching, the output's head (not its shape, the caller's), loading
+    assert model_path == path and kwargs == {"batching": RewardBatching(pad_token_id=0),
+                                             "output": RewardOutput(head_index=1), "model_kwargs": {"device": "cpu"},
+                                             "max_wait_ms": 5.0}
 
 
 def test_private_actor_options(checkpoints, recording_ray):
     with pytest.raises(_Created):
-        RewardServiceClient(str(checkpoints.reward_model), remote_config={"lifetime": "detached"}, device="cpu")
+        RewardServiceClient(str(checkpoints.reward_model), remote_config={"lifetime": "detached"})
     # unnamed: no name, no lifetime (it dies with its creator), no retries without restarts
     assert recording_ray["options"] == {"max_restarts": 0, "max_task_retries": 0, "max_concurrency": 1000}
-    assert recording_ray["args"][0][1] == {"device": "cpu"}
+    assert recording_ray["args"][1]["model_kwargs"] == {}
 
 
 @pytest.mark.distributed  # starts Ray: a reward-model service actor

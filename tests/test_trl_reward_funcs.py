@@ -8,7 +8,7 @@ from tensordict import TensorDict, lazy_stack
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 
 from torchrl_trl import layouts
-from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching, RewardExecutor
+from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching, RewardExecutor, RewardRenderer
 from torchrl_trl.rewards.trl_funcs import as_trl_reward_func, rollouts_from_trl
 
 QUESTIONS = ["what is two plus two?", "hello world", "a b c", "how are you today? " * 6]
@@ -56,7 +56,7 @@ def test_equals_trl_reward_model_path(checkpoints, reward_models, tmp_path):
     toks = [reward_models[n][1] for n in ("reward_model", "reward_model_other_tokenizer")]
     # tiny token budget: several micro-batches per call, sorted by length
     ours = [
-        as_trl_reward_func(HFRewardModelWrapper(m, tokenizer=t, batching=RewardBatching(max_tokens_per_batch=96)), name=f"ours{i}")
+        as_trl_reward_func(HFRewardModelWrapper(m, renderer=RewardRenderer(tokenizer=t), batching=RewardBatching(max_tokens_per_batch=96)), name=f"ours{i}")
         for i, (m, t) in enumerate(zip(models, toks))
     ]
     args = GRPOConfig(

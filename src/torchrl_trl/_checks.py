@@ -5,7 +5,7 @@ import numbers
 import warnings
 from collections import Counter
 
-__all__ = ["WarnOnce", "check_group_size", "key_tuple", "non_negative_int", "positive_int",
+__all__ = ["WarnOnce", "check_group_size", "config_or_default", "key_tuple", "non_negative_int", "positive_int",
            "positive_seconds", "strip_next"]
 
 
@@ -17,6 +17,27 @@ def check_group_size(group_size) -> None:
     """A ``ValueError`` unless ``group_size`` is ``None`` or an int >= 2 (completions per prompt)."""
     if group_size is not None and (not _is_int(group_size) or group_size < 2):
         raise ValueError(f"group_size must be an integer >= 2 or None, got {group_size!r}")
+
+
+def config_or_default(value, cls: type, name: str, owner: str):
+    """``value`` if it is a ``cls`` (``None``: ``cls()``), else a ``TypeError`` naming ``owner`` and ``name``.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Batching:
+    ...     size: int = 4
+    >>> config_or_default(None, Batching, "batching", "Scorer")
+    Batching(size=4)
+    >>> config_or_default({"size": 2}, Batching, "batching", "Scorer")
+    Traceback (most recent call last):
+    ...
+    TypeError: Scorer: batching must be a Batching or None, got dict
+    """
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{owner}: {name} must be a {cls.__name__} or None, got {type(value).__name__}")
+    return value
 
 
 def positive_int(value, name: str, *, allow_none: bool = False):

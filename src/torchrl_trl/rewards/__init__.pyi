@@ -4,7 +4,7 @@ from .functions import RewardFunctionWrapper as RewardFunctionWrapper
 from .executors import RewardExecutor as RewardExecutor
 from .batching import RewardBatching as RewardBatching
 from .model import HFRewardModelWrapper as HFRewardModelWrapper, load_reward_model as load_reward_model
-from .postprocess import RunningRewardNorm as RunningRewardNorm
+from .postprocess import RewardOutput as RewardOutput, RunningRewardNorm as RunningRewardNorm
 from .render import RewardRenderer as RewardRenderer
 from .reward_transform import RewardTransform as RewardTransform
 from .service import RewardServiceClient as RewardServiceClient, RewardServiceError as RewardServiceError

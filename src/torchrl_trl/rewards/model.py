@@ -4,9 +4,10 @@ superset of ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper``."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -15,14 +16,14 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from .. import layouts
-from .._checks import WarnOnce
+from .._checks import WarnOnce, config_or_default
 from .._token_ids import check_token_ids, check_tokenizer_fits, embedding_size
 from ..layouts import Ragged
 from .batching import RewardBatching
 from .packing import causal_classifier, packing_unsupported, score_pack
-from .postprocess import NonFiniteRewards, extract_scores, select_head
+from .postprocess import NonFiniteRewards, RewardOutput, extract_scores, select_head
 from .render import RewardRenderer
-from .shape import RewardShape, trailing_dims
+from .shape import RewardShape
 from .writing import write_rewards
 
 __all__ = ["HFRewardModelWrapper", "load_reward_model"]
@@ -64,12 +65,11 @@ class RenderingScorer:
     reward_key: NestedKey
     reward_shape: RewardShape
 
-    def _bind_renderer(self, renderer, tokenizer, *, token_key, attention_mask_key, eos_token_id,
-                       reward_key) -> None:  # fmt: skip
-        """Bind ``renderer`` (default ``RewardRenderer()``) to the tokenizer and keys."""
-        renderer = RewardRenderer() if renderer is None else renderer
-        if not isinstance(renderer, RewardRenderer):
-            raise TypeError(f"renderer must be a RewardRenderer, got {type(renderer).__name__}")
+    def _bind_renderer(self, renderer: RewardRenderer, loaded_tokenizer, *, token_key, attention_mask_key,
+                       eos_token_id, reward_key) -> None:  # fmt: skip
+        """Bind ``renderer`` to its tokenizer (else ``loaded_tokenizer``, the one saved beside
+        the model) and the keys."""
+        tokenizer = loaded_tokenizer if renderer.tokenizer is None else renderer.tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
         self.renderer = renderer.bind(
             tokenizer, token_key=token_key, attention_mask_key=attention_mask_key,
@@ -117,23 +117,24 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
     Reads each sample's tokens, text or chat and writes one reward per sample.
 
     Args:
-        model: a loaded reward model (output ``logits``/``rewards`` ``[n]`` or
-            ``[n, num_labels]``) used as it is, or a local path (:meth:`from_pretrained`).
+        model (nn.Module or str or os.PathLike): a loaded reward model (output
+            ``logits``/``rewards`` ``[n]`` or ``[n, num_labels]``) used as it is, or a local
+            path (:meth:`from_pretrained`).
 
     Keyword Args:
-        token_key: where token ids are read (default ``("tokens", part)``).
-        attention_mask_key: mask of real tokens, required with tokens. ``None``: every
-            stored token is real (the mask is passed only where padding needs it).
-        reward_key: where the reward is written (default ``"reward"``).
-        inference_mode: ``True`` scores under ``torch.no_grad()`` (default ``False``).
-        tokenizer: the reward model's tokenizer, for text/chat inputs and re-tokenisation.
-        renderer: a :class:`RewardRenderer` (what the model sees).
-        batching: a :class:`RewardBatching` (how it is fed).
-        head_index: which output of a multi-label head is the reward.
-        reward_shape: ``"flat"`` ``[*B]``, ``"trailing"`` ``[*B, 1]`` or ``"step"``
-            ``[*B, 1, 1]`` (see :mod:`torchrl_trl.rewards.shape`).
-        on_nonfinite: ``"raise"`` (default) on NaN/inf scores, ``"warn"`` or a number
-            written instead.
+        token_key (NestedKey, optional): where token ids are read. Defaults to ``None``:
+            ``("tokens", part)``.
+        attention_mask_key (NestedKey or None, optional): mask of real tokens, required with
+            tokens; ``None``: every stored token is real (the mask is passed only where padding
+            needs it). Defaults to ``("masks", "all_attention_mask")``.
+        reward_key (NestedKey, optional): where the reward is written. Defaults to ``"reward"``.
+        inference_mode (bool, optional): score under ``torch.no_grad()``. Defaults to ``False``.
+        renderer (RewardRenderer, optional): what the model sees, with the reward model's
+            tokenizer (else the one saved beside a model loaded by path). Defaults to
+            ``RewardRenderer()``.
+        batching (RewardBatching, optional): how it is fed. Defaults to ``RewardBatching()``.
+        output (RewardOutput, optional): which head, what a NaN/inf score does, the written
+            shape. Defaults to ``RewardOutput()`` (one score per input, non-finite raises, ``[*B]``).
 
     The first four keyword arguments are upstream's, with the same meaning and defaults. A
     module with no ``config`` and no pad id (a stand-in, as in upstream's tests) gets the
@@ -170,34 +171,31 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
     def __init__(
         self, model: nn.Module | str | os.PathLike, *, token_key: NestedKey | None = None,
         attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY, reward_key: NestedKey = "reward",
-        inference_mode: bool = False, tokenizer: Any = None, renderer: RewardRenderer | None = None,
-        batching: RewardBatching | None = None, head_index: int | None = None, reward_shape: RewardShape = "flat",
-        on_nonfinite: Literal["raise", "warn"] | float = "raise",
+        inference_mode: bool = False, renderer: RewardRenderer | None = None, batching: RewardBatching | None = None,
+        output: RewardOutput | None = None,
     ) -> None:  # fmt: skip
-        batching = RewardBatching() if batching is None else batching
-        if not isinstance(batching, RewardBatching):
-            raise TypeError(f"{type(self).__name__}: batching must be a RewardBatching, got {type(batching).__name__}")
+        name = type(self).__name__
+        renderer = config_or_default(renderer, RewardRenderer, "renderer", name)
+        batching = config_or_default(batching, RewardBatching, "batching", name)
+        output = config_or_default(output, RewardOutput, "output", name)
         super().__init__()
+        loaded_tok = None
         if isinstance(model, (str, os.PathLike)):
-            model, loaded_tok = load_reward_model(model, load_tokenizer=tokenizer is None)
-            tokenizer = tokenizer if tokenizer is not None else loaded_tok
-        trailing_dims(reward_shape)  # checks the name
-        if head_index is not None and (type(head_index) is bool or not isinstance(head_index, int)):
-            raise TypeError(f"head_index must be an int or None, got {head_index!r}")
+            model, loaded_tok = load_reward_model(model, load_tokenizer=renderer.tokenizer is None)
         if batching.packing and (reason := packing_unsupported(model)) is not None:
-            raise ValueError(f"RewardBatching(packing=True): {reason}; use packing=False (padded micro-batches)")
+            raise ValueError(f"{name}: RewardBatching(packing=True) is refused: {reason}; use packing=False")
         self.model, self.inference_mode, self.attention_mask_key = model, inference_mode, attention_mask_key
-        self.batching, self.reward_shape, self.head_index = batching, reward_shape, head_index
+        self.batching, self.output, self.reward_shape = batching, output, output.shape
         config = getattr(model, "config", None)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._text_config = text_config
         self.max_length = batching.max_length or getattr(text_config, "max_position_embeddings", None)
         self.num_embeddings = embedding_size(model)
-        check_tokenizer_fits(tokenizer, self.num_embeddings)
+        check_tokenizer_fits(loaded_tok if renderer.tokenizer is None else renderer.tokenizer, self.num_embeddings)
         self.pad_token_id = self._resolve_pad(batching.pad_token_id)
         eos = getattr(text_config, "eos_token_id", None)
         self._bind_renderer(
-            renderer, tokenizer, token_key=token_key, attention_mask_key=attention_mask_key,
+            renderer, loaded_tok, token_key=token_key, attention_mask_key=attention_mask_key,
             eos_token_id=eos[0] if isinstance(eos, (list, tuple)) and eos else eos,
             reward_key=reward_key,
         )  # fmt: skip
@@ -206,18 +204,17 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         self._model_takes_mask = _takes_argument(model, "attention_mask")
         # right padding comes after every real token: a causal decoder needs no mask for it
         self._causal = causal_classifier(model)
-        self._nonfinite = NonFiniteRewards(on_nonfinite)
+        self._nonfinite = NonFiniteRewards(output.on_nonfinite)
         self._truncations = WarnOnce(RuntimeWarning)
         self.real_tokens = self.processed_tokens = 0
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, device: torch.device | str | None = None,
                         dtype: torch.dtype | str | None = None, trust_remote_code: bool = False,
-                        model_kwargs: dict | None = None, tokenizer: Any = None,
-                        **wrapper_kwargs) -> HFRewardModelWrapper:
+                        model_kwargs: dict | None = None, **wrapper_kwargs) -> HFRewardModelWrapper:
         """Load a reward model from a local directory with :func:`load_reward_model` and
-        wrap it; ``tokenizer`` replaces the one at ``path``, ``**wrapper_kwargs`` go to the
-        constructor.
+        wrap it; ``**wrapper_kwargs`` go to the constructor. The tokenizer saved at ``path``
+        is loaded unless ``renderer`` has one.
 
         Examples:
             >>> import tempfile
@@ -232,20 +229,26 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         """
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
-                f"from_pretrained takes a local directory, got a {type(path).__name__}; wrap a "
-                "loaded model with HFRewardModelWrapper(model, ...)"
+                f"{cls.__name__}.from_pretrained: expected a local directory, got a {type(path).__name__}; "
+                f"wrap a loaded model with {cls.__name__}(model, ...)"
             )
-        model, loaded_tok = load_reward_model(
+        renderer = config_or_default(wrapper_kwargs.pop("renderer", None), RewardRenderer, "renderer", cls.__name__)
+        model, tokenizer = load_reward_model(
             path, trust_remote_code=trust_remote_code, dtype=dtype, device=device,
-            load_tokenizer=tokenizer is None, **(model_kwargs or {}),
+            load_tokenizer=renderer.tokenizer is None, **(model_kwargs or {}),
         )  # fmt: skip
-        return cls(model, tokenizer=loaded_tok if tokenizer is None else tokenizer, **wrapper_kwargs)
+        if tokenizer is not None:
+            renderer = copy.copy(renderer)
+            renderer.tokenizer = tokenizer
+        return cls(model, renderer=renderer, **wrapper_kwargs)
 
     @classmethod
     def for_grpo(cls, model, **kwargs) -> HFRewardModelWrapper:
-        """TorchRL's GRPO convention: reward ``[*B, 1, 1]`` at ``("next", "reward")``, no
-        gradients (all overridable); a path also takes :meth:`from_pretrained`'s arguments."""
-        kwargs = {"reward_key": layouts.REWARD_KEY, "reward_shape": "step", "inference_mode": True, **kwargs}
+        """TorchRL's GRPO convention: reward ``[*B, 1, 1]`` (``output=RewardOutput(shape="step")``)
+        at ``("next", "reward")``, no gradients (all overridable: a given ``output`` is used as
+        it is); a path also takes :meth:`from_pretrained`'s arguments."""
+        kwargs = {"reward_key": layouts.REWARD_KEY, "output": RewardOutput(shape="step"), "inference_mode": True,
+                  **kwargs}
         return cls.from_pretrained(model, **kwargs) if isinstance(model, (str, os.PathLike)) else cls(model, **kwargs)
 
     def _resolve_pad(self, pad_token_id: int | None) -> int | None:
@@ -295,7 +298,7 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         if attention_mask is not None and not (self.attention_mask_key is None and bool(attention_mask.all())):
             inputs["attention_mask"] = attention_mask.to(device)
         out = self.model(**inputs)
-        return select_head(extract_scores(out), self.head_index, input_ids.shape[0]).float()
+        return select_head(extract_scores(out), self.output.head_index, input_ids.shape[0]).float()
 
     def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
         """Rewards ``float32 [N]`` on the model's device for reward-model token ids, one per
@@ -328,7 +331,8 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
                 self.real_tokens += part.real_tokens
                 self.processed_tokens += part.processed_tokens
                 if packing:
-                    scores.append(select_head(score_pack(self.model, part), self.head_index, len(part.index)).float())
+                    logits = score_pack(self.model, part)
+                    scores.append(select_head(logits, self.output.head_index, len(part.index)).float())
                 else:
                     scores.append(self._forward(part.input_ids, None if self._causal else part.attention_mask))
                 order.append(part.index)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDictBase
@@ -15,8 +16,52 @@ from tensordict.utils import NestedKey
 from torchrl.envs import Transform
 
 from .._checks import WarnOnce
+from .shape import RewardShape, trailing_dims
 
-__all__ = ["NonFiniteRewards", "RewardShapeError", "RunningRewardNorm", "extract_scores", "select_head"]
+__all__ = ["NonFiniteRewards", "RewardOutput", "RewardShapeError", "RunningRewardNorm", "extract_scores",
+           "select_head"]
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """How a reward model's output becomes the reward it writes: the ``output=`` of
+    :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (and of
+    :class:`~torchrl_trl.rewards.service.RewardServiceClient`, whose service applies
+    ``head_index`` and ``on_nonfinite``).
+
+    Args:
+        head_index (int, optional): which output of a multi-label head is the reward.
+            Defaults to ``None`` (the model returns one score per input).
+        on_nonfinite (str or float, optional): ``"raise"`` on NaN/inf scores (a
+            ``FloatingPointError``), ``"warn"`` (count and keep them) or a finite number
+            written instead. Defaults to ``"raise"``.
+        shape (str, optional): the written reward's shape: ``"flat"`` ``[*B]``, ``"trailing"``
+            ``[*B, 1]`` or ``"step"`` ``[*B, 1, 1]`` (see :mod:`torchrl_trl.rewards.shape`).
+            Defaults to ``"flat"`` (upstream's).
+
+    Examples:
+        >>> RewardOutput(head_index=1, on_nonfinite=0.0).shape
+        'flat'
+        >>> RewardOutput(on_nonfinite="skip")
+        Traceback (most recent call last):
+        ...
+        ValueError: RewardOutput: on_nonfinite must be 'raise', 'warn' or a finite replacement value, got 'skip'
+    """
+
+    head_index: int | None = None
+    on_nonfinite: Literal["raise", "warn"] | float = "raise"
+    shape: RewardShape = "flat"
+
+    def __post_init__(self) -> None:
+        index = self.head_index
+        if index is not None and (isinstance(index, bool) or not isinstance(index, numbers.Integral)):
+            raise TypeError(f"RewardOutput: head_index must be an int or None, got {index!r}")
+        policy = self.on_nonfinite
+        number = isinstance(policy, numbers.Real) and not isinstance(policy, bool) and math.isfinite(policy)
+        if policy not in ("raise", "warn") and not number:
+            raise ValueError(f"RewardOutput: on_nonfinite must be 'raise', 'warn' or a finite replacement value, "
+                             f"got {policy!r}")
+        trailing_dims(self.shape)  # checks the name
 
 
 class RewardShapeError(RuntimeError, ValueError):
@@ -69,9 +114,9 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
 
 
 class NonFiniteRewards:
-    """What a scorer does with NaN/inf scores, by ``policy``: ``"raise"`` (default,
-    ``FloatingPointError``), ``"warn"`` (count in :attr:`count`, warn once, keep them) or a
-    finite number (count, warn once, write it instead).
+    """What a scorer does with NaN/inf scores, by ``policy`` (:attr:`RewardOutput.on_nonfinite`,
+    checked there): ``"raise"`` (default, ``FloatingPointError``), ``"warn"`` (count in
+    :attr:`count`, warn once, keep them) or a finite number (count, warn once, write it instead).
 
     >>> check = NonFiniteRewards(0.0)
     >>> import warnings
@@ -84,9 +129,6 @@ class NonFiniteRewards:
     """
 
     def __init__(self, policy: str | float = "raise") -> None:
-        number = isinstance(policy, numbers.Real) and not isinstance(policy, bool) and math.isfinite(policy)
-        if policy not in ("raise", "warn") and not number:
-            raise ValueError(f"on_nonfinite must be 'raise', 'warn' or a finite replacement value, got {policy!r}")
         self.policy, self._warn = policy, WarnOnce(RuntimeWarning)
 
     @property
@@ -101,8 +143,8 @@ class NonFiniteRewards:
         bad = int((~finite).sum())
         if self.policy == "raise":
             raise FloatingPointError(
-                f"reward model returned {bad} non-finite reward(s) out of {scores.numel()} (pass on_nonfinite='warn' "
-                "to count them and continue, or on_nonfinite=<value> to replace them)"
+                f"HFRewardModelWrapper: expected finite rewards, the model returned {bad} NaN/inf of "
+                f"{scores.numel()}; pass output=RewardOutput(on_nonfinite='warn' or a value) to go on"
             )
         self._warn.add("nonfinite", f"reward model returned {bad} non-finite reward(s); counted in "
                        "nonfinite_count", n=bad, stacklevel=4)  # fmt: skip

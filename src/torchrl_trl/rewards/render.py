@@ -85,22 +85,26 @@ def same_tokenizer(a: Any, b: Any) -> bool:
 
 
 class RewardRenderer:
-    """What the reward model sees: input, part, EOS rule, chat template arguments and the
-    policy's tokenizer. :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (``renderer=``)
-    binds it to the reward model with :meth:`bind`; the bound renderer turns a tensordict
-    (or texts / chats) into reward-model token ids.
+    """What the reward model sees: input, part, EOS rule, chat template arguments, the reward
+    model's tokenizer and the policy's. :class:`~torchrl_trl.rewards.HFRewardModelWrapper`
+    (``renderer=``) binds it to the reward model with :meth:`bind`; the bound renderer turns a
+    tensordict (or texts / chats) into reward-model token ids.
 
     Keyword Args:
-        input_mode: ``"auto"`` (default), ``"tokens"``, ``"text"`` or ``"history"`` (see
-            :mod:`torchrl_trl.rewards.render`).
-        part: ``"full"`` (prompt + response, default) or ``"response"``.
-        add_eos: ``"auto"`` (default), ``"always"`` or ``"never"``.
-        chat_template_kwargs: extra arguments to ``apply_chat_template`` (not ``tokenize`` or
-            ``add_generation_prompt``: a ``ValueError``).
-        policy_tokenizer: the tokenizer of the tokens in the tensordict; when it differs from
-            the reward model's, samples are re-rendered and re-tokenised. When it equals it,
-            stored tokens are scored as they are only where no chat is re-rendered with the
-            reward model's template (see :mod:`torchrl_trl.rewards.render`).
+        input_mode (str, optional): ``"auto"``, ``"tokens"``, ``"text"`` or ``"history"`` (see
+            :mod:`torchrl_trl.rewards.render`). Defaults to ``"auto"``.
+        part (str, optional): ``"full"`` (prompt + response) or ``"response"``. Defaults to ``"full"``.
+        add_eos (str, optional): ``"auto"``, ``"always"`` or ``"never"``. Defaults to ``"auto"``.
+        chat_template_kwargs (dict, optional): extra arguments to ``apply_chat_template`` (not
+            ``tokenize`` or ``add_generation_prompt``: a ``ValueError``). Defaults to ``None``.
+        tokenizer (transformers tokenizer, optional): the reward model's tokenizer, for text and
+            chat inputs and re-tokenisation. Defaults to ``None``: the one saved beside a model
+            loaded by path, else none (token inputs only).
+        policy_tokenizer (transformers tokenizer, optional): the tokenizer of the tokens in the
+            tensordict; when it differs from the reward model's, samples are re-rendered and
+            re-tokenised. When it equals it, stored tokens are scored as they are only where no
+            chat is re-rendered with the reward model's template (see
+            :mod:`torchrl_trl.rewards.render`). Defaults to ``None``.
 
     Examples:
         >>> import tempfile
@@ -108,7 +112,7 @@ class RewardRenderer:
         >>> from torchrl_trl import testing
         >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
         >>> rm_tok = AutoTokenizer.from_pretrained(paths.reward_model)
-        >>> renderer = RewardRenderer(input_mode="text", add_eos="always").bind(rm_tok)
+        >>> renderer = RewardRenderer(input_mode="text", add_eos="always", tokenizer=rm_tok).bind()
         >>> ids = renderer.encode_texts(["hello"])
         >>> ids.tolist()[0][-1] == rm_tok.eos_token_id
         True
@@ -119,7 +123,7 @@ class RewardRenderer:
     def __init__(
         self, *, input_mode: InputMode = "auto", part: layouts.Part = "full",
         add_eos: Literal["auto", "always", "never"] = "auto", chat_template_kwargs: dict | None = None,
-        policy_tokenizer: Any = None,
+        tokenizer: Any = None, policy_tokenizer: Any = None,
     ) -> None:
         if input_mode not in ("auto", "tokens", "text", "history"):
             raise ValueError(f"input_mode must be 'auto', 'tokens', 'text' or 'history', got {input_mode!r}")
@@ -135,8 +139,8 @@ class RewardRenderer:
         self.part = part
         self.add_eos = add_eos
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        # set by bind(); unbound: no tokenizer, the default keys, no EOS
-        self.tokenizer = None
+        self.tokenizer = tokenizer
+        # set by bind(); unbound: the default keys, no EOS
         self.token_key = layouts.token_key(part)
         self.attention_mask_key = layouts.ATTENTION_MASK_KEY
         self.eos_token_id = None
@@ -147,13 +151,15 @@ class RewardRenderer:
         self, tokenizer: Any = None, *, token_key: NestedKey | None = None,
         attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY, eos_token_id: int | None = None,
     ) -> RewardRenderer:
-        """A copy bound to a reward model's ``tokenizer`` (``None``: tokens only), its
-        ``token_key`` (default ``("tokens", part)``), ``attention_mask_key`` (``None``: every
-        stored token is real) and ``eos_token_id`` (default: the tokenizer's)."""
+        """A copy bound to a reward model: its ``tokenizer`` (default :attr:`tokenizer`;
+        neither: tokens only), ``token_key`` (default ``("tokens", part)``),
+        ``attention_mask_key`` (``None``: every stored token is real) and ``eos_token_id``
+        (default: the tokenizer's)."""
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
         if self.input_mode in ("text", "history") and tokenizer is None:
             raise ValueError(
-                f"input_mode={self.input_mode!r} needs the reward model's tokenizer: pass "
-                "tokenizer= (or load the model by path, which loads its tokenizer)"
+                f"RewardRenderer: input_mode={self.input_mode!r} needs the reward model's tokenizer: pass "
+                "RewardRenderer(tokenizer=) or load the model by path (its tokenizer is loaded)"
             )
         part = self.part
         if token_key is not None and part != "full" and key_tuple(token_key) == layouts.token_key("full"):
@@ -172,10 +178,10 @@ class RewardRenderer:
         return bound
 
     def __repr__(self) -> str:
-        policy = type(self.policy_tokenizer).__name__ if self.policy_tokenizer else None
+        rm, policy = (type(t).__name__ if t else None for t in (self.tokenizer, self.policy_tokenizer))
         return (
             f"{type(self).__name__}(input_mode={self.input_mode!r}, part={self.part!r}, add_eos={self.add_eos!r}, "
-            f"chat_template_kwargs={self.chat_template_kwargs!r}, policy_tokenizer={policy})"
+            f"chat_template_kwargs={self.chat_template_kwargs!r}, tokenizer={rm}, policy_tokenizer={policy})"
         )
 
     def _inputs(self) -> dict[str, list[list[NestedKey]]]:

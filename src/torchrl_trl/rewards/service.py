@@ -7,7 +7,7 @@ requests arriving within ``max_wait_ms`` of each other together, one float32 per
 from __future__ import annotations
 
 import asyncio
-import inspect
+import dataclasses
 import os
 import resource
 import time
@@ -17,28 +17,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict.utils import NestedKey
 
 from .. import layouts
+from .._checks import config_or_default
 from .._token_ids import check_integer_ids, check_token_ids
 from ..layouts import Ragged
-from .model import HFRewardModelWrapper, RenderingScorer
-from .shape import trailing_dims
+from .batching import RewardBatching
+from .model import HFRewardModelWrapper, RenderingScorer, load_reward_model
+from .postprocess import RewardOutput
+from .render import RewardRenderer
 
-__all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError", "SERVICE_ARGS"]
-
-#: :class:`HFRewardModelWrapper` arguments applied by each caller (rendering)
-CALLER_SIDE_ARGS = frozenset({"tokenizer", "renderer", "token_key", "attention_mask_key"})
-
-
-#: the other named :class:`HFRewardModelWrapper` arguments, applied inside the service (batching,
-#: head, non-finite policy, device, dtype, ...); the write arguments stay with the caller
-MODEL_SIDE_ARGS = frozenset(
-    p.name for fn in (HFRewardModelWrapper.__init__, HFRewardModelWrapper.from_pretrained)
-    for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-) - {"self", "cls", "model", "path", "reward_key", "reward_shape", "inference_mode"} - CALLER_SIDE_ARGS
-#: arguments about the service itself (only valid with ``use_ray_service=True``)
-SERVICE_ARGS = frozenset({"actor_name", "remote_config", "timeout", "max_wait_ms", "start_timeout"})
+__all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError"]
 
 
 class RewardServiceError(RuntimeError):
@@ -66,17 +55,21 @@ class _Request:
 
 
 class RewardModelService:
-    """The actor body: one :class:`HFRewardModelWrapper` (model-side ``settings``, no
+    """The actor body: one :class:`HFRewardModelWrapper` (the model-side settings: ``batching``,
+    ``output``'s head and non-finite policy, ``model_kwargs`` of :func:`load_reward_model`; no
     gradients) and a coalescer holding a first request ``max_wait_ms`` for others to join."""
 
-    def __init__(self, model_path: str, settings: dict | None = None, *, max_wait_ms: float = 5.0) -> None:
-        settings = dict(settings or {})
+    def __init__(self, model_path: str, *, batching: RewardBatching, output: RewardOutput, model_kwargs: dict,
+                 max_wait_ms: float = 5.0) -> None:  # fmt: skip
         self.model_path = os.fspath(model_path)
-        self.settings = dict(settings)  # as asked: what attaching callers are compared with
+        # as asked: what attaching callers are compared with
+        self.settings = dict(batching=batching, output=output, model_kwargs=model_kwargs)
         self.max_wait = float(max_wait_ms) / 1000.0
-        if "device" not in settings and torch.cuda.is_available():
-            settings["device"] = "cuda"  # the GPUs Ray gave this actor
-        self.wrapper = HFRewardModelWrapper.from_pretrained(self.model_path, inference_mode=True, **settings)
+        if "device" not in model_kwargs and torch.cuda.is_available():
+            model_kwargs = {**model_kwargs, "device": "cuda"}  # the GPUs Ray gave this actor
+        model, tokenizer = load_reward_model(self.model_path, **model_kwargs)
+        self.wrapper = HFRewardModelWrapper(model, inference_mode=True, renderer=RewardRenderer(tokenizer=tokenizer),
+                                            batching=batching, output=output)  # fmt: skip
         model = self.wrapper.model
         get_emb = getattr(model, "get_input_embeddings", None)
         embedding = get_emb() if callable(get_emb) else None
@@ -201,25 +194,36 @@ class RewardServiceClient(RenderingScorer):
     ``HFRewardTransform(path, use_ray_service=True, ...)`` is this client in a transform.
 
     Args:
-        model: local path of the reward model, loaded once by the actor.
+        model (str or os.PathLike): local path of the reward model, loaded once by the actor.
 
     Keyword Args:
-        actor_name: the shared actor, created by the first caller; later ones must ask for
-            the same path and model-side settings (else ``ValueError``). ``None``: private.
-        remote_config: the actor's Ray options (``num_gpus``, ``namespace``,
-            ``max_restarts``, ``lifetime`` (default ``"detached"`` when named), ...).
-        timeout: finite seconds a request may take before :class:`RewardServiceError`.
-        start_timeout: seconds to wait for the actor to load the model or answer.
-        max_wait_ms: how long the service holds a first request for others.
-        reward_key, reward_shape: as :class:`HFRewardModelWrapper`.
-        inference_mode: must be ``True``: no gradients cross the wire.
-        **kwargs: :meth:`HFRewardModelWrapper.from_pretrained` arguments (the rendering
-            ones apply here, the others in the actor).
+        renderer (RewardRenderer, optional): applied here, by the caller: what the model sees
+            (with the reward model's tokenizer, else the one saved at ``model``). Defaults to
+            ``RewardRenderer()``. Tokens are read at TorchRL's keys (``("tokens", part)``,
+            ``("masks", "all_attention_mask")``).
+        batching (RewardBatching, optional): applied in the service. Defaults to ``RewardBatching()``.
+        output (RewardOutput, optional): its head and non-finite policy apply in the service,
+            its shape here. Defaults to ``RewardOutput()``.
+        model_kwargs (dict, optional): keyword arguments of :func:`load_reward_model` in the
+            service (``device``, ``dtype``, ``trust_remote_code``, ``from_pretrained``'s own).
+            Defaults to ``None``: the model on the GPU Ray gives the actor, if any.
+        remote_config (dict, optional): the actor's Ray options (``name``, ``num_gpus``,
+            ``namespace``, ``max_restarts``, ``lifetime`` (``"detached"`` when named), ...). A
+            named actor is shared: created by the first caller, later ones must ask for the same
+            path and service-side settings (else ``ValueError``). Defaults to ``None``: a private
+            actor.
+        timeout (float, optional): finite seconds a call may take (the actor's start, loading
+            the model, included) before :class:`RewardServiceError`. Defaults to ``600.0``.
+        max_wait_ms (float, optional): how long the service holds a first request for others.
+            Defaults to ``5.0``.
+
+    Scores come back without gradients (``inference_mode`` is ``True``); the reward is written
+    at ``"reward"`` (:class:`HFRewardTransform` chooses another key).
 
     Examples:
         Starting the actor needs a Ray cluster (``tests/test_reward_service.py`` runs it)::
 
-            client = RewardServiceClient(path, actor_name="rm", remote_config={"num_gpus": 1},
+            client = RewardServiceClient(path, remote_config={"name": "rm", "num_gpus": 1},
                                          renderer=RewardRenderer(policy_tokenizer=tok))
             env.append_transform(HFRewardTransform(client))
 
@@ -228,65 +232,60 @@ class RewardServiceClient(RenderingScorer):
         >>> RewardServiceClient("rm_dir", timeout=float("inf"))
         Traceback (most recent call last):
         ...
-        ValueError: timeout must be a finite number of seconds > 0, got inf
+        ValueError: RewardServiceClient: timeout must be a finite number of seconds > 0, got inf
     """
 
     def __init__(
-        self, model: str | os.PathLike, *, actor_name: str | None = None,
-        remote_config: dict[str, Any] | None = None, timeout: float = 300.0, start_timeout: float = 600.0,
-        max_wait_ms: float = 5.0, reward_key: NestedKey = "reward", reward_shape: str = "flat",
-        inference_mode: bool = True, **kwargs,
+        self, model: str | os.PathLike, *, renderer: RewardRenderer | None = None,
+        batching: RewardBatching | None = None, output: RewardOutput | None = None,
+        model_kwargs: dict[str, Any] | None = None, remote_config: dict[str, Any] | None = None,
+        timeout: float = 600.0, max_wait_ms: float = 5.0,
     ) -> None:  # fmt: skip
+        name = type(self).__name__
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(
-                f"a reward-model service loads its model from a local path (safetensors), got a "
+                f"{name}: expected a local path (the service loads the model, safetensors), got a "
                 f"{type(model).__name__}: save it with save_pretrained and pass the directory"
             )
-        unknown = sorted(set(kwargs) - MODEL_SIDE_ARGS - CALLER_SIDE_ARGS)
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__}() got unexpected keyword argument(s) {unknown}; it accepts "
-                f"{sorted(SERVICE_ARGS)} and the HFRewardModelWrapper arguments {sorted(MODEL_SIDE_ARGS | CALLER_SIDE_ARGS)}"
-            )
-        if not inference_mode:
-            raise ValueError(
-                "inference_mode=False: a reward-model service returns scores without gradients; "
-                "use the in-process HFRewardTransform (use_ray_service=False) to keep the graph"
-            )
-        trailing_dims(reward_shape)  # checks the name
-        for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
-            if not _is_number(value) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        renderer = config_or_default(renderer, RewardRenderer, "renderer", name)
+        batching = config_or_default(batching, RewardBatching, "batching", name)
+        output = config_or_default(output, RewardOutput, "output", name)
+        if model_kwargs is not None and not isinstance(model_kwargs, dict):
+            raise TypeError(f"{name}: model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
+        if "load_tokenizer" in (model_kwargs or {}):
+            raise TypeError(f"{name}: model_kwargs takes load_reward_model's loading arguments, not load_tokenizer")
+        if not _is_number(timeout) or not 0 < timeout < float("inf"):
+            raise ValueError(f"{name}: timeout must be a finite number of seconds > 0, got {timeout!r}")
         if not _is_number(max_wait_ms) or max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
-        options = _actor_options(remote_config, actor_name)
+            raise ValueError(f"{name}: max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
+        options = _actor_options(remote_config)
         self.model_path = os.path.abspath(os.fspath(model))
-        self.actor_name, self.timeout = actor_name, float(timeout)
+        self.actor_name, self.timeout = options.get("name"), float(timeout)
         self.namespace = options.get("namespace")
-        self.reward_shape, self.inference_mode = reward_shape, True
-        settings = {k: v for k, v in kwargs.items() if k in MODEL_SIDE_ARGS}
+        self.reward_shape, self.inference_mode = output.shape, True
+        # what the service applies: callers that differ only in what they render and write share it
+        settings = dict(batching=batching, output=dataclasses.replace(output, shape="flat"),
+                        model_kwargs=dict(model_kwargs or {}))  # fmt: skip
         ray = _require_ray()
         if not ray.is_initialized():
             ray.init()
         remote = ray.remote(RewardModelService).options(**options)
-        self._actor = remote.remote(self.model_path, settings, max_wait_ms=float(max_wait_ms))
-        info = self._call("info", timeout=float(start_timeout))
+        self._actor = remote.remote(self.model_path, **settings, max_wait_ms=float(max_wait_ms))
+        info = self._call("info")
         if info["model_path"] != self.model_path or info["settings"] != settings:
             raise ValueError(
-                f"the reward service {actor_name!r} already serves {info['model_path']!r} with "
-                f"settings {info['settings']}, but this caller asks for {self.model_path!r} with "
-                f"{settings}: use another actor_name, or the same model and settings"
+                f"{name}: the reward service {self.actor_name!r} serves {info['model_path']!r} with settings "
+                f"{info['settings']}, this caller asks for {self.model_path!r} with {settings}: use another name"
             )
-        tokenizer = kwargs.get("tokenizer")
-        if tokenizer is None:
+        loaded = None
+        if renderer.tokenizer is None:
             from transformers import AutoTokenizer
 
-            trust = bool(settings.get("trust_remote_code", False))
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust)
+            trust = bool(settings["model_kwargs"].get("trust_remote_code", False))
+            loaded = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust)
         self._bind_renderer(
-            kwargs.get("renderer"), tokenizer, token_key=kwargs.get("token_key"),
-            attention_mask_key=kwargs.get("attention_mask_key", layouts.ATTENTION_MASK_KEY),
-            eos_token_id=info["eos_token_id"], reward_key=reward_key,
+            renderer, loaded, token_key=None, attention_mask_key=layouts.ATTENTION_MASK_KEY,
+            eos_token_id=info["eos_token_id"], reward_key="reward",
         )  # fmt: skip
 
     @property
@@ -347,18 +346,18 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _actor_options(remote_config: dict | None, actor_name: str | None) -> dict:
-    """The actor's Ray options: ``remote_config`` over the defaults."""
+def _actor_options(remote_config: dict | None) -> dict:
+    """The actor's Ray options: ``remote_config`` over the defaults (a named actor: shared,
+    ``get_if_exists``, detached)."""
     if remote_config is not None and not isinstance(remote_config, dict):
-        raise TypeError(f"remote_config must be a dict of Ray actor options, got {remote_config!r}")
+        raise TypeError(f"RewardServiceClient: remote_config must be a dict of Ray actor options, got {remote_config!r}")
     given = dict(remote_config or {})
-    if "name" in given or "get_if_exists" in given:
-        raise ValueError("remote_config: name the actor with actor_name=, not in remote_config")
+    named = given.get("name") is not None
     options = {"max_restarts": 0, "max_concurrency": 1000}
-    if actor_name is not None:
-        options.update(name=actor_name, get_if_exists=True, lifetime="detached")
+    if named:
+        options.update(get_if_exists=True, lifetime="detached")
     options.update(given)
     options.setdefault("max_task_retries", -1 if options["max_restarts"] else 0)
-    if actor_name is None:
+    if not named:
         options.pop("lifetime", None)  # an unnamed actor dies with its creator
     return {k: v for k, v in options.items() if v is not None}

@@ -75,8 +75,8 @@ class HFRewardTransform(RewardTransform):
                     "use_ray_service=True serves the reward model from a local path: pass the path, or a "
                     f"RewardServiceClient itself (without use_ray_service), not a {type(scorer).__name__}"
                 )
-            service.pop("actor_name", None)
-            scorer = RewardServiceClient(scorer, actor_name=actor_name, remote_config=service)
+            service["name"] = service.pop("actor_name", None)
+            scorer = RewardServiceClient(scorer, remote_config=service)
         elif isinstance(scorer, (str, os.PathLike, nn.Module)) and not isinstance(scorer, HFRewardModelWrapper):
             scorer = HFRewardModelWrapper(scorer, inference_mode=True)
         elif not isinstance(scorer, (HFRewardModelWrapper, RewardServiceClient)):
