@@ -93,7 +93,7 @@ def run(workdir, *, seed=0, train_prompts=32, heldout_prompts=16, group_size=4, 
     heldout = collect(
         policy, [f"q{1000 + i}: say something" for i in range(heldout_prompts)], group_size=group_size,
         seed=seed + 1,
-        transforms=[RewardFunctionWrapper(digit_count, reward_key=("next", "true_reward")).as_transform(),
+        transforms=[RewardFunctionWrapper(digit_count, out_keys=[("next", "true_reward")]).as_transform(),
                     HFRewardTransform(str(workdir / "rm_trained"))],
     )
     HFRewardModelWrapper.for_grpo(str(ckpt.reward_model), reward_key=("next", "untrained_reward"))(heldout[:])

@@ -11,8 +11,9 @@ completion gets ``failure_reward`` (default: ``None``, excluded like TRL's ``Non
 
 The same function, isolated the same way, in both directions::
 
-    # TRL: GRPOTrainer(reward_funcs=[as_trl_reward_func(math_accuracy, executor="process", timeout=5)])
-    # TorchRL: env.append_transform(RewardFunctionWrapper(math_accuracy, executor="process", timeout=5).as_transform())
+    in_processes = RewardExecutor("process", timeout=5)
+    # TRL: GRPOTrainer(reward_funcs=[as_trl_reward_func(math_accuracy, executor=in_processes)])
+    # TorchRL: env.append_transform(RewardFunctionWrapper(math_accuracy, executor=in_processes).as_transform())
 
 Run (``pip install 'torchrl-trl[examples]'`` for math-verify)::
 
@@ -75,8 +76,8 @@ def run(timeout: float = 5.0, max_workers: int = 2) -> dict:
 
     from torchrl_trl import RewardExecutor, as_trl_reward_func
 
-    executor = RewardExecutor("process", max_workers=max_workers)
-    reward_func = as_trl_reward_func(math_accuracy, executor=executor, timeout=timeout)
+    executor = RewardExecutor("process", max_workers=max_workers, timeout=timeout)
+    reward_func = as_trl_reward_func(math_accuracy, executor=executor)
     prompts = [[{"role": "user", "content": q}] for q, _, _ in EXAMPLES]
     completions = [[{"role": "assistant", "content": c}] for _, c, _ in EXAMPLES]
     try:

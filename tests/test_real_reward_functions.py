@@ -107,10 +107,10 @@ def test_reward_function_in_a_chat_env_gets_the_reference_replies(smollm2_model,
 
     prompt_texts, _, refs = torchrl_refs
     replies = [reply_text(r, smollm2_model, tok) for r in refs]
-    decoded = RewardFunctionWrapper(Recorder("decoded"), tokenizer=tok, reward_key="decoded")
+    decoded = RewardFunctionWrapper(Recorder("decoded"), tokenizer=tok, out_keys=["decoded"])
     scorers = [decoded]
     if mode != "tokens":
-        stored = RewardFunctionWrapper(Recorder("stored"), reward_key="stored")
+        stored = RewardFunctionWrapper(Recorder("stored"), out_keys=["stored"])
         scorers.append(stored)
     data = _collect(smollm2_model, tok, mode, *scorers)
 

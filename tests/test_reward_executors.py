@@ -113,8 +113,8 @@ def _same(a, b):
 @pytest.mark.timeout(120)
 def test_process_pool_survives_loop_raise_segfault_exit():
     texts = ["ab", "loop", "raise", "segv", "abc", "exit", "x", "four"]
-    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", max_workers=2, mp_context="fork"),
-                                    timeout=TIMEOUT)
+    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", max_workers=2, mp_context="fork",
+                                                                             timeout=TIMEOUT))
     try:
         _same(_rewards(wrapper(_text_rollouts(["ab", "c"]))), [2.0, 1.0])  # warm pool
         pids = set(wrapper.executor.worker_pids)
@@ -145,8 +145,8 @@ def test_process_pool_survives_loop_raise_segfault_exit():
 def test_default_context_and_failure_reward_and_copy():
     """The default start method (fresh interpreters): workers import this module; a failed
     item gets failure_reward; a deep copy of the wrapper gets its own pool."""
-    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", max_workers=2, failure_reward=-1.0),
-                                    timeout=TIMEOUT)
+    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", max_workers=2, failure_reward=-1.0,
+                                                                             timeout=TIMEOUT))
     clone = None
     try:
         assert wrapper.executor.mp_context == "spawn"
@@ -171,7 +171,7 @@ def test_thread_and_user_executor():
     """A stalled item times out while its thread still waits (RELEASE is set only after
     the results are in), and its thread is abandoned."""
     texts = ["ab", "stall", "raise", "abc"]
-    wrapper = RewardFunctionWrapper(stalls, executor=RewardExecutor("thread", max_workers=2), timeout=THREAD_TIMEOUT)
+    wrapper = RewardFunctionWrapper(stalls, executor=RewardExecutor("thread", max_workers=2, timeout=THREAD_TIMEOUT))
     try:
         with pytest.warns(UserWarning, match="thread abandoned"):
             _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))
@@ -181,7 +181,7 @@ def test_thread_and_user_executor():
     assert wrapper.failure_counts["stalls"] == {"error": 1, "timeout": 1, "crash": 0}
     assert wrapper.executor.abandoned == 1
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        wrapper = RewardFunctionWrapper(stalls, executor=pool, timeout=THREAD_TIMEOUT)
+        wrapper = RewardFunctionWrapper(stalls, executor=RewardExecutor(pool, timeout=THREAD_TIMEOUT))
         try:
             with pytest.warns(UserWarning, match="abandoned"):
                 _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))
@@ -193,7 +193,7 @@ def test_thread_and_user_executor():
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        wrapper = RewardFunctionWrapper(by_text, executor=pool, timeout=TIMEOUT)
+        wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor(pool, timeout=TIMEOUT))
         with pytest.raises(RuntimeError, match="ProcessPoolExecutor passed as executor= broke"):
             wrapper(_text_rollouts(["ab", "segv"]))
 
@@ -204,8 +204,9 @@ def length(prompts, completions, **kwargs):
 
 @pytest.mark.timeout(60)
 def test_failed_item_is_excluded_from_the_weighted_sum_not_zero():
-    wrapper = RewardFunctionWrapper([by_text, length], weights=[1.0, 10.0], executor="thread",
-                                    timeout=THREAD_TIMEOUT, per_function_keys=True)
+    wrapper = RewardFunctionWrapper([by_text, length], weights=[1.0, 10.0],
+                                    executor=RewardExecutor("thread", timeout=THREAD_TIMEOUT),
+                                    out_keys=[("next", k) for k in ("reward", "reward_by_text", "reward_length")])
     with pytest.warns(UserWarning, match="'by_text' raised on a completion"):
         td = wrapper(_text_rollouts(["raise", "ab"]))
     _same(_rewards(td), [10.0 * 5, 2.0 + 10.0 * 2])  # TRL's nansum: the failure counts as None
@@ -233,11 +234,11 @@ def test_bad_arguments_raise_naming_them():
         _same(_rewards(closure(_text_rollouts(["ab"]))), [12.0])
     finally:
         closure.shutdown()
-    with pytest.raises(ValueError, match="executor must be None, 'process', 'thread', 'ray'"):
+    with pytest.raises(ValueError, match="RewardExecutor: kind must be 'caller', 'process', 'thread', 'ray'"):
         RewardFunctionWrapper(by_text, executor="processes")
     with pytest.raises(ValueError, match="max_workers must be a positive int"):
         RewardExecutor("thread", max_workers=0)
-    with pytest.raises(ValueError, match="mp_context applies to executor='process'"):
+    with pytest.raises(ValueError, match="RewardExecutor: mp_context applies to kind='process' only"):
         RewardFunctionWrapper(by_text, executor=RewardExecutor("thread", mp_context="fork"))
     with pytest.raises(ValueError, match="mp_context must be 'spawn', 'forkserver' or 'fork', got 'forks'"):
         RewardExecutor("process", mp_context="forks")
@@ -246,8 +247,8 @@ def test_bad_arguments_raise_naming_them():
     spawn = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", mp_context="forkserver"))
     assert spawn.executor.mp_context == "spawn"
     # an argument that cannot cross a process: a clear error, and the pool is reusable
-    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", mp_context="fork", max_workers=1),
-                                    trainer_state=lambda: None)
+    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", mp_context="fork", max_workers=1))
+    wrapper.trainer_state = lambda: None
     try:
         with pytest.raises(TypeError, match=r"could not send the shared arguments \['trainer_state'\]"):
             wrapper(_text_rollouts(["a"]))
@@ -266,7 +267,7 @@ def test_functions_a_worker_cannot_import_raise(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import gone_module
 
-    wrapper = RewardFunctionWrapper(gone_module.gone, executor=RewardExecutor("process", max_workers=1), timeout=TIMEOUT)
+    wrapper = RewardFunctionWrapper(gone_module.gone, executor=RewardExecutor("process", max_workers=1, timeout=TIMEOUT))
     (tmp_path / "gone_module.py").unlink()
     monkeypatch.delitem(sys.modules, "gone_module")
     try:
@@ -306,11 +307,11 @@ def test_a_workers_start_up_is_not_on_an_items_clock():
     """Issue 33, defect 6: a RewardFunctionWrapper sent to a fresh worker imports torch and
     torchrl when unpickled (before the worker says it is ready), and its first call imported
     TRL (transformers, datasets: 5-8 s on 2 cores), which counted against the first item's
-    timeout: as_trl_reward_func(RewardFunctionWrapper(f), executor="process", timeout=2)
+    timeout: as_trl_reward_func(RewardFunctionWrapper(f), executor=RewardExecutor("process", timeout=2))
     returned [None, None] (each replacement worker paid it again). Workers now warm the
     functions up while starting, under startup_timeout, before any item is sent."""
-    func = as_trl_reward_func(RewardFunctionWrapper(by_text), executor=RewardExecutor("process", max_workers=1),
-                              timeout=TIMEOUT)
+    func = as_trl_reward_func(RewardFunctionWrapper(by_text), executor=RewardExecutor("process", max_workers=1,
+                                                                                               timeout=TIMEOUT))
     try:
         assert func(["q", "q"], ["ab", "abc"]) == [2.0, 3.0]
         assert func.failure_counts == {"error": 0, "timeout": 0, "crash": 0}
@@ -334,7 +335,7 @@ def test_loading_the_functions_is_not_on_an_items_clock(tmp_path, monkeypatch):
     import slow_load
 
     monkeypatch.setenv("SLOW_LOAD", "1")  # the workers, fresh interpreters, take 3 s to load it
-    func = as_trl_reward_func(slow_load.quick, executor=RewardExecutor("process", max_workers=2), timeout=1)
+    func = as_trl_reward_func(slow_load.quick, executor=RewardExecutor("process", max_workers=2, timeout=1))
     try:
         assert func(["q"] * 3, ["a", "bb", "ccc"]) == [1.0, 2.0, 3.0]
         assert func.failure_counts == {"error": 0, "timeout": 0, "crash": 0}
@@ -347,8 +348,8 @@ def test_loading_the_functions_is_not_on_an_items_clock(tmp_path, monkeypatch):
 def test_trl_function_per_completion_with_logs():
     """as_trl_reward_func(plain TRL function, executor="process"): TRL's call, one
     completion per worker call, log_extra replayed aligned (None for a failed one)."""
-    func = as_trl_reward_func(by_column, executor=RewardExecutor("process", max_workers=2, mp_context="fork"),
-                              timeout=TIMEOUT)
+    func = as_trl_reward_func(by_column, executor=RewardExecutor("process", max_workers=2, mp_context="fork",
+                                                                           timeout=TIMEOUT))
     assert func.is_trl_function and func.__name__ == "by_column"
     prompts = [[{"role": "user", "content": f"q{i}"}] for i in range(4)]
     completions = [[{"role": "assistant", "content": c}] for c in ("a", "bb", "ccc", "dddd")]
@@ -388,7 +389,7 @@ def test_grpo_trainer_train_continues_past_hangs_and_crashes(checkpoints, tmp_pa
     from trl import GRPOConfig, GRPOTrainer
 
     behaviours = ["ok", "loop", "raise", "segv"]
-    func = as_trl_reward_func(by_column, executor=RewardExecutor("process", max_workers=2), timeout=TIMEOUT)
+    func = as_trl_reward_func(by_column, executor=RewardExecutor("process", max_workers=2, timeout=TIMEOUT))
     calls = []
 
     def recorded(prompts, completions, **kwargs):  # what TRL receives back
@@ -438,8 +439,8 @@ def test_inside_torchrl_chat_env_and_replay_buffer(policy_and_tokenizer):
     from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
 
     model, tok = policy_and_tokenizer
-    wrapper = RewardFunctionWrapper(by_answer, executor=RewardExecutor("process", max_workers=2, mp_context="fork"),
-                                    timeout=TIMEOUT)
+    wrapper = RewardFunctionWrapper(by_answer, executor=RewardExecutor("process", max_workers=2, mp_context="fork",
+                                                                             timeout=TIMEOUT))
     try:
         env = make_chat_env(ROWS).append_transform(wrapper.as_transform())
         with pytest.warns(UserWarning, match="ran past its timeout"):
@@ -451,8 +452,8 @@ def test_inside_torchrl_chat_env_and_replay_buffer(policy_and_tokenizer):
         assert wrapper.failure_counts["by_answer"]["timeout"] >= answers.count("loop") > 0
         # the same wrapper scoring rollouts as they are written to a buffer: exact counts
         rb = ReplayBuffer(storage=LazyStackStorage(16))
-        executor = RewardExecutor("process", max_workers=2, mp_context="fork", failure_reward=0.0)
-        scorer = RewardFunctionWrapper(by_answer, executor=executor, timeout=TIMEOUT)
+        executor = RewardExecutor("process", max_workers=2, mp_context="fork", failure_reward=0.0, timeout=TIMEOUT)
+        scorer = RewardFunctionWrapper(by_answer, executor=executor)
         rb.append_transform(scorer.as_transform())
         rollouts = data.exclude(("next", "reward"))
         with pytest.warns(UserWarning):
@@ -476,7 +477,7 @@ def test_ray_tasks_survive_loop_raise_crash():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     try:
         texts = ["ab", "loop", "raise", "segv", "abc", "exit"]
-        wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("ray", max_workers=2), timeout=TIMEOUT)
+        wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("ray", max_workers=2, timeout=TIMEOUT))
         wrapper(_text_rollouts(["warm"]))
         with pytest.warns(UserWarning):
             _same(_rewards(wrapper(_text_rollouts(texts))), _expected(texts))

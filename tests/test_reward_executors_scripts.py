@@ -35,7 +35,7 @@ def length_plus_bonus(prompts, completions, **kwargs):
     return [BONUS + len(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
 
 wrapper = RewardFunctionWrapper([length_plus_bonus, length], weights=[1.0, 1000.0],
-                                executor=RewardExecutor("process", max_workers=2), timeout=60)
+                                executor=RewardExecutor("process", max_workers=2, timeout=60))
 texts = ["a", "bb", "cccc"]
 td = TensorDict({"text": {"prompt": ["q"] * 3, "response": texts}}, batch_size=[3])
 print("REWARDS", wrapper(td)["next", "reward"].reshape(-1).tolist(), flush=True)
@@ -85,7 +85,7 @@ with open(os.environ["TOP_LEVEL_LOG"], "a") as log:
 def length_reward(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
 
-reward = as_trl_reward_func(length_reward, executor=RewardExecutor("process", max_workers=1), timeout=60)
+reward = as_trl_reward_func(length_reward, executor=RewardExecutor("process", max_workers=1, timeout=60))
 seen = []
 
 def recorded(prompts, completions, **kwargs):

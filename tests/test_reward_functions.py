@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from torchrl_trl import layouts
+from torchrl_trl.rewards.executors import RewardExecutor
 from torchrl_trl.rewards.functions import RewardFunctionWrapper
 from torchrl_trl.rewards.reward_transform import RewardTransform
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
@@ -53,7 +54,8 @@ def _stack(td, key):
 def test_env_sync_async_weighted(policy_and_tokenizer):
     model, tok = policy_and_tokenizer
     sync_f, async_f = Recorder(n_ids, "n_ids"), async_len
-    wrapper = RewardFunctionWrapper([sync_f, async_f], weights=[1.0, 0.5], per_function_keys=True)
+    out_keys = [("next", "reward"), ("next", "reward_n_ids"), ("next", "reward_async_len")]
+    wrapper = RewardFunctionWrapper([sync_f, async_f], weights=[1.0, 0.5], out_keys=out_keys)
     env = make_chat_env(ROWS).append_transform(wrapper.as_transform())
     assert "reward_n_ids" in env.full_reward_spec.keys()
     data = collect_rollouts(make_policy_wrapper(model, tok), env, total_turns=4)[:]
@@ -110,7 +112,7 @@ def test_module_text_mode_and_tokenizer_decoding(rollouts, policy_and_tokenizer)
     _, tok = policy_and_tokenizer
     f = Recorder(lambda p, c, i, **kw: [float(len(x)) for x in c], "f")
     td = rollouts.clone()
-    RewardFunctionWrapper(f, input_mode="text", reward_key="score", reward_shape="flat")(td)
+    RewardFunctionWrapper(f, input_mode="text", out_keys=["score"], reward_shape="flat")(td)
     assert f.calls[-1]["prompts"] == layouts.read_text(rollouts, "prompt")
     assert f.calls[-1]["completions"] == layouts.read_text(rollouts, "response")
     assert _stack(td, "score").tolist() == [float(len(x)) for x in layouts.read_text(rollouts, "response")]
@@ -131,7 +133,8 @@ def test_none_excluded_not_zero(rollouts):
     def first_only(prompts, completions, completion_ids, **kw):
         return [3.0] + [None] * (len(prompts) - 1)
 
-    wrapper = RewardFunctionWrapper([half, first_only], weights=[1.0, 10.0], per_function_keys=True)
+    wrapper = RewardFunctionWrapper([half, first_only], weights=[1.0, 10.0],
+                                    out_keys=[("next", "reward"), ("next", "reward_half"), ("next", "reward_first")])
     td = rollouts.clone()
     with pytest.warns(UserWarning, match="All reward functions returned None"):
         wrapper(td)
@@ -143,14 +146,14 @@ def test_none_excluded_not_zero(rollouts):
     assert wrapper.none_counts == {"half": 2, "first_only": 3}
     assert wrapper.unscorable_count == 2
     td = rollouts.clone()
-    RewardFunctionWrapper([half, first_only], unscorable_reward=0.0)(td)
+    RewardFunctionWrapper([half, first_only], executor=RewardExecutor(unscorable_reward=0.0))(td)
     assert _stack(td, ("next", "reward")).tolist() == [5.0, 0.0, 2.0, 0.0]
 
 
 def test_bad_inputs(rollouts):
     td = rollouts.clone()
     with pytest.raises(ValueError, match=r"'short' returned 1 rewards, but 4 were expected"):
-        RewardFunctionWrapper(lambda *a, **k: [1.0], names=["short"])(td)
+        RewardFunctionWrapper({"short": lambda *a, **k: [1.0]})(td)
     with pytest.raises(TypeError, match=r"non-numeric reward at index 0: 'good'"):
         RewardFunctionWrapper(lambda prompts, **k: ["good"] * len(prompts))(td)
     with pytest.raises(TypeError, match="must return a list"):
@@ -163,8 +166,10 @@ def test_bad_inputs(rollouts):
         RewardFunctionWrapper(needs_solution)(td)
     with pytest.raises(KeyError, match=r"column 'solution'.*not found.*Available keys"):
         RewardFunctionWrapper(needs_solution, columns=["solution"])(td)
-    with pytest.raises(ValueError, match="Number of reward weights"):
+    with pytest.raises(ValueError, match=r"expected one weight per reward function \(2\), got 1"):
         RewardFunctionWrapper([n_ids, async_len], weights=[1.0])
+    with pytest.raises(ValueError, match=r"out_keys must be 1 key \(the weighted sum\) or 3"):
+        RewardFunctionWrapper([n_ids, async_len], out_keys=["a", "b"])
     # TRL passes everything by keyword: positional-only names are caught before the call
     with pytest.raises(KeyError, match=r"requires the argument 'p'"):
         RewardFunctionWrapper(lambda p, c, i, **k: [1.0] * len(p))(td)
@@ -187,7 +192,7 @@ def test_completion_ids_of_a_dense_output_with_ragged_tokens(policy_and_tokenize
     assert len({len(r) for r in reference}) > 1
     assert type(out).__name__ == "TensorDict"  # dense at the top, lazily stacked Tokens inside
     f = Recorder(lambda p, c, ids, **kw: [len(i) + i[0] / 1000 for i in ids], "f")
-    RewardFunctionWrapper(f, reward_key="score", reward_shape="flat")(out)
+    RewardFunctionWrapper(f, out_keys=["score"], reward_shape="flat")(out)
     assert f.calls[-1]["completion_ids"] == reference
     assert all(len(i) for i in reference)
     assert _stack(out, "score").tolist() == pytest.approx([len(r) + r[0] / 1000 for r in reference])
@@ -221,12 +226,12 @@ def test_timeouts_name_the_function():
                           (sync_stuck, "'sync_stuck' did not return within timeout=0.5s")):
         # each never returns by itself: only the timeout can end the call
         with pytest.raises(TimeoutError, match=pattern):
-            RewardFunctionWrapper(func, timeout=0.5)(_text_rollouts())
+            RewardFunctionWrapper(func, executor=RewardExecutor(timeout=0.5))(_text_rollouts())
         if func is blocks_the_loop:
             unblock.set()  # free the loop it still blocks
     release.set()
-    with pytest.raises(ValueError, match="timeout"):
-        RewardFunctionWrapper(stuck, timeout=0)
+    with pytest.raises(ValueError, match="RewardExecutor: timeout must be a positive number of seconds or None, got 0"):
+        RewardExecutor(timeout=0)
 
 
 def test_infinite_reward_excluded_counted_and_warned():
@@ -236,7 +241,8 @@ def test_infinite_reward_excluded_counted_and_warned():
     def two(prompts, completions, **kw):
         return [2.0, -math.inf]
 
-    wrapper = RewardFunctionWrapper([infinite, two], per_function_keys=True)
+    wrapper = RewardFunctionWrapper([infinite, two], out_keys=[("next", "reward"), ("next", "reward_infinite"),
+                                                               ("next", "reward_two")])
     td = _text_rollouts()
     with pytest.warns(UserWarning, match="'infinite' returned an infinite reward for 1 of 2"):
         wrapper(td)
@@ -265,7 +271,7 @@ def test_a_raising_function_keeps_its_name_and_cause():
 
     for timeout in (None, 5.0):  # its own TimeoutError, not the wrapper's timeout
         with pytest.raises(TimeoutError, match="'upstream_timeout' raised TimeoutError: judge API timed out"):
-            RewardFunctionWrapper(upstream_timeout, timeout=timeout)(_text_rollouts())
+            RewardFunctionWrapper(upstream_timeout, executor=RewardExecutor(timeout=timeout))(_text_rollouts())
 
 
 def test_async_functions_inside_a_running_event_loop():
@@ -274,7 +280,7 @@ def test_async_functions_inside_a_running_event_loop():
         return [float(len(c)) for c in completions]
 
     async def main():  # a notebook or an async server calling the wrapper
-        return RewardFunctionWrapper(length, reward_key="r", reward_shape="flat")(_text_rollouts())
+        return RewardFunctionWrapper(length, out_keys=["r"], reward_shape="flat")(_text_rollouts())
 
     assert asyncio.run(main())["r"].tolist() == [8.0, 2.0]
 
@@ -346,7 +352,8 @@ def test_write_is_write_rewards_per_key():
     reward already at the key keeps its dtype, inside_next drops the leading "next"."""
     from tensordict import TensorDict
 
-    wrapper = RewardFunctionWrapper(lambda prompts, completions, **kw: [1.0, 2.0], per_function_keys=True)
+    wrapper = RewardFunctionWrapper(lambda prompts, completions, **kw: [1.0, 2.0],
+                                    out_keys=[("next", "reward"), ("next", "reward_<lambda>")])
     td = _text_rollouts().set(("next", "reward"), torch.zeros(2, 1, 1, dtype=torch.float64))
     wrapper(td)
     assert td["next", "reward"].dtype == torch.float64 and td["next", "reward"].flatten().tolist() == [1.0, 2.0]

@@ -163,8 +163,7 @@ def test_gsm8k_parser_per_completion_in_an_executor(executor):
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     expected = as_trl_reward_func(GSM8KRewardParser())(prompts, completions, [[1]] * 3, answer=answers)
     extra = {"mp_context": "fork"} if executor == "process" else {}
-    func = as_trl_reward_func(GSM8KRewardParser(), executor=RewardExecutor(executor, max_workers=2, **extra),
-                              timeout=30)
+    func = as_trl_reward_func(GSM8KRewardParser(), executor=RewardExecutor(executor, max_workers=2, timeout=30, **extra))
     try:
         assert not func.is_trl_function
         for ids in ([[1]] * 3, None):
@@ -239,7 +238,7 @@ def test_nonfinite_errors_and_timeout_name_the_function():
         return torch.zeros(len(texts), 1)
 
     stuck = as_trl_reward_func(TensorDictModule(hangs, in_keys=[("text", "response")], out_keys=["score"]),
-                               reward_key="score", name="stuck_rm", timeout=0.5)
+                               reward_key="score", name="stuck_rm", executor=RewardExecutor(timeout=0.5))
     with pytest.raises(TimeoutError, match="'stuck_rm' did not return within timeout=0.5s"):
         stuck(["p"], ["a"], [[1]])  # only the timeout can end it: the function never returns
     release.set()

@@ -76,8 +76,10 @@ rows = [{"query": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range
 loader = DataLoader(rows, batch_size=2, collate_fn=lambda batch: {k: [r[k] for r in batch] for k in batch[0]})
 env = ChatEnv.from_dataloader(dataloader=loader, batch_size=2, repeats=2, input_mode="history")
 env = env.append_transform(StepCounter(max_steps=1))
+# the weighted sum, then each function's raw reward (see below)
+out_keys = [("next", "reward"), ("next", "reward_vowel_fraction"), ("next", "reward_says_the_answer")]
 env = env.append_transform(
-    RewardFunctionWrapper([vowel_fraction, says_the_answer], weights=[1.0, 0.5], per_function_keys=True).as_transform()
+    RewardFunctionWrapper([vowel_fraction, says_the_answer], weights=[1.0, 0.5], out_keys=out_keys).as_transform()
 )
 wrapper = safe_policy_wrapper(
     policy, tokenizer, input_mode="history", generate=True, return_log_probs=True,
@@ -96,7 +98,7 @@ for text, reward in zip(rollouts["text", "response"], rollouts["next", "reward"]
 # %%
 # Each function's share of the reward
 # -----------------------------------
-# ``per_function_keys=True`` also writes each function's raw reward next to the weighted
+# ``out_keys`` beyond the first write each function's raw reward next to the weighted
 # sum (``("next", "reward_vowel_fraction")``, ...), as TRL logs ``rewards/<name>``.
 import matplotlib.pyplot as plt
 

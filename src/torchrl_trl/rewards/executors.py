@@ -5,6 +5,7 @@ Worker processes import this module: no torch."""
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -18,29 +19,38 @@ from .scheduler import FAILURE_KINDS, ItemExecutor, ItemResult, _describe, call_
 __all__ = ["FAILURE_KINDS", "ItemExecutor", "ItemResult", "RewardExecutor", "ThreadItemExecutor",
            "FuturesItemExecutor", "RayItemExecutor", "call_item", "reward_executor"]
 
-_KINDS = ("process", "thread", "ray")
+_KINDS = ("caller", "process", "thread", "ray")
 
 
 @dataclass(frozen=True)
 class RewardExecutor:
-    """How reward functions run one completion at a time, isolated: the ``executor=`` of
-    :class:`~torchrl_trl.rewards.RewardFunctionWrapper` and
-    :func:`~torchrl_trl.rewards.as_trl_reward_func` (``executor="process"`` is
+    """How reward functions run, and the reward of what they do not score: the ``executor=``
+    of :class:`~torchrl_trl.rewards.RewardFunctionWrapper` and
+    :func:`~torchrl_trl.rewards.as_trl_reward_func` (a kind alone, ``executor="process"``, is
     ``RewardExecutor("process")``).
 
-    Attributes:
-        kind: ``"process"`` (default), ``"thread"``, ``"ray"`` or a
-            ``concurrent.futures.Executor``.
-        max_workers: completions run at once (default: the CPU count for process and
-            Ray, ``min(32, cpus + 4)`` threads, an Executor's own size).
-        mp_context: ``"spawn"`` (default; ``"forkserver"`` means the same) or ``"fork"``
-            (``kind="process"`` only).
-        failure_reward: the reward of a completion that raised, timed out or crashed its
-            worker; ``None`` (default): excluded, like TRL's ``None``.
-        startup_timeout: seconds a new process or Ray worker may take to load the
-            functions and the shared arguments and warm them up (the imports a first call
-            would do, :func:`~torchrl_trl.rewards.scheduler.warm_up`; default 120); not
-            counted in ``timeout``.
+    Args:
+        kind (str or concurrent.futures.Executor, optional): ``"caller"`` (each function called
+            once on the whole batch, in the caller), or one completion at a time, isolated:
+            ``"process"``, ``"thread"``, ``"ray"`` or a ``concurrent.futures.Executor``.
+            Defaults to ``"caller"``.
+        max_workers (int, optional): completions run at once (isolated kinds). Defaults to
+            ``None``: the CPU count for process and Ray, ``min(32, cpus + 4)`` threads, an
+            Executor's own size.
+        mp_context (str, optional): ``"spawn"`` (``"forkserver"`` means the same) or ``"fork"``
+            (``kind="process"`` only). Defaults to ``None`` (``"spawn"``).
+        timeout (float, optional): seconds one call of a function on the batch (``"caller"``),
+            or one completion (isolated kinds), may take before a ``TimeoutError`` naming the
+            function. Defaults to ``None`` (no limit).
+        startup_timeout (float, optional): seconds a new process or Ray worker may take to load
+            the functions and the shared arguments and warm them up (the imports a first call
+            would do, :func:`~torchrl_trl.rewards.scheduler.warm_up`); not counted in
+            ``timeout``. Defaults to ``120.0``.
+        failure_reward (float, optional): the reward of a completion that raised, timed out or
+            crashed its worker (isolated kinds). Defaults to ``None``: excluded, like TRL's ``None``.
+        unscorable_reward (float, optional): the reward of a row every function returned
+            ``None`` for, or failed on (:class:`~torchrl_trl.rewards.RewardFunctionWrapper`).
+            Defaults to ``nan``, as TRL marks it.
 
     Examples:
         >>> RewardExecutor("thread", max_workers=2, failure_reward=0).failure_reward
@@ -48,50 +58,65 @@ class RewardExecutor:
         >>> RewardExecutor("thread", mp_context="fork")
         Traceback (most recent call last):
         ...
-        ValueError: mp_context applies to executor='process' only, got 'thread'
+        ValueError: RewardExecutor: mp_context applies to kind='process' only, got kind='thread'
     """
 
-    kind: str | concurrent.futures.Executor = "process"
+    kind: str | concurrent.futures.Executor = "caller"
     max_workers: int | None = None
     mp_context: str | None = None
-    failure_reward: float | None = None
+    timeout: float | None = None
     startup_timeout: float = 120.0
+    failure_reward: float | None = None
+    unscorable_reward: float = math.nan
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS and not isinstance(self.kind, concurrent.futures.Executor):
+        kind = self.kind
+        if kind not in _KINDS and not isinstance(kind, concurrent.futures.Executor):
             raise ValueError(
-                "executor must be None, 'process', 'thread', 'ray', a concurrent.futures.Executor "
-                f"or a RewardExecutor, got {self.kind!r}"
+                "RewardExecutor: kind must be 'caller', 'process', 'thread', 'ray' or a concurrent.futures.Executor, "
+                f"got {kind!r}"
             )
-        positive_int(self.max_workers, "max_workers", allow_none=True)
-        if self.mp_context is not None and self.kind != "process":
-            raise ValueError(f"mp_context applies to executor='process' only, got {self.kind!r}")
+        positive_int(self.max_workers, "RewardExecutor: max_workers", allow_none=True)
+        if kind == "caller" and (given := [n for n in ("max_workers", "failure_reward") if getattr(self, n) is not None]):
+            raise ValueError(f"RewardExecutor: {given} apply to isolated kinds (process, thread, ray), not 'caller'")
+        if self.mp_context is not None and kind != "process":
+            raise ValueError(f"RewardExecutor: mp_context applies to kind='process' only, got kind={kind!r}")
         if (ctx := self.mp_context) not in (None, "spawn", "forkserver", "fork"):
-            raise ValueError(f"mp_context must be 'spawn', 'forkserver' or 'fork', got {ctx!r}")
+            raise ValueError(f"RewardExecutor: mp_context must be 'spawn', 'forkserver' or 'fork', got {ctx!r}")
+        object.__setattr__(self, "timeout", positive_seconds(self.timeout, "RewardExecutor: timeout"))
+        if self.startup_timeout is None:
+            raise ValueError("RewardExecutor: startup_timeout must be a positive number of seconds, got None")
+        object.__setattr__(self, "startup_timeout", positive_seconds(self.startup_timeout, "RewardExecutor: startup_timeout"))
         if self.failure_reward is not None:
             object.__setattr__(self, "failure_reward", float(self.failure_reward))
-        if self.startup_timeout is None:
-            raise ValueError("startup_timeout must be a positive number of seconds, got None")
-        object.__setattr__(self, "startup_timeout", positive_seconds(self.startup_timeout, "startup_timeout"))
+        object.__setattr__(self, "unscorable_reward", float(self.unscorable_reward))
 
-    def build(self, funcs: Sequence[Callable], names: Sequence[str], timeout: float | None):
-        """The item executor running ``funcs`` (named ``names``), ``timeout`` s per item."""
+    @property
+    def isolated(self) -> bool:
+        """Whether completions run one at a time in workers (every kind but ``"caller"``)."""
+        return self.kind != "caller"
+
+    def build(self, funcs: Sequence[Callable], names: Sequence[str]):
+        """The item executor running ``funcs`` (named ``names``), :attr:`timeout` s per item
+        (isolated kinds only)."""
         from .process_pool import ProcessItemExecutor
 
         cls = {"process": ProcessItemExecutor, "thread": ThreadItemExecutor, "ray": RayItemExecutor}
-        return cls.get(self.kind, FuturesItemExecutor)(funcs, names, timeout, self)
+        return cls.get(self.kind, FuturesItemExecutor)(funcs, names, self.timeout, self)
 
 
-def reward_executor(executor) -> RewardExecutor | None:
+def reward_executor(executor) -> RewardExecutor:
     """``executor=`` (``None``, a kind, an Executor or a :class:`RewardExecutor`) as a
-    :class:`RewardExecutor` (``None`` stays ``None``: functions run in the caller).
+    :class:`RewardExecutor` (``None``: ``RewardExecutor()``, functions run in the caller).
 
     >>> reward_executor("thread").kind
     'thread'
+    >>> reward_executor(None).isolated
+    False
     """
-    if executor is None or isinstance(executor, RewardExecutor):
+    if isinstance(executor, RewardExecutor):
         return executor
-    return RewardExecutor(executor)
+    return RewardExecutor() if executor is None else RewardExecutor(executor)
 
 
 class ThreadItemExecutor(ItemExecutor):

@@ -15,7 +15,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from torchrl_trl import layouts
-from torchrl_trl._checks import WarnOnce, key_tuple, positive_seconds, strip_next
+from torchrl_trl._checks import WarnOnce, key_tuple, strip_next
 
 from .calling import (
     FailureCounter,
@@ -58,40 +58,42 @@ class RewardFunctionWrapper(TensorDictModuleBase):
     :func:`~torchrl_trl.rewards.rollout_arguments.trl_arguments`). The reward is
     ``nansum(weights * rewards_per_func)``: ``None``, NaN and inf are excluded (counted in
     :attr:`none_counts` / :attr:`nonfinite_counts`, warned once); a row with no reward left
-    gets ``unscorable_reward``. A function's exception is re-raised with its name. On a
+    gets the executor's ``unscorable_reward`` (NaN, as TRL). A function's exception is re-raised with its name. On a
     ``ChatEnv`` or a replay buffer's write use :meth:`as_transform`.
 
     Args:
-        funcs: one reward function or a list of them.
+        funcs (callable, sequence of callables or mapping of str to callable): one reward
+            function, a list of them, or ``{name: function}`` (default names: TRL's,
+            ``__name__``, deduplicated).
 
     Keyword Args:
-        weights: one float per function (default: all ones), as ``GRPOConfig.reward_weights``.
-        columns: the rollout fields passed: keys (the argument is the key's last part) or
-            ``{argument: key}``; ``None``: every top-level non-tensor field not TorchRL's.
-        input_mode: ``"history"``, ``"text"``, ``"tokens"`` or ``"auto"`` (history when
-            present, else text, else tokens when ``tokenizer`` is given). ``"tokens"``
-            (rollouts of ``ChatEnv(input_mode="tokens")``): prompts are the prompt ids decoded
-            with their special tokens, completions strings; it needs ``tokenizer``.
-        tokenizer: the policy tokenizer. Given, completions are decoded from the response
-            ids as TRL decodes them (``skip_special_tokens=True``); without it they are the
-            stored chat or text, and rows that lost tokens to padding (a policy whose pad
-            token is its EOS) are refused by the layout reader.
-        reward_key: where the combined reward is written. Default ``("next", "reward")``.
-        per_function_keys: also write each function's raw reward (NaN for ``None``):
-            ``True`` for ``("next", "reward_<name>")``, or one key per function.
-        reward_shape: ``"step"`` (default, ``[*B, 1, 1]``), ``"trailing"`` (``[*B, 1]``) or
-            ``"flat"`` (``[*B]``).
-        unscorable_reward: the reward of a row every function returned ``None`` for.
-        names: names of the functions (default: TRL's, ``__name__``, deduplicated).
-        trainer_state: passed as ``trainer_state``.
-        timeout: seconds (``None``: no limit). Without ``executor``: one call of each
-            function on the batch; with it: one completion. A ``TimeoutError`` names it.
-        executor: ``None`` (run in the caller on the whole batch), or a
-            :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or its kind): each
-            function called once per completion, isolated; a failure gets the executor's
-            ``failure_reward`` and is counted in :attr:`failure_counts`.
+        weights (sequence of float, optional): one weight per function, as
+            ``GRPOConfig.reward_weights``. Defaults to ``None`` (all ones).
+        columns (sequence of NestedKey or mapping of str to NestedKey, optional): the rollout
+            fields passed: keys (the argument is the key's last part) or ``{argument: key}``.
+            Defaults to ``None``: every top-level non-tensor field not TorchRL's.
+        input_mode (str, optional): ``"history"``, ``"text"``, ``"tokens"`` or ``"auto"``
+            (history when present, else text, else tokens when ``tokenizer`` is given).
+            ``"tokens"`` (rollouts of ``ChatEnv(input_mode="tokens")``): prompts are the prompt
+            ids decoded with their special tokens, completions strings; it needs ``tokenizer``.
+            Defaults to ``"auto"``.
+        tokenizer (transformers tokenizer, optional): the policy tokenizer. Given, completions
+            are decoded from the response ids as TRL decodes them (``skip_special_tokens=True``);
+            without it they are the stored chat or text, and rows that lost tokens to padding (a
+            policy whose pad token is its EOS) are refused by the layout reader. Defaults to ``None``.
+        out_keys (sequence of NestedKey, optional): where the rewards are written: the weighted
+            sum, then, if given, one key per function for its raw reward (NaN for ``None``).
+            Defaults to ``None``: ``[("next", "reward")]``.
+        reward_shape (str, optional): ``"step"`` (``[*B, 1, 1]``), ``"trailing"`` (``[*B, 1]``)
+            or ``"flat"`` (``[*B]``). Defaults to ``"step"``.
+        executor (RewardExecutor, str or concurrent.futures.Executor, optional): how the
+            functions run (in the caller on the whole batch, or one completion at a time,
+            isolated: a failure gets ``failure_reward`` and is counted in
+            :attr:`failure_counts`), their ``timeout`` (a ``TimeoutError`` names the function),
+            and the ``unscorable_reward``. Defaults to ``None``: ``RewardExecutor()``.
 
-    ``in_keys``: every key it may read; ``out_keys``: ``reward_key`` and ``per_function_keys``.
+    ``in_keys``: every key it may read. :attr:`trainer_state` is passed to the functions as
+    ``trainer_state`` (``None`` until set, e.g. to a trainer's ``state``).
 
     Examples:
         >>> from tensordict import TensorDict
@@ -109,68 +111,56 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         torch.Size([2, 1, 1])
         >>> wrapper.none_counts
         {'length_reward': 0, 'says_hi': 1}
-        >>> RewardFunctionWrapper(length_reward, reward_key="score", reward_shape="flat")(rollouts)["score"]
+        >>> RewardFunctionWrapper({"len": length_reward}, out_keys=["score"], reward_shape="flat")(rollouts)["score"]
         tensor([8., 2.])
     """
 
     def __init__(
-        self, funcs: Callable | Sequence[Callable], *, weights: Sequence[float] | None = None,
+        self, funcs: Callable | Sequence[Callable] | Mapping[str, Callable], *, weights: Sequence[float] | None = None,
         columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None, input_mode: InputMode = "auto",
-        tokenizer=None, reward_key: NestedKey = layouts.REWARD_KEY,
-        per_function_keys: bool | Sequence[NestedKey] = False, reward_shape: RewardShape = "step",
-        unscorable_reward: float = math.nan, names: Sequence[str] | None = None, trainer_state: Any = None,
-        timeout: float | None = None, executor: str | Executor | RewardExecutor | None = None,
+        tokenizer=None, out_keys: Sequence[NestedKey] | None = None, reward_shape: RewardShape = "step",
+        executor: str | Executor | RewardExecutor | None = None,
     ):
+        name = type(self).__name__
         config = reward_executor(executor)
         super().__init__()
-        funcs = [funcs] if callable(funcs) else list(funcs)
+        names = list(funcs) if isinstance(funcs, Mapping) else None
+        funcs = list(funcs.values()) if isinstance(funcs, Mapping) else [funcs] if callable(funcs) else list(funcs)
         if not funcs:
-            raise ValueError("funcs must hold at least one reward function")
+            raise ValueError(f"{name}: expected at least one reward function, got none")
         for f in funcs:
             if not callable(f):
-                raise TypeError(f"reward functions must be callable, got {type(f).__name__}")
+                raise TypeError(f"{name}: reward functions must be callable, got {type(f).__name__}")
         if input_mode not in ("auto", "history", "text", "tokens"):
-            raise ValueError(f"input_mode must be 'auto', 'history', 'text' or 'tokens', got {input_mode!r}")
+            raise ValueError(f"{name}: input_mode must be 'auto', 'history', 'text' or 'tokens', got {input_mode!r}")
         if input_mode == "tokens" and tokenizer is None:
-            raise ValueError(
-                "RewardFunctionWrapper(input_mode='tokens') decodes prompts and completions from the rollouts' "
-                "tokens: pass tokenizer= (the policy's)"
-            )
+            raise ValueError(f"{name}: input_mode='tokens' decodes prompts and completions from the rollouts' "
+                             "tokens: pass tokenizer= (the policy's)")
         self.names = function_names(funcs, names)
         weights = [1.0] * len(funcs) if weights is None else weights
         if len(weights) != len(funcs):
-            raise ValueError(
-                f"Number of reward weights ({len(weights)}) must match number of reward functions ({len(funcs)})"
-            )
-        self.reward_key = key_tuple(reward_key)
-        if per_function_keys is True:
-            prefix, leaf = self.reward_key[:-1], self.reward_key[-1]
-            per_function_keys = [prefix + (f"{leaf}_{n}",) for n in self.names]
-        elif per_function_keys is False or per_function_keys is None:
-            per_function_keys = []
-        else:
-            per_function_keys = [key_tuple(k) for k in per_function_keys]
-            if len(per_function_keys) != len(funcs):
-                n = len(per_function_keys)
-                raise ValueError(f"per_function_keys has {n} keys, expected {len(funcs)} (one per function)")
-        self.per_function_keys = per_function_keys
+            raise ValueError(f"{name}: expected one weight per reward function ({len(funcs)}), got {len(weights)}")
+        out_keys = [layouts.REWARD_KEY] if out_keys is None else list(out_keys)
+        if len(out_keys) not in (1, 1 + len(funcs)):
+            raise ValueError(f"{name}: out_keys must be 1 key (the weighted sum) or {1 + len(funcs)} (then one per "
+                             f"function), got {len(out_keys)}")
         if columns is not None and not isinstance(columns, Mapping):
             columns = {key_tuple(k)[-1]: k for k in columns}
         self.columns = None if columns is None else {str(k): key_tuple(v) for k, v in columns.items()}
         self.in_keys = input_keys(input_mode, self.columns, tokenizer=tokenizer is not None)
-        self.out_keys = [self.reward_key, *self.per_function_keys]
+        self.out_keys = [key_tuple(k) for k in out_keys]
         self.funcs = funcs
         self.weights = torch.tensor([float(w) for w in weights], dtype=torch.float32)
         self.input_mode = input_mode
         self.tokenizer = tokenizer
         trailing_dims(reward_shape)  # checks the name
         self.reward_shape = reward_shape
-        self.unscorable_reward = float(unscorable_reward)
-        self.trainer_state = trainer_state
-        self.timeout = positive_seconds(timeout, "timeout")
-        self.failure_reward = None if config is None else config.failure_reward
-        self.executor = None if config is None else config.build(funcs, self.names, self.timeout)
-        self._failures = FailureCounter(self.names, type(self).__name__)
+        self.unscorable_reward = config.unscorable_reward
+        self.trainer_state = None
+        self.timeout = config.timeout
+        self.failure_reward = config.failure_reward
+        self.executor = config.build(funcs, self.names) if config.isolated else None
+        self._failures = FailureCounter(self.names, name)
         self.logs = _Logs()
         self._none, self._nonfinite, self._unscorable = WarnOnce(), WarnOnce(), WarnOnce()
 
@@ -293,6 +283,6 @@ class RewardFunctionWrapper(TensorDictModuleBase):
     def __repr__(self) -> str:
         executor = f", executor={self.executor!r}" if self.executor is not None else ""
         return (
-            f"{type(self).__name__}(funcs={self.names}, weights={self.weights.tolist()}, reward_key="
-            f"{self.reward_key}, reward_shape={self.reward_shape!r}, input_mode={self.input_mode!r}{executor})"
+            f"{type(self).__name__}(funcs={self.names}, weights={self.weights.tolist()}, out_keys="
+            f"{self.out_keys}, reward_shape={self.reward_shape!r}, input_mode={self.input_mode!r}{executor})"
         )

@@ -18,7 +18,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from torchrl_trl import _compat, layouts
-from torchrl_trl._checks import WarnOnce, key_tuple, positive_seconds, strip_next
+from torchrl_trl._checks import WarnOnce, key_tuple, strip_next
 
 from .calling import (
     TRL_EXTRA_KWARGS, FailureCounter, call_function, call_functions, check_signature, declares,
@@ -68,16 +68,19 @@ class TRLRewardFunc:
 
     def __init__(
         self, reward: Any, *, tokenizer=None, name: str | None = None, reward_key: NestedKey | None = None,
-        columns: Sequence[str] | None = None, timeout: float | None = None,
-        executor: str | Executor | RewardExecutor | None = None,
+        columns: Sequence[str] | None = None, executor: str | Executor | RewardExecutor | None = None,
     ):
         config = reward_executor(executor)
         if isinstance(reward, TRLRewardFunc):
-            raise TypeError("reward is already a TRL reward function")
+            raise TypeError("as_trl_reward_func: expected a TorchRL reward, got a TRLRewardFunc (already a TRL one)")
         if not callable(reward):
             raise TypeError(
-                f"reward must be a TorchRL module or transform, or a TRL reward function, got {type(reward).__name__}"
+                "as_trl_reward_func: expected a TorchRL module or transform, or a TRL reward function, got "
+                f"{type(reward).__name__}"
             )
+        if not math.isnan(config.unscorable_reward):  # TRL decides for the rows no function scored
+            raise ValueError("as_trl_reward_func: RewardExecutor(unscorable_reward=) applies to RewardFunctionWrapper; "
+                             "TRL scores the rows no function scored")
         self.reward = reward
         self.tokenizer = tokenizer
         self.is_trl_function = is_trl_function(reward)
@@ -88,18 +91,18 @@ class TRLRewardFunc:
         self.__name__ = name or _default_name(reward)
         self.reward_key = reward_key
         self.columns = list(columns) if columns is not None else None
-        self.timeout = positive_seconds(timeout, "timeout")
+        self.timeout = config.timeout
         self.calls = self.scored = 0  # calls received, completions scored
         self._nonfinite = WarnOnce()
         self._parsers: dict[str, Any] = {}
-        self.failure_reward = None if config is None else config.failure_reward
+        self.failure_reward = config.failure_reward
         self.executor = None
         self._failures = FailureCounter([self.__name__], type(self).__name__)
-        if config is not None:  # the workers run the function, or a copy of this without executor
+        if config.isolated:  # the workers run the function, or a copy of this without executor
             inner = copy.copy(self)
             inner.timeout = None  # the executor bounds each completion
             work = reward if self.is_trl_function else inner.raw_rewards
-            self.executor = config.build([work], [self.__name__], self.timeout)
+            self.executor = config.build([work], [self.__name__])
 
     @property
     def nonfinite(self) -> int:
@@ -270,8 +273,7 @@ class TRLRewardFunc:
 
 def as_trl_reward_func(
     reward: Any, *, tokenizer=None, name: str | None = None, reward_key: NestedKey | None = None,
-    columns: Sequence[str] | None = None, timeout: float | None = None,
-    executor: str | Executor | RewardExecutor | None = None,
+    columns: Sequence[str] | None = None, executor: str | Executor | RewardExecutor | None = None,
 ) -> TRLRewardFunc:
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
@@ -284,15 +286,18 @@ def as_trl_reward_func(
             module writing a reward; or a plain TRL reward function, to use ``executor=``.
 
     Keyword Args:
-        tokenizer: the policy tokenizer, to build text and tokens for chat data.
-        name: the name TRL logs (default: the reward model's directory, or the class name).
-        reward_key: where the module writes the reward (default: ``("next", "reward")``,
-            ``"reward"`` or an out_key named ``*reward*``).
-        columns: dataset columns to pass (default: all); a missing one is a ``KeyError``.
-        timeout: seconds of one call, or with ``executor`` of one completion.
-        executor: ``None``, or a :class:`~torchrl_trl.rewards.executors.RewardExecutor` (or
-            its kind): one completion per call, isolated; a failure gets ``failure_reward``,
-            counted in :attr:`TRLRewardFunc.failure_counts`.
+        tokenizer (transformers tokenizer, optional): the policy tokenizer, to build text and
+            tokens for chat data. Defaults to ``None``.
+        name (str, optional): the name TRL logs. Defaults to ``None``: the reward model's
+            directory, or the class name.
+        reward_key (NestedKey, optional): where the module writes the reward. Defaults to
+            ``None``: ``("next", "reward")``, ``"reward"`` or an out_key named ``*reward*``.
+        columns (sequence of str, optional): dataset columns to pass; a missing one is a
+            ``KeyError``. Defaults to ``None`` (all).
+        executor (RewardExecutor, str or concurrent.futures.Executor, optional): how the reward
+            runs: in the caller, one call per batch (``timeout`` s each), or one completion per
+            call, isolated (a failure gets ``failure_reward``, counted in
+            :attr:`TRLRewardFunc.failure_counts`). Defaults to ``None``: ``RewardExecutor()``.
 
     Returns:
         a :class:`TRLRewardFunc`: exceptions carry its name, non-finite rewards become ``None``.
@@ -312,5 +317,5 @@ def as_trl_reward_func(
         >>> len(rewards), all(isinstance(r, float) for r in rewards)
         (2, True)
     """
-    return TRLRewardFunc(reward, tokenizer=tokenizer, name=name, reward_key=reward_key,
-                         columns=columns, timeout=timeout, executor=executor)
+    return TRLRewardFunc(reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns,
+                         executor=executor)
