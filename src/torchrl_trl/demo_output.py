@@ -12,20 +12,22 @@ __all__ = ["plot_reward_curve", "quiet_libraries", "say", "summary_table", "writ
 
 
 def summary_table(results: dict) -> str:
-    """The start/end table the demo prints, one row per phase, from ``run_demo``'s results."""
-    grpo, sft = results["grpo"], results["sft_best_of_n"]
+    """The before/after table the demo prints, one row per phase, from ``run_demo``'s results:
+    the true scores are of fresh answers to the task's held-out prompts."""
+    grpo, sft, label = results["grpo"], results["sft_best_of_n"], results.get("score_label", "true score")
+    rm_accuracy = results["reward_model"]["heldout_pairwise_accuracy"]
     rows = [
-        ("reward model held-out pairwise accuracy", "", f"{results['reward_model']['heldout_pairwise_accuracy']:.3f}"),
-        ("GRPO reward-model score", f"{grpo['rm_score'][0]:.3f}", f"{grpo['rm_score'][-1]:.3f}"),
-        ("GRPO true score (hidden rule)", f"{grpo['true_score'][0]:.3f}", f"{grpo['true_score'][-1]:.3f}"),
-        ("SFT best-of-n true score", f"{sft['true_score_before']:.3f}", f"{sft['true_score_after']:.3f}"),
+        ("reward model held-out pairwise accuracy", rm_accuracy[0], rm_accuracy[-1]),
+        ("GRPO reward-model score (its samples)", grpo["rm_score"][0], grpo["rm_score"][-1]),
+        (f"GRPO true score ({label})", grpo["true_score_before"], grpo["true_score_after"]),
+        ("SFT best-of-n true score", sft["true_score_before"], sft["true_score_after"]),
     ]
     if "trl_grpo" in results:
         trl = results["trl_grpo"]
-        rows.append(("TRL GRPO (TorchRL rollouts) true score", f"{trl['true_score'][0]:.3f}", f"{trl['true_score'][-1]:.3f}"))
+        rows.append(("TRL GRPO (TorchRL rollouts) true score", trl["true_score_before"], trl["true_score_after"]))
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':{width}}  {'start':>7}  {'end':>7}", "-" * (width + 18)]
-    lines += [f"{name:{width}}  {start:>7}  {end:>7}" for name, start, end in rows]
+    lines += [f"{name:{width}}  {start:>7.3f}  {end:>7.3f}" for name, start, end in rows]
     return "\n".join(lines)
 
 
@@ -48,27 +50,35 @@ def write_outputs(results: dict, output_dir: Path) -> None:
 
 def plot_reward_curve(results: dict):
     """The demo's ``reward_curve.png`` from ``run_demo``'s ``results``: per GRPO iteration, the
-    true score (left axis) and the reward model's score (right axis). Returns the pyplot
+    true score of its samples and, where measured, of fresh answers to the held-out prompts
+    before and after (left axis), and the reward model's score (right axis). Returns the pyplot
     figure (needs ``matplotlib``: ``pip install 'torchrl-trl[demo]'``).
 
     >>> fig = plot_reward_curve({"grpo": {"true_score": [0.18, 0.43], "rm_score": [-1.1, 1.4]}})
     >>> [line.get_label() for ax in fig.axes for line in ax.get_lines()]
-    ['true score (hidden rule), TorchRL GRPO', 'reward-model score, TorchRL GRPO']
+    ['true score of its samples, TorchRL GRPO', 'reward-model score, TorchRL GRPO']
     >>> import matplotlib.pyplot as plt; plt.close(fig)
     """
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    ax.plot(results["grpo"]["true_score"], label="true score (hidden rule), TorchRL GRPO")
-    if "trl_grpo" in results:
-        ax.plot(results["trl_grpo"]["true_score"], color="tab:green", label="true score, TRL GRPO on TorchRL rollouts")
+    fig, ax = plt.subplots(figsize=(6, 4.6))
+    phases = [("grpo", "tab:blue", "TorchRL GRPO"), ("trl_grpo", "tab:green", "TRL GRPO on TorchRL rollouts")]
+    for key, color, name in phases:
+        if key not in results:
+            continue
+        scores = results[key]
+        ax.plot(scores["true_score"], color=color, label=f"true score of its samples, {name}")
+        if "true_score_after" in scores:  # fresh answers to the held-out prompts, first and last iteration
+            ends = [0, len(scores["true_score"]) - 1]
+            ax.plot(ends, [scores["true_score_before"], scores["true_score_after"]], "o--", color=color, alpha=0.6,
+                    label=f"held-out true score before/after, {name}")
     ax2 = ax.twinx()
     ax2.plot(results["grpo"]["rm_score"], color="tab:orange", label="reward-model score, TorchRL GRPO")
-    ax.set(xlabel="GRPO iteration", ylabel="true score")
+    ax.set(xlabel="GRPO iteration", ylabel=f"true score ({results.get('score_label', 'hidden rule')})")
     ax2.set_ylabel("reward-model score")
     # under the axes: inside, it hides the curves' ends
     fig.legend(loc="lower center", fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.17, 1, 1))
+    fig.tight_layout(rect=(0, 0.25, 1, 1))
     return fig
 
 

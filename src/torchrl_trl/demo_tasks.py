@@ -1,0 +1,153 @@
+"""The demo's two tasks: what the policy is asked, how a reply is truly scored (by a rule the
+reward model never sees) and the preference pairs ``trl.RewardTrainer`` learns from.
+
+* ``vowels`` (tiny random models): an answer is better the larger its fraction of vowels.
+* ``arithmetic`` (SmolLM2-135M-Instruct): ``"What is 3 + 5?"`` for single-digit pairs. The
+  model knows the sums (prefilled with ``"3 + 5 ="`` it answers 85% of them right) but rarely
+  says them plainly, so greedy answers are right about a third of the time. The true score
+  is ``math_verify``'s check of the reply against the sum, on pairs held out of training.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["TASKS", "DemoTask", "arithmetic_task", "vowels_task"]
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """One task of the demo.
+
+    Args:
+        name (str): the task's name in ``results.json``.
+        train_prompts (list of str): the user turns GRPO samples from.
+        heldout_prompts (list of str): the user turns the true score is measured on after
+            training (the same as ``train_prompts`` where the task has no held-out set).
+        true_score (callable): ``true_score(prompt, reply) -> float`` in ``[0, 1]``.
+        preference_pairs (callable): ``preference_pairs(tokenizer, n, seed, heldout) -> rows``,
+            conversational ``prompt`` / ``chosen`` / ``rejected`` rows for ``RewardTrainer``,
+            drawn from the held-out prompts when ``heldout`` is true.
+        score_label (str): what the true score measures, for the printed table.
+    """
+
+    name: str
+    train_prompts: list[str]
+    heldout_prompts: list[str]
+    true_score: Callable[[str, str], float]
+    preference_pairs: Callable[..., list[dict]]
+    score_label: str
+
+
+def _chat_pair(prompt: str, chosen: str, rejected: str) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": prompt}],
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+# --- vowels, for the tiny random models ------------------------------------------------------
+
+VOWEL_PROMPTS = [f"say something nice about {thing}" for thing in (
+    "cats", "dogs", "the sea", "trees", "music", "bread", "rain", "books",
+    "the moon", "coffee", "bikes", "snow", "friends", "tea", "maps", "clocks",
+)]
+
+
+def vowel_fraction(prompt: str, reply: str) -> float:
+    """The hidden rule: the fraction of ``reply``'s characters that are vowels (0 if empty)."""
+    return sum(c in "aeiouAEIOU" for c in reply) / len(reply) if reply else 0.0
+
+
+def vowel_pairs(tokenizer, n: int, seed: int, heldout: bool = False, max_tokens: int = 12) -> list[dict]:
+    """``n`` pairs of random non-special tokens, as the untrained tiny policy writes, ranked by
+    the hidden rule (near-ties skipped)."""
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+
+    def answer() -> str:
+        while True:
+            text = tokenizer.decode([rng.choice(vocab) for _ in range(rng.randint(3, max_tokens))])
+            if text.strip():
+                return text
+
+    pairs = []
+    while len(pairs) < n:
+        a, b = answer(), answer()
+        sa, sb = vowel_fraction("", a), vowel_fraction("", b)
+        if abs(sa - sb) < 0.05:
+            continue
+        chosen, rejected = (a, b) if sa > sb else (b, a)
+        pairs.append(_chat_pair(rng.choice(VOWEL_PROMPTS), chosen, rejected))
+    return pairs
+
+
+def vowels_task() -> DemoTask:
+    return DemoTask("vowels", VOWEL_PROMPTS, VOWEL_PROMPTS, vowel_fraction, vowel_pairs, "hidden rule")
+
+
+# --- arithmetic, for SmolLM2-135M-Instruct ----------------------------------------------------
+
+#: every single-digit pair; every third one (after a fixed shuffle) is held out of training
+_PAIRS = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+random.Random(1234).shuffle(_PAIRS)
+_TRAIN_PAIRS = [p for i, p in enumerate(_PAIRS) if i % 3]
+_HELDOUT_PAIRS = _PAIRS[::3]
+
+
+def _question(a: int, b: int) -> str:
+    return f"What is {a} + {b}?"
+
+
+_ANSWERS = {_question(a, b): a + b for a, b in _PAIRS}
+
+
+def sum_is_right(prompt: str, reply: str) -> float:
+    """1.0 when ``math_verify`` reads the sum asked in ``prompt`` as ``reply``'s answer, else 0.0."""
+    from math_verify import parse, verify
+
+    return float(verify(parse(str(_ANSWERS[prompt])), parse(reply)))
+
+
+#: ways to answer: right when given the sum, wrong when given another number
+_ANSWER_FORMS = ("{a} + {b} = {s}", "{a} + {b} = {s}.", "The answer is {s}.", "{s}", "{a} plus {b} equals {s}.")
+#: ways not to answer, as the untrained model often writes (cut where the demo cuts replies)
+_NON_ANSWERS = (
+    "To find the sum of {a} and {b}, we need to",
+    "A good question. Addition is one of the",
+    "Let's solve this step by step. First, we",
+    "To solve this, we need to add the",
+    "The sum of two numbers is the number",
+)
+
+
+def arithmetic_pairs(tokenizer, n: int, seed: int, heldout: bool = False) -> list[dict]:
+    """``n`` pairs written by a rule: the chosen reply states the right sum; the rejected one
+    states a wrong sum (half of them) or talks around the question without an answer."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        a, b = rng.choice(_HELDOUT_PAIRS if heldout else _TRAIN_PAIRS)
+        s = a + b
+        chosen = rng.choice(_ANSWER_FORMS).format(a=a, b=b, s=s)
+        if rng.random() < 0.5:
+            wrong = rng.choice([x for x in range(2, 19) if x != s])
+            rejected = rng.choice(_ANSWER_FORMS).format(a=a, b=b, s=wrong)
+        else:
+            rejected = rng.choice(_NON_ANSWERS).format(a=a, b=b)
+        pairs.append(_chat_pair(_question(a, b), chosen, rejected))
+    return pairs
+
+
+def arithmetic_task() -> DemoTask:
+    return DemoTask(
+        "arithmetic", [_question(a, b) for a, b in _TRAIN_PAIRS], [_question(a, b) for a, b in _HELDOUT_PAIRS],
+        sum_is_right, arithmetic_pairs, "sum right, math-verify",
+    )
+
+
+TASKS = {"vowels": vowels_task, "arithmetic": arithmetic_task}
