@@ -30,7 +30,7 @@ def received(n, num_shards, tmp):
     tok = testing.make_tokenizer()
     model = testing.make_policy(tok)
     ds = TorchRLBufferDataset(buffer(n), 4, reading=EpochPass(shuffle=True, seed=1),
-                              columns={"input_ids": "input_ids"}, sharding=Sharding(num_shards=num_shards))
+                              keys=["input_ids"], sharding=Sharding(num_shards=num_shards))
     args = SFTConfig(output_dir=tmp, max_steps=1, per_device_train_batch_size=4, use_cpu=True, bf16=False,
                      report_to=[], save_strategy="no", ddp_backend="gloo", dataloader_num_workers=0)
     assert torch.distributed.is_initialized()  # as_hf_dataset() below agrees the pass length over ranks

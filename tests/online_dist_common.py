@@ -15,7 +15,7 @@ def train_one_pass(rb, out: str, steps: int = 3) -> dict:
     rank = int(os.environ["RANK"])
     tok = testing.make_tokenizer()
     model = testing.make_policy(tok)
-    ds = TorchRLBufferDataset(rb, 4, reading=EpochPass(shuffle=True, seed=1), columns={"input_ids": "input_ids"})
+    ds = TorchRLBufferDataset(rb, 4, reading=EpochPass(shuffle=True, seed=1), keys=["input_ids"])
     seen = []
 
     class Recording(SFTTrainer):

@@ -11,6 +11,7 @@ from torchrl_trl.data import (
     BufferFormat,
     EpochPass,
     OnlineSampling,
+    RowColumns,
     Sharding,
     TorchRLBufferDataset,
     available_formats,
@@ -54,14 +55,14 @@ def test_dense_storages_epoch_and_upstream_keys(storage):
 def test_list_storage_dicts_and_tensordicts():
     rb = ReplayBuffer(storage=ListStorage(10))
     rb.extend([{"prompt": f"p{i}", "completion": f"c{i}", "x": i} for i in range(5)])
-    rows = list(TorchRLBufferDataset(rb, 2, columns={"prompt": "prompt", "completion": "completion"}, reading="epoch").as_hf_dataset())
+    rows = list(TorchRLBufferDataset(rb, 2, keys=["prompt", "completion"], reading="epoch").as_hf_dataset())
     assert rows == [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)]
     online = list(TorchRLBufferDataset(rb, 3, num_batches=2, keys=["x"]))
     assert len(online) == 6 and all(0 <= int(r["x"]) < 5 for r in online)
     rb2 = ReplayBuffer(storage=ListStorage(10))
     for i in range(5):
         rb2.add(TensorDict({"text": {"prompt": f"q{i}"}, "ids": torch.arange(i + 1)}, []))
-    ds = TorchRLBufferDataset(rb2, 2, columns={"prompt": "text.prompt", "input_ids": "ids"}, reading="epoch")
+    ds = TorchRLBufferDataset(rb2, 2, format=RowColumns(columns={"prompt": "text.prompt", "input_ids": "ids"}), reading="epoch")
     rows = list(ds.as_hf_dataset())
     assert rows == [{"prompt": f"q{i}", "input_ids": list(range(i + 1))} for i in range(5)]
 
@@ -82,7 +83,7 @@ def test_lazy_stack_rollouts_formats_and_features(rollouts, policy_and_tokenizer
     td = rollouts[:]
     prompts, responses = layouts.read_tokens(td, "prompt").tolist(), layouts.read_tokens(td, "response").tolist()
     for name in ["sft", "sft_conversational", "sft_messages", "sft_tokenized", "grpo", "grpo_conversational"]:
-        ds = TorchRLBufferDataset(rollouts, 3, format=name, extra_columns=["answer"], reading="epoch")
+        ds = TorchRLBufferDataset(rollouts, 3, format=name, keys=["answer"], reading="epoch")
         hf = ds.as_hf_dataset()
         rows = list(hf)
         assert len(rows) == 8
@@ -135,7 +136,7 @@ def test_token_rows_are_lists_whose_tensors_are_private_copies(rollouts):
 
 def test_tensors_true_gives_one_tensor_per_row_as_upstream(rollouts):
     responses = layouts.read_tokens(rollouts[:], "response").tolist()
-    for kwargs in ({"keys": ["tokens.response"]}, {"columns": {"ids": "tokens.response"}}):
+    for kwargs in ({"keys": ["tokens.response"]}, {"format": RowColumns(columns={"ids": "tokens.response"})}):
         ds = TorchRLBufferDataset(rollouts, 3, reading="epoch", sharding=Sharding(num_shards=1), **kwargs)
         rows = [next(iter(row.values())) for row in ds.as_hf_dataset(tensors=True)]
         assert all(type(r) is torch.Tensor and r.ndim == 1 for r in rows)
@@ -145,7 +146,9 @@ def test_tensors_true_gives_one_tensor_per_row_as_upstream(rollouts):
 def test_columns_callable_and_map_snapshot(rollouts):
     ds = TorchRLBufferDataset(
         rollouts, 4, reading="epoch",
-        columns={"prompt": "text.prompt", "n_tokens": lambda b: layouts.read_tokens(b, "full").lengths.tolist()},
+        format=RowColumns(
+            columns={"prompt": "text.prompt", "n_tokens": lambda b: layouts.read_tokens(b, "full").lengths.tolist()}
+        ),
     )
     snap = ds.as_hf_dataset(map_style=True)
     it = list(ds.as_hf_dataset())
@@ -227,7 +230,7 @@ def test_bad_inputs_raise_at_once(rollouts):
     with pytest.raises(KeyError, match=r"'nope'.*Available keys: \['input_ids', 'meta.score'\]"):
         TorchRLBufferDataset(rb, 4, keys=["nope"])
     with pytest.raises(KeyError, match=r"'meta.nope'.*Available keys"):
-        TorchRLBufferDataset(rb, 4, columns={"prompt": "meta.nope"})
+        TorchRLBufferDataset(rb, 4, format=RowColumns(columns={"prompt": "meta.nope"}))
     with pytest.raises(KeyError, match=r"format 'sft' needs keys \['text.prompt', 'text.response'\].*Available keys: \['input_ids'"):
         TorchRLBufferDataset(rb, 4, format="sft")
     with pytest.raises(ValueError, match="unknown format 'no_such_format'; registered formats"):
@@ -274,7 +277,7 @@ def test_reading_strategies_and_their_names():
     ({"reading": "offline"}, ValueError, "reading must be 'online' or 'epoch', got 'offline'"),
     ({"reading": OnlineSampling(), "num_batches": 2}, TypeError, r"num_batches=2 inside reading=OnlineSampling"),
     ({"reading": "epoch", "num_batches": 3}, ValueError, r"num_batches=3 is for online sampling.*num_passes"),
-    ({"sharding": 4}, TypeError, "sharding must be a torchrl_trl.data.Sharding, got int"),
+    ({"sharding": 4}, TypeError, "TorchRLBufferDataset: sharding must be a Sharding or None, got int"),
     ({"batch_size": 0}, ValueError, "batch_size must be a positive integer, got 0"),
     ({"num_batches": 0}, ValueError, "num_batches must be a positive integer or None, got 0"),
     ({"shuffle": True}, TypeError, r"got an unexpected keyword argument 'shuffle'"),
@@ -316,8 +319,8 @@ def test_in_keys_and_features_are_what_is_read_and_yielded(rollouts):
         {"format": name} for name in ["sft", "sft_conversational", "sft_messages", "sft_tokenized", "grpo"]
     ] + [
         {"keys": ["tokens.response", "text.prompt"]},
-        {"columns": {"prompt": "text.prompt"}, "extra_columns": ["answer"]},
-        {"format": "sft_tokenized", "index_column": "item"},
+        {"format": RowColumns(columns={"prompt": "text.prompt"}), "keys": ["answer"]},
+        {"format": RowColumns("sft_tokenized", index_column="item")},
     ]
     for kwargs in cases:
         ds = TorchRLBufferDataset(rollouts, 4, reading="epoch", **kwargs)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader
 
-from torchrl_trl.data import EpochPass, TorchRLBufferDataset
+from torchrl_trl.data import EpochPass, RowColumns, TorchRLBufferDataset
 from test_dataset_inputs import _Writer, _assert_one_pass, _ids_buffer, _slow, _xs
 
 # torchrun ranks and spawned DataLoader worker processes
@@ -47,7 +47,7 @@ def test_epoch_pass_beside_writer_with_spawned_workers():
     while no write is in progress (torch moves its storage to shared memory then)."""
     rb = _ids_buffer(40, capacity=1_000_000)  # never full: no item is overwritten
     ds = TorchRLBufferDataset(
-        rb, 2, reading=EpochPass(shuffle=True), keys=["x"], columns={"slow": _slow}
+        rb, 2, reading=EpochPass(shuffle=True), keys=["x"], format=RowColumns(columns={"slow": _slow})
     )
     with _Writer(rb, pause=0.001):
         loader = DataLoader(ds.as_hf_dataset(), batch_size=None, num_workers=2, multiprocessing_context="spawn")

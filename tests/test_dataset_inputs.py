@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
 
 from torchrl_trl import testing
-from torchrl_trl.data import EpochPass, Sharding, TorchRLBufferDataset, sharding
+from torchrl_trl.data import EpochPass, RowColumns, Sharding, TorchRLBufferDataset, sharding
 
 
 def _ids_buffer(n, storage=LazyTensorStorage, capacity=100_000):
@@ -61,7 +61,7 @@ def test_len_counts_rows_of_batch_shaped_items(grouped_rollouts, storage):
     rb = ReplayBuffer(storage=storage(20))
     rb.extend(grouped_rollouts.to_tensordict() if storage is LazyTensorStorage else grouped_rollouts)
     assert len(rb) == 3  # items of batch shape [2]
-    ds = TorchRLBufferDataset(rb, 2, reading="epoch", format="sft_tokenized", index_column="item")
+    ds = TorchRLBufferDataset(rb, 2, reading="epoch", format=RowColumns("sft_tokenized", index_column="item"))
     hf_rows, rows = list(ds.as_hf_dataset()), list(ds)
     assert len(ds) == len(hf_rows) == len(rows) == 6
     # each item's two samples, with the item's storage index, in the item's order
@@ -111,7 +111,7 @@ def test_list_storage_dict_rows_must_share_keys():
     rb = ReplayBuffer(storage=ListStorage(10))
     rb.extend([{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(4)])
     rb.add({"prompt": "p4", "completion": "c4", "answer": "42"})  # an extra key, row 4
-    ds = TorchRLBufferDataset(rb, 2, reading="epoch", columns={"prompt": "prompt"})
+    ds = TorchRLBufferDataset(rb, 2, reading="epoch", keys=["prompt"])
     with pytest.raises(ValueError, match=r"row 4 has key 'answer' that row \d lacks"):
         list(ds.as_hf_dataset())
     rb = ReplayBuffer(storage=ListStorage(10))
@@ -129,16 +129,17 @@ def test_list_storage_dict_rows_must_share_keys():
 def test_sample_filter_must_return_one_bool_per_row():
     rb = _ids_buffer(6)
     for wrong in (lambda b: torch.ones(3, dtype=torch.bool), lambda b: [True] * 7):
-        ds = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"], sample_filter=wrong)
+        ds = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"], format=RowColumns(sample_filter=wrong))
         with pytest.raises(ValueError, match=r"sample_filter returned \d values .* expected shape \[4\]"):
             list(ds)
-    ds = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"], sample_filter=lambda b: b["x"] % 2)
+    ds = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"], format=RowColumns(sample_filter=lambda b: b["x"] % 2))
     with pytest.raises(TypeError, match=r"sample_filter must return bools .* got dtype torch.int64"):
         list(ds)
-    keep_even = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"], sample_filter=lambda b: b["x"] % 2 == 0)
+    keep_even = TorchRLBufferDataset(rb, 4, reading="epoch", keys=["x"],
+                                     format=RowColumns(sample_filter=lambda b: b["x"] % 2 == 0))
     assert _xs(keep_even) == [0, 2, 4]
-    with pytest.raises(TypeError, match="sample_filter must be callable"):
-        TorchRLBufferDataset(rb, 4, sample_filter=True)
+    with pytest.raises(TypeError, match="RowColumns: sample_filter must be callable"):
+        RowColumns(sample_filter=True)
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def test_epoch_pass_beside_writer_with_forked_workers(hf):
     for the write in progress), and every worker reads the same items."""
     rb = _ids_buffer(40)
     ds = TorchRLBufferDataset(
-        rb, 2, reading=EpochPass(shuffle=True), keys=["x"], columns={"slow": _slow}
+        rb, 2, reading=EpochPass(shuffle=True), keys=["x"], format=RowColumns(columns={"slow": _slow})
     )
     with _Writer(rb, pause=0) as writer:
         for _ in range(2):

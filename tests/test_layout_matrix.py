@@ -26,7 +26,7 @@ from torchrl.data.llm import History
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_trl import HFRewardModelWrapper, RewardFunctionWrapper, RewardRenderer, layouts
-from torchrl_trl.data import TorchRLBufferDataset
+from torchrl_trl.data import RowColumns, TorchRLBufferDataset
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy, make_tokenizer
 
 PROMPTS = ["hi", "what is two plus two?", "a b c", "hello world! how are you today?"]
@@ -364,9 +364,9 @@ def test_dataset_formats(produced, producer, storage, fmt):
         pytest.skip("no prompt text in this layout")
     if fmt != "sft_tokenized" and _strings_lost(produced, producer, storage):
         with _refused():
-            list(TorchRLBufferDataset(rb, batch_size=3, format=fmt, reading="epoch", tokenizer=tok))
+            list(TorchRLBufferDataset(rb, batch_size=3, format=RowColumns(fmt, tokenizer=tok), reading="epoch"))
         return
-    ds = TorchRLBufferDataset(rb, batch_size=3, format=fmt, reading="epoch", tokenizer=tok)
+    ds = TorchRLBufferDataset(rb, batch_size=3, format=RowColumns(fmt, tokenizer=tok), reading="epoch")
     rows = list(ds)
     assert len(rows) == len(samples) == len(ds)
     try:  # without the tokenizer: the same rows, or an error asking for it; never pads
@@ -430,7 +430,7 @@ def test_preference_builders(produced, reward_models, producer, storage):
     scored_rb.extend(scored)
 
     def read(buffer, fmt):  # the policy's tokenizer names the pad string for small batches
-        return list(TorchRLBufferDataset(buffer, batch_size=2, format=fmt, reading="epoch", tokenizer=tok))
+        return list(TorchRLBufferDataset(buffer, batch_size=2, format=RowColumns(fmt, tokenizer=tok), reading="epoch"))
 
     pairs = read(preference_pairs(scored_rb), "dpo")
     assert pairs

@@ -203,7 +203,7 @@ def test_rloo_trainer_prompts_from_buffer(rollouts, checkpoints, tmp_path):
         seen.extend(zip(prompts, answer))
         return [float(len(c[-1]["content"])) for c in completions]
 
-    ds = TorchRLBufferDataset(rollouts, 4, format="rloo_conversational", extra_columns=["answer"], reading="epoch")
+    ds = TorchRLBufferDataset(rollouts, 4, format="rloo_conversational", keys=["answer"], reading="epoch")
     args = RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=4, shuffle_dataset=False, **TRAIN)
     trainer = RLOOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=ds.as_hf_dataset(),

@@ -11,7 +11,7 @@ from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 
 from torchrl_trl import layouts, testing
-from torchrl_trl.data import EpochPass, OnlineSampling, TorchRLBufferDataset
+from torchrl_trl.data import EpochPass, OnlineSampling, RowColumns, TorchRLBufferDataset
 from torchrl_trl.online import (
     BufferCheckpointCallback,
     CollectorCallback,
@@ -60,7 +60,7 @@ def test_callback_collects_pushes_weights_and_logs(checkpoints, tmp_path):
     staleness = StalenessFilter(max_staleness=None)
     cb = CollectorCallback(collector, update_weights_every=1, collect_every=1, min_buffer_size=4, staleness=staleness)
     cb.collect(4)  # the dataset needs data to declare its features
-    ds = TorchRLBufferDataset(rb, 4, format="sft_tokenized", num_batches=None, sample_filter=staleness)
+    ds = TorchRLBufferDataset(rb, 4, format=RowColumns("sft_tokenized", sample_filter=staleness), num_batches=None)
     seen = []
 
     class Recording(SFTTrainer):
@@ -299,8 +299,8 @@ def test_staleness_filter_drops_counts_and_weights():
     versions = [0, 1, 2, 3, 4, 5, 5, 2]
     rb = _versioned_buffer(versions)
     filt = StalenessFilter(max_staleness=2, consumer_version=5)
-    ds = TorchRLBufferDataset(rb, 3, reading="epoch", sample_filter=filt,
-                              columns={"id": "id", "weight": filt.weight_column})
+    rows = RowColumns(columns={"id": "id", "weight": filt.weight_column}, sample_filter=filt)
+    ds = TorchRLBufferDataset(rb, 3, reading="epoch", format=rows)
     with pytest.warns(UserWarning, match="max_staleness=2"):
         rows = list(ds.as_hf_dataset())
     assert sorted(r["id"] for r in rows) == [i for i, v in enumerate(versions) if 5 - v <= 2]
@@ -362,7 +362,7 @@ def test_priority_feedback_from_compute_loss(policy_and_tokenizer, tmp_path):
     n = 12
     sampler = TensorPrioritizedSampler(n, alpha=1.0, beta=1.0)
     rb = _id_buffer(n, sampler)
-    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index",
+    ds = TorchRLBufferDataset(rb, 4, keys=["input_ids"], format=RowColumns(index_column="index"),
                               reading=OnlineSampling(num_batches=None, seed=0))
     updates = []
 
@@ -394,7 +394,7 @@ def test_priority_feedback_from_compute_loss(policy_and_tokenizer, tmp_path):
     # sampling follows the updated priorities
     update_priorities(rb, torch.arange(n), torch.tensor([1e6] + [1e-3] * (n - 1)))
     torch.manual_seed(0)
-    ds = TorchRLBufferDataset(rb, 8, columns={"input_ids": "input_ids"}, index_column="index",
+    ds = TorchRLBufferDataset(rb, 8, keys=["input_ids"], format=RowColumns(index_column="index"),
                               reading=OnlineSampling(seed=1))
     got = [row["index"] for row in ds]
     assert got.count(0) >= 7
@@ -460,7 +460,7 @@ def _resume_run(tmp_path, max_steps, resume=None):
         rb.extend(TensorDict({"input_ids": ids}, [18]))
     else:
         load_buffer(rb, tmp_path / f"checkpoint-{resume}" / "torchrl_buffer")
-    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index",
+    ds = TorchRLBufferDataset(rb, 4, keys=["input_ids"], format=RowColumns(index_column="index"),
                               reading=EpochPass(shuffle=True, seed=3))
     seen = []
 

@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from torchrl_trl import testing
-from torchrl_trl.data import EpochPass, TorchRLBufferDataset
+from torchrl_trl.data import EpochPass, RowColumns, TorchRLBufferDataset
 from torchrl_trl.online import BufferCheckpointCallback, load_buffer
 
 N = 10  # items; batches of 4 rows: a pass is 2.5 steps
@@ -30,7 +30,7 @@ def _run(out, max_steps, resume=None, num_passes=None):
         rb.extend(TensorDict({"input_ids": torch.stack([1 + i, torch.full_like(i, 5), torch.full_like(i, 6)], -1)}, [N]))
     else:
         load_buffer(rb, out / f"checkpoint-{resume}" / "torchrl_buffer")
-    ds = TorchRLBufferDataset(rb, 4, columns={"input_ids": "input_ids"}, index_column="index",
+    ds = TorchRLBufferDataset(rb, 4, keys=["input_ids"], format=RowColumns(index_column="index"),
                               reading=EpochPass(shuffle=True, seed=5, num_passes=num_passes))
     seen = []
 

@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 import torch  # noqa: E402
 
 from torchrl_trl import layouts  # noqa: E402
-from torchrl_trl.data import EpochPass, Sharding, TorchRLBufferDataset  # noqa: E402
+from torchrl_trl.data import EpochPass, RowColumns, Sharding, TorchRLBufferDataset  # noqa: E402
 from torchrl_trl.online import CollectorCallback, CollectorError, CollectorMetricsCallback, wait_for_items  # noqa: E402
 from torchrl_trl.online.ray import is_ray_collector, make_ray_collector, make_ray_replay_buffer  # noqa: E402
 
@@ -157,7 +157,7 @@ def test_ray_buffer_epoch_reads_each_item_once(ray_session):
         ids = sorted(int(row["id"]) for rows in ranks for row in rows)
         assert ids == list(range(10)) and all(ranks)
         assert all(int(row["x"]) == 3 * int(row["id"]) for rows in ranks for row in rows)
-        rows = list(TorchRLBufferDataset(rb, 4, keys=["id"], index_column="index", reading="epoch").as_hf_dataset())
+        rows = list(TorchRLBufferDataset(rb, 4, keys=["id"], format=RowColumns(index_column="index"), reading="epoch").as_hf_dataset())
         assert [r["index"] for r in rows] == [r["id"] for r in rows] == list(range(10))
     finally:
         rb.close()

@@ -81,7 +81,7 @@ def test_grpo_receives_prompts_and_answers(rollouts, checkpoints, tmp_path):
         seen.extend(zip(prompts, answer))
         return [float(len(c)) for c in completions]
 
-    ds = TorchRLBufferDataset(rollouts, 4, format="grpo", extra_columns=["answer"], reading="epoch")
+    ds = TorchRLBufferDataset(rollouts, 4, format="grpo", keys=["answer"], reading="epoch")
     hf = ds.as_hf_dataset()
     assert list(hf.features) == ["prompt", "answer"]
     args = GRPOConfig(
@@ -110,7 +110,7 @@ def test_grpo_conversational_prompt(rollouts, checkpoints, tmp_path):
         seen.extend(zip(prompts, answer))
         return [0.0 for _ in completions]
 
-    ds = TorchRLBufferDataset(rollouts, 4, format="grpo_conversational", extra_columns=["answer"], reading="epoch")
+    ds = TorchRLBufferDataset(rollouts, 4, format="grpo_conversational", keys=["answer"], reading="epoch")
     args = GRPOConfig(
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
         max_completion_length=4, use_cpu=True, bf16=False, report_to=[], save_strategy="no",

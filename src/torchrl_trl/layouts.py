@@ -508,7 +508,7 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
     raise ValueError(
         "the text at ('text', 'full') was decoded by TorchRL from padded tokens (input_mode='history', "
         "pad_output=True) and its pad string cannot be read off these samples; pass the policy's tokenizer to what "
-        "reads them (TorchRLBufferDataset(tokenizer=), RewardFunctionWrapper(tokenizer=), HFRewardModelWrapper("
+        "reads them (RowColumns(tokenizer=), RewardFunctionWrapper(tokenizer=), HFRewardModelWrapper("
         "renderer=RewardRenderer(policy_tokenizer=)), read_text(tokenizer=)) or read within "
         "torchrl_trl.layouts.decoded_padding(tokenizer)"
     )

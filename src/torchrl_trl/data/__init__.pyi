@@ -9,5 +9,6 @@ from .formats import (
 )
 from .groups import SkippedRolloutsWarning as SkippedRolloutsWarning, SkipStats as SkipStats, find_groups as find_groups
 from .reading import EpochPass as EpochPass, OnlineSampling as OnlineSampling
+from .row_columns import RowColumns as RowColumns
 from .sharding import Sharding as Sharding
 from .preference import best_of_n as best_of_n, kto_rows as kto_rows, preference_pairs as preference_pairs

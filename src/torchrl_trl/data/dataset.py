@@ -3,17 +3,15 @@ wiring a buffer reader, a reading strategy, a sharding and the row columns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
-from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
-from .._checks import positive_int
+from .._checks import config_or_default, positive_int
 from . import hf
 from .buffer_reader import BufferReader, check_strings_survive
-from .columns import ColumnSpec
 from .formats import BufferFormat
 from .reading import EpochPass, OnlineSampling, ReadingStrategy, reading_from_arguments
 from .row_columns import RowColumns
@@ -29,37 +27,34 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     works with the same meaning; everything after ``num_batches`` is new.
 
     Args:
-        replay_buffer: any TorchRL ``ReplayBuffer`` (tensor, memmap, list or lazy-stack
-            storage; LLM rollouts padded or ragged; plain dict rows).
-        batch_size: rows per vectorised read (a ``sample`` call, or a chunk of the pass).
+        replay_buffer (ReplayBuffer): any TorchRL ``ReplayBuffer`` (tensor, memmap, list or
+            lazy-stack storage; LLM rollouts padded or ragged; plain dict rows).
+        batch_size (int): rows per vectorised read (a ``sample`` call, or a chunk of the pass).
 
     Keyword Args:
-        keys: raw keys to yield as ``"a.b"`` columns (none of ``keys``/``format``/``columns``:
-            every leaf key). A key the samples lack raises ``KeyError``.
-        device: tensors yielded by ``__iter__`` are moved there.
-        num_batches: ``sample`` calls per iterator (``None``: unbounded), as
-            ``reading=OnlineSampling(num_batches)``.
-        format: a registered format name (``"sft"``, ``"grpo_conversational"``, ...: see
-            :func:`~torchrl_trl.data.available_formats`) or a :class:`BufferFormat`.
-        columns: ``{trl_column: spec}``, ``spec`` a nested key or ``fn(batch) -> list``.
-        extra_columns: keys yielded beside the format's columns under their flat name
-            (e.g. ``["answer"]``), or ``{name: key}``.
-        reading: ``"online"`` (default: batches drawn by the buffer's sampler), ``"epoch"``
-            (each item stored when a pass starts read once; has ``__len__``), or
-            :class:`~torchrl_trl.data.OnlineSampling` / :class:`~torchrl_trl.data.EpochPass`.
-        sharding: a :class:`~torchrl_trl.data.Sharding` (shards of the Hugging Face iterable;
-            ``rank``/``world_size`` to split ``__iter__``'s epoch pass over processes).
-        sample_filter: ``fn(batch) -> bool tensor [B]`` (one per row): rows where it is
-            ``False`` are not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`), so an
-            epoch pass yields fewer than ``len(self)`` rows. Another dtype or number of values raises.
-        index_column: yield each row's storage index (an int) under this column name (e.g.
-            for :func:`torchrl_trl.online.update_priorities`; needs
-            ``remove_unused_columns=False`` in the trainer's config).
-        tokenizer: the policy's tokenizer, optional; its pad string is removed from decoded
-            ``text``/``history`` (see :func:`torchrl_trl.layouts.read_text`).
+        keys (list of NestedKey, optional): raw keys yielded as ``"a.b"`` columns, alone or
+            beside the format's (e.g. ``["answer"]`` for GRPO's reward functions). A key the
+            samples lack raises ``KeyError``. Defaults to ``None``: every leaf key when
+            ``format`` gives no column.
+        device (torch.device or str, optional): tensors yielded by ``__iter__`` are moved there.
+            Defaults to ``None``.
+        num_batches (int or None, optional): ``sample`` calls per iterator (``None``:
+            unbounded), as ``reading=OnlineSampling(num_batches)``. Defaults to ``1``.
+        format (str, BufferFormat or RowColumns, optional): the trainer's columns: a registered
+            format name (``"sft"``, ``"grpo_conversational"``, ...: see
+            :func:`~torchrl_trl.data.available_formats`), a :class:`BufferFormat`, or a
+            :class:`RowColumns` (a format with named columns, the storage index, a row filter,
+            the policy tokenizer). Defaults to ``None``.
+        reading (str, EpochPass or OnlineSampling, optional): ``"online"`` (batches drawn by the
+            buffer's sampler), ``"epoch"`` (each item stored when a pass starts read once; has
+            ``__len__``), or :class:`~torchrl_trl.data.OnlineSampling` /
+            :class:`~torchrl_trl.data.EpochPass`. Defaults to ``None`` (``"online"``).
+        sharding (Sharding, optional): shards of the Hugging Face iterable; ``rank`` /
+            ``world_size`` to split ``__iter__``'s epoch pass over processes. Defaults to
+            ``None`` (``Sharding()``).
 
     Yields:
-        ``dict[str, Any]`` rows: Python values for ``format``/``columns``; raw keys keep
+        ``dict[str, Any]`` rows: Python values for the format's and named columns; raw keys keep
         upstream's types (tensors, non-tensor data). ``tokens.<part>`` keys: unpadded tokens.
 
     Two LLM rollouts as ``LLMCollector`` stores them, read once as TRL's tokenized SFT rows:
@@ -90,29 +85,21 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, replay_buffer, batch_size: int, *, keys: Sequence[NestedKey] | None = None,
                  device: torch.device | str | None = None, num_batches: int | None = 1,
-                 format: str | BufferFormat | None = None, columns: Mapping[str, ColumnSpec] | None = None,
-                 extra_columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
+                 format: str | BufferFormat | RowColumns | None = None,
                  reading: Literal["online", "epoch"] | EpochPass | OnlineSampling | None = None,
-                 sharding: Sharding | None = None,
-                 sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None, index_column: str | None = None,
-                 tokenizer: Any = None) -> None:
+                 sharding: Sharding | None = None) -> None:  # fmt: skip
         from torchrl.data.replay_buffers import ReplayBuffer
 
+        name = type(self).__name__
         if not isinstance(replay_buffer, ReplayBuffer):
             got = type(replay_buffer).__name__
-            raise TypeError(f"replay_buffer must be a torchrl ReplayBuffer instance, got {got}.")
-        positive_int(batch_size, "batch_size")
-        positive_int(num_batches, "num_batches", allow_none=True)
+            raise TypeError(f"{name}: replay_buffer must be a torchrl ReplayBuffer instance, got {got}.")
+        positive_int(batch_size, f"{name}: batch_size")
+        positive_int(num_batches, f"{name}: num_batches", allow_none=True)
         self._reading: ReadingStrategy = reading_from_arguments(reading, num_batches=num_batches)
-        if sharding is not None and not isinstance(sharding, Sharding):
-            raise TypeError(f"sharding must be a torchrl_trl.data.Sharding, got {type(sharding).__name__}")
-        self._sharding = Sharding() if sharding is None else sharding
-        # a string, not the tokenizer: cheap to send to DataLoader workers
-        pad_text = None if tokenizer is None else tokenizer.decode([tokenizer.pad_token_id], skip_special_tokens=False)
-        self._columns = RowColumns(
-            keys=keys, format=format, columns=columns, extra_columns=extra_columns, sample_filter=sample_filter,
-            index_column=index_column, device=device, pad_text=pad_text,
-        )
+        self._sharding = config_or_default(sharding, Sharding, "sharding", name)
+        rows = format if isinstance(format, RowColumns) else RowColumns(format)
+        self._columns = rows.bind(keys=keys, device=device)
         self._reader = BufferReader(replay_buffer, batch_size)
         self._features = None
         if len(replay_buffer) > 0:

@@ -3,6 +3,7 @@ buffer rows becomes them, and their ``datasets.Features``."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,32 +22,82 @@ __all__ = ["RowColumns"]
 
 
 class RowColumns:
-    """Turns a batch of buffer rows (batch shape ``[B]`` or ``[B, G]``) into ``{column: one
-    value per row}``; the arguments are ``TorchRLBufferDataset``'s (``pad_text``: the pad
-    token's string, removed from decoded text)."""
+    """What each row of a :class:`~torchrl_trl.data.TorchRLBufferDataset` holds beyond
+    upstream's ``keys``: a format's columns, named columns, the item's storage index, after a
+    row filter. Pass it as the dataset's ``format=`` (a format name or a
+    :class:`~torchrl_trl.data.BufferFormat` alone is ``RowColumns(format)``); it turns a batch of
+    buffer rows (batch shape ``[B]`` or ``[B, G]``) into ``{column: one value per row}``.
 
-    def __init__(self, *, keys: Sequence[NestedKey] | None = None, format: str | BufferFormat | None = None,
-                 columns: Mapping[str, ColumnSpec] | None = None,
-                 extra_columns: Sequence[NestedKey] | Mapping[str, NestedKey] | None = None,
-                 sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None, index_column: str | None = None,
-                 device: torch.device | str | None = None, pad_text: str | None = None) -> None:
+    Args:
+        format (str or BufferFormat, optional): a registered format name (``"sft"``,
+            ``"grpo_conversational"``, ...: see :func:`~torchrl_trl.data.available_formats`) or a
+            :class:`~torchrl_trl.data.BufferFormat`. Defaults to ``None`` (no format).
+        columns (mapping of str to NestedKey or callable, optional): ``{column: spec}``, ``spec``
+            a nested key or ``fn(batch) -> list`` (e.g.
+            :meth:`torchrl_trl.online.StalenessFilter.weight_column`), yielded beside the
+            format's. Defaults to ``None``. (Keys yielded under their flat name: the dataset's
+            ``keys=``.)
+
+    Keyword Args:
+        index_column (str, optional): yield each row's storage index (an int) under this column
+            name (e.g. for :func:`torchrl_trl.online.update_priorities`; needs
+            ``remove_unused_columns=False`` in the trainer's config). Defaults to ``None``.
+        sample_filter (callable, optional): ``fn(batch) -> bool tensor [B]`` (one per row): rows
+            where it is ``False`` are not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`),
+            so an epoch pass yields fewer than ``len(dataset)`` rows. Another dtype or number of
+            values raises. Defaults to ``None``.
+        tokenizer (transformers tokenizer, optional): the policy's tokenizer; its pad string is
+            removed from decoded ``text``/``history`` (see :func:`torchrl_trl.layouts.read_text`).
+            Defaults to ``None``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import ListStorage, ReplayBuffer
+        >>> from torchrl_trl.data import TorchRLBufferDataset
+        >>> rb = ReplayBuffer(storage=ListStorage(8))
+        >>> _ = rb.extend(TensorDict({"x": torch.arange(4), "y": torch.arange(4) * 10}, [4]))
+        >>> rows = RowColumns(columns={"y_plus_x": lambda td: (td["y"] + td["x"]).tolist()}, index_column="index",
+        ...                   sample_filter=lambda td: td["x"] % 2 == 1)
+        >>> list(TorchRLBufferDataset(rb, 4, keys=["x"], format=rows, reading="epoch").as_hf_dataset())
+        [{'x': 1, 'y_plus_x': 11, 'index': 1}, {'x': 3, 'y_plus_x': 33, 'index': 3}]
+    """
+
+    def __init__(self, format: str | BufferFormat | None = None, columns: Mapping[str, ColumnSpec] | None = None, *,
+                 index_column: str | None = None, sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
+                 tokenizer: Any = None) -> None:  # fmt: skip
+        if format is not None and not isinstance(format, (str, BufferFormat)):
+            raise TypeError(f"RowColumns: format must be a format name, a BufferFormat or None, got {type(format).__name__}")
+        if columns is not None and not isinstance(columns, Mapping):
+            raise TypeError(f"RowColumns: columns must be a mapping {{column: key or fn}}, got {type(columns).__name__} "
+                            "(keys under their flat name: the dataset's keys=)")
         if sample_filter is not None and not callable(sample_filter):
-            raise TypeError(f"sample_filter must be callable, got {type(sample_filter).__name__}.")
-        self.keys = None if keys is None else [to_nested_key(k) for k in keys]
+            raise TypeError(f"RowColumns: sample_filter must be callable, got {type(sample_filter).__name__}")
         self.format = get_format(format) if format is not None else None
         self.columns: dict[str, ColumnSpec] = {
             name: spec if callable(spec) else to_nested_key(spec) for name, spec in (columns or {}).items()
         }
-        if isinstance(extra_columns, Mapping):
-            extra = {name: to_nested_key(k) for name, k in extra_columns.items()}
-        else:
-            extra = {column_name(to_nested_key(k)): to_nested_key(k) for k in (extra_columns or [])}
-        self.columns.update(extra)
         self.sample_filter = sample_filter
         self.index_column = index_column
-        self.device = torch.device(device) if device is not None else None
-        self.pad_text = pad_text
+        self.tokenizer = tokenizer
+        # set by bind(): the dataset's keys and device, the pad string
+        self.keys: list[NestedKey] | None = None
+        self.device: torch.device | None = None
+        self.pad_text: str | None = None
         self.dtypes: dict[str, torch.dtype] = {}
+
+    def bind(self, *, keys: Sequence[NestedKey] | None = None, device: torch.device | str | None = None) -> RowColumns:
+        """A copy for one dataset: upstream's ``keys`` (raw keys, yielded under their flat name)
+        and ``device``; the tokenizer is kept as its pad string (cheap to send to DataLoader
+        workers)."""
+        bound = copy.copy(self)
+        bound.keys = None if keys is None else [to_nested_key(k) for k in keys]
+        bound.device = torch.device(device) if device is not None else None
+        tok = self.tokenizer
+        bound.pad_text = None if tok is None else tok.decode([tok.pad_token_id], skip_special_tokens=False)
+        bound.tokenizer = None
+        bound.dtypes = {}
+        return bound
 
     def raw_keys(self, batch: TensorDictBase) -> list[NestedKey]:
         """``keys``, or every leaf key when nothing else is asked for."""

@@ -1,4 +1,4 @@
-"""Priority feedback: a prioritised buffer, ``TorchRLBufferDataset(index_column="index")`` and
+"""Priority feedback: a prioritised buffer, ``TorchRLBufferDataset(format=RowColumns(index_column="index"))`` and
 :func:`update_priorities` called in ``compute_loss`` with the indices and a per-sample value."""
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ def _inverse_staleness(staleness: torch.Tensor) -> torch.Tensor:
 
 class StalenessFilter:
     """Drop (and count) rows generated more than ``max_staleness`` versions ago: a callable
-    ``fn(batch) -> bool tensor [B]`` for ``TorchRLBufferDataset(sample_filter=...)``; or
-    down-weight them with :meth:`weight_column` as a ``columns=`` entry.
+    ``fn(batch) -> bool tensor [B]`` for ``RowColumns(sample_filter=...)`` (a dataset's
+    ``format``); or down-weight them with :meth:`weight_column` as a ``RowColumns(columns=)`` entry.
 
     Args:
         max_staleness: largest accepted ``consumer_version - row_version`` (``None``: keep all).
