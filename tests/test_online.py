@@ -261,11 +261,10 @@ def test_collector_callback_logs_nothing_its_metrics_callback_logs(checkpoints, 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"collect_every": 0}, "collect_every must be a positive integer, got 0"),
-     ({"update_weights_every": -1}, "update_weights_every must be an integer >= 0, got -1"),
-     ({"frames_per_step": 2.5}, "frames_per_step must be a positive integer, got 2.5"),
-     ({"min_buffer_size": -3}, "min_buffer_size must be an integer >= 0, got -3"),
-     ({"wait_timeout": 0}, "wait_timeout must be a positive number of seconds or None, got 0")],
+    [({"collect_every": 0}, "CollectorCallback: collect_every must be a positive integer, got 0"),
+     ({"update_weights_every": -1}, "CollectorCallback: update_weights_every must be an integer >= 0, got -1"),
+     ({"min_buffer_size": -3}, "CollectorCallback: min_buffer_size must be an integer >= 0, got -3"),
+     ({"wait_timeout": 0}, "CollectorCallback: wait_timeout must be a positive number of seconds or None, got 0")],
 )
 def test_collector_callback_names_a_bad_argument(kwargs, message):
     rb = ReplayBuffer(storage=LazyStackStorage(4))

@@ -6,7 +6,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -82,26 +81,32 @@ class CollectorCallback(TrainerCallback):
     trainer's weights, wait for data, and raise the collector's errors as :class:`CollectorError`.
 
     Args:
-        collector: an ``LLMCollector`` (any TorchRL collector) or a ``RayLLMCollector`` (runs remotely).
-            A local collector's LLM policy must keep its tokens through padding
+        collector (collector): an ``LLMCollector`` (any TorchRL collector) or a ``RayLLMCollector``
+            (runs remotely). A local collector's LLM policy must keep its tokens through padding
             (:func:`torchrl_trl.safe_policy_wrapper`): a pad == eos policy is refused with a
             ``ValueError`` (:func:`torchrl_trl.check_policy_padding`).
-        replay_buffer: the buffer (default ``collector.replay_buffer``).
-        frames_per_step: items per collection (default ``collector.frames_per_batch``).
-        collect_every: collect every this many optimizer steps (synchronous mode).
-        background: collect continuously in a background thread (local collectors).
-        min_buffer_size: ``on_train_begin`` collects or waits until the buffer holds this many items.
-        wait_timeout: seconds to wait for data, and the longest one synchronous collector batch may
-            take (it runs in a helper thread); ``None``: no limit.
-        update_weights_every: push the trainer's weights (``collector.update_policy_weights_``, which
-            bumps the policy version) every this many optimizer steps (``0``: never); a policy that
-            *is* the trainer's model only gets its version bumped.
-        weights_fn: ``fn(model) -> weights`` for ``update_policy_weights_``.
-        staleness: a :class:`StalenessFilter` whose ``consumer_version`` follows the policy version.
-        shutdown_on_end: shut a local collector down in :meth:`close`.
+
+    Keyword Args:
+        replay_buffer (ReplayBuffer, optional): the buffer. Defaults to ``collector.replay_buffer``.
+        collect_every (int, optional): collect one collector batch (``frames_per_batch`` /
+            ``dialog_turns_per_batch`` items) every this many optimizer steps (synchronous
+            mode). Defaults to ``1``.
+        background (bool, optional): collect continuously in a background thread (local
+            collectors). Defaults to ``False``.
+        min_buffer_size (int, optional): ``on_train_begin`` collects or waits until the buffer
+            holds this many items. Defaults to ``1``.
+        wait_timeout (float or None, optional): seconds to wait for data, and the longest one
+            synchronous collector batch may take (it runs in a helper thread); ``None``: no
+            limit. Defaults to ``60.0``.
+        update_weights_every (int, optional): push the trainer's weights
+            (``collector.update_policy_weights_``: the collector's ``weight_updater``, which
+            bumps the policy version) every this many optimizer steps (``0``: never); a policy
+            that *is* the trainer's model only gets its version bumped. Defaults to ``1``.
+        staleness (StalenessFilter, optional): its ``consumer_version`` follows the policy
+            version. Defaults to ``None``.
 
     Metrics are logged by a second callback, ``CollectorMetricsCallback(cb)``. Use as a context
-    manager (or call :meth:`close`).
+    manager (or call :meth:`close`); the collector itself is the caller's to shut down.
 
     >>> from torchrl.collectors.llm import LLMCollector
     >>> from torchrl.data import LazyStackStorage, ReplayBuffer
@@ -121,31 +126,28 @@ class CollectorCallback(TrainerCallback):
     """
 
     def __init__(
-        self, collector, *, replay_buffer=None, frames_per_step: int | None = None, collect_every: int = 1,
-        background: bool = False, min_buffer_size: int = 1, wait_timeout: float | None = 60.0,
-        update_weights_every: int = 1, weights_fn: Callable[[torch.nn.Module], Any] | None = None,
-        staleness: StalenessFilter | None = None, shutdown_on_end: bool = False,
+        self, collector, *, replay_buffer=None, collect_every: int = 1, background: bool = False,
+        min_buffer_size: int = 1, wait_timeout: float | None = 60.0, update_weights_every: int = 1,
+        staleness: StalenessFilter | None = None,
     ) -> None:
+        name = type(self).__name__
         rb = replay_buffer if replay_buffer is not None else getattr(collector, "replay_buffer", None)
         if rb is None:
-            raise ValueError("CollectorCallback: the collector has no replay_buffer; build it with "
+            raise ValueError(f"{name}: expected a replay buffer, the collector has none; build it with "
                              "replay_buffer=... (the buffer the dataset reads) or pass replay_buffer=.")
         self.collector = collector
         self.replay_buffer = rb
         self.remote = is_ray_collector(collector)
         if not self.remote:  # a pad == eos policy writes rows without their EOS: refused before anything trains
-            check_policy_padding(getattr(collector, "policy", None), "CollectorCallback")
-        if frames_per_step is None:
-            frames_per_step = 1 if self.remote else int(getattr(collector, "frames_per_batch", None) or 1)
-        self.frames_per_step = positive_int(frames_per_step, "frames_per_step")
-        self.collect_every = positive_int(collect_every, "collect_every")
+            check_policy_padding(getattr(collector, "policy", None), name)
+        # one collector batch per collection: the collector's own batch size
+        self.frames_per_step = 1 if self.remote else int(getattr(collector, "frames_per_batch", None) or 1)
+        self.collect_every = positive_int(collect_every, f"{name}: collect_every")
         self.background = bool(background)
-        self.min_buffer_size = non_negative_int(min_buffer_size, "min_buffer_size")
-        self.wait_timeout = positive_seconds(wait_timeout, "wait_timeout")
-        self.update_weights_every = non_negative_int(update_weights_every, "update_weights_every")
-        self.weights_fn = weights_fn
+        self.min_buffer_size = non_negative_int(min_buffer_size, f"{name}: min_buffer_size")
+        self.wait_timeout = positive_seconds(wait_timeout, f"{name}: wait_timeout")
+        self.update_weights_every = non_negative_int(update_weights_every, f"{name}: update_weights_every")
         self.staleness = staleness
-        self.shutdown_on_end = shutdown_on_end
 
         self.weight_updates = 0
         self.collect_seconds = 0.0
@@ -276,10 +278,8 @@ class CollectorCallback(TrainerCallback):
             self._started_remote = False
 
     def close(self) -> None:
-        """Stop collecting; shut the collector down when ``shutdown_on_end``."""
+        """Stop collecting (the collector is not shut down: it is the caller's)."""
         self.stop()
-        if self.shutdown_on_end and not self.remote:
-            self.collector.shutdown()
 
     def __enter__(self):
         return self
@@ -306,7 +306,7 @@ class CollectorCallback(TrainerCallback):
             with self._lock.push():
                 self.collector.increment_version()
         else:
-            push_weights(self.collector, model, weights_fn=self.weights_fn, lock=self._lock.push())
+            push_weights(self.collector, model, lock=self._lock.push())
         self.weight_updates += 1
         self._sync_versions()
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -68,12 +66,11 @@ def weights_td(weights) -> TensorDictBase:
 
 
 def push_weights(
-    collector, model: torch.nn.Module | TensorDictBase, *, weights_fn: Callable[[torch.nn.Module], Any] | None = None,
-    lock: contextlib.AbstractContextManager | None = None,
+    collector, model: torch.nn.Module | TensorDictBase, *, lock: contextlib.AbstractContextManager | None = None,
 ) -> None:
-    """Load ``model``'s weights into ``collector``'s policy with ``collector.update_policy_weights_``,
-    holding ``lock`` meanwhile; ``weights_fn(model)`` replaces :func:`collector_weights`."""
-    weights = weights_fn(model) if weights_fn is not None else collector_weights(collector, model)
+    """Load ``model``'s weights (:func:`collector_weights`) into ``collector``'s policy with
+    ``collector.update_policy_weights_``, holding ``lock`` meanwhile."""
+    weights = collector_weights(collector, model)
     with lock if lock is not None else contextlib.nullcontext():
         collector.update_policy_weights_(weights)
 
