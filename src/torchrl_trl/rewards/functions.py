@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
