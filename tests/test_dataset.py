@@ -233,7 +233,7 @@ def test_bad_inputs_raise_at_once(rollouts):
         TorchRLBufferDataset(rb, 4, format=RowColumns(columns={"prompt": "meta.nope"}))
     with pytest.raises(KeyError, match=r"format 'sft' needs keys \['text.prompt', 'text.response'\].*Available keys: \['input_ids'"):
         TorchRLBufferDataset(rb, 4, format="sft")
-    with pytest.raises(ValueError, match="unknown format 'no_such_format'; registered formats"):
+    with pytest.raises(ValueError, match="get_format: unknown format 'no_such_format'; expected one of"):
         TorchRLBufferDataset(rb, 4, format="no_such_format")
     with pytest.raises(ValueError, match="holds 10 items, fewer than one epoch batch"):
         TorchRLBufferDataset(rb, 16, reading="epoch")
@@ -293,7 +293,7 @@ def test_reading_and_sharding_arguments_are_checked(kwargs, error, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"num_shards": 0}, "num_shards must be a positive integer or None, got 0"),
-    ({"rank": 0}, "pass both rank and world_size"),
+    ({"rank": 0}, "Sharding: expected both rank and world_size"),
     ({"rank": 2, "world_size": 2}, r"rank must be an int in \[0, world_size=2\), got 2"),
 ])
 def test_sharding_settings_are_checked(kwargs, match):
@@ -302,9 +302,9 @@ def test_sharding_settings_are_checked(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"shuffle": 1}, "EpochPass.shuffle must be a bool"),
-    ({"seed": -1}, "EpochPass.seed must be a non-negative int"),
-    ({"num_passes": 0}, "EpochPass.num_passes must be a positive integer or None"),
+    ({"shuffle": 1}, "EpochPass: shuffle must be a bool"),
+    ({"seed": -1}, "EpochPass: seed must be a non-negative int"),
+    ({"num_passes": 0}, "EpochPass: num_passes must be a positive integer or None"),
 ])
 def test_epoch_pass_settings_are_checked(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):

@@ -104,7 +104,7 @@ def test_preference_pairs_never_choose_on_a_nan_reward(strategy):
     assert pairs.build_stats.skipped["singleton_group"] == 1  # b is left with one rollout
     assert _idx(pairs, "chosen") == [0] and _idx(pairs, "rejected") == [2]
     assert torch.isfinite(pairs[:].get("margin")).all()
-    with pytest.raises(ValueError, match=r"nothing left to train on.*nonfinite_reward=2"):
+    with pytest.raises(ValueError, match=r"nonfinite_reward=2; expected rows to train on, none left"):
         preference_pairs(_buffer(["a", "a"], [nan, nan]), strategy=strategy)
 
 
@@ -119,7 +119,7 @@ def test_preference_pairs_best_vs_worst_and_margin():
 
 
 def test_preference_pairs_margin_leaves_nothing():
-    with pytest.raises(ValueError, match=r"nothing left.*below_margin=2"):
+    with pytest.raises(ValueError, match=r"below_margin=2.*expected rows to train on, none left"):
         preference_pairs(_buffer(QUERIES, REWARDS), margin=3.0)
 
 
@@ -187,15 +187,15 @@ def test_no_reward_key_names_key_and_available():
 
 
 def test_all_tied_and_singleton_groups_raise_with_counts():
-    with pytest.raises(ValueError, match=r"nothing left.*tied_group=2"):
+    with pytest.raises(ValueError, match=r"tied_group=2.*expected rows to train on, none left"):
         preference_pairs(_buffer(["a", "a", "b", "b"], [1.0, 1.0, 2.0, 2.0]))
-    with pytest.raises(ValueError, match=r"nothing left.*tied_group=2"):
+    with pytest.raises(ValueError, match=r"tied_group=2.*expected rows to train on, none left"):
         best_of_n(_buffer(["a", "a", "b", "b"], [1.0, 1.0, 2.0, 2.0]))
-    with pytest.raises(ValueError, match=r"nothing left.*singleton_group=3"):
+    with pytest.raises(ValueError, match=r"singleton_group=3.*expected rows to train on, none left"):
         kto_rows(_buffer(["a", "b", "c"], [1.0, 2.0, 3.0]))
-    with pytest.raises(ValueError, match=r"nothing left.*incomplete_group=1"):
+    with pytest.raises(ValueError, match=r"incomplete_group=1.*expected rows to train on, none left"):
         preference_pairs(_buffer(["a", "a", "a"], [1.0, 2.0, 3.0]), group_size=4)
-    with pytest.raises(ValueError, match="k=2 keeps every completion"):
+    with pytest.raises(ValueError, match=r"best_of_n: expected k < group_size, got k=2"):
         best_of_n(_buffer(QUERIES, REWARDS), k=2, group_size=2)
     with pytest.raises(ValueError, match="one reward per rollout"):
         rows = [_rollout(i, "a", 0.0) for i in range(2)]

@@ -152,7 +152,7 @@ def test_called_as_a_module_writes_the_reward_and_declares_what_it_reads(checkpo
 def test_service_arguments_need_use_ray_service(checkpoints):
     """Service settings without the service are refused (no Ray needed to tell)."""
     path = str(checkpoints.reward_model)
-    with pytest.raises(TypeError, match=r"\['actor_name', 'num_gpus'\] only apply with use_ray_service=True"):
+    with pytest.raises(TypeError, match=r"HFRewardTransform: \['actor_name', 'num_gpus'\] apply with use_ray_service=True only"):
         HFRewardTransform(path, actor_name="rm", num_gpus=1)
 
 

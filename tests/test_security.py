@@ -220,7 +220,7 @@ def test_mixed_or_partial_checkpoints_are_refused(tmp_path):
     with pytest.raises(BufferCheckpointError, match="structure.json.*missing"):
         load_buffer(rb, tmp_path / "b")
     (tmp_path / "b" / ckpt.MANIFEST).unlink()
-    with pytest.raises(FileNotFoundError, match="missing manifest.json"):
+    with pytest.raises(FileNotFoundError, match="manifest.json is missing"):
         load_buffer(rb, tmp_path / "b")
     save_buffer(_small_stack_buffer(0), tmp_path / "c")
     with pytest.raises(BufferCheckpointError, match="LazyTensorStorage"):

@@ -205,7 +205,7 @@ def test_any_tensordict_module_and_errors():
         as_trl_reward_func(silent)(["p"], ["a"], [[1]])
     with pytest.raises(KeyError, match=r"columns \['solution'\] were not passed.*answer"):
         as_trl_reward_func(ReadsIds(), columns=["solution"])(["p"], ["a"], [[1]], answer=["x"])
-    with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+    with pytest.raises(ValueError, match="expected one completion per prompt, got 2 prompts and 1 completions"):
         ids_func(["p", "q"], ["a"], [[1]])
 
 

@@ -13,10 +13,11 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_group_size(group_size) -> None:
-    """A ``ValueError`` unless ``group_size`` is ``None`` or an int >= 2 (completions per prompt)."""
+def check_group_size(group_size, owner: str) -> None:
+    """A ``ValueError`` naming ``owner`` unless ``group_size`` is ``None`` or an int >= 2
+    (completions per prompt)."""
     if group_size is not None and (not _is_int(group_size) or group_size < 2):
-        raise ValueError(f"group_size must be an integer >= 2 or None, got {group_size!r}")
+        raise ValueError(f"{owner}: group_size must be an integer >= 2 or None, got {group_size!r}")
 
 
 def config_or_default(value, cls: type, name: str, owner: str):
@@ -41,12 +42,13 @@ def config_or_default(value, cls: type, name: str, owner: str):
 
 
 def positive_int(value, name: str, *, allow_none: bool = False):
-    """``value`` if it is an int > 0 (or ``None`` when ``allow_none``), else a ``ValueError``.
+    """``value`` if it is an int > 0 (or ``None`` when ``allow_none``), else a ``ValueError``
+    starting with ``name`` (the caller's ``"Owner: argument"``).
 
-    >>> positive_int(0, "batch_size")
+    >>> positive_int(0, "TorchRLBufferDataset: batch_size")
     Traceback (most recent call last):
     ...
-    ValueError: batch_size must be a positive integer, got 0
+    ValueError: TorchRLBufferDataset: batch_size must be a positive integer, got 0
     """
     if value is None and allow_none:
         return None
@@ -57,14 +59,15 @@ def positive_int(value, name: str, *, allow_none: bool = False):
 
 
 def non_negative_int(value, name: str) -> int:
-    """``value`` if it is an int >= 0, else a ``ValueError`` naming ``name``."""
+    """``value`` if it is an int >= 0, else a ``ValueError`` starting with ``name`` (``"Owner: argument"``)."""
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return int(value)
 
 
 def positive_seconds(value, name: str) -> float | None:
-    """``value`` as a float if it is a number > 0, ``None`` if ``None``, else a ``ValueError``."""
+    """``value`` as a float if it is a number > 0, ``None`` if ``None``, else a ``ValueError``
+    starting with ``name`` (``"Owner: argument"``)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:

@@ -71,7 +71,7 @@ class Ragged:
         longest = int(self.lengths.max()) if n else 0
         width = longest if width is None else width
         if width < longest:
-            raise ValueError(f"width={width} is shorter than the longest sample ({longest})")
+            raise ValueError(f"Ragged.to_padded: expected width >= the longest sample ({longest}), got width={width}")
         cols = torch.arange(width).expand(n, width)
         mask = cols < self.lengths[:, None] if side == "right" else cols >= (width - self.lengths)[:, None]
         padded = self.values.new_full((n, width), pad_value)

@@ -65,11 +65,11 @@ def embedding_size(model: Any) -> int | None:
     return getattr(get() if callable(get) else None, "num_embeddings", None)
 
 
-def check_tokenizer_fits(tokenizer: Any, num_embeddings: int | None, what: str = "tokenizer"):
-    """A ``ValueError`` when ``tokenizer`` has more tokens than the embedding has rows."""
+def check_tokenizer_fits(tokenizer: Any, num_embeddings: int | None, owner: str):
+    """A ``ValueError`` naming ``owner`` when ``tokenizer`` has more tokens than the embedding has rows."""
     if tokenizer is None or num_embeddings is None or len(tokenizer) <= num_embeddings:
         return
     raise ValueError(
-        f"{what} has {len(tokenizer)} tokens but the model's embedding has {num_embeddings} rows: it is not this "
-        "model's tokenizer (or call model.resize_token_embeddings and fine-tune)"
+        f"{owner}: expected the model's tokenizer, got one of {len(tokenizer)} tokens for an embedding of "
+        f"{num_embeddings} rows (or resize_token_embeddings and fine-tune)"
     )

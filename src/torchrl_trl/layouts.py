@@ -49,7 +49,8 @@ DONE_KEY: NestedKey = ("next", "done")
 
 def _part_key(root: str, part: str) -> NestedKey:
     if part not in _PARTS:
-        raise ValueError(f"part must be one of {_PARTS}, got {part!r}")
+        owner = {"tokens": "token_key", "text": "text_key", "history": "history_key"}[root]
+        raise ValueError(f"{owner}: part must be one of {_PARTS}, got {part!r}")
     return (root, part)
 
 
@@ -143,10 +144,8 @@ class PaddingLostError(ValueError):
     token of the chat, most often the EOS): what it dropped cannot be read back."""
 
 
-_PAD_FIX = (
-    "Collect with a policy built by torchrl_trl.safe_policy_wrapper(model, tokenizer, ...), which gives TorchRL a pad "
-    "token of its own that never occurs in a chat"
-)
+#: how to collect rollouts that keep their tokens (troubleshooting.md says why)
+_PAD_FIX = "collect with torchrl_trl.safe_policy_wrapper (a pad token of its own)"
 
 
 def _holes(mask: torch.Tensor) -> torch.Tensor:
@@ -298,7 +297,7 @@ def check_padding_kept(td: TensorDictBase, *, repairable: bool = False) -> None:
     >>> check_padding_kept(rows)  # the EOS (2) was the pad: a 0 between real tokens
     Traceback (most recent call last):
     ...
-    torchrl_trl.layouts.PaddingLostError: padded rollouts have token id 2 under the 0s of ('masks', 'all_attention_mask') where it is a real token: TorchRL's wrapper took real tokens for padding (its pad token is also the EOS), and these rows hold no text (input_mode='tokens'): generate saw their prompts with those tokens masked out, so the replies are not what the model writes. They cannot be trained on. Collect with a policy built by torchrl_trl.safe_policy_wrapper(model, tokenizer, ...), which gives TorchRL a pad token of its own that never occurs in a chat
+    torchrl_trl.layouts.PaddingLostError: check_padding_kept: expected pad != EOS, got token id 2 real under the mask's 0s: input_mode='tokens' prompts were masked in generate, not trainable; collect with torchrl_trl.safe_policy_wrapper (a pad token of its own)
     """
     _padding_loss(td, repairable=repairable)
 
@@ -313,25 +312,19 @@ def _padding_loss(td: TensorDictBase, *, repairable: bool = False) -> int | None
         if repairable and (text or not prompt_masked):
             return pad
         why = (
-            "and these rows hold no text (input_mode='tokens'): generate saw their prompts with those tokens masked "
-            "out, so the replies are not what the model writes. They cannot be trained on"
-            if prompt_masked and not text else
-            "so their texts and chats are cut. Their tokens are whole: read_tokens and the *_tokenized formats read "
-            "them, and layouts.read_text/read_history(td, tokenizer=<the policy's tokenizer>) rebuild texts from them"
+            "input_mode='tokens' prompts were masked in generate, not trainable" if prompt_masked and not text else
+            "texts are cut, tokens whole: read_text(tokenizer=) rebuilds them"
         )
         raise PaddingLostError(
-            f"padded rollouts have token id {pad} under the 0s of {ATTENTION_MASK_KEY!r} where it is a real token: "
-            f"TorchRL's wrapper took real tokens for padding (its pad token is also the EOS), {why}. {_PAD_FIX}"
+            f"check_padding_kept: expected pad != EOS, got token id {pad} real under the mask's 0s: {why}; {_PAD_FIX}"
         )
     if lost is None:
         return None  # padded rows whose masked ids are all padding
     if (found := _memoised(td, _short_rows)) is None:
         return None
     raise PaddingLostError(
-        f"rollouts lost tokens to padding: {found}. TorchRL's wrapper took the tokens equal to its pad token for "
-        "padding (pad == eos): the reply's final EOS and its log-prob (and in chats the prompt's end-of-turn tokens "
-        "and the reply's text) are gone, and whether a reply ended cannot be told. These rollouts cannot be trained "
-        f"on. {_PAD_FIX}, and collect them again"
+        f"check_padding_kept: expected whole rollouts, they lost tokens to padding (pad == eos): {found}; "
+        f"{_PAD_FIX} and collect again"
     )
 
 
@@ -357,7 +350,7 @@ def _strings(td: TensorDictBase, key: NestedKey) -> list[str]:
     values = read_column(td, key)
     for i, v in enumerate(values):
         if not isinstance(v, str):
-            raise TypeError(f"key {key!r}: sample {i} holds {type(v).__name__} {v!r:.40}, expected a string")
+            raise TypeError(f"read_text: key {key!r}: sample {i} holds {type(v).__name__} {v!r:.40}, expected a string")
     return values
 
 
@@ -392,14 +385,11 @@ def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None)
         elif c.startswith(p):
             out.append(c[len(p) :])
         else:
-            raise ValueError(f"sample {i}: the unpadded text.full does not start with text.prompt")
+            raise ValueError(f"read_text: sample {i}: expected the unpadded text.full to start with text.prompt")
     return out
 
 
-_LOST_STRINGS = (
-    "this TorchRL's LazyMemmapStorage reads every stored string back as the first one written (text, chat and string "
-    "columns). Store LLM rollouts in a LazyStackStorage, ListStorage or LazyTensorStorage, or read only their tokens"
-)
+_LOST_STRINGS = "LazyMemmapStorage reads every stored string back as the first: store them in a LazyStackStorage"
 
 
 def check_strings_kept(td: TensorDictBase, part: Part = "full", strings: list[str] | None = None) -> None:
@@ -417,14 +407,14 @@ def check_strings_kept(td: TensorDictBase, part: Part = "full", strings: list[st
     ids = read_tokens(td, part).tolist()
     if any(row != ids[0] for row in ids[1:]):
         raise ValueError(
-            f"every sample's {key!r} reads {str(first)!r:.60} while their {ids_key!r} differ: "
-            f"the strings were lost in storage ({_LOST_STRINGS})"
+            f"check_strings_kept: expected one {key!r} per {ids_key!r}, every sample reads {str(first)!r:.30}: "
+            f"{_LOST_STRINGS}"
         )
 
 
 def _refuse_memmap_strings(td: TensorDictBase, key: NestedKey) -> None:
     if td.is_memmap() and not memmap_keeps_strings():
-        raise ValueError(f"key {key!r}: these rollouts are memory-mapped, and {_LOST_STRINGS}")
+        raise ValueError(f"read_column: key {key!r} is memory-mapped, expected strings kept: {_LOST_STRINGS}")
 
 
 @functools.cache
@@ -498,7 +488,9 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
         elif not before and after >= 2 and (period := _shortest_period(f, after)):
             found.add(period)
     if len(found) > 1:
-        raise ValueError(f"the stored text holds different pad strings {sorted(found)}; pass tokenizer=")
+        raise ValueError(
+            f"padding_text: expected one pad string, the stored text holds {sorted(found)}; pass tokenizer="
+        )
     if found:
         return found.pop()
     if clean_rows:
@@ -506,11 +498,8 @@ def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
     if _PAD_TEXT.get() is not None:
         return _PAD_TEXT.get()
     raise ValueError(
-        "the text at ('text', 'full') was decoded by TorchRL from padded tokens (input_mode='history', "
-        "pad_output=True) and its pad string cannot be read off these samples; pass the policy's tokenizer to what "
-        "reads them (RowColumns(tokenizer=), RewardFunctionWrapper(tokenizer=), HFRewardModelWrapper("
-        "renderer=RewardRenderer(policy_tokenizer=)), read_text(tokenizer=)) or read within "
-        "torchrl_trl.layouts.decoded_padding(tokenizer)"
+        "padding_text: expected the pad string of text decoded from pad_output=True tokens, none in these samples; "
+        "pass the policy's tokenizer (RowColumns(tokenizer=), RewardRenderer(policy_tokenizer=), ...)"
     )
 
 
@@ -542,7 +531,7 @@ def _pad_id(td: TensorDictBase) -> int:
     for t, m in zip(_ragged.chunks(td, token_key("full")), _ragged.chunks(td, ATTENTION_MASK_KEY)):
         if t.shape == m.shape and not m.bool().all():
             return int(t[~m.bool()][0])
-    raise ValueError("no padded position in ('tokens', 'full')")
+    raise ValueError("padding_text: expected a padded position in ('tokens', 'full'), found none")
 
 
 def _messages(conversation: Any) -> list[dict]:
@@ -563,7 +552,8 @@ def to_messages(history: Any) -> list[dict[str, str]]:
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
             role, content = type(m["role"]).__name__, type(m["content"]).__name__
             raise TypeError(
-                f"chat message {i} has role {role} and content {content} ({m['content']!r:.40}); expected strings")
+                f"to_messages: chat message {i} has role {role} and content {content} ({m['content']!r:.40}); "
+                "expected strings")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

@@ -32,10 +32,8 @@ def resolve_model_dir(value: str | os.PathLike, what: str) -> Path:
             raise CLIError(f"{what}: no such directory: {text!r}")
         if _offline():
             raise CLIError(
-                f"{what}: {text!r} is not a local directory, and the Hugging Face hub is offline "
-                "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set). Download it where the network is "
-                f"reachable ('hf download {text} --local-dir DIR') and pass DIR, or unset the "
-                "offline variables to download it here."
+                f"{what}: expected a local directory, {text!r} is a hub id and the hub is offline "
+                f"(HF_HUB_OFFLINE): 'hf download {text} --local-dir DIR' where online, and pass DIR"
             )
         path = _download(text, what)
     if not path.is_dir():
@@ -46,9 +44,8 @@ def resolve_model_dir(value: str | os.PathLike, what: str) -> Path:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
         found = f" (found {', '.join(pickles)}: pickle, which can run code when loaded)" if pickles else ""
         raise CLIError(
-            f"{what}: {text!r} holds no *.safetensors weights{found}. torchrl-trl loads models by "
-            "path from safetensors only, with trust_remote_code=False. Convert it in a process that "
-            "trusts the file: AutoModel...from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)."
+            f"{what}: expected *.safetensors weights, {text!r} holds none{found}; convert where the file is "
+            "trusted: from_pretrained(DIR).save_pretrained(DIR)"
         )
     return path
 

@@ -26,10 +26,7 @@ __all__ = ["PAD_CANDIDATES", "check_policy_padding", "eos_token_ids", "pad_is_un
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>", "<|fim_pad|>",
                   "<|vision_pad|>", "<|end_of_text|>")
 
-_FIX = (
-    "build the policy with torchrl_trl.safe_policy_wrapper(model, tokenizer, ...), which gives it a pad token of its "
-    "own that never occurs in a chat (see docs: troubleshooting, 'pad == eos')"
-)
+_FIX = "expected a pad token of its own: build the policy with torchrl_trl.safe_policy_wrapper"
 
 
 def eos_token_ids(tokenizer: Any, model: Any = None) -> set[int]:
@@ -81,9 +78,8 @@ def safe_pad_tokenizer(tokenizer: Any, model: Any = None, *, pad_token: str | No
             return safe
     tried = repr(pad_token) if pad_token is not None else f"one of {list(PAD_CANDIDATES)}"
     raise ValueError(
-        f"safe_pad_tokenizer: the tokenizer has no added token {tried} that is neither an EOS id nor in the chat "
-        "template. Add a pad token of its own: tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and "
-        "model.resize_token_embeddings(len(tokenizer)), then pass both here"
+        f"safe_pad_tokenizer: expected an added token {tried} that is no EOS and not in the chat template; add "
+        "one (add_special_tokens({'pad_token': '<|pad|>'}), resize_token_embeddings)"
     )
 
 
@@ -94,6 +90,15 @@ def safe_policy_wrapper(model: Any, tokenizer: Any, *, pad_token: str | None = N
     chat, when its own is the EOS or missing) and ``generate`` pads with that same id. Every
     other keyword goes to ``TransformersWrapper`` unchanged (``input_mode``, ``generate``,
     ``return_log_probs``, ``pad_output``, ``generate_kwargs``, ...).
+
+    Args:
+        model (transformers.PreTrainedModel): the policy model.
+        tokenizer (transformers tokenizer): its tokenizer (not modified: a copy gets the pad token).
+
+    Keyword Args:
+        pad_token (str, optional): the added token to pad with. Defaults to ``None``: the first
+            safe one of :data:`PAD_CANDIDATES`.
+        **wrapper_kwargs: ``TransformersWrapper`` arguments.
 
     >>> from torchrl_trl.testing import make_policy, make_tokenizer
     >>> tok = make_tokenizer()
@@ -117,6 +122,10 @@ def check_policy_padding(policy: Any, where: str) -> None:
     tokens to padding: its pad token is unsafe (:func:`pad_is_unsafe`), or ``generate`` pads
     with another id than the tokenizer's. Policies without a Hugging Face tokenizer pass.
 
+    Args:
+        policy (TransformersWrapper or vLLMWrapper): the policy.
+        where (str): who checks, the start of the message (e.g. the class receiving the policy).
+
     >>> from torchrl.modules.llm import TransformersWrapper
     >>> from torchrl_trl.testing import make_policy, make_tokenizer
     >>> tok = make_tokenizer()
@@ -125,17 +134,14 @@ def check_policy_padding(policy: Any, where: str) -> None:
     >>> check_policy_padding(TransformersWrapper(model, tokenizer=tok, input_mode="history"), "my loop")
     Traceback (most recent call last):
     ...
-    ValueError: my loop: the tokenizer's pad token '<|im_end|>' (id 2) is its EOS; ...
+    ValueError: my loop: the tokenizer's pad token '<|im_end|>' (id 2) is its EOS, which TorchRL drops as padding; ...
     """
     tokenizer = getattr(policy, "tokenizer", None)
     if tokenizer is None or not hasattr(tokenizer, "pad_token_id"):
         return
     model = getattr(policy, "model", None)
     if reason := pad_is_unsafe(tokenizer, model):
-        raise ValueError(
-            f"{where}: {reason}; TorchRL's wrapper takes every such token for padding and drops it (the prompt's "
-            f"end-of-turn tokens, the reply's final EOS and its log-prob, the reply text). Fix: {_FIX}"
-        )
+        raise ValueError(f"{where}: {reason}, which TorchRL drops as padding; {_FIX}")
     if not getattr(policy, "generate", False):
         return
     pad = (getattr(policy, "generate_kwargs", None) or {}).get("pad_token_id")
@@ -147,7 +153,6 @@ def check_policy_padding(policy: Any, where: str) -> None:
             pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
     if pad is not None and pad != tokenizer.pad_token_id:
         raise ValueError(
-            f"{where}: generate pads finished sequences with id {pad} (the model's generation config) "
-            f"but the tokenizer's pad token is id {tokenizer.pad_token_id}: TorchRL would keep those pads as "
-            "generated tokens. Fix: pass generate_kwargs={'pad_token_id': tokenizer.pad_token_id}, or " + _FIX
+            f"{where}: generate pads finished sequences with id {pad}, expected the tokenizer's pad id "
+            f"{tokenizer.pad_token_id}: pass generate_kwargs={{'pad_token_id': ...}} or use safe_policy_wrapper"
         )

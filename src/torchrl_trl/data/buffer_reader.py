@@ -106,9 +106,8 @@ class BufferReader:
         rb = self.replay_buffer
         if sharding.forked_mid_write(rb):
             raise RuntimeError(
-                "TorchRLBufferDataset: this DataLoader worker was forked while another thread was "
-                "writing the replay buffer (its lock stayed held for 30 s), so its copy may be torn. "
-                "Read with num_workers=0, use multiprocessing_context='spawn', or pause the writer."
+                "TorchRLBufferDataset: this DataLoader worker was forked while the buffer was written (lock held "
+                "30 s): its copy may be torn; use num_workers=0, 'spawn', or pause the writer"
             )
         return sharding.readable_length(rb)
 
@@ -207,10 +206,8 @@ def check_strings_survive(replay_buffer, cols: dict[str, list]) -> None:
     text = [name for name, values in cols.items() if values and _is_text(values[0])]
     if text:
         raise ValueError(
-            f"columns {text} hold text or chat, but this TorchRL's LazyMemmapStorage reads every "
-            "stored string back as the first one written; store LLM rollouts in a "
-            "LazyStackStorage, ListStorage or LazyTensorStorage, or read only tokens from it "
-            "(format='sft_tokenized', keys=[('tokens', ...)])"
+            f"TorchRLBufferDataset: columns {text} hold text, which a LazyMemmapStorage reads back as the first "
+            "string stored; expected a LazyStackStorage, ListStorage or LazyTensorStorage, or tokens only"
         )
 
 

@@ -189,10 +189,13 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         rank (it broadcasts rank 0's buffer length)."""
         if map_style:
             if tensors:
-                raise TypeError("tensors=True is for the iterable; use .with_format('torch') on the snapshot")
+                raise TypeError("TorchRLBufferDataset.as_hf_dataset: tensors=True is for the iterable; use "
+                            ".with_format('torch') on the map-style snapshot")
             return self.to_hf_dataset(**snapshot_kwargs)
         if snapshot_kwargs:
-            raise TypeError(f"unexpected arguments {sorted(snapshot_kwargs)} (only with map_style=True)")
+            raise TypeError(
+                f"TorchRLBufferDataset.as_hf_dataset: {sorted(snapshot_kwargs)} apply with map_style=True only"
+            )
         ds = hf.iterable_dataset(self._reader, self._reading, self._columns, self._sharding, self.features,
                                  tensors=tensors)
         self._pin_for_ranks()

@@ -69,8 +69,11 @@ def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
         if isinstance(v, (list, tuple)):
             inner = [x for r in values if isinstance(r, (list, tuple)) for x in r]
             return List(infer_feature(inner, dtype))
-        raise TypeError(f"cannot build a datasets feature for values of type {type(v).__name__}")
+        raise TypeError(f"TorchRLBufferDataset: expected column values datasets can type (numbers, strings, lists, "
+                    f"dicts, tensors), got {type(v).__name__}")
     # only empty lists / None: a list of the dtype, or a string
     if any(isinstance(v, (list, tuple)) for v in values):
         return List(value("string" if dtype is None else _DTYPES.get(dtype, "int64")))
-    raise ValueError("cannot infer a feature: every row of the column is None")
+    raise ValueError(
+        "TorchRLBufferDataset: cannot infer a column's datasets feature: expected a value, every row is None"
+    )

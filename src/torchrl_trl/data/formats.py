@@ -31,14 +31,15 @@ CHOSEN_KEY, REJECTED_KEY, MARGIN_KEY, LABEL_KEY = "chosen", "rejected", "margin"
 class BufferFormat:
     """How to turn a sampled batch into trainer columns.
 
-    Attributes:
-        name: registry name.
-        required_keys: keys every sample must hold (checked before the first batch).
-        convert: ``convert(batch: TensorDictBase) -> dict[str, list]``, one value per row
-            (the batch's leading dims flattened).
-        features: ``features() -> dict[str, datasets feature]`` for the columns
+    Args:
+        name (str): registry name.
+        required_keys (tuple of NestedKey): keys every sample must hold (checked before the
+            first batch).
+        convert (callable): ``convert(batch: TensorDictBase) -> dict[str, list]``, one value
+            per row (the batch's leading dims flattened).
+        features (callable): ``features() -> dict[str, datasets feature]`` for the columns
             ``convert`` returns (a callable so ``datasets`` is imported only when used).
-        description: one line for docs and ``repr``.
+        description (str, optional): one line for docs and ``repr``. Defaults to ``""``.
 
     A format of one's own (register it to use it by name, see :func:`register_format`):
 
@@ -78,6 +79,13 @@ def register_format(fmt: BufferFormat, *, overwrite: bool = False) -> BufferForm
     """Add ``fmt`` to the registry under ``fmt.name`` and return it; ``ValueError`` when the
     name is taken, unless ``overwrite``.
 
+    Args:
+        fmt (BufferFormat): the format.
+
+    Keyword Args:
+        overwrite (bool, optional): replace a format registered under the same name. Defaults
+            to ``False``.
+
     >>> from torchrl_trl import layouts
     >>> from torchrl_trl.data import features
     >>> answers = register_format(BufferFormat(
@@ -89,12 +97,14 @@ def register_format(fmt: BufferFormat, *, overwrite: bool = False) -> BufferForm
     >>> register_format(answers)
     Traceback (most recent call last):
     ...
-    ValueError: format 'answers_only' is already registered (pass overwrite=True to replace it)
+    ValueError: register_format: format 'answers_only' is already registered (pass overwrite=True to replace it)
     """
     if not isinstance(fmt, BufferFormat):
-        raise TypeError(f"register_format expects a BufferFormat, got {type(fmt).__name__}")
+        raise TypeError(f"register_format: expected a BufferFormat, got {type(fmt).__name__}")
     if fmt.name in _FORMATS and not overwrite:
-        raise ValueError(f"format {fmt.name!r} is already registered (pass overwrite=True to replace it)")
+        raise ValueError(
+            f"register_format: format {fmt.name!r} is already registered (pass overwrite=True to replace it)"
+        )
     _FORMATS[fmt.name] = fmt
     return fmt
 
@@ -102,6 +112,9 @@ def register_format(fmt: BufferFormat, *, overwrite: bool = False) -> BufferForm
 def get_format(fmt: str | BufferFormat) -> BufferFormat:
     """A registered format by name (or ``fmt`` itself); an unknown name raises
     ``ValueError`` listing the registered ones.
+
+    Args:
+        fmt (str or BufferFormat): a registered name, or a format (returned as it is).
 
     >>> fmt = get_format("sft_tokenized")
     >>> fmt.required_keys
@@ -112,7 +125,7 @@ def get_format(fmt: str | BufferFormat) -> BufferFormat:
     if isinstance(fmt, BufferFormat):
         return fmt
     if fmt not in _FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; registered formats: {available_formats()}")
+        raise ValueError(f"get_format: unknown format {fmt!r}; expected one of {available_formats()}")
     return _FORMATS[fmt]
 
 
@@ -131,7 +144,7 @@ def check_format(fmt: BufferFormat, td: TensorDictBase) -> None:
     if missing:
         names = [column_name(k) for k in missing]
         raise KeyError(
-            f"format {fmt.name!r} needs keys {names} that the replay buffer's samples lack. "
+            f"TorchRLBufferDataset: format {fmt.name!r} needs keys {names} that the replay buffer's samples lack. "
             f"Available keys: {layouts.available_keys(td)}"
         )
 
@@ -201,8 +214,8 @@ def _pairs(td: TensorDictBase, kind: str, margin: bool = False) -> dict[str, lis
     for i, (a, b) in enumerate(zip(prompt, read(rejected, "prompt"))):
         if a != b:
             raise ValueError(
-                f"preference row {i}: the chosen and rejected rollouts have different prompts "
-                f"({a!r} vs {b!r}); pairs must share their prompt (group by the prompt)"
+                f"TorchRLBufferDataset: preference row {i}: expected chosen and rejected rollouts of one prompt, "
+                f"got {a!r} vs {b!r}"
             )
     out = {"prompt": prompt, "chosen": read(chosen, "response"), "rejected": read(rejected, "response")}
     return {**out, "margin": _margin(td)} if margin else out

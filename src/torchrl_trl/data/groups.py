@@ -35,16 +35,20 @@ class SkippedRolloutsWarning(UserWarning):
 class SkipStats:
     """What a builder read, produced and skipped.
 
-    Attributes:
-        op: the builder (``"best_of_n"``, ``"preference_pairs"``, ...).
-        rollouts: rollouts read from the input.
-        groups: complete groups found (before the builder's own skips).
-        used_groups: groups that produced at least one output row.
-        rows: output rows written (pairs, KTO rows, best-of-n rollouts).
-        skipped: ``{reason: count}``: ``"nonfinite_reward"``, ``"incomplete_group"`` (and
-            ``"incomplete_group_rollouts"``), ``"singleton_group"``, ``"tied_group"``, ``"tied_pair"``,
-            ``"below_margin"``, ``"tied_at_cut"``, ``"middle_rollout"``, ``"below_min_reward"``,
-            ``"group_not_larger_than_k"``.
+    Args:
+        op (str): the builder (``"best_of_n"``, ``"preference_pairs"``, ...).
+        rollouts (int, optional): rollouts read from the input. Defaults to ``0``.
+        groups (int, optional): complete groups found (before the builder's own skips).
+            Defaults to ``0``.
+        used_groups (int, optional): groups that produced at least one output row. Defaults
+            to ``0``.
+        rows (int, optional): output rows written (pairs, KTO rows, best-of-n rollouts).
+            Defaults to ``0``.
+        skipped (Counter, optional): ``{reason: count}``: ``"nonfinite_reward"``,
+            ``"incomplete_group"`` (and ``"incomplete_group_rollouts"``), ``"singleton_group"``,
+            ``"tied_group"``, ``"tied_pair"``, ``"below_margin"``, ``"tied_at_cut"``,
+            ``"middle_rollout"``, ``"below_min_reward"``, ``"group_not_larger_than_k"``.
+            Defaults to an empty ``Counter``.
 
     >>> stats = SkipStats(op="my_builder", rollouts=6, groups=2)
     >>> stats.skip("tied_group")
@@ -67,9 +71,12 @@ class SkipStats:
             self.skipped[reason] += int(n)
 
     def summary(self) -> str:
+        return f"{self.op}: {self._counts()}"
+
+    def _counts(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "nothing"
         grouped = f" in {self.groups} complete groups, {self.used_groups} used," if self.groups else ","
-        return f"{self.op}: read {self.rollouts} rollouts{grouped} {self.rows} rows written; skipped: {skipped}"
+        return f"read {self.rollouts} rollouts{grouped} {self.rows} rows written; skipped: {skipped}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"rollouts": self.rollouts, "groups": self.groups, "used_groups": self.used_groups,
@@ -78,7 +85,7 @@ class SkipStats:
     def report(self) -> None:
         """Warn (once per call) when anything was skipped; raise when nothing is left."""
         if self.rows == 0:
-            raise ValueError(f"nothing left to train on. {self.summary()}")
+            raise ValueError(f"{self.op}: {self._counts()}; expected rows to train on, none left")
         if self.skipped:
             warnings.warn(self.summary(), SkippedRolloutsWarning, stacklevel=4)  # the builder's caller
 
@@ -104,29 +111,30 @@ class Groups:
         return len(self.members)
 
 
-def to_rollouts(rollouts) -> TensorDictBase:
-    """A ``ReplayBuffer`` (all it stores) or a TensorDict of rollouts as a TensorDict ``[N]``."""
+def to_rollouts(rollouts, op: str = "find_groups") -> TensorDictBase:
+    """A ``ReplayBuffer`` (all it stores) or a TensorDict of rollouts as a TensorDict ``[N]``;
+    errors start with ``op``, the builder's name."""
     from torchrl.data import ReplayBuffer
 
     if isinstance(rollouts, ReplayBuffer) and len(rollouts) == 0:
-        raise ValueError("the replay buffer is empty; fill it (e.g. run the collector) first")
+        raise ValueError(f"{op}: expected rollouts, the replay buffer is empty; fill it (e.g. run the collector) first")
     td = rollouts[:] if isinstance(rollouts, ReplayBuffer) else rollouts
     if not is_tensor_collection(td):
-        raise TypeError(
-            f"rollouts must be a torchrl ReplayBuffer of TensorDicts or a TensorDict, got {type(td).__name__}"
-        )
+        raise TypeError(f"{op}: rollouts must be a torchrl ReplayBuffer of TensorDicts or a TensorDict, "
+                        f"got {type(td).__name__}")
     if td.ndim == 0:
         td = td.unsqueeze(0)
     elif td.ndim > 1:
         td = td.reshape(-1)
     if td.numel() == 0:
-        raise ValueError("no rollouts: the input holds 0 rows")
+        raise ValueError(f"{op}: expected rollouts, the input holds 0 rows")
     return td
 
 
-def read_rewards(td: TensorDictBase, reward_key: NestedKey = layouts.REWARD_KEY) -> torch.Tensor:
+def read_rewards(td: TensorDictBase, reward_key: NestedKey = layouts.REWARD_KEY,
+                 op: str = "find_groups") -> torch.Tensor:
     """One float reward per rollout (``[N]``) from ``reward_key`` (``[N, 1, 1]``, ``[N, 1]`` or
-    ``[N]``; ragged rows must hold one element each).
+    ``[N]``; ragged rows must hold one element each); errors start with ``op``.
 
     Raises:
         KeyError: naming ``reward_key`` and the available keys when the rollouts lack it.
@@ -134,15 +142,16 @@ def read_rewards(td: TensorDictBase, reward_key: NestedKey = layouts.REWARD_KEY)
     """
     if not layouts.has_key(td, reward_key):
         raise KeyError(
-            f"no reward at key {reward_key!r} in the rollouts; score them first (e.g. a "
-            f"RewardFunctionWrapper or HFRewardTransform on the env or the buffer) or pass "
+            f"{op}: no reward at key {reward_key!r}; score the rollouts first (a reward transform) or pass "
             f"reward_key=. Available keys: {layouts.available_keys(td)}"
         )
     rows = layouts.read_column(td, reward_key)
     bad = next((r for r in rows if not isinstance(r, torch.Tensor) or r.numel() != 1), None)
     if bad is not None:
         shape = tuple(bad.shape) if isinstance(bad, torch.Tensor) else type(bad).__name__
-        raise ValueError(f"expected one reward per rollout at {reward_key!r}, got a rollout with reward shape {shape}")
+        raise ValueError(
+            f"{op}: expected one reward per rollout at {reward_key!r}, got a rollout with reward shape {shape}"
+        )
     return torch.stack([r.reshape(()) for r in rows]).float()
 
 
@@ -150,27 +159,27 @@ def read_scored(rollouts, reward_key: NestedKey, op: str) -> tuple[TensorDictBas
     """``(rollouts [N], rewards [N], indices of finite rewards, stats)``; non-finite ones counted.
     Rollouts that lost tokens to padding are refused here, before any row is built
     (:func:`~torchrl_trl.layouts.check_padding_kept`)."""
-    td = to_rollouts(rollouts)
+    td = to_rollouts(rollouts, op)
     layouts.check_padding_kept(td, repairable=True)
-    rewards = read_rewards(td, reward_key)
+    rewards = read_rewards(td, reward_key, op)
     stats = SkipStats(op=op, rollouts=td.numel())
     finite = torch.isfinite(rewards)
     stats.skip("nonfinite_reward", int((~finite).sum()))
     return td, rewards, finite.nonzero().reshape(-1), stats
 
 
-def _group_ids(td: TensorDictBase, group_key: NestedKey) -> list:
+def _group_ids(td: TensorDictBase, group_key: NestedKey, op: str) -> list:
     if not layouts.has_key(td, group_key):
         raise KeyError(
-            f"no group id at key {group_key!r} in the rollouts (MCAdvantage's prompt_key; ChatEnv "
-            f"writes the prompt as 'query'). Available keys: {layouts.available_keys(td)}"
+            f"{op}: no group id at key {group_key!r} (MCAdvantage's prompt_key; ChatEnv writes the prompt "
+            f"as 'query'). Available keys: {layouts.available_keys(td)}"
         )
     ids = []
     for value in layouts.read_column(td, group_key):
         if isinstance(value, torch.Tensor):
             value = value.item() if value.numel() == 1 else tuple(value.reshape(-1).tolist())
         elif not isinstance(value, str):
-            raise TypeError(f"group id at {group_key!r} must be a string or a tensor, got {type(value).__name__}")
+            raise TypeError(f"{op}: group id at {group_key!r} must be a string or a tensor, got {type(value).__name__}")
         ids.append(value)
     return ids
 
@@ -180,16 +189,20 @@ def find_groups(rollouts, *, group_key: NestedKey = "query", reward_key: NestedK
     """Group scored rollouts by prompt.
 
     Args:
-        rollouts: a ``ReplayBuffer`` (all it stores is read) or a TensorDict of rollouts,
-            each with a group id at ``group_key`` and one reward at ``reward_key``.
+        rollouts (ReplayBuffer or TensorDictBase): a ``ReplayBuffer`` (all it stores is read)
+            or a TensorDict of rollouts, each with a group id at ``group_key`` and one reward at
+            ``reward_key``.
 
     Keyword Args:
-        group_key: the group id (``MCAdvantage``'s ``prompt_key``): string or tensor.
-        reward_key: the reward, ``[*, 1, 1]`` as TorchRL's GRPO pipeline writes it.
-        group_size: ``None``: all rollouts sharing an id form one group (groups of one
-            skipped). An int: as ``MCAdvantage(grpo_size=...)``, every ``group_size`` rollouts
-            of an id close a group, in arrival order (a remainder is skipped).
-        op: the name used in stats and messages.
+        group_key (NestedKey, optional): the group id (``MCAdvantage``'s ``prompt_key``):
+            string or tensor. Defaults to ``"query"``.
+        reward_key (NestedKey, optional): the reward, ``[*, 1, 1]`` as TorchRL's GRPO
+            pipeline writes it. Defaults to ``("next", "reward")``.
+        group_size (int, optional): ``None``: all rollouts sharing an id form one group
+            (groups of one skipped). An int: as ``MCAdvantage(grpo_size=...)``, every
+            ``group_size`` rollouts of an id close a group, in arrival order (a remainder is
+            skipped). Defaults to ``None``.
+        op (str, optional): the name used in stats and messages. Defaults to ``"find_groups"``.
 
     Returns:
         :class:`Groups`; rollouts with a non-finite reward are left out (counted).
@@ -212,9 +225,9 @@ def find_groups(rollouts, *, group_key: NestedKey = "query", reward_key: NestedK
     >>> [m.tolist() for m in find_groups(repeated, group_size=2).members]
     [[0, 1], [2, 3]]
     """
-    check_group_size(group_size)
+    check_group_size(group_size, op)
     td, rewards, kept, stats = read_scored(rollouts, reward_key, op)
-    ids = _group_ids(td, group_key)
+    ids = _group_ids(td, group_key, op)
     queues: dict[Any, list[int]] = {}
     for i in kept.tolist():
         queues.setdefault(ids[i], []).append(i)

@@ -33,10 +33,11 @@ def _to_buffer(stats, make_td: Callable[[], TensorDictBase]):
 
 
 def _check_threshold(name: str, value) -> float:
+    """``value`` as a float, else a ``TypeError`` / ``ValueError`` starting with ``name`` (``"builder: argument"``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if value != value:
-        raise ValueError(f"{name} must not be NaN")
+        raise ValueError(f"{name} must be a number, got NaN")
     return float(value)
 
 
@@ -59,16 +60,21 @@ def preference_pairs(rollouts, *, strategy: Literal["best_vs_worst", "all"] = "b
     """Preference pairs from each group of completions of one prompt.
 
     Args:
-        rollouts: ``ReplayBuffer`` or TensorDict of scored rollouts, each with a group id
-            and one reward.
+        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and
+            one reward.
 
     Keyword Args:
-        strategy: ``"best_vs_worst"``: one pair per group, the highest-reward completion
-            (first in arrival order among equals) against the lowest;
-            ``"all"``: every pair of the group whose reward gap is above ``margin``.
-        margin: a pair is kept only when ``reward_chosen - reward_rejected > margin``
-            (``0.0``: any strict preference; ties are always skipped).
-        reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
+        strategy (str, optional): ``"best_vs_worst"``: one pair per group, the highest-reward
+            completion (first in arrival order among equals) against the lowest; ``"all"``:
+            every pair of the group whose reward gap is above ``margin``. Defaults to
+            ``"best_vs_worst"``.
+        margin (float, optional): a pair is kept only when ``reward_chosen - reward_rejected >
+            margin`` (``0.0``: any strict preference; ties are always skipped). Defaults to ``0.0``.
+        reward_key (NestedKey, optional): the reward (as :func:`~torchrl_trl.data.groups.find_groups`).
+            Defaults to ``("next", "reward")``.
+        group_key (NestedKey, optional): the group id. Defaults to ``"query"``.
+        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to
+            ``None`` (one group per id).
 
     Returns:
         a new ``ReplayBuffer(LazyStackStorage)``; each row holds ``"chosen"`` and
@@ -102,10 +108,10 @@ def preference_pairs(rollouts, *, strategy: Literal["best_vs_worst", "all"] = "b
     3
     """
     if strategy not in ("best_vs_worst", "all"):
-        raise ValueError(f"strategy must be 'best_vs_worst' or 'all', got {strategy!r}")
-    margin = _check_threshold("margin", margin)
+        raise ValueError(f"preference_pairs: strategy must be 'best_vs_worst' or 'all', got {strategy!r}")
+    margin = _check_threshold("preference_pairs: margin", margin)
     if margin < 0:
-        raise ValueError(f"margin must be >= 0 (ties are never a preference), got {margin}")
+        raise ValueError(f"preference_pairs: margin must be >= 0 (ties are never a preference), got {margin}")
     groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size,
                          op="preference_pairs")
     stats, rewards = groups.stats, groups.rewards
@@ -140,13 +146,23 @@ def kto_rows(rollouts, *, threshold: float | None = None, k: int | None = None,
              reward_key: NestedKey = layouts.REWARD_KEY, group_key: NestedKey = "query", group_size: int | None = None):
     """Unpaired desirable/undesirable rows for ``KTOTrainer``.
 
+    Args:
+        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and
+            one reward.
+
     Keyword Args:
-        threshold: a number: every rollout is a row, desirable (``label=True``) when its
-            reward is ``>= threshold``, no grouping. ``None`` (default): within each group
-            the ``k`` best are desirable, the ``k`` worst not; rewards on both sides of the
-            cut, the middle of an odd group, all-tied groups and groups of one are skipped.
-        k: rank mode: completions per side (default ``len(group) // 2``; at most that).
-        reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
+        threshold (float, optional): a number: every rollout is a row, desirable
+            (``label=True``) when its reward is ``>= threshold``, no grouping. ``None``: within
+            each group the ``k`` best are desirable, the ``k`` worst not; rewards on both sides
+            of the cut, the middle of an odd group, all-tied groups and groups of one are
+            skipped. Defaults to ``None``.
+        k (int, optional): rank mode: completions per side (at most ``len(group) // 2``).
+            Defaults to ``None`` (``len(group) // 2``).
+        reward_key (NestedKey, optional): the reward (as :func:`~torchrl_trl.data.groups.find_groups`).
+            Defaults to ``("next", "reward")``.
+        group_key (NestedKey, optional): the group id. Defaults to ``"query"``.
+        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to
+            ``None`` (one group per id).
 
     Returns:
         a new ``ReplayBuffer(LazyStackStorage)`` of the selected rollouts (tensors shared),
@@ -164,11 +180,11 @@ def kto_rows(rollouts, *, threshold: float | None = None, k: int | None = None,
     >>> [bool(r["label"]) for r in kto_rows(rollouts, threshold=0.5)[:]]  # no grouping
     [True, False, True, False]
     """
-    positive_int(k, "k", allow_none=True)
+    positive_int(k, "kto_rows: k", allow_none=True)
     if threshold is not None:
         if k is not None:
-            raise ValueError("pass threshold= or k= (rank within groups), not both")
-        threshold = _check_threshold("threshold", threshold)
+            raise ValueError("kto_rows: expected threshold= or k= (rank within groups), got both")
+        threshold = _check_threshold("kto_rows: threshold", threshold)
         rows_td, rewards, index, stats = read_scored(rollouts, reward_key, "kto_rows")
         labels = rewards[index] >= threshold
         stats.rows = index.numel()
@@ -199,12 +215,20 @@ def best_of_n(rollouts, *, k: int = 1, reward_key: NestedKey = layouts.REWARD_KE
               group_size: int | None = None, min_reward: float | None = None):
     """Rejection sampling: the ``k`` highest-reward completions of each group, for SFT.
 
+    Args:
+        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and
+            one reward.
+
     Keyword Args:
-        k: completions kept per group (ties broken by arrival order); groups of ``k`` or
-            fewer and all-tied groups are skipped.
-        reward_key, group_key, group_size: as :func:`~torchrl_trl.data.groups.find_groups`.
-        min_reward: also drop kept completions whose reward is ``< min_reward``
-            (counted as ``"below_min_reward"``).
+        k (int, optional): completions kept per group (ties broken by arrival order); groups of
+            ``k`` or fewer and all-tied groups are skipped. Defaults to ``1``.
+        reward_key (NestedKey, optional): the reward (as :func:`~torchrl_trl.data.groups.find_groups`).
+            Defaults to ``("next", "reward")``.
+        group_key (NestedKey, optional): the group id. Defaults to ``"query"``.
+        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to
+            ``None`` (one group per id).
+        min_reward (float, optional): also drop kept completions whose reward is ``< min_reward``
+            (counted as ``"below_min_reward"``). Defaults to ``None``.
 
     Returns:
         a new ``ReplayBuffer(LazyStackStorage)`` of the kept rollouts (tensors shared, all
@@ -224,12 +248,14 @@ def best_of_n(rollouts, *, k: int = 1, reward_key: NestedKey = layouts.REWARD_KE
     >>> list(TorchRLBufferDataset(best, 2, format="sft", reading="epoch"))
     [{'prompt': '2+2=', 'completion': '4'}, {'prompt': '3+3=', 'completion': '6'}]
     """
-    positive_int(k, "k")
-    check_group_size(group_size)
+    positive_int(k, "best_of_n: k")
+    check_group_size(group_size, "best_of_n")
     if group_size is not None and k >= group_size:
-        raise ValueError(f"k={k} keeps every completion of a group of group_size={group_size}; use k < group_size")
+        raise ValueError(
+            f"best_of_n: expected k < group_size, got k={k} for groups of {group_size} (every completion kept)"
+        )
     if min_reward is not None:
-        min_reward = _check_threshold("min_reward", min_reward)
+        min_reward = _check_threshold("best_of_n: min_reward", min_reward)
     groups = find_groups(rollouts, group_key=group_key, reward_key=reward_key, group_size=group_size, op="best_of_n")
     stats, kept = groups.stats, []
     for _, rows, r in _choices(groups, k):

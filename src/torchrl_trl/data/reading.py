@@ -28,10 +28,12 @@ class EpochPass:
     """Read each item stored when a pass begins exactly once per pass.
 
     Args:
-        shuffle: visit the items in an order drawn from ``(seed, epoch)`` (else storage order).
-        seed: the shuffle seed; must be equal on every rank (default 0).
-        num_passes: passes one iterator makes, pass ``k`` in the order of epoch ``epoch + k``
-            (``None``: endless, e.g. for a trainer driven by ``max_steps``).
+        shuffle (bool, optional): visit the items in an order drawn from ``(seed, epoch)``
+            (else storage order). Defaults to ``False``.
+        seed (int, optional): the shuffle seed; must be equal on every rank. Defaults to ``0``.
+        num_passes (int or None, optional): passes one iterator makes, pass ``k`` in the order
+            of epoch ``epoch + k`` (``None``: endless, e.g. for a trainer driven by
+            ``max_steps``). Defaults to ``1``.
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -57,9 +59,9 @@ class EpochPass:
 
     def __post_init__(self) -> None:
         if not isinstance(self.shuffle, bool):
-            raise TypeError(f"EpochPass.shuffle must be a bool, got {self.shuffle!r}")
-        _check_seed(self.seed, "EpochPass.seed", "a non-negative int (equal on every rank)")
-        positive_int(self.num_passes, "EpochPass.num_passes", allow_none=True)
+            raise TypeError(f"EpochPass: shuffle must be a bool, got {self.shuffle!r}")
+        _check_seed(self.seed, "EpochPass: seed", "a non-negative int (equal on every rank)")
+        positive_int(self.num_passes, "EpochPass: num_passes", allow_none=True)
 
     def check(self, reader: BufferReader) -> None:
         """Refuse a buffer that holds less than one batch."""
@@ -68,7 +70,9 @@ class EpochPass:
     def num_rows(self, reader: BufferReader) -> int:
         """Rows one iterator yields if nothing is written meanwhile (before any filter)."""
         if self.num_passes is None:
-            raise TypeError("TorchRLBufferDataset has no length with num_passes=None (endless passes).")
+            raise TypeError(
+                "TorchRLBufferDataset: no length with num_passes=None (endless passes); expected an int for len()"
+            )
         n = len(reader.replay_buffer)
         return self.num_passes * n * (reader.rows_per_item() if n else 1)
 
@@ -112,10 +116,11 @@ class OnlineSampling:
     """Draw batches with the replay buffer's own sampler, as upstream's dataset does.
 
     Args:
-        num_batches: batches drawn per iterator (``None``: unbounded): by each DataLoader
-            worker, split over the Hugging Face iterable's shards.
-        seed: base seed (default ``torch.initial_seed()``) of the sampling streams, one per
-            (rank, worker or shard, iteration).
+        num_batches (int or None, optional): batches drawn per iterator (``None``: unbounded):
+            by each DataLoader worker, split over the Hugging Face iterable's shards. Defaults
+            to ``1``.
+        seed (int, optional): base seed of the sampling streams, one per (rank, worker or
+            shard, iteration). Defaults to ``None`` (``torch.initial_seed()``).
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -139,15 +144,15 @@ class OnlineSampling:
     num_passes: ClassVar[int] = 1  # a pass of num_batches batches
 
     def __post_init__(self) -> None:
-        positive_int(self.num_batches, "num_batches", allow_none=True)
+        positive_int(self.num_batches, "OnlineSampling: num_batches", allow_none=True)
         if self.seed is not None:
-            _check_seed(self.seed, "OnlineSampling.seed", "a non-negative int or None")
+            _check_seed(self.seed, "OnlineSampling: seed", "a non-negative int or None")
 
     def check(self, reader: BufferReader) -> None:
         reader.require_items()
 
     def num_rows(self, reader: BufferReader) -> int:
-        raise TypeError("TorchRLBufferDataset has no length in online mode; use reading='epoch'.")
+        raise TypeError("TorchRLBufferDataset: no length in online mode; expected reading='epoch' for len()")
 
     def stream(self, reader: BufferReader, stream: int, budget: int | None, *, rank: int,
                with_index: bool) -> Iterator[Batch]:
@@ -207,19 +212,21 @@ def reading_from_arguments(reading: ReadingStrategy | str | None = None, *,
     """
     if isinstance(reading, (EpochPass, OnlineSampling)):
         if num_batches != 1:
-            raise TypeError(f"pass num_batches={num_batches!r} inside reading={reading!r}, not beside it")
+            raise TypeError(f"TorchRLBufferDataset: expected num_batches={num_batches!r} inside reading={reading!r}, "
+                            "not beside it")
         return reading
     if reading is not None and not isinstance(reading, str):
         what = type(reading).__name__
-        raise TypeError(f"reading must be 'epoch', 'online', an EpochPass or an OnlineSampling, got {what}")
+        raise TypeError(f"TorchRLBufferDataset: reading must be 'epoch', 'online', an EpochPass or an OnlineSampling, "
+                        f"got {what}")
     mode = reading or "online"
     if mode == "epoch":
         if num_batches != 1:
             raise ValueError(
-                f"num_batches={num_batches!r} is for online sampling (batches drawn by the "
-                "sampler); an epoch pass reads every stored item: set EpochPass(num_passes=)"
+                f"TorchRLBufferDataset: num_batches={num_batches!r} is for online sampling; an epoch pass reads "
+                "every stored item: expected EpochPass(num_passes=)"
             )
         return EpochPass()
     if mode != "online":
-        raise ValueError(f"reading must be 'online' or 'epoch', got {mode!r}.")
+        raise ValueError(f"TorchRLBufferDataset: reading must be 'online' or 'epoch', got {mode!r}")
     return OnlineSampling(num_batches)

@@ -67,10 +67,12 @@ class RowColumns:
                  index_column: str | None = None, sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
                  tokenizer: Any = None) -> None:  # fmt: skip
         if format is not None and not isinstance(format, (str, BufferFormat)):
-            raise TypeError(f"RowColumns: format must be a format name, a BufferFormat or None, got {type(format).__name__}")
+            raise TypeError(
+                f"RowColumns: format must be a format name, a BufferFormat or None, got {type(format).__name__}"
+            )
         if columns is not None and not isinstance(columns, Mapping):
-            raise TypeError(f"RowColumns: columns must be a mapping {{column: key or fn}}, got {type(columns).__name__} "
-                            "(keys under their flat name: the dataset's keys=)")
+            raise TypeError(f"RowColumns: columns must be a mapping {{column: key or fn}}, got "
+                            f"{type(columns).__name__} (keys under their flat name: the dataset's keys=)")
         if sample_filter is not None and not callable(sample_filter):
             raise TypeError(f"RowColumns: sample_filter must be callable, got {type(sample_filter).__name__}")
         self.format = get_format(format) if format is not None else None
@@ -140,7 +142,8 @@ class RowColumns:
         n = batch.batch_size.numel()
         for name, values in cols.items():
             if len(values) != n:
-                raise ValueError(f"column {name!r} has {len(values)} values for a batch of {n} rows")
+                raise ValueError(f"TorchRLBufferDataset: expected one value per row in column {name!r}, "
+                                 f"got {len(values)} for a batch of {n} rows")
         return cols
 
     def of_batch(self, batch: TensorDictBase, python: bool | str,
@@ -179,13 +182,13 @@ class RowColumns:
         rows = batch.batch_size.numel()
         if keep.dtype != torch.bool:
             raise TypeError(
-                f"sample_filter must return bools (a bool tensor of shape [{rows}], one per row), "
+                f"RowColumns: sample_filter must return bools (a bool tensor of shape [{rows}], one per row), "
                 f"got dtype {keep.dtype}"
             )
         if keep.numel() != rows:
             raise ValueError(
-                f"sample_filter returned {keep.numel()} values (shape {list(keep.shape)}) for a batch of "
-                f"{rows} rows; expected shape [{rows}] (or the batch shape {list(batch.batch_size)})"
+                f"RowColumns: sample_filter returned {keep.numel()} values (shape {list(keep.shape)}) for a batch "
+                f"of {rows} rows; expected shape [{rows}] (or {list(batch.batch_size)})"
             )
         return keep.reshape(-1)
 

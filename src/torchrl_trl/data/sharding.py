@@ -42,10 +42,13 @@ class Sharding:
     DataLoader workers and Hugging Face shards.
 
     Args:
-        num_shards: shards of the Hugging Face iterable, split over ranks and workers
-            (``None``: ``4 * world_size`` for epoch reading, ``world_size`` online).
-        rank, world_size: for ``TorchRLBufferDataset.__iter__`` only: split an epoch pass
-            over processes (a plain ``DataLoader``); leave unset when a trainer shards.
+        num_shards (int, optional): shards of the Hugging Face iterable, split over ranks and
+            workers. Defaults to ``None``: ``4 * world_size`` for epoch reading, ``world_size``
+            online.
+        rank (int, optional): this process's rank, for ``TorchRLBufferDataset.__iter__`` only:
+            split an epoch pass over processes (a plain ``DataLoader``); leave unset when a
+            trainer shards. Defaults to ``None``.
+        world_size (int, optional): the number of processes, with ``rank``. Defaults to ``None``.
 
     >>> s = Sharding(rank=1, world_size=2)
     >>> s.consumer()  # (index, count) outside a DataLoader worker
@@ -56,13 +59,13 @@ class Sharding:
 
     def __init__(self, num_shards: int | None = None, rank: int | None = None,
                  world_size: int | None = None) -> None:
-        self.num_shards = positive_int(num_shards, "num_shards", allow_none=True)
+        self.num_shards = positive_int(num_shards, "Sharding: num_shards", allow_none=True)
         if (rank is None) != (world_size is None):
-            raise ValueError("pass both rank and world_size, or neither.")
+            raise ValueError("Sharding: expected both rank and world_size, or neither")
         if world_size is not None:
-            positive_int(world_size, "world_size")
+            positive_int(world_size, "Sharding: world_size")
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-                raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}.")
+                raise ValueError(f"Sharding: rank must be an int in [0, world_size={world_size}), got {rank!r}")
         self.rank, self.world_size = rank, world_size
         self._process: tuple[int, int] | None = None
         if _distributed():

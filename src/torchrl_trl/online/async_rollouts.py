@@ -34,17 +34,18 @@ class AsyncGroupCollector:
     background thread (a ``ChatEnv`` fed by a :class:`~torchrl_trl.online.prompt_primer.PromptPrimer`).
 
     Args:
-        rollout: a :class:`TorchRLRolloutFunc` whose policy's model is *not* the trainer's,
-            optionally with a one-turn ``env``, ``context_fn`` and a replay buffer (it receives
-            every rollout). Behaviour log-probs are recorded
-            (:class:`~torchrl_trl.online.BehaviourLogProbsPostproc`) unless its ``logprobs`` is
-            ``"generate"``, or ``"auto"`` with a trainer that does not read them.
-        prompts: a sequence (cycled forever) or an iterator of TRL prompts.
+        rollout (TorchRLRolloutFunc): its policy's model is *not* the trainer's; optionally with a
+            one-turn ``env``, ``context_fn`` and a replay buffer (it receives every rollout).
+            Behaviour log-probs are recorded (:class:`~torchrl_trl.online.BehaviourLogProbsPostproc`)
+            unless its ``logprobs`` is ``"generate"``, or ``"auto"`` with a trainer that does not
+            read them.
+        prompts (sequence or iterable): a sequence (cycled forever) or an iterator of TRL prompts.
 
     Keyword Args:
-        group_size: completions per prompt (``GRPOConfig.num_generations``).
-        prompts_per_batch: prompts generated together.
-        max_pending_groups: the collector waits between two batches while this many are unconsumed.
+        group_size (int): completions per prompt (``GRPOConfig.num_generations``).
+        prompts_per_batch (int, optional): prompts generated together. Defaults to ``1``.
+        max_pending_groups (int, optional): the collector waits between two batches while this
+            many are unconsumed. Defaults to ``8``.
 
     Attributes:
         collector, replay_buffer, primer: the TorchRL ``LLMCollector``, its buffer, the primer;
@@ -74,16 +75,15 @@ class AsyncGroupCollector:
         from torchrl.envs import Compose, StepCounter, TransformedEnv
         from torchrl.envs.llm import ChatEnv
 
-        group_size = positive_int(group_size, "group_size")
-        prompts_per_batch = positive_int(prompts_per_batch, "prompts_per_batch")
-        max_pending_groups = positive_int(max_pending_groups, "max_pending_groups")
+        group_size = positive_int(group_size, "AsyncGroupCollector: group_size")
+        prompts_per_batch = positive_int(prompts_per_batch, "AsyncGroupCollector: prompts_per_batch")
+        max_pending_groups = positive_int(max_pending_groups, "AsyncGroupCollector: max_pending_groups")
         if not isinstance(rollout, TorchRLRolloutFunc) or rollout.policy is None:
-            raise ValueError("rollout must be a TorchRLRolloutFunc with a policy")
+            raise ValueError("AsyncGroupCollector: rollout must be a TorchRLRolloutFunc with a policy")
         if rollout.max_turns != 1:
             raise ValueError(
-                f"rollout.max_turns={rollout.max_turns}: AsyncGroupCollector generates one turn per episode; "
-                "for multi-turn episodes build an LLMCollector over the ChatEnv (yield_completed_trajectories=True, "
-                "a buffer with MCAdvantage(grpo_size=...)) and read it with LLMCollectorRolloutFunc"
+                f"AsyncGroupCollector: expected rollout.max_turns=1 (one turn per episode), got {rollout.max_turns}; "
+                "multi-turn episodes: an LLMCollector read by LLMCollectorRolloutFunc"
             )
         check_policy_padding(rollout.policy, "AsyncGroupCollector")  # also a policy set on rollout after it was built
         self.rollout, policy, env = rollout, rollout.policy, rollout.env
@@ -169,10 +169,10 @@ class AsyncGroupCollector:
         except CollectorError as err:
             if self.primer.error is None:
                 raise
-            raise CollectorError(f"{self._source_failure()}; {err}") from self.primer.error
+            raise CollectorError(f"AsyncGroupCollector: {self._source_failure()}; {err}") from self.primer.error
         died = cause is not None and not isinstance(cause, PromptSourceEnded)
         if len(groups) < n and died and not self.alive:  # wait=False: stored groups must not hide it
-            raise CollectorError(self._source_failure()) from cause
+            raise CollectorError(f"AsyncGroupCollector: {self._source_failure()}") from cause
         return groups
 
     def _source_failure(self) -> str:
@@ -184,12 +184,19 @@ class AsyncTorchRLRolloutFunc(GroupRolloutFunc):
     """``GRPOTrainer(rollout_func=...)`` that drains an :class:`AsyncGroupCollector`.
 
     Args:
-        collector: the background collector (started on the first call).
+        collector (AsyncGroupCollector): the background collector (started on the first call).
 
     Keyword Args:
-        max_staleness, timeout, push_weights, drop_zero_std, reuse: see
-            :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`; a group's age is
-            the trainer's ``global_step`` minus the version it was generated with.
+        max_staleness (int or None, optional): largest accepted age of a group: the trainer's
+            ``global_step`` minus the version it was generated with (``None``: keep all).
+            Defaults to ``1``.
+        timeout (float, optional): seconds to wait for fresh groups. Defaults to ``60.0``.
+        push_weights (bool, optional): push the trainer's weights when ``global_step`` changed.
+            Defaults to ``True``.
+        drop_zero_std (bool, optional): drop groups whose env reward is the same for every
+            completion. Defaults to ``False``.
+        reuse (int, optional): train on each group up to ``1 + reuse`` times. Defaults to ``0``.
+        (All as :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`.)
 
     Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read):
 
@@ -223,8 +230,8 @@ class AsyncTorchRLRolloutFunc(GroupRolloutFunc):
         trainer_model = trainer.accelerator.unwrap_model(trainer.model)
         if collector.rollout.policy.model is trainer_model:
             raise ValueError(
-                "the collector's policy wraps the trainer's model object: the background thread would "
-                "generate with weights the optimizer is writing; give the collector its own copy"
+                "AsyncTorchRLRolloutFunc: expected the collector's policy to hold its own copy of the model, it wraps "
+                "the trainer's (generation would read weights the optimizer writes)"
             )
         if not collector.alive and collector.rollout.logprobs == "auto" and not _reads_logprobs(trainer):
             collector.collector.postproc = None  # TRL will not read them: no scoring pass per batch

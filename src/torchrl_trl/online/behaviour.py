@@ -43,7 +43,8 @@ class BehaviourLogProbsPostproc:
     after generation) at ``"behaviour_log_probs"`` (float ``[n_response_tokens]`` per sample).
 
     Args:
-        policy: the collector's policy (the same object); a Ray actor's: :meth:`for_factory`.
+        policy (TransformersWrapper): the collector's policy (the same object); a Ray actor's:
+            :meth:`for_factory`.
 
     Example (on one policy call, as the collector calls it after each rollout batch):
 
@@ -115,8 +116,8 @@ class BehaviourLogProbsMixin:
             unknown = torch.isnan(behaviour)
             if (unknown & mask.bool()).any():
                 raise ValueError(
-                    "sampling_per_token_logps holds NaN on trained tokens: the behaviour log-probs are "
-                    "unknown there; use TorchRLRolloutFunc(logprobs='rescore')"
+                    "BehaviourLogProbsMixin: expected behaviour log-probs on trained tokens, sampling_per_token_logps "
+                    "holds NaN; use TorchRLRolloutFunc(logprobs='rescore')"
                 )
             inputs["old_per_token_logps"] = behaviour.masked_fill(unknown, 0.0)
         return super().compute_loss(model, inputs, *args, **kwargs)

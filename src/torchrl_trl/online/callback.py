@@ -36,7 +36,7 @@ class CollectorError(RuntimeError):
     >>> cb.collect(1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    torchrl_trl.online.callback.CollectorError: the collector raised ... ConnectionError('generation server down')
+    torchrl_trl.online.callback.CollectorError: CollectorCallback: the collector raised ... ConnectionError('generation server down')
     """
 
 
@@ -44,8 +44,18 @@ def wait_for_items(
     replay_buffer, min_items: int, *, timeout: float | None, check: Callable[[], None] | None = None,
     poll: float = 0.05
 ) -> int:
-    """Block until ``len(replay_buffer) >= min_items``; return the length. ``check()`` runs at every
-    poll (it raises if the producer died); ``TimeoutError`` after ``timeout`` seconds (``None``: no limit).
+    """Block until ``len(replay_buffer) >= min_items``; return the length. ``TimeoutError`` after
+    ``timeout`` seconds.
+
+    Args:
+        replay_buffer (ReplayBuffer): the buffer a producer fills (local or Ray).
+        min_items (int): the length to wait for.
+
+    Keyword Args:
+        timeout (float or None): seconds to wait (``None``: no limit).
+        check (callable, optional): ``check()`` runs at every poll (it raises if the producer
+            died). Defaults to ``None``.
+        poll (float, optional): seconds between two reads of the length. Defaults to ``0.05``.
 
     >>> import threading
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -56,9 +66,9 @@ def wait_for_items(
     >>> wait_for_items(rb, 5, timeout=0.2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    TimeoutError: the replay buffer holds 4 items after waiting ...s (timeout=0.2s) for at least 5; ...
+    TimeoutError: wait_for_items: expected at least 5 items, the replay buffer holds 4 items after waiting ...s ...
     """
-    timeout = positive_seconds(timeout, "timeout")
+    timeout = positive_seconds(timeout, "wait_for_items: timeout")
     start = time.monotonic()
     n = len(replay_buffer)
     while n < min_items:
@@ -67,8 +77,8 @@ def wait_for_items(
         waited = time.monotonic() - start
         if timeout is not None and waited >= timeout:
             raise TimeoutError(
-                f"the replay buffer holds {n} items after waiting {waited:.1f}s (timeout={timeout}s) for at "
-                f"least {min_items}; the collector is not producing data fast enough (or at all)."
+                f"wait_for_items: expected at least {min_items} items, the replay buffer holds {n} items after waiting "
+                f"{waited:.1f}s (timeout={timeout}s): the collector writes too slowly or not at all"
             )
         time.sleep(poll)
         n = len(replay_buffer)
@@ -185,14 +195,14 @@ class CollectorCallback(TrainerCallback):
         if self._hung is not None:
             if self._hung.is_alive():
                 raise TimeoutError(
-                    f"a previous collector batch has been running for more than wait_timeout={self.wait_timeout}s "
-                    "and is still running; the collector is stuck"
+                    f"CollectorCallback: a previous collector batch has run past wait_timeout={self.wait_timeout}s "
+                    "and is still running; expected it to end (the collector is stuck)"
                 )
             self._hung = None
         try:
-            return run_in_thread(self._next_batch, self.wait_timeout, f"one collector batch did not finish within "
-                                 f"wait_timeout={self.wait_timeout}s (the collector blocks: a stuck environment, "
-                                 "generation server or iterator?)", name="torchrl-trl-collect")
+            message = (f"CollectorCallback: one collector batch did not finish within wait_timeout={self.wait_timeout}s "
+                       "(the collector blocks: a stuck environment, generation server or iterator?)")
+            return run_in_thread(self._next_batch, self.wait_timeout, message, name="torchrl-trl-collect")
         except TimeoutError as err:
             self._hung = getattr(err, "thread", None)  # cannot be killed; later calls refuse at once
             raise
@@ -216,13 +226,13 @@ class CollectorCallback(TrainerCallback):
                     empty_batches = empty_batches + 1 if self._write_count() == before else 0
                     if empty_batches >= _MAX_EMPTY_BATCHES and not self._exhausted:
                         raise RuntimeError(
-                            f"{empty_batches} collector batches in a row wrote nothing into the replay buffer the "
-                            "callback watches; pass the buffer the collector writes to as replay_buffer="
+                            f"CollectorCallback: {empty_batches} collector batches in a row wrote nothing into the "
+                            "replay buffer watched; expected the buffer the collector writes to as replay_buffer="
                         )
         except Exception as err:
             raise CollectorError(
-                f"the collector raised while collecting {frames} items ({self._write_count() - start_wc} written; "
-                f"the {len(self.replay_buffer)} stored items are kept): {err!r}"
+                f"CollectorCallback: the collector raised while collecting {frames} items "
+                f"({self._write_count() - start_wc} written, {len(self.replay_buffer)} kept): {err!r}"
             ) from err
         finally:
             if was_training:
@@ -252,15 +262,19 @@ class CollectorCallback(TrainerCallback):
     def check(self) -> None:
         """Raise :class:`CollectorError` if the collector died (background thread raised, Ray actor gone)."""
         if self._error is not None:
-            raise CollectorError(f"the background collector died: {self._error!r}; the {len(self.replay_buffer)} "
-                                 "items already stored are kept.") from self._error
+            raise CollectorError(f"CollectorCallback: the background collector died: {self._error!r}; the "
+                                 f"{len(self.replay_buffer)} items already stored are kept") from self._error
         if self.remote and self._started_remote:
             try:
                 running = self.collector.is_running()
             except Exception as err:  # ray.exceptions.RayActorError and friends
-                raise CollectorError(f"the remote collector is unreachable (actor died?): {err!r}") from err
+                raise CollectorError(
+                    f"CollectorCallback: the remote collector is unreachable (actor died?): {err!r}"
+                ) from err
             if not running:
-                raise CollectorError("the remote collector stopped running (its collection thread ended).")
+                raise CollectorError(
+                    "CollectorCallback: expected the remote collector running, its collection thread ended"
+                )
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop continuous collection (joins the thread up to ``timeout`` s)."""

@@ -72,8 +72,15 @@ def save_buffer(
     replay_buffer, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, classes: Iterable[type] = ()
 ) -> Path:
     """Write ``replay_buffer`` (items, sampler and writer state) to the directory ``path``, atomically.
-    ``extra`` (JSON data) goes in the manifest; ``classes`` are more tensorclasses the items may hold.
     Returns ``path``; raises ``TypeError`` naming the key of a value that cannot be stored without pickle.
+
+    Args:
+        replay_buffer (ReplayBuffer): a local TorchRL replay buffer.
+        path (str or os.PathLike): the directory written (replaced atomically).
+
+    Keyword Args:
+        extra (dict, optional): JSON data kept in the manifest. Defaults to ``None``.
+        classes (iterable of type, optional): more tensorclasses the items may hold. Defaults to ``()``.
 
     >>> import tempfile
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -152,7 +159,9 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             )
         leftovers = sorted(p.name for p in path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
         hint = f"; an interrupted save left the previous checkpoint in {leftovers}" if leftovers else ""
-        raise FileNotFoundError(f"no saved replay buffer at {str(path)!r} (missing {MANIFEST}){hint}")
+        raise FileNotFoundError(
+            f"load_buffer: expected a saved replay buffer at {str(path)!r}, {MANIFEST} is missing{hint}"
+        )
     try:
         meta = json.loads(manifest.read_text())
     except ValueError as err:
@@ -182,10 +191,19 @@ def load_buffer(
     replay_buffer, path: str | os.PathLike, *, classes: Iterable[type] = (), restore_state: bool = True
 ) -> dict[str, Any]:
     """Restore what :func:`save_buffer` wrote into ``replay_buffer`` (same storage/sampler/writer types
-    and capacity), without unpickling or running write transforms. ``classes``: more tensorclasses to
-    rebuild; ``restore_state=False``: the items only. Returns the manifest (``len``, ``write_count``,
-    ``extra`` entries); raises :class:`BufferCheckpointError` for a checkpoint not read safely
-    (the old pickle format, files not matching the manifest, a class not allowed).
+    and capacity), without unpickling or running write transforms. Returns the manifest (``len``,
+    ``write_count``, ``extra`` entries); raises :class:`BufferCheckpointError` for a checkpoint not
+    read safely (the old pickle format, files not matching the manifest, a class not allowed).
+
+    Args:
+        replay_buffer (ReplayBuffer): the buffer filled (its storage, sampler and writer types and
+            capacity as the saved one's).
+        path (str or os.PathLike): the directory :func:`save_buffer` wrote.
+
+    Keyword Args:
+        classes (iterable of type, optional): more tensorclasses to rebuild. Defaults to ``()``.
+        restore_state (bool, optional): also restore the sampler and writer state (``False``:
+            the items only). Defaults to ``True``.
 
     >>> import tempfile, torch
     >>> from tensordict import TensorDict
@@ -263,9 +281,16 @@ def load_buffer(
 class BufferCheckpointCallback(TrainerCallback):
     """A ``TrainerCallback`` that saves the buffer into each trainer checkpoint and restores it on resume.
 
-    ``replay_buffer``: the local buffer the dataset reads; ``collector``: its ``policy_version`` is saved
-    and restored too; ``classes``: see :func:`save_buffer`. ``on_save`` writes ``<checkpoint>/torchrl_buffer``
-    (process zero); a resumed run's ``on_train_begin`` loads it unless the buffer holds it already.
+    ``on_save`` writes ``<checkpoint>/torchrl_buffer`` (process zero); a resumed run's
+    ``on_train_begin`` loads it unless the buffer holds it already.
+
+    Args:
+        replay_buffer (ReplayBuffer): the local buffer the dataset reads.
+
+    Keyword Args:
+        collector (collector, optional): its ``policy_version`` is saved and restored too.
+            Defaults to ``None``.
+        classes (iterable of type, optional): see :func:`save_buffer`. Defaults to ``()``.
 
     >>> import tempfile
     >>> from types import SimpleNamespace

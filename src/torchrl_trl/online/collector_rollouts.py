@@ -35,26 +35,38 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     ``LLMCollector`` / ``RayLLMCollector`` writes into ``replay_buffer``.
 
     Args:
-        collector: built with ``replay_buffer=``, ``track_policy_version=True``, a policy with
-            its own weights (multi-turn: ``yield_completed_trajectories=True``) and, for exact
-            log-probs, ``postproc=BehaviourLogProbsPostproc(policy)``. Started on the first call.
-            An in-process collector's policy must keep its tokens through padding
+        collector (LLMCollector or RayLLMCollector): built with ``replay_buffer=``,
+            ``track_policy_version=True``, a policy with its own weights (multi-turn:
+            ``yield_completed_trajectories=True``) and, for exact log-probs,
+            ``postproc=BehaviourLogProbsPostproc(policy)``. Started on the first call. An
+            in-process collector's policy must keep its tokens through padding
             (:func:`torchrl_trl.safe_policy_wrapper`): a pad == eos policy is refused with a
             ``ValueError`` (:func:`torchrl_trl.check_policy_padding`).
-        replay_buffer: the buffer it writes into (local or ``RayReplayBuffer``), with an
+        replay_buffer (ReplayBuffer or RayReplayBuffer): the buffer it writes into, with an
             ``MCAdvantage(grpo_size=group_size)`` write transform where a group can span batches.
 
     Keyword Args:
-        group_size: completions per prompt (``GRPOConfig.num_generations``).
-        max_staleness, timeout, push_weights, drop_zero_std, reuse: see
-            :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`; a group's age is
-            ``collector.policy_version`` minus its items' ``policy_version``.
-        poll_s: seconds between two reads of the buffer while waiting.
-        max_pending_groups: an in-process collector waits before writing a batch until its
-            groups and those not yet taken are at most this many (``None``: no bound).
-        group_key: the key all items of a group share (``MCAdvantage``'s ``prompt_key``).
-        forward_keys: top-level keys passed to TRL's reward functions, as in
-            :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
+        group_size (int): completions per prompt (``GRPOConfig.num_generations``).
+        max_staleness (int or None, optional): largest accepted age of a group,
+            ``collector.policy_version`` minus its items' ``policy_version`` (``None``: keep
+            all). Defaults to ``1``.
+        timeout (float or None, optional): seconds to wait for fresh groups, or for the batch in
+            flight before a weight push. Defaults to ``120.0``.
+        group_key (NestedKey, optional): the key all items of a group share (``MCAdvantage``'s
+            ``prompt_key``). Defaults to ``"query"``.
+        push_weights (bool, optional): push the trainer's weights when ``global_step`` changed.
+            Defaults to ``True``.
+        drop_zero_std (bool, optional): drop (and count) groups whose env reward is the same for
+            every completion. Defaults to ``False``.
+        reuse (int, optional): train on each group up to ``1 + reuse`` times. Defaults to ``0``.
+        max_pending_groups (int, optional): an in-process collector waits before writing a batch
+            until its groups and those not yet taken are at most this many. Defaults to ``None``
+            (no bound).
+        forward_keys (sequence of NestedKey, optional): top-level keys passed to TRL's reward
+            functions, as in :class:`~torchrl_trl.online.TorchRLRolloutFunc`. Defaults to ``None``
+            (every non-TorchRL key).
+        poll_s (float, optional): seconds between two reads of the buffer while waiting.
+            Defaults to ``0.1``.
 
     Attributes:
         read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups, missed_items, weight_pushes:
@@ -90,10 +102,10 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                          drop_zero_std=drop_zero_std, reuse=reuse)
         self.collector = collector
         self.replay_buffer = replay_buffer
-        self.group_size = positive_int(group_size, "group_size")
-        self.poll_s = positive_seconds(poll_s, "poll_s")
+        self.group_size = positive_int(group_size, "LLMCollectorRolloutFunc: group_size")
+        self.poll_s = positive_seconds(poll_s, "LLMCollectorRolloutFunc: poll_s")
         if self.poll_s is None:
-            raise ValueError("poll_s must be a positive number of seconds, got None")
+            raise ValueError("LLMCollectorRolloutFunc: poll_s must be a positive number of seconds, got None")
         self.group_key = group_key
         self.forward_keys = None if forward_keys is None else list(forward_keys)
         self.read_groups = self.consumed_groups = self.weight_pushes = 0
@@ -107,11 +119,12 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         self._in_process = not is_ray_collector(collector)
         if self._in_process:  # a Ray collector's policy lives in its actor
             check_policy_padding(getattr(collector, "policy", None), "LLMCollectorRolloutFunc")
-        self.max_pending_groups = positive_int(max_pending_groups, "max_pending_groups", allow_none=True)
+        self.max_pending_groups = positive_int(max_pending_groups, "LLMCollectorRolloutFunc: max_pending_groups",
+                                               allow_none=True)
         if self.max_pending_groups is not None and not self._in_process:
             raise ValueError(
-                "max_pending_groups bounds an in-process collector (its post_collect_hook runs in the "
-                "collector's thread and reads this process's buffer); leave it None for a Ray collector"
+                "LLMCollectorRolloutFunc: max_pending_groups bounds an in-process collector (its post_collect_hook); "
+                "expected None for a Ray collector"
             )
         self._reading = threading.Condition()  # the trainer and the collector's batch boundary
         self._closing = threading.Event()
@@ -180,8 +193,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 while self._started and self._in_process and not self._at_boundary and _is_running(self.collector):
                     if self.timeout is not None and time.monotonic() - start > self.timeout:
                         raise CollectorError(
-                            f"the collector's batch in flight did not end within timeout={self.timeout} s "
-                            "(a weight push waits for it)"
+                            f"LLMCollectorRolloutFunc: the collector's batch in flight did not end within "
+                            f"timeout={self.timeout} s (a weight push waits for it)"
                         )
                     self._reading.wait(self.poll_s)
             yield
@@ -236,8 +249,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         version = self.collector.policy_version
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(
-                f"collector.policy_version is {version!r}: build the collector with track_policy_version=True "
-                "(an integer PolicyVersion) so the rollouts carry the version that generated them"
+                f"LLMCollectorRolloutFunc: expected an int collector.policy_version, got {version!r}: build the "
+                "collector with track_policy_version=True"
             )
         return version
 
@@ -274,12 +287,13 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 counts = f"({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
                 if not running:
                     raise CollectorError(
-                        f"the collector is not running (it stopped or died); got {len(out)} of {n} groups {counts}"
+                        f"LLMCollectorRolloutFunc: the collector is not running (it stopped or died); got {len(out)} "
+                        f"of {n} groups {counts}"
                     )
                 if self.timeout is not None and time.monotonic() - start > self.timeout:
                     raise CollectorError(
-                        f"only {len(out)} of {n} groups within max_staleness={self.max_staleness} after "
-                        f"{self.timeout} s {counts}"
+                        f"LLMCollectorRolloutFunc: expected {n} groups within max_staleness={self.max_staleness}, "
+                        f"got {len(out)} after {self.timeout} s {counts}"
                     )
                 time.sleep(self.poll_s)
         finally:
@@ -331,9 +345,8 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
                 run = run[extra:]
             elif extra:
                 raise ValueError(
-                    f"{len(run)} consecutive episodes of the new writes share {self.group_key!r}={key!r:.60}, not a "
-                    f"multiple of group_size={g}: give the buffer MCAdvantage(grpo_size={g}, prompt_key="
-                    f"{self.group_key!r}) as a write transform so each GRPO group is written whole"
+                    f"LLMCollectorRolloutFunc: expected whole groups of {g}, {len(run)} consecutive episodes share "
+                    f"{self.group_key!r}={key!r:.30}; write through MCAdvantage(grpo_size={g})"
                 )
             for first in range(0, len(run), g):
                 group = items[run[first][0] : run[first + g - 1][1]]
@@ -367,9 +380,8 @@ def _episode_bounds(items: TensorDictBase) -> list[tuple[int, int]]:
     n = items.shape[0]
     if n and (not ends or ends[-1] != n):
         raise ValueError(
-            f"the new writes end inside an episode (their last step has {layouts.DONE_KEY!r} False): "
-            "build the LLMCollector with yield_completed_trajectories=True and give the buffer "
-            "MCAdvantage(grpo_size=...), so whole episodes and groups are written"
+            f"LLMCollectorRolloutFunc: expected whole episodes, the new writes end inside one ({layouts.DONE_KEY!r} "
+            "False): use yield_completed_trajectories=True and MCAdvantage(grpo_size=)"
         )
     return list(zip([0, *ends[:-1]], ends))
 

@@ -65,14 +65,13 @@ def turns_to_trl(
             if p[: len(prev)] != prev:
                 at = next((j for j, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
                 raise ValueError(
-                    f"sample {i}, turn {turn}: the prompt tokens do not start with the previous turn's "
-                    f"prompt + response (first difference at position {at}: the chat was re-rendered and "
-                    "re-tokenised to other ids). The sequence TRL would train on is not what the policy "
-                    "generated; use a tokenizer/chat template that round-trips, or ChatEnv(input_mode='tokens')."
+                    f"turns_to_trl: sample {i}, turn {turn}: expected the prompt tokens to start with the previous "
+                    f"turn's, they differ at {at} (re-tokenised chat); use ChatEnv(input_mode='tokens')"
                 )
             if len(lp) != len(r):
                 raise ValueError(
-                    f"sample {i}, turn {turn}: {len(lp)} log-probs for {len(r)} response tokens at {logprobs_key!r}"
+                    f"turns_to_trl: sample {i}, turn {turn}: expected one log-prob per response token at "
+                    f"{logprobs_key!r}, got {len(lp)} for {len(r)}"
                 )
             if generated and lp:  # TorchRL writes 0.0 for the first generated token: unknown
                 lp = [float("nan")] + lp[1:]

@@ -61,8 +61,8 @@ def has_reward_spread(group: RolloutGroup) -> bool:
     """Whether the env's reward differs within ``group`` (else its GRPO advantages are all 0)."""
     rewards = group.batch.get(TORCHRL_REWARD_FIELD)
     if rewards is None:
-        raise KeyError(f"drop_zero_std needs the env's reward ({TORCHRL_REWARD_FIELD!r}) in each group; the groups "
-                       f"carry {sorted(group.batch)}: add a reward transform to the env")
+        raise KeyError(f"GroupRolloutFunc: drop_zero_std expected the env's reward ({TORCHRL_REWARD_FIELD!r}) in each "
+                       f"group, they carry {sorted(group.batch)}: add a reward transform to the env")
     return max(rewards) > min(rewards)
 
 
@@ -81,7 +81,7 @@ def concat_groups(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     keys = list(batches[0])
     for b in batches[1:]:
         if list(b) != keys:
-            raise ValueError(f"groups carry different fields: {keys} vs {list(b)}")
+            raise ValueError(f"GroupRolloutFunc: expected the groups to carry the same fields, got {keys} vs {list(b)}")
     out = RolloutBatch({k: [v for b in batches for v in b[k]] for k in keys})
     n_turns = len(batches[0].steps)
     out.steps = [lazy_stack([td for b in batches for td in b.steps[t].tensordicts]) for t in range(n_turns)]
@@ -95,6 +95,11 @@ class GroupReplay:
     within ``reuse`` extra uses and ``max_staleness`` versions; ``capacity`` bounds how many are kept.
     Counters: ``reused`` (draws), ``expired_stale``, ``expired_used``, ``evicted`` (groups forgotten).
 
+    Args:
+        reuse (int): extra uses of a group (``0``: none kept).
+        max_staleness (int or None): largest accepted age of a group (``None``: any).
+        capacity (int, optional): groups kept at most. Defaults to ``1024``.
+
     >>> replay = GroupReplay(reuse=1, max_staleness=2)
     >>> replay.add([RolloutGroup(version=0, prompt="a", batch=None), RolloutGroup(version=1, prompt="b", batch=None)])
     >>> [(g.prompt, uses) for g, uses in replay.draw(2, consumer_version=2)]  # youngest first
@@ -106,9 +111,9 @@ class GroupReplay:
     """
 
     def __init__(self, reuse: int, max_staleness: int | None, capacity: int = 1024):
-        self.reuse = non_negative_int(reuse, "reuse")
-        self.max_staleness = check_max_staleness(max_staleness)
-        self.capacity = positive_int(capacity, "capacity")
+        self.reuse = non_negative_int(reuse, "GroupReplay: reuse")
+        self.max_staleness = check_max_staleness(max_staleness, "GroupReplay")
+        self.capacity = positive_int(capacity, "GroupReplay: capacity")
         self.reused = self.expired_stale = self.expired_used = self.evicted = 0
         self._groups: list[list] = []  # [group, uses]
 
@@ -167,8 +172,8 @@ class GroupRolloutFunc:
         self, *, max_staleness: int | None = 1, timeout: float | None = 60.0, push_weights: bool = True,
         drop_zero_std: bool = False, reuse: int = 0
     ):
-        self.max_staleness = check_max_staleness(max_staleness)
-        self.timeout = positive_seconds(timeout, "timeout")
+        self.max_staleness = check_max_staleness(max_staleness, type(self).__name__)
+        self.timeout = positive_seconds(timeout, f"{type(self).__name__}: timeout")
         self.push_weights = push_weights
         self.drop_zero_std = drop_zero_std
         self.replay = GroupReplay(reuse, max_staleness)
@@ -207,7 +212,7 @@ class GroupRolloutFunc:
         """Stop the collector."""
 
     def __call__(self, prompts: list, trainer) -> RolloutBatch:
-        g = _group_size(trainer, len(prompts), self.group_size)
+        g = _group_size(trainer, len(prompts), self.group_size, type(self).__name__)
         version = self._sync(trainer)
         n = len(prompts) // g
         keep = has_reward_spread if self.drop_zero_std else None

@@ -26,13 +26,20 @@ class CollectorMetricsCallback(TrainerCallback):
     """Adds the collector's metrics to every trainer log (``logs`` and ``state.log_history``).
 
     Args:
-        collection: the :class:`~torchrl_trl.online.callback.CollectorCallback` running the collector
-            (the defaults below are its own); ``None``: pass ``replay_buffer=``.
-        replay_buffer: the buffer to measure (default ``collection.replay_buffer``).
-        collector: read for ``policy_version`` (default ``collection.collector``).
-        staleness: a :class:`StalenessFilter` whose counters are logged (default ``collection.staleness``).
-        log_buffer_staleness: log mean/max staleness of (up to 4096 of) the newest stored items.
-        log_prefix: prefix of the collector metrics.
+        collection (CollectorCallback, optional): the
+            :class:`~torchrl_trl.online.callback.CollectorCallback` running the collector (the
+            defaults below are its own). Defaults to ``None``: pass ``replay_buffer=``.
+
+    Keyword Args:
+        replay_buffer (ReplayBuffer, optional): the buffer to measure. Defaults to ``None``:
+            ``collection.replay_buffer``.
+        collector (collector, optional): read for ``policy_version``. Defaults to ``None``:
+            ``collection.collector``.
+        staleness (StalenessFilter, optional): whose counters are logged. Defaults to ``None``:
+            ``collection.staleness``.
+        log_buffer_staleness (bool, optional): log mean/max staleness of (up to 4096 of) the
+            newest stored items. Defaults to ``True``.
+        log_prefix (str, optional): prefix of the collector metrics. Defaults to ``"collector/"``.
 
     Logged: ``<prefix>buffer_size``, ``<prefix>write_count``, ``<prefix>frames_per_sec`` (since
     the previous step's log), ``<prefix>policy_version``; with a ``collection`` also
@@ -56,8 +63,8 @@ class CollectorMetricsCallback(TrainerCallback):
         log_buffer_staleness: bool = True, log_prefix: str = "collector/"
     ) -> None:
         if replay_buffer is None and collection is None:
-            raise ValueError("CollectorMetricsCallback needs the CollectorCallback it reports on, or replay_buffer= "
-                             "(the buffer the collector writes)")
+            raise ValueError("CollectorMetricsCallback: expected the CollectorCallback it reports on, or "
+                             "replay_buffer= (the buffer the collector writes)")
         self.collection = collection
         self.replay_buffer = replay_buffer if replay_buffer is not None else collection.replay_buffer
         self.collector = collector if collector is not None else getattr(collection, "collector", None)

@@ -21,6 +21,15 @@ def update_priorities(replay_buffer, indices, values, *, eps: float = 1e-6) -> N
     Raises ``ValueError`` on mismatched lengths or non-finite values, ``TypeError`` for non-integer
     indices or a sampler without priorities, ``IndexError`` for an index outside the buffer.
 
+    Args:
+        replay_buffer (ReplayBuffer): a buffer with a prioritised sampler.
+        indices (int tensor or sequence): the storage indices (``[B]``), e.g. a dataset's
+            ``RowColumns(index_column=)`` column.
+        values (tensor or sequence): one value per index (``[B]``), e.g. per-sample losses.
+
+    Keyword Args:
+        eps (float, optional): added to ``|values|``. Defaults to ``1e-6``.
+
     >>> import torch
     >>> from torchrl.data import ListStorage, ReplayBuffer
     >>> sampler = TensorPrioritizedSampler(4)
@@ -62,7 +71,11 @@ class TensorPrioritizedSampler(Sampler):
     ``(N P(i)) ** -beta / max``, in plain PyTorch: TorchRL's ``PrioritizedSampler`` protocol for
     when its C++ segment trees cannot load.
 
-    ``max_capacity``: the storage's; ``alpha``, ``beta``: the exponents; ``eps``: a priority's floor.
+    Args:
+        max_capacity (int): the storage's capacity.
+        alpha (float, optional): the priority exponent. Defaults to ``1.0``.
+        beta (float, optional): the importance-weight exponent. Defaults to ``1.0``.
+        eps (float, optional): a priority's floor. Defaults to ``1e-8``.
 
     >>> import torch
     >>> from torchrl.data import ListStorage, ReplayBuffer
@@ -77,7 +90,7 @@ class TensorPrioritizedSampler(Sampler):
     """
 
     def __init__(self, max_capacity: int, alpha: float = 1.0, beta: float = 1.0, eps: float = 1e-8):
-        self._max_capacity = positive_int(max_capacity, "max_capacity")
+        self._max_capacity = positive_int(max_capacity, "TensorPrioritizedSampler: max_capacity")
         self._alpha, self._beta, self._eps = float(alpha), float(beta), float(eps)
         self._priority = torch.zeros(self._max_capacity, dtype=torch.float64)
         self._max_priority = 1.0

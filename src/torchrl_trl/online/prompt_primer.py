@@ -35,15 +35,14 @@ def env_query(prompts: list):
     return NonTensorStack(*[str(p) for p in prompts])
 
 
-def check_history_batch(prompts: list) -> None:
+def check_history_batch(prompts: list, owner: str) -> None:
     """Raise if the chats of one batch have different numbers of messages, which TorchRL's
     history-mode ``TransformersWrapper`` cannot generate."""
     lengths = sorted({len(layouts.to_messages(p)) for p in prompts})
     if len(lengths) > 1:
         raise ValueError(
-            f"one generation batch holds chats of {lengths} messages: TorchRL's history-mode policy needs "
-            "chats of one length per batch; use a policy (and env) with input_mode='text', or batches of "
-            "one prompt (prompts_per_batch=1 / an env batch of num_generations)"
+            f"{owner}: expected chats of one length per batch (TorchRL's history mode), got chats of {lengths} "
+            "messages; use input_mode='text', or batches of one prompt (prompts_per_batch=1)"
         )
 
 
@@ -55,12 +54,14 @@ def columns_td(columns: dict[str, Sequence[Any]], batch_size) -> TensorDict:
     return out
 
 
-def context_columns(context_fn: Callable[[list], dict[str, Sequence[Any]]] | None, prompts: list) -> dict:
+def context_columns(context_fn: Callable[[list], dict[str, Sequence[Any]]] | None, prompts: list, owner: str) -> dict:
     """``context_fn(prompts)`` (``{}`` without one), checked to give one value per prompt."""
     columns = context_fn(list(prompts)) if context_fn is not None else {}
     for name, values in columns.items():
         if len(values) != len(prompts):
-            raise ValueError(f"context_fn returned {len(values)} values for column {name!r}, expected {len(prompts)}")
+            raise ValueError(
+                f"{owner}: context_fn returned {len(values)} values for column {name!r}, expected {len(prompts)}"
+            )
     return columns
 
 
@@ -69,13 +70,16 @@ class PromptPrimer(Transform):
     by the ``repeats`` consecutive copies of a prompt) and the columns of ``context_fn``.
 
     Args:
-        prompts: TRL prompts (texts or message lists): a sequence, cycled forever, or an iterator.
+        prompts (sequence or iterable): TRL prompts (texts or message lists): a sequence,
+            cycled forever, or an iterator.
 
     Keyword Args:
-        repeats: copies of each prompt in a row (``GRPOConfig.num_generations``).
-        context_fn: ``fn(prompts) -> {column: values}``, one value per env.
-        raw_text: give plain-text prompts to a ``ChatEnv(input_mode="text")`` as they are
-            instead of through the tokenizer's chat template.
+        repeats (int, optional): copies of each prompt in a row (``GRPOConfig.num_generations``).
+            Defaults to ``1``.
+        context_fn (callable, optional): ``fn(prompts) -> {column: values}``, one value per env.
+            Defaults to ``None``.
+        raw_text (bool, optional): give plain-text prompts to a ``ChatEnv(input_mode="text")``
+            as they are instead of through the tokenizer's chat template. Defaults to ``False``.
 
     A reset not followed by a step serves the same prompts again. When the source ends or
     raises, the next step raises :class:`PromptSourceEnded` (or the source's error), kept in
@@ -99,8 +103,8 @@ class PromptPrimer(Transform):
     ):
         super().__init__()
         if isinstance(prompts, Sequence) and not prompts:
-            raise ValueError("prompts is empty")
-        self.repeats = positive_int(repeats, "repeats")
+            raise ValueError("PromptPrimer: expected prompts, prompts is empty")
+        self.repeats = positive_int(repeats, "PromptPrimer: repeats")
         self.context_fn = context_fn
         self.raw_text = raw_text
         self.served_prompts = 0
@@ -122,18 +126,19 @@ class PromptPrimer(Transform):
             items = list(itertools.islice(self._stream, n))
             if len(items) < n:
                 raise PromptSourceEnded(
-                    f"the prompt source ended ({len(items)} prompt copies left over, fewer than the env's batch of {n})"
+                    f"PromptPrimer: the prompt source ended ({len(items)} prompt copies left, expected the env's "
+                    f"batch of {n})"
                 )
             prompts = [p for p, _ in items]
             if getattr(self.parent, "input_mode", None) == "history":
-                check_history_batch(prompts)
+                check_history_batch(prompts, "PromptPrimer")
         except Exception as err:
             if self._current is None:
                 raise
             self.error, self._filler = err, True  # generate what was served, fail at the next step
             return self._current
         td = TensorDict({"query": env_query(prompts), GROUP_ID_KEY: torch.tensor([g for _, g in items])}, [n])
-        td.update(columns_td(context_columns(self.context_fn, prompts), [n]))
+        td.update(columns_td(context_columns(self.context_fn, prompts, "PromptPrimer"), [n]))
         return td.reshape(batch_size)
 
     def _reset_env_preprocess(self, tensordict: TensorDictBase | None) -> TensorDictBase:

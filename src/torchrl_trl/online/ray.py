@@ -33,7 +33,7 @@ def _require_ray():
     try:
         import ray
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("torchrl_trl.online.ray needs ray: pip install 'torchrl-trl[ray]'") from err
+        raise ImportError("torchrl_trl.online.ray: expected Ray installed: pip install 'torchrl-trl[ray]'") from err
     return ray
 
 
@@ -47,13 +47,20 @@ def make_ray_replay_buffer(
     into a local ``ReplayBuffer`` first to keep what it holds).
 
     Args:
-        capacity: the storage's size.
-        storage: storage class/factory called with ``capacity`` (default ``LazyStackStorage``).
-        sampler: a zero-argument factory of the sampler (built inside the actor).
-        num_cpus: CPUs reserved for the buffer actor.
-        ray_init_config: ``ray.init`` arguments when Ray is not initialised yet.
-        name, namespace: make it a named actor, for :func:`connect_ray_replay_buffer`
-            (``namespace`` default: the current job's, which other jobs do not see).
+        capacity (int): the storage's size.
+
+    Keyword Args:
+        storage (callable, optional): storage class/factory called with ``capacity``. Defaults
+            to ``None`` (``LazyStackStorage``).
+        sampler (callable, optional): a zero-argument factory of the sampler (built inside the
+            actor). Defaults to ``None`` (uniform).
+        num_cpus (float, optional): CPUs reserved for the buffer actor. Defaults to ``0``.
+        ray_init_config (dict, optional): ``ray.init`` arguments when Ray is not initialised yet.
+            Defaults to ``None``.
+        name (str, optional): make it a named actor, for :func:`connect_ray_replay_buffer`.
+            Defaults to ``None``.
+        namespace (str, optional): the named actor's namespace. Defaults to ``None``: the
+            current job's, which other jobs do not see.
         **kwargs: other ``ReplayBuffer`` arguments (``batch_size``, ``writer`` factory...).
 
     >>> import torch
@@ -66,11 +73,11 @@ def make_ray_replay_buffer(
     >>> rb.close()  # doctest: +SKIP
     """
     _require_ray()
-    capacity = positive_int(capacity, "capacity")
+    capacity = positive_int(capacity, "make_ray_replay_buffer: capacity")
     from torchrl.data import LazyStackStorage, RayReplayBuffer
 
     if namespace is not None and name is None:
-        raise ValueError("namespace= names where a named actor lives; pass name= too.")
+        raise ValueError("make_ray_replay_buffer: namespace= names where a named actor lives; expected name= too")
     if sampler is not None:
         kwargs["sampler"] = sampler
     named = {key: value for key, value in (("name", name), ("namespace", namespace)) if value is not None}
@@ -85,6 +92,19 @@ def make_ray_collector(
     """A ``torchrl.collectors.llm.RayLLMCollector``: an ``LLMCollector`` in a Ray actor (where
     ``env_factory`` / ``policy_factory`` run) writing into the ``RayReplayBuffer`` ``replay_buffer``.
 
+    Args:
+        env_factory (callable): builds the env, in the actor.
+        policy_factory (callable): builds the policy, in the actor.
+        replay_buffer (RayReplayBuffer): the buffer it writes into.
+
+    Keyword Args:
+        dialog_turns_per_batch (int): turns per collector batch.
+        track_policy_version (bool, optional): tag the rollouts with the policy version.
+            Defaults to ``True``.
+        num_cpus (float, optional): CPUs of the collector actor. Defaults to ``1``.
+        num_gpus (float, optional): GPUs of the collector actor. Defaults to ``0``.
+        **kwargs: other ``RayLLMCollector`` arguments.
+
     >>> from torchrl_trl import testing
     >>> def env_factory():  # runs in the actor
     ...     return testing.make_chat_env([{"query": "1+1?", "answer": "2"}], batch_size=1)
@@ -96,7 +116,7 @@ def make_ray_collector(
     >>> collector.start()  # doctest: +SKIP
     """
     _require_ray()
-    dialog_turns_per_batch = positive_int(dialog_turns_per_batch, "dialog_turns_per_batch")
+    dialog_turns_per_batch = positive_int(dialog_turns_per_batch, "make_ray_collector: dialog_turns_per_batch")
     from torchrl.collectors.llm import RayLLMCollector
 
     client = replay_buffer.client() if hasattr(replay_buffer, "client") else replay_buffer
@@ -115,12 +135,17 @@ def connect_ray_replay_buffer(
     another with ``make_ray_replay_buffer(..., name=name, namespace=namespace)``.
 
     Args:
-        name: the actor's name.
-        namespace: the actor's namespace (as given when it was made).
-        address: the cluster to join when Ray is not initialised here (``"auto"``, ``"HOST:6379"``
-            or the creator's ``ray.get_runtime_context().gcs_address``); ignored if it is.
-        timeout: seconds to wait for the actor, then ``LookupError`` (``None``: no limit).
-        ray_init_config: other ``ray.init`` arguments.
+        name (str): the actor's name.
+
+    Keyword Args:
+        namespace (str, optional): the actor's namespace (as given when it was made). Defaults
+            to ``None``.
+        address (str, optional): the cluster to join when Ray is not initialised here
+            (``"auto"``, ``"HOST:6379"`` or the creator's ``ray.get_runtime_context().gcs_address``);
+            ignored if it is. Defaults to ``None``.
+        timeout (float or None, optional): seconds to wait for the actor, then ``LookupError``
+            (``None``: no limit). Defaults to ``30.0``.
+        ray_init_config (dict, optional): other ``ray.init`` arguments. Defaults to ``None``.
 
     Returns:
         An ``AttachedRayReplayBuffer``: a ``torchrl.data.RayReplayBuffer`` whose reads, writes and
@@ -134,7 +159,7 @@ def connect_ray_replay_buffer(
     >>> view.close()  # doctest: +SKIP
     """
     ray = _require_ray()
-    timeout = positive_seconds(timeout, "timeout")
+    timeout = positive_seconds(timeout, "connect_ray_replay_buffer: timeout")
     from .._compat import ray_runtime_lease
 
     config = dict(ray_init_config or {})
@@ -166,8 +191,8 @@ def _wait_for_actor(ray, name: str, namespace: str | None, timeout: float | None
         known = ["<could not list>"]
     ns = namespace if namespace is not None else ray.get_runtime_context().namespace
     raise LookupError(
-        f"connect_ray_replay_buffer: no Ray actor named {name!r} in namespace {ns!r} after {timeout}s; named actors "
-        f"in the cluster: {known or 'none'}. Create it with make_ray_replay_buffer(..., name=..., namespace=...)."
+        f"connect_ray_replay_buffer: expected a Ray actor named {name!r} in namespace {ns!r}, none after {timeout}s; "
+        f"named actors: {known or 'none'} (make_ray_replay_buffer creates it)"
     )
 
 

@@ -33,27 +33,34 @@ class TorchRLRolloutFunc:
     one completion per prompt received, in order (TRL repeats each prompt ``num_generations`` times).
 
     Args:
-        policy: a TorchRL ``TransformersWrapper`` (``generate=True``, ``return_log_probs=True``,
-            ``input_mode`` ``"text"`` or ``"history"``) whose padding loses no token: build it with
+        policy (TransformersWrapper, optional): a TorchRL ``TransformersWrapper`` (``generate=True``,
+            ``return_log_probs=True``, ``input_mode`` ``"text"`` or ``"history"``) whose padding
+            loses no token: build it with
             :func:`torchrl_trl.safe_policy_wrapper` (a pad == eos policy is refused with a
             ``ValueError``, :func:`torchrl_trl.check_policy_padding`). ``None``: built that way on
             the first call around the trainer's model and tokenizer (a copy with a pad token of its
             own where its pad is the EOS) with TRL's generation settings (``max_completion_length``,
-            sampling, its EOS ids, ``GRPOConfig.generation_kwargs`` last).
+            sampling, its EOS ids, ``GRPOConfig.generation_kwargs`` last). Defaults to ``None``.
 
     Keyword Args:
-        env: a TorchRL ``ChatEnv`` in the policy's input mode, given the prompts as ``"query"``
-            at reset in chunks of its batch size. ``None``: one generation per prompt.
-        max_turns: most turns per episode with ``env`` (a chunk's samples end together).
-        context_fn: ``fn(prompts) -> {column: list}``, columns added to the env's reset.
-        forward_keys: top-level rollout keys passed to TRL's reward functions (``None``: every
-            non-TorchRL key); the env's reward, summed over turns, goes as ``"torchrl_reward"``.
-        replay_buffer: a TorchRL ``ReplayBuffer`` extended with every sample's every turn,
-            tagged ``"group_id"``, ``"policy_version"`` and ``"turn"``.
-        logprobs: ``"auto"`` (default), ``"rescore"`` or ``"generate"``, see the module doc.
-        sync_weights: when the trainer's ``global_step`` changed and ``policy`` does not
-            share its parameters: ``"copy"`` loads them into ``policy.model``, a callable
-            ``fn(trainer_model, version)`` transfers them, ``None`` does nothing.
+        env (ChatEnv, optional): a TorchRL ``ChatEnv`` in the policy's input mode, given the
+            prompts as ``"query"`` at reset in chunks of its batch size. Defaults to ``None``:
+            one generation per prompt.
+        max_turns (int, optional): most turns per episode with ``env`` (a chunk's samples end
+            together). Defaults to ``1``.
+        context_fn (callable, optional): ``fn(prompts) -> {column: list}``, columns added to the
+            env's reset. Defaults to ``None``.
+        forward_keys (sequence of NestedKey, optional): top-level rollout keys passed to TRL's
+            reward functions; the env's reward, summed over turns, goes as ``"torchrl_reward"``.
+            Defaults to ``None`` (every non-TorchRL key).
+        replay_buffer (ReplayBuffer, optional): extended with every sample's every turn, tagged
+            ``"group_id"``, ``"policy_version"`` and ``"turn"``. Defaults to ``None``.
+        logprobs (str, optional): ``"auto"``, ``"rescore"`` or ``"generate"``, see the module
+            doc. Defaults to ``"auto"``.
+        sync_weights (str, callable or None, optional): when the trainer's ``global_step``
+            changed and ``policy`` does not share its parameters: ``"copy"`` loads them into
+            ``policy.model``, a callable ``fn(trainer_model, version)`` transfers them, ``None``
+            does nothing. Defaults to ``"copy"``.
 
     Attributes:
         policy_version: the trainer's ``global_step`` when the weights last generated.
@@ -83,12 +90,16 @@ class TorchRLRolloutFunc:
         sync_weights: Literal["copy"] | Callable | None = "copy",
     ):
         if logprobs not in ("auto", "rescore", "generate"):
-            raise ValueError(f"logprobs must be 'auto', 'rescore' or 'generate', got {logprobs!r}")
+            raise ValueError(f"TorchRLRolloutFunc: logprobs must be 'auto', 'rescore' or 'generate', got {logprobs!r}")
         if sync_weights not in ("copy", None) and not callable(sync_weights):
-            raise ValueError(f"sync_weights must be 'copy', a callable or None, got {sync_weights!r}")
-        max_turns = positive_int(max_turns, "max_turns")
+            raise ValueError(
+                f"TorchRLRolloutFunc: sync_weights must be 'copy', a callable or None, got {sync_weights!r}"
+            )
+        max_turns = positive_int(max_turns, "TorchRLRolloutFunc: max_turns")
         if env is None and max_turns != 1:
-            raise ValueError("max_turns > 1 needs an env (a ChatEnv) to produce the next turn's prompt")
+            raise ValueError(
+                "TorchRLRolloutFunc: max_turns > 1 needs an env (a ChatEnv) to produce the next turn's prompt"
+            )
         if policy is not None:
             _check_policy(policy)
         self.policy = policy
@@ -110,7 +121,9 @@ class TorchRLRolloutFunc:
 
     def __call__(self, prompts: list, trainer=None) -> RolloutBatch:
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list, got {type(prompts).__name__} {prompts!r:.80}")
+            raise ValueError(
+                f"TorchRLRolloutFunc: prompts must be a non-empty list, got {type(prompts).__name__} {prompts!r:.60}"
+            )
         with self._lock:
             policy = self._policy_for(trainer, prompts)
             group_size = _group_size(trainer, len(prompts))
@@ -125,9 +138,13 @@ class TorchRLRolloutFunc:
         ``version`` and their group (``group_size`` consecutive prompts), write them into the
         replay buffer, and return TRL's dict (``logprobs=None``: the constructor's)."""
         if self.policy is None:
-            raise ValueError("no policy yet: pass one, or call the function once with the trainer")
+            raise ValueError(
+                "TorchRLRolloutFunc: expected a policy: pass one, or call the function once with the trainer"
+            )
         if len(prompts) % group_size:
-            raise ValueError(f"got {len(prompts)} prompts, not a multiple of group_size={group_size}")
+            raise ValueError(
+                f"TorchRLRolloutFunc: got {len(prompts)} prompts, not a multiple of group_size={group_size}"
+            )
         if self.env is None:
             steps = [per_sample(self.policy(_policy_input(self.policy, prompts)))]
         else:
@@ -154,7 +171,9 @@ class TorchRLRolloutFunc:
         if self.policy is not None:
             return self.policy
         if trainer is None:
-            raise ValueError("policy=None builds the policy from the trainer, but no trainer was passed")
+            raise ValueError(
+                "TorchRLRolloutFunc: policy=None builds the policy from the trainer: expected a trainer, got none"
+            )
         from ..rewards.trl_funcs import is_conversational
 
         chat = is_conversational(prompts)
@@ -211,23 +230,25 @@ class TorchRLRolloutFunc:
         chunk = env.batch_size.numel()
         if len(prompts) % chunk:
             raise ValueError(
-                f"got {len(prompts)} prompts but the env's batch size is {tuple(env.batch_size)}: the "
-                f"number of prompts (TRL's generation batch) must be a multiple of {chunk}"
+                f"TorchRLRolloutFunc: expected a multiple of {chunk} prompts (the env's batch "
+                f"{tuple(env.batch_size)}), got {len(prompts)} (TRL's generation batch)"
             )
-        context = context_columns(self.context_fn, prompts)
+        context = context_columns(self.context_fn, prompts, "TorchRLRolloutFunc")
         per_chunk = [
             self._episode(policy, prompts[i : i + chunk], {k: list(v[i : i + chunk]) for k, v in context.items()})
             for i in range(0, len(prompts), chunk)
         ]
         n_turns = {len(c) for c in per_chunk}
         if len(n_turns) != 1:
-            raise ValueError(f"env episodes of different chunks ended after different numbers of turns: {n_turns}")
+            raise ValueError(
+                f"TorchRLRolloutFunc: expected the env chunks' episodes to end at one turn, got {n_turns} turns"
+            )
         return [lazy_stack([s for c in per_chunk for s in c[t].tensordicts]) for t in range(n_turns.pop())]
 
     def _episode(self, policy, prompts: list, columns: dict) -> list[TensorDictBase]:
         env = self.env
         if env.input_mode == "history":
-            check_history_batch(prompts)
+            check_history_batch(prompts, "TorchRLRolloutFunc")
         reset = TensorDict({"query": env_query(prompts)}, batch_size=env.batch_size)
         td = env.reset(reset.update(columns_td(columns, env.batch_size)))
         steps = []
@@ -243,9 +264,8 @@ class TorchRLRolloutFunc:
                 break
             if done.any():
                 raise ValueError(
-                    f"turn {turn}: {int(done.sum())} of {done.numel()} episodes ended while others go on; "
-                    "TorchRLRolloutFunc needs every episode of an env batch to end at the same turn "
-                    "(e.g. a StepCounter(max_steps=k))"
+                    "TorchRLRolloutFunc: expected an env batch's episodes to end at one turn (e.g. "
+                    f"StepCounter(max_steps=k)), turn {turn}: {int(done.sum())} of {done.numel()} ended"
                 )
         return steps
 
@@ -269,30 +289,35 @@ def _reads_logprobs(trainer) -> bool:
 
 def _check_policy(policy) -> None:
     if not getattr(policy, "generate", False):
-        raise ValueError("policy must generate (TransformersWrapper(..., generate=True))")
+        raise ValueError("TorchRLRolloutFunc: expected a generating policy (TransformersWrapper(..., generate=True))")
     if not getattr(policy, "return_log_probs", False):
-        raise ValueError("policy must return log-probs (TransformersWrapper(..., return_log_probs=True))")
+        raise ValueError(
+            "TorchRLRolloutFunc: expected a policy returning log-probs (TransformersWrapper(..., "
+            "return_log_probs=True))"
+        )
     if getattr(policy, "num_samples", None) not in (None, 1):
         raise ValueError(
-            f"policy.num_samples={policy.num_samples}: TRL already repeats each prompt num_generations "
-            "times, so the policy must sample one completion per prompt"
+            f"TorchRLRolloutFunc: expected policy.num_samples=1 (TRL repeats each prompt num_generations times), got "
+            f"{policy.num_samples}"
         )
     mode = getattr(policy, "input_mode", None)
     if mode not in ("text", "history"):
-        raise ValueError(f"policy.input_mode must be 'text' or 'history', got {mode!r}")
+        raise ValueError(f"TorchRLRolloutFunc: policy.input_mode must be 'text' or 'history', got {mode!r}")
     check_policy_padding(policy, "TorchRLRolloutFunc")
 
 
-def _group_size(trainer, n: int, expected: int | None = None) -> int:
-    """TRL's group size (``num_generations[_eval]``), checked to divide ``n`` and to equal ``expected``."""
+def _group_size(trainer, n: int, expected: int | None = None, owner: str = "TorchRLRolloutFunc") -> int:
+    """TRL's group size (``num_generations[_eval]``), checked to divide ``n`` and to equal ``expected``;
+    errors start with ``owner``."""
     if trainer is None:
         return n if expected is None else expected
     training = getattr(trainer.model, "training", True)
     g = trainer.num_generations if training else getattr(trainer, "num_generations_eval", trainer.num_generations)
     if expected is not None and g != expected:
-        raise ValueError(f"the trainer uses num_generations={g}, the collector group_size={expected}")
+        raise ValueError(f"{owner}: expected the trainer's num_generations ({g}) to be the collector's group_size "
+                         f"({expected})")
     if n % g:
-        raise ValueError(f"got {n} prompts, not a multiple of group_size={g}")
+        raise ValueError(f"{owner}: got {n} prompts, not a multiple of group_size={g}")
     return g
 
 
@@ -303,10 +328,10 @@ def _policy_input(policy, prompts: list) -> TensorDictBase:
     if policy.input_mode == "history":
         if not chat:
             raise ValueError(
-                "the policy reads chat history (input_mode='history') but TRL's prompts are plain text; "
-                "use a dataset of conversational prompts or a policy with input_mode='text'"
+                "TorchRLRolloutFunc: the policy reads chat history (input_mode='history') but TRL's prompts are "
+                "plain text; expected conversational prompts or a policy with input_mode='text'"
             )
-        check_history_batch(prompts)
+        check_history_batch(prompts, "TorchRLRolloutFunc")
         return TensorDict({"history": {"prompt": env_query(prompts)}}, batch_size=[len(prompts)])
     if chat:
         tok = policy.tokenizer

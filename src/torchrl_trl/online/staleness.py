@@ -17,9 +17,9 @@ __all__ = ["StalenessFilter", "check_max_staleness", "collector_policy_version",
 VERSION_KEYS: tuple[NestedKey, ...] = (("next", "policy_version"), "policy_version")
 
 
-def check_max_staleness(value) -> int | None:
-    """A staleness bound: an int >= 0, or ``None`` for none."""
-    return None if value is None else non_negative_int(value, "max_staleness")
+def check_max_staleness(value, owner: str) -> int | None:
+    """A staleness bound: an int >= 0, or ``None`` for none; errors start with ``owner``."""
+    return None if value is None else non_negative_int(value, f"{owner}: max_staleness")
 
 
 def collector_policy_version(collector) -> int | None:
@@ -30,6 +30,10 @@ def collector_policy_version(collector) -> int | None:
 
 def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSION_KEYS) -> torch.Tensor:
     """int64 ``[B]``: each row's policy version, from the first of ``keys`` the batch has (else ``KeyError``).
+
+    Args:
+        batch (TensorDictBase): rows of rollouts.
+        keys (sequence of NestedKey, optional): the keys tried, in order. Defaults to :data:`VERSION_KEYS`.
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -42,8 +46,8 @@ def read_policy_version(batch: TensorDictBase, keys: Sequence[NestedKey] = VERSI
         if layouts.has_key(batch, key):
             values = layouts.read_column(batch, key)
             return torch.as_tensor([int(torch.as_tensor(v).reshape(-1)[0]) for v in values], dtype=torch.int64)
-    raise KeyError(f"no policy version in the batch: tried {list(keys)}; available keys: "
-                   f"{layouts.available_keys(batch)}. Run the collector with track_policy_version=True.")
+    raise KeyError(f"read_policy_version: expected a policy version at {list(keys)} (collect with "
+                   f"track_policy_version=True); available keys: {layouts.available_keys(batch)}")
 
 
 _COUNTS_LOCK = threading.Lock()  # module-level: a filter stays picklable for DataLoader workers
@@ -59,10 +63,16 @@ class StalenessFilter:
     ``format``); or down-weight them with :meth:`weight_column` as a ``RowColumns(columns=)`` entry.
 
     Args:
-        max_staleness: largest accepted ``consumer_version - row_version`` (``None``: keep all).
-        version_keys: keys tried in order to read each row's version (see :data:`VERSION_KEYS`).
-        weight_fn: ``staleness (int64 [B]) -> float [B]`` for :meth:`weight_column`.
-        consumer_version: initial version of the trainer's weights (then set by :class:`CollectorCallback`).
+        max_staleness (int or None, optional): largest accepted ``consumer_version -
+            row_version`` (``None``: keep all). Defaults to ``None``.
+
+    Keyword Args:
+        version_keys (sequence of NestedKey, optional): keys tried in order to read each row's
+            version. Defaults to :data:`VERSION_KEYS`.
+        weight_fn (callable, optional): ``staleness (int64 [B]) -> float [B]`` for
+            :meth:`weight_column`. Defaults to ``None``: ``1 / (1 + staleness)``.
+        consumer_version (int, optional): initial version of the trainer's weights (then set
+            by :class:`CollectorCallback`). Defaults to ``0``.
 
     Counters ``seen``, ``dropped``, ``max_seen``, ``stats()`` are shared with DataLoader workers.
 
@@ -84,7 +94,7 @@ class StalenessFilter:
         self, max_staleness: int | None = None, *, version_keys: Sequence[NestedKey] = VERSION_KEYS,
         weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, consumer_version: int = 0
     ) -> None:
-        self.max_staleness = check_max_staleness(max_staleness)
+        self.max_staleness = check_max_staleness(max_staleness, "StalenessFilter")
         self.version_keys = tuple(version_keys)
         self.weight_fn = weight_fn or _inverse_staleness
         # shared memory: DataLoader workers' copies see version updates and count their drops

@@ -28,15 +28,19 @@ class TorchRLRolloutWorker:
     :attr:`rollout_buffer` (``completion_mask`` 0 on the prompt and env tokens).
 
     Args:
-        collector: a ``GroupRolloutFunc`` (e.g. an :class:`~torchrl_trl.online.LLMCollectorRolloutFunc`
-            with ``max_staleness=None``) or an :class:`~torchrl_trl.online.AsyncGroupCollector`.
-        reward_funcs: TRL-style ``f(prompts, completions, completion_ids, **fields) -> list``,
-            scored by one :class:`~torchrl_trl.RewardFunctionWrapper` (:attr:`scorer`).
+        collector (GroupRolloutFunc or AsyncGroupCollector): a ``GroupRolloutFunc`` (e.g. an
+            :class:`~torchrl_trl.online.LLMCollectorRolloutFunc` with ``max_staleness=None``) or an
+            :class:`~torchrl_trl.online.AsyncGroupCollector`.
+        reward_funcs (sequence of callables): TRL-style ``f(prompts, completions, completion_ids,
+            **fields) -> list``, scored by one :class:`~torchrl_trl.RewardFunctionWrapper` (:attr:`scorer`).
 
     Keyword Args:
-        reward_weights: one float per function (default: all ones), as in ``GRPOConfig``.
-        queue_maxsize: bound of :attr:`rollout_buffer` (the pump waits when it is full).
-        timeout: seconds the pump waits for a group from an ``AsyncGroupCollector``.
+        reward_weights (sequence of float, optional): one float per function, as in ``GRPOConfig``.
+            Defaults to ``None`` (all ones).
+        queue_maxsize (int, optional): bound of :attr:`rollout_buffer` (the pump waits when it
+            is full). Defaults to ``1024``.
+        timeout (float, optional): seconds the pump waits for a group from an
+            ``AsyncGroupCollector``. Defaults to ``600.0``.
 
     Example:
 
@@ -63,14 +67,17 @@ class TorchRLRolloutWorker:
         reward_weights: Sequence[float] | None = None, queue_maxsize: int = 1024, timeout: float = 600.0,
     ):
         if not reward_funcs:
-            raise ValueError("reward_funcs is empty: the worker scores every group it sends")
+            raise ValueError(
+                "TorchRLRolloutWorker: expected reward functions (the worker scores every group it sends), got none"
+            )
         self.collector = collector
-        self.source = _group_source(collector, timeout)
+        self.source = _group_source(collector, type(self).__name__, timeout)
         self.reward_funcs = list(reward_funcs)
         self.scorer = RewardFunctionWrapper(self.reward_funcs, weights=reward_weights)
-        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=positive_int(queue_maxsize, "queue_maxsize"))
+        maxsize = positive_int(queue_maxsize, "TorchRLRolloutWorker: queue_maxsize")
+        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=maxsize)
         self.metrics_queue: queue.Queue = queue.Queue()
-        self.timeout = positive_seconds(timeout, "timeout")
+        self.timeout = positive_seconds(timeout, "TorchRLRolloutWorker: timeout")
         self.model_version = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -100,12 +107,16 @@ class TorchRLRolloutWorker:
     def check_health(self, stale_after_s: float) -> None:
         """Raise ``RuntimeError`` if the pump died or nothing moved for ``stale_after_s`` seconds."""
         if self._error is not None:
-            raise RuntimeError(f"the TorchRL rollout worker failed: {self._error!r}") from self._error
+            raise RuntimeError(
+                f"TorchRLRolloutWorker: the TorchRL rollout worker failed: {self._error!r}"
+            ) from self._error
         if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
-            raise RuntimeError("the TorchRL rollout worker thread exited")
+            raise RuntimeError("TorchRLRolloutWorker: expected the rollout worker thread running, it exited")
         age = time.time() - self._heartbeat
         if age > stale_after_s:
-            raise RuntimeError(f"the TorchRL rollout worker made no progress for {age:.0f} s > {stale_after_s:.0f} s")
+            raise RuntimeError(
+                f"TorchRLRolloutWorker: expected progress within {stale_after_s:.0f} s, none for {age:.0f} s"
+            )
 
     def _pump(self) -> None:
         try:
@@ -159,6 +170,10 @@ class TorchRLWeightTransfer:
     """``AsyncGRPOTrainer(weight_transfer=...)`` loading the trainer's ``(name, tensor)`` stream
     into the collector's policy between two of its batches, its policy version + 1.
 
+    Args:
+        collector (GroupRolloutFunc or AsyncGroupCollector): the rollouts' source, as
+            :class:`TorchRLRolloutWorker`'s.
+
     Example (the calls ``AsyncGRPOTrainer`` makes at a weight sync):
 
     >>> import torch
@@ -178,7 +193,7 @@ class TorchRLWeightTransfer:
 
     def __init__(self, collector: GroupRolloutFunc | AsyncGroupCollector):
         self.collector = collector
-        self.source = _group_source(collector)
+        self.source = _group_source(collector, type(self).__name__)
         self.transfers = 0
         self.loaded = 0
 
@@ -195,12 +210,12 @@ class TorchRLWeightTransfer:
         self.transfers += 1
 
 
-def _group_source(collector, timeout: float | None = None) -> GroupRolloutFunc:
+def _group_source(collector, owner: str, timeout: float | None = None) -> GroupRolloutFunc:
     """``collector`` as a :class:`GroupRolloutFunc` (no staleness bound, no weight pushes:
-    the trainer and the weight transfer do those)."""
+    the trainer and the weight transfer do those); a ``TypeError`` names ``owner``."""
     if isinstance(collector, GroupRolloutFunc):
         return collector
     if isinstance(collector, AsyncGroupCollector):
         return AsyncTorchRLRolloutFunc(collector, max_staleness=None, timeout=timeout, push_weights=False)
-    raise TypeError(f"collector must be an LLMCollectorRolloutFunc (or another GroupRolloutFunc) or an "
+    raise TypeError(f"{owner}: collector must be an LLMCollectorRolloutFunc (or another GroupRolloutFunc) or an "
                     f"AsyncGroupCollector, got {type(collector).__name__}")

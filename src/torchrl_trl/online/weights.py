@@ -36,20 +36,22 @@ def load_weights(module: torch.nn.Module, weights) -> int:
     >>> load_weights(a, {"bias": torch.zeros(3)})
     Traceback (most recent call last):
     ...
-    ValueError: weight 'bias': shape (3,), the policy's is (2,)
+    ValueError: load_weights: weight 'bias' has shape (3,), expected the policy's (2,)
     >>> load_weights(a, {"lm_head.weight": torch.zeros(2, 2)})
     Traceback (most recent call last):
     ...
-    KeyError: "weight 'lm_head.weight' is not a parameter or buffer of the policy model Linear"
+    KeyError: "load_weights: expected a parameter or buffer of the policy model Linear, got weight 'lm_head.weight'"
     """
     weights = weights_td(weights)
     target = TensorDict.from_module(module)
     for name, tensor in weights.items(include_nested=True, leaves_only=True):
         dotted = ".".join(name) if isinstance(name, tuple) else name
         if name not in target.keys(include_nested=True, leaves_only=True):
-            raise KeyError(f"weight {dotted!r} is not a parameter or buffer of the policy model {type(module).__name__}")
+            raise KeyError(f"load_weights: expected a parameter or buffer of the policy model {type(module).__name__}, "
+                           f"got weight {dotted!r}")
         if target.get(name).shape != tensor.shape:
-            raise ValueError(f"weight {dotted!r}: shape {tuple(tensor.shape)}, the policy's is {tuple(target.get(name).shape)}")
+            raise ValueError(f"load_weights: weight {dotted!r} has shape {tuple(tensor.shape)}, expected the policy's "
+                             f"{tuple(target.get(name).shape)}")
     with torch.no_grad():
         target.update_(weights.data)
     return len(list(weights.keys(include_nested=True, leaves_only=True)))

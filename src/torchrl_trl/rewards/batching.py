@@ -20,21 +20,23 @@ Truncation = Literal["keep_end", "keep_start", "error"]
 class RewardBatching:
     """How a reward scorer feeds its model: token budget, fill, width, length, packing.
 
-    Attributes:
-        max_tokens_per_batch: token budget (rows x padded width) of one forward; ``None``:
-            one forward over everything. Defaults to 16384.
-        max_batch_size: optional cap on rows (sequences) per forward.
-        min_fill: a micro-batch only holds sequences of at least ``min_fill`` x its
-            longest (``None``: budget only). Defaults to 0.95.
-        pad_to_multiple_of: round each micro-batch width up to this multiple.
-        max_length: longest sequence fed to the model; ``None``: the model's
-            ``max_position_embeddings`` when known. Longer ones follow ``truncation``.
-        truncation: ``"keep_end"`` (default: keep the last ``max_length`` tokens, where
-            reward models pool), ``"keep_start"`` or ``"error"``.
-        packing: score whole sequences back to back in one row per forward, no padding
-            (causal transformers decoders only; see :mod:`torchrl_trl.rewards.packing`).
-        pad_token_id: the id rows are right-padded with (set on a ``model.config`` without
-            one); ``None``: the model config's.
+    Args:
+        max_tokens_per_batch (int or None, optional): token budget (rows x padded width) of one
+            forward; ``None``: one forward over everything. Defaults to ``16384``.
+        max_batch_size (int, optional): cap on rows (sequences) per forward. Defaults to ``None``.
+        min_fill (float or None, optional): a micro-batch only holds sequences of at least
+            ``min_fill`` x its longest (``None``: budget only). Defaults to ``0.95``.
+        pad_to_multiple_of (int, optional): round each micro-batch width up to this multiple.
+            Defaults to ``None``.
+        max_length (int, optional): longest sequence fed to the model; longer ones follow
+            ``truncation``. Defaults to ``None``: the model's ``max_position_embeddings`` when known.
+        truncation (str, optional): ``"keep_end"`` (keep the last ``max_length`` tokens, where
+            reward models pool), ``"keep_start"`` or ``"error"``. Defaults to ``"keep_end"``.
+        packing (bool, optional): score whole sequences back to back in one row per forward,
+            no padding (causal transformers decoders only; see
+            :mod:`torchrl_trl.rewards.packing`). Defaults to ``False``.
+        pad_token_id (int, optional): the id rows are right-padded with (set on a
+            ``model.config`` without one). Defaults to ``None``: the model config's.
 
     Examples:
         >>> import torch
@@ -48,7 +50,7 @@ class RewardBatching:
         >>> RewardBatching(max_tokens_per_batch=0)
         Traceback (most recent call last):
         ...
-        ValueError: max_tokens_per_batch must be a positive integer or None, got 0
+        ValueError: RewardBatching: max_tokens_per_batch must be a positive integer or None, got 0
     """
 
     max_tokens_per_batch: int | None = 16384
@@ -62,20 +64,20 @@ class RewardBatching:
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_batch", "max_batch_size", "pad_to_multiple_of", "max_length"):
-            positive_int(getattr(self, name), name, allow_none=True)
+            positive_int(getattr(self, name), f"RewardBatching: {name}", allow_none=True)
         if self.pad_token_id is not None:
-            non_negative_int(self.pad_token_id, "pad_token_id")
+            non_negative_int(self.pad_token_id, "RewardBatching: pad_token_id")
         fill = self.min_fill
         if fill is not None and (isinstance(fill, bool) or not isinstance(fill, (int, float))):
-            raise TypeError(f"min_fill must be a float in (0, 1] or None, got {fill!r}")
+            raise TypeError(f"RewardBatching: min_fill must be a float in (0, 1] or None, got {fill!r}")
         if fill is not None and not 0 < fill <= 1:
-            raise ValueError(f"min_fill must be in (0, 1] (or None), got {fill}")
+            raise ValueError(f"RewardBatching: min_fill must be in (0, 1] (or None), got {fill}")
         if self.truncation not in ("keep_end", "keep_start", "error"):
             raise ValueError(
-                f"truncation must be 'keep_end', 'keep_start' or 'error', got {self.truncation!r}"
+                f"RewardBatching: truncation must be 'keep_end', 'keep_start' or 'error', got {self.truncation!r}"
             )
         if not isinstance(self.packing, bool):
-            raise TypeError(f"packing must be a bool, got {self.packing!r}")
+            raise TypeError(f"RewardBatching: packing must be a bool, got {self.packing!r}")
 
     def truncate(self, ids: Ragged, max_length: int | None = None) -> tuple[Ragged, int]:
         """``(ids cut to max_length per truncation, number cut)``; ``max_length``
@@ -89,8 +91,9 @@ class RewardBatching:
             return ids, 0
         if self.truncation == "error":
             raise ValueError(
-                f"{n} sequence(s) exceed max_length={max_length} tokens (longest: "
-                f"{int(ids.lengths.max())}); pass truncation='keep_end' or 'keep_start', or a larger max_length"
+                f"RewardBatching: expected sequences of at most max_length={max_length} tokens, {n} exceed it "
+                f"(longest: {int(ids.lengths.max())}); pass truncation='keep_end' or 'keep_start', or a larger "
+                "max_length"
             )
         seqs = list(ids.split())
         for i in too_long.nonzero().flatten().tolist():

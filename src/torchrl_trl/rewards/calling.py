@@ -40,8 +40,8 @@ class FunctionTimeout(TimeoutError):
 
 
 def function_names(funcs: Sequence[Callable], names: Sequence[str] | None = None) -> list[str]:
-    """One unique name per function: ``names`` checked, or TRL's names
-    (``trl.trainer.utils.get_callable_name``) deduplicated with a ``_1``, ``_2``... suffix.
+    """One unique name per function: ``names`` (the keys of a ``{name: function}`` mapping), or
+    TRL's names (``trl.trainer.utils.get_callable_name``) deduplicated with a ``_1``, ``_2``... suffix.
 
     >>> import functools
     >>> def acc(prompts, completions, **kw): ...
@@ -51,10 +51,6 @@ def function_names(funcs: Sequence[Callable], names: Sequence[str] | None = None
     ['acc', 'acc_1', 'Judge']
     """
     if names is not None:
-        if len(names) != len(funcs):
-            raise ValueError(f"names has {len(names)} entries, expected {len(funcs)} (one per function)")
-        if len(set(names)) != len(names):
-            raise ValueError(f"names must be unique, got {list(names)}")
         return list(names)
     from trl.trainer.utils import get_callable_name
 
@@ -66,14 +62,15 @@ def function_names(funcs: Sequence[Callable], names: Sequence[str] | None = None
     return out
 
 
-def named_error(err: BaseException, name: str) -> BaseException:
-    """``err`` re-created with the function's ``name`` in its message, keeping its type where
-    it takes a message (else :class:`RewardFunctionError`); raise it ``from err``.
+def named_error(err: BaseException, name: str, owner: str) -> BaseException:
+    """``err`` re-created with ``owner`` (the scorer's class) and the function's ``name`` in its
+    message, keeping its type where it takes a message (else :class:`RewardFunctionError`); raise
+    it ``from err``.
 
-    >>> named_error(ValueError("bad row"), "acc")
-    ValueError("reward function 'acc' raised ValueError: bad row")
+    >>> named_error(ValueError("bad row"), "acc", "RewardFunctionWrapper")
+    ValueError("RewardFunctionWrapper: reward function 'acc' raised ValueError: bad row")
     """
-    message = f"reward function {name!r} raised {type(err).__name__}: {err}"
+    message = f"{owner}: reward function {name!r} raised {type(err).__name__}: {err}"
     try:
         new = type(err)(message)
     except Exception:
@@ -94,12 +91,13 @@ def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) ->
                          error=FunctionTimeout, name="torchrl-trl-reward")
 
 
-def run_coroutines(coros: list, names: list[str], timeout: float | None = None) -> list:
+def run_coroutines(coros: list, names: list[str], timeout: float | None, owner: str) -> list:
     """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop; each
-    within ``timeout`` (s) else :class:`FunctionTimeout`; exceptions carry the function's name.
+    within ``timeout`` (s) else :class:`FunctionTimeout`; exceptions carry ``owner`` and the
+    function's name.
 
     >>> async def one(): return [1.0]
-    >>> run_coroutines([one()], ["one"])
+    >>> run_coroutines([one()], ["one"], None, "RewardFunctionWrapper")
     [[1.0]]
     """
 
@@ -108,41 +106,42 @@ def run_coroutines(coros: list, names: list[str], timeout: float | None = None) 
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
             task.cancel()
-            raise FunctionTimeout(f"reward function {name!r} did not return within timeout={timeout}s")
+            raise FunctionTimeout(f"{owner}: reward function {name!r} did not return within timeout={timeout}s")
         try:
             return task.result()
         except Exception as err:  # the function's own exception, TimeoutError included
-            raise named_error(err, name) from err
+            raise named_error(err, name, owner) from err
 
     async def gather():
         return await asyncio.gather(*(one(c, n) for c, n in zip(coros, names)))
 
     bound = None if timeout is None else timeout + 1.0  # the margin: a coroutine blocking the loop
-    what = f"the async reward functions {names} (one blocks the event loop without awaiting)"
+    what = f"{owner}: the async reward functions {names} (one blocks the event loop without awaiting)"
     return run_async(gather(), bound, f"{what} did not return within timeout={bound}s", error=FunctionTimeout)
 
 
-def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None = None) -> Any:
-    """``func(**kwargs)``, its exception re-raised with its ``name``, bounded by ``timeout``
-    (s) if given; the output is not validated (see :func:`to_rewards`).
+def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None, owner: str) -> Any:
+    """``func(**kwargs)``, its exception re-raised with ``owner`` and its ``name``, bounded by
+    ``timeout`` (s) if given; the output is not validated (see :func:`to_rewards`).
 
-    >>> call_function(lambda prompts, **kw: [1.0] * len(prompts), "one", {"prompts": ["a", "b"]})
+    >>> call_function(lambda prompts, **kw: [1.0] * len(prompts), "one", {"prompts": ["a", "b"]}, None, "Scorer")
     [1.0, 1.0]
     """
     try:
-        return run_with_timeout(lambda: func(**kwargs), timeout, f"reward function {name!r}")
+        return run_with_timeout(lambda: func(**kwargs), timeout, f"{owner}: reward function {name!r}")
     except FunctionTimeout:
         raise
     except Exception as err:
-        raise named_error(err, name) from err
+        raise named_error(err, name, owner) from err
 
 
-def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict,
-                   timeout: float | None = None) -> list[list[float | None]]:
+def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict, timeout: float | None,
+                   owner: str) -> list[list[float | None]]:
     """Each function called once on the whole batch (sync ones in turn, async ones
-    concurrently), ``timeout`` s each: one validated list of rewards per function (``None`` kept).
+    concurrently), ``timeout`` s each: one validated list of rewards per function (``None``
+    kept); errors start with ``owner``.
 
-    >>> call_functions([lambda prompts, **kw: [1.0, None]], ["f"], {"prompts": ["a", "b"]})
+    >>> call_functions([lambda prompts, **kw: [1.0, None]], ["f"], {"prompts": ["a", "b"]}, None, "Scorer")
     [[1.0, None]]
     """
     from trl.trainer.utils import is_async_callable
@@ -152,36 +151,38 @@ def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict
     pending = [i for i, f in enumerate(funcs) if is_async_callable(f)]
     for i, (func, name) in enumerate(zip(funcs, names)):
         if i not in pending:
-            out[i] = to_rewards(call_function(func, name, kwargs, timeout), name=name, expected=n, none=None)
+            value = call_function(func, name, kwargs, timeout, owner)
+            out[i] = to_rewards(value, name=name, expected=n, none=None, owner=owner)
     if pending:
         coros = [funcs[i](**kwargs) for i in pending]
-        for i, value in zip(pending, run_coroutines(coros, [names[i] for i in pending], timeout)):
-            out[i] = to_rewards(value, name=names[i], expected=n, none=None)
+        for i, value in zip(pending, run_coroutines(coros, [names[i] for i in pending], timeout, owner)):
+            out[i] = to_rewards(value, name=names[i], expected=n, none=None, owner=owner)
     return out
 
 
-def to_rewards(output: Any, *, name: str, expected: int, none: float | None = math.nan) -> list[float | None]:
+def to_rewards(output: Any, *, name: str, expected: int, owner: str,
+               none: float | None = math.nan) -> list[float | None]:
     """One function's output as ``expected`` floats (``None`` -> ``none``; tensors and numpy
-    arrays read as lists), else a ``TypeError``/``ValueError`` naming the function.
+    arrays read as lists), else a ``TypeError``/``ValueError`` naming ``owner`` and the function.
 
-    >>> to_rewards([1, None, 0.5], name="f", expected=3)
+    >>> to_rewards([1, None, 0.5], name="f", expected=3, owner="RewardFunctionWrapper")
     [1.0, nan, 0.5]
-    >>> to_rewards([1.0], name="f", expected=2)
+    >>> to_rewards([1.0], name="f", expected=2, owner="RewardFunctionWrapper")
     Traceback (most recent call last):
     ...
-    ValueError: reward function 'f' returned 1 rewards, but 2 were expected (one per prompt-completion pair)
+    ValueError: RewardFunctionWrapper: reward function 'f' returned 1 rewards, but 2 were expected (one per completion)
     """
     if hasattr(output, "tolist") and not isinstance(output, (str, bytes)):
         output = output.reshape(-1).tolist() if isinstance(output, torch.Tensor) else output.tolist()
     if isinstance(output, (str, bytes, Mapping)) or not isinstance(output, Sequence):
         raise TypeError(
-            f"reward function {name!r} must return a list of floats (or None), one per "
+            f"{owner}: reward function {name!r} must return a list of floats (or None), one per "
             f"completion; got {type(output).__name__}"
         )
     if len(output) != expected:
         raise ValueError(
-            f"reward function {name!r} returned {len(output)} rewards, but {expected} were "
-            f"expected (one per prompt-completion pair)"
+            f"{owner}: reward function {name!r} returned {len(output)} rewards, but {expected} were "
+            f"expected (one per completion)"
         )
     rewards = []
     for i, value in enumerate(output):
@@ -194,8 +195,8 @@ def to_rewards(output: Any, *, name: str, expected: int, none: float | None = ma
             value = value.item()  # numpy scalars
         if not isinstance(value, numbers.Real):
             raise TypeError(
-                f"reward function {name!r} returned a non-numeric reward at index {i}: "
-                f"{value!r} ({type(value).__name__}); expected a float, an int or None"
+                f"{owner}: reward function {name!r} returned a non-numeric reward at index {i}: "
+                f"{value!r:.40} ({type(value).__name__}); expected a float, an int or None"
             )
         rewards.append(float(value))
     return rewards
@@ -218,15 +219,16 @@ def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[l
     return items, shared
 
 
-def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
+def check_signature(func: Callable, name: str, provided: Sequence[str], owner: str) -> None:
     """A ``KeyError`` if ``func`` requires an argument not in ``provided``, a ``TypeError`` if
-    it does not accept one that is (TRL passes every column and its extra keywords).
+    it does not accept one that is (TRL passes every column and its extra keywords); both
+    start with ``owner``.
 
     >>> def needs_solution(prompts, completions, solution, **kw): ...
-    >>> check_signature(needs_solution, "needs_solution", ["prompts", "completions", "answer"])
+    >>> check_signature(needs_solution, "needs_solution", ["prompts", "completions", "answer"], "Scorer")
     Traceback (most recent call last):
     ...
-    KeyError: "reward function 'needs_solution' requires the argument 'solution', which is not a column of the rollouts. Columns passed: ['answer']. Name the rollout key with columns=[...] (or columns={'solution': <key>})."
+    KeyError: "Scorer: reward function 'needs_solution' requires the argument 'solution', not a column passed (['answer']); expected columns={'solution': <key>}"
     """
     try:
         sig = inspect.signature(func)
@@ -239,16 +241,15 @@ def check_signature(func: Callable, name: str, provided: Sequence[str]) -> None:
             continue
         if p.name not in provided:
             raise KeyError(
-                f"reward function {name!r} requires the argument {p.name!r}, which is not a "
-                f"column of the rollouts. Columns passed: {columns}. Name the rollout key "
-                f"with columns=[...] (or columns={{{p.name!r}: <key>}})."
+                f"{owner}: reward function {name!r} requires the argument {p.name!r}, not a column passed "
+                f"({columns}); expected columns={{{p.name!r}: <key>}}"
             )
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         unexpected = [k for k in provided if k not in sig.parameters]
         if unexpected:
             raise TypeError(
-                f"reward function {name!r} does not accept the arguments {unexpected} (TRL passes every column and "
-                "trainer_state/log_extra/log_metric): add **kwargs to its signature"
+                f"{owner}: reward function {name!r} does not accept {unexpected} (TRL passes every column and "
+                "trainer_state/log_extra/log_metric): expected **kwargs in its signature"
             )
 
 
@@ -326,7 +327,7 @@ def score_items(executor, call_kwargs: dict, n: int, names: Sequence[str], failu
         rewards.append([])
         for result in mine:
             if result.status == "ok":
-                rewards[-1] += to_rewards(result.value, name=name, expected=1, none=None)
+                rewards[-1] += to_rewards(result.value, name=name, expected=1, none=None, owner=failures.owner)
             else:
                 failures.add(name, result, note)
                 rewards[-1].append(failure_reward)

@@ -77,7 +77,8 @@ class RewardExecutor:
                 f"got {kind!r}"
             )
         positive_int(self.max_workers, "RewardExecutor: max_workers", allow_none=True)
-        if kind == "caller" and (given := [n for n in ("max_workers", "failure_reward") if getattr(self, n) is not None]):
+        given = [n for n in ("max_workers", "failure_reward") if getattr(self, n) is not None]
+        if kind == "caller" and given:
             raise ValueError(f"RewardExecutor: {given} apply to isolated kinds (process, thread, ray), not 'caller'")
         if self.mp_context is not None and kind != "process":
             raise ValueError(f"RewardExecutor: mp_context applies to kind='process' only, got kind={kind!r}")
@@ -86,7 +87,8 @@ class RewardExecutor:
         object.__setattr__(self, "timeout", positive_seconds(self.timeout, "RewardExecutor: timeout"))
         if self.startup_timeout is None:
             raise ValueError("RewardExecutor: startup_timeout must be a positive number of seconds, got None")
-        object.__setattr__(self, "startup_timeout", positive_seconds(self.startup_timeout, "RewardExecutor: startup_timeout"))
+        startup_timeout = positive_seconds(self.startup_timeout, "RewardExecutor: startup_timeout")
+        object.__setattr__(self, "startup_timeout", startup_timeout)
         if self.failure_reward is not None:
             object.__setattr__(self, "failure_reward", float(self.failure_reward))
         object.__setattr__(self, "unscorable_reward", float(self.unscorable_reward))
@@ -179,14 +181,14 @@ class FuturesItemExecutor(ItemExecutor):
 
     def __getstate__(self):
         raise TypeError(
-            f"a reward executor wrapping {type(self.executor).__name__} cannot be pickled; "
-            "use executor='process' or 'thread', which are rebuilt in the copy"
+            f"RewardExecutor: an executor wrapping {type(self.executor).__name__} cannot be pickled; expected "
+            "executor='process' or 'thread' (rebuilt in the copy)"
         )
 
     def _broken(self, err, what: str) -> RuntimeError:
         return RuntimeError(
-            f"the executor {type(self.executor).__name__} passed as executor= {what} "
-            f"({_describe(err)}); executor='process' replaces workers that die."
+            f"RewardExecutor: the {type(self.executor).__name__} passed as executor= {what} "
+            f"({_describe(err)}); expected one that survives, executor='process' replaces workers that die"
         )
 
     def _submit(self, slot, index, func_index, kwargs, shared):
@@ -258,8 +260,8 @@ class RayItemExecutor(ItemExecutor):
         ready, _ = ray.wait(warm, num_returns=n, timeout=self.startup_timeout)
         if len(ready) < n:
             raise RuntimeError(
-                f"executor='ray': {n - len(ready)} of {n} Ray workers did not start within "
-                f"{self.startup_timeout}s (max_workers={self.max_workers}; the cluster may have fewer free CPUs)"
+                f"RewardExecutor: expected {n} Ray workers within startup_timeout={self.startup_timeout}s, "
+                f"{n - len(ready)} did not start (max_workers={self.max_workers}; fewer free CPUs?)"
             )
 
     def _slot(self, running: dict):

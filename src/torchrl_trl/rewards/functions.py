@@ -152,7 +152,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self.weights = torch.tensor([float(w) for w in weights], dtype=torch.float32)
         self.input_mode = input_mode
         self.tokenizer = tokenizer
-        trailing_dims(reward_shape)  # checks the name
+        trailing_dims(reward_shape, name)  # checks the name
         self.reward_shape = reward_shape
         self.unscorable_reward = config.unscorable_reward
         self.trainer_state = None
@@ -227,12 +227,13 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         n = len(prompts)
         call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         for func, name in zip(self.funcs, self.names):
-            check_signature(func, name, list(call_kwargs))
+            check_signature(func, name, list(call_kwargs), type(self).__name__)
         if self.executor is not None:
             values, failed = score_items(self.executor, call_kwargs, n, self.names, self._failures,
                                          self.failure_reward, "it is excluded like None")
         else:
-            values, failed = call_functions(self.funcs, self.names, call_kwargs, self.timeout), False
+            values = call_functions(self.funcs, self.names, call_kwargs, self.timeout, type(self).__name__)
+            failed = False
         values = [[math.nan if v is None else v for v in column] for column in values]
         per_func = torch.tensor(values, dtype=torch.float32).reshape(len(self.funcs), n).T
         failed = torch.tensor(failed, dtype=torch.bool).expand(len(self.funcs), n).T

@@ -35,9 +35,19 @@ def load_reward_model(path: str | os.PathLike, *, trust_remote_code: bool = Fals
     """Load a reward model, ``AutoModelForSequenceClassification`` (safetensors only), and
     its tokenizer from a local directory (``trl.RewardTrainer``'s output).
 
-    ``dtype``/``device``: where the weights go; ``load_tokenizer=False``: no tokenizer;
-    ``model_kwargs``: more ``from_pretrained`` arguments. Returns ``(model in eval mode,
-    tokenizer or None)``.
+    Args:
+        path (str or os.PathLike): the checkpoint directory.
+
+    Keyword Args:
+        trust_remote_code (bool, optional): passed to ``from_pretrained``. Defaults to ``False``.
+        dtype (torch.dtype or str, optional): the weights' dtype. Defaults to ``None`` (the
+            checkpoint's).
+        device (torch.device or str, optional): where the weights go. Defaults to ``None`` (CPU).
+        load_tokenizer (bool, optional): also load the tokenizer saved there. Defaults to ``True``.
+        **model_kwargs: more ``from_pretrained`` arguments.
+
+    Returns:
+        ``(model in eval mode, tokenizer or None)``.
 
     >>> import tempfile
     >>> from torchrl_trl import testing
@@ -183,7 +193,7 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         if isinstance(model, (str, os.PathLike)):
             model, loaded_tok = load_reward_model(model, load_tokenizer=renderer.tokenizer is None)
         if batching.packing and (reason := packing_unsupported(model)) is not None:
-            raise ValueError(f"{name}: RewardBatching(packing=True) is refused: {reason}; use packing=False")
+            raise ValueError(f"{name}: RewardBatching(packing=True): {reason}; expected packing=False here")
         self.model, self.inference_mode, self.attention_mask_key = model, inference_mode, attention_mask_key
         self.batching, self.output, self.reward_shape = batching, output, output.shape
         config = getattr(model, "config", None)
@@ -191,7 +201,8 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         self._text_config = text_config
         self.max_length = batching.max_length or getattr(text_config, "max_position_embeddings", None)
         self.num_embeddings = embedding_size(model)
-        check_tokenizer_fits(loaded_tok if renderer.tokenizer is None else renderer.tokenizer, self.num_embeddings)
+        tokenizer = loaded_tok if renderer.tokenizer is None else renderer.tokenizer
+        check_tokenizer_fits(tokenizer, self.num_embeddings, name)
         self.pad_token_id = self._resolve_pad(batching.pad_token_id)
         eos = getattr(text_config, "eos_token_id", None)
         self._bind_renderer(
@@ -259,9 +270,8 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
             self._text_config.pad_token_id = pad_token_id
         elif config_pad is not None and config_pad != pad_token_id:
             raise ValueError(
-                f"pad_token_id={pad_token_id} differs from model.config.pad_token_id="
-                f"{config_pad}, which the model pools against: right-padding with another id "
-                "changes rewards"
+                f"HFRewardModelWrapper: expected model.config.pad_token_id ({config_pad}, which the model pools "
+                f"against), got RewardBatching(pad_token_id={pad_token_id}): another id changes rewards"
             )
         return pad_token_id
 
@@ -323,10 +333,8 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
                 needs_pad = part.processed_tokens != part.real_tokens or part.index.numel() > 1
                 if not packing and pad is None and needs_pad and self._text_config is not None:
                     raise ValueError(
-                        "the reward model has no pad token (model.config.pad_token_id is "
-                        "None) so a padded batch cannot be pooled; pass batching="
-                        "RewardBatching(pad_token_id=...) (RewardTrainer uses "
-                        "tokenizer.pad_token, else eos) or RewardBatching(max_batch_size=1)"
+                        "HFRewardModelWrapper: the reward model has no pad token (model.config.pad_token_id is None): "
+                        "expected RewardBatching(pad_token_id=...) or RewardBatching(max_batch_size=1)"
                     )
                 self.real_tokens += part.real_tokens
                 self.processed_tokens += part.processed_tokens
@@ -355,7 +363,7 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         mask = torch.stack(layouts.read_column(td, self.attention_mask_key))
         if mask.shape != ids.shape:
             raise ValueError(
-                f"the attention mask at {self.attention_mask_key!r} has shape "
+                f"HFRewardModelWrapper: the attention mask at {self.attention_mask_key!r} has shape "
                 f"{tuple(mask.shape)}, the tokens at {self.token_key!r} {tuple(ids.shape)}: "
                 "expected the same shape"
             )

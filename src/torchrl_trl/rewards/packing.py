@@ -39,11 +39,7 @@ def packing_unsupported(model: nn.Module) -> str | None:
     """``None`` when ``model`` can be scored packed, else why not (one sentence)."""
     name = type(model).__name__
     if not causal_classifier(model):
-        return (
-            f"{name} is not a causal transformers decoder *ForSequenceClassification "
-            "(GenericForSequenceClassification with causal attention), whose pooling this "
-            "module reproduces"
-        )
+        return f"{name} is not a causal transformers decoder *ForSequenceClassification (the pooling reproduced)"
     config = model.config.get_text_config()
     impl = attn_implementation(config)
     if impl not in PACKED_ATTENTION:
@@ -81,8 +77,8 @@ def plan_packs(
     """Indices of the sequences of each pack, longest first, each up to
     ``max_tokens_per_batch`` tokens (or one longer sequence) and ``max_batch_size``
     sequences; together a permutation of ``range(N)``."""
-    positive_int(max_tokens_per_batch, "max_tokens_per_batch", allow_none=True)
-    positive_int(max_batch_size, "max_batch_size", allow_none=True)
+    positive_int(max_tokens_per_batch, "plan_packs: max_tokens_per_batch", allow_none=True)
+    positive_int(max_batch_size, "plan_packs: max_batch_size", allow_none=True)
     order = torch.sort(lengths, descending=True, stable=True).indices
     budget = max_tokens_per_batch or int(lengths.sum())
     packs, current, used = [], [], 0

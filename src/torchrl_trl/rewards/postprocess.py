@@ -61,7 +61,7 @@ class RewardOutput:
         if policy not in ("raise", "warn") and not number:
             raise ValueError(f"RewardOutput: on_nonfinite must be 'raise', 'warn' or a finite replacement value, "
                              f"got {policy!r}")
-        trailing_dims(self.shape)  # checks the name
+        trailing_dims(self.shape, "RewardOutput")  # checks the name
 
 
 class RewardShapeError(RuntimeError, ValueError):
@@ -93,7 +93,8 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
     """
     if logits.ndim == 1 and logits.shape[0] == n_rows:
         if head_index not in (None, 0):
-            raise ValueError(f"head_index={head_index} given but the model returns one score per row")
+            raise ValueError(f"HFRewardModelWrapper: RewardOutput(head_index={head_index}) given, expected a "
+                             "multi-label model, it returns one score per row")
         return logits
     if logits.ndim != 2 or logits.shape[0] != n_rows:
         raise RewardShapeError(
@@ -104,12 +105,11 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
     if head_index is None and k != 1:
         raise RewardShapeError(
             f"HFRewardModelWrapper: expected one scalar reward per input, got logits of shape "
-            f"{tuple(logits.shape)}: the reward model has a multi-label head (num_labels={k}); pass "
-            f"head_index= (0..{k - 1}) to pick the output to use as the reward"
+            f"{tuple(logits.shape)} (num_labels={k}): pick one with RewardOutput(head_index=0..{k - 1})"
         )
     head_index = 0 if head_index is None else head_index
     if not -k <= head_index < k:
-        raise ValueError(f"head_index={head_index} out of range for num_labels={k}")
+        raise ValueError(f"HFRewardModelWrapper: RewardOutput(head_index={head_index}) out of range for num_labels={k}")
     return logits[:, head_index]
 
 
@@ -162,9 +162,13 @@ class RunningRewardNorm(Transform):
     Non-finite rewards pass through, not counted.
 
     Args:
-        in_keys: the reward keys (default ``["reward"]``; rollouts: ``[("next", "reward")]``).
-        update_stats: whether each call updates the statistics (freeze them for eval).
-        eps: floor of the std.
+        in_keys (list of NestedKey, optional): the reward keys (rollouts:
+            ``[("next", "reward")]``). Defaults to ``None`` (``["reward"]``).
+
+    Keyword Args:
+        update_stats (bool, optional): whether each call updates the statistics (freeze them
+            for eval). Defaults to ``True``.
+        eps (float, optional): floor of the std. Defaults to ``1e-6``.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -180,7 +184,7 @@ class RunningRewardNorm(Transform):
         in_keys = ["reward"] if in_keys is None else in_keys
         super().__init__(in_keys=in_keys, out_keys=list(in_keys))
         if not (isinstance(eps, numbers.Real) and eps > 0):
-            raise ValueError(f"eps must be a number > 0, got {eps!r}")
+            raise ValueError(f"RunningRewardNorm: eps must be a number > 0, got {eps!r}")
         self.update_stats, self.eps = bool(update_stats), float(eps)
         for name in ("count", "mean", "m2"):  # float64 buffers, saved with state_dict
             self.register_buffer(name, torch.zeros((), dtype=torch.float64))

@@ -169,10 +169,8 @@ class ProcessItemExecutor(ItemExecutor):
                 cloudpickle.dumps(f)
             except Exception as err:
                 raise TypeError(
-                    f"executor='process' sends reward function {name!r} to worker processes "
-                    f"with cloudpickle, which failed ({_describe(err)}). The function and "
-                    "what it uses (globals, closure variables) must be picklable; or use "
-                    "executor='thread'."
+                    f"RewardExecutor: executor='process' sends reward function {name!r} with cloudpickle, which failed "
+                    f"({_describe(err)}); expected it picklable, or executor='thread'"
                 ) from err
         self.payload = cloudpickle.dumps(self.funcs)
         self.replaced = 0  # worker processes killed (timeout) or found dead (crash)
@@ -221,8 +219,8 @@ class ProcessItemExecutor(ItemExecutor):
             worker.conn.send(msg)
         except (pickle.PicklingError, TypeError, AttributeError) as err:
             raise TypeError(
-                f"executor='process' could not send {what} to a worker process: "
-                f"{_describe(err)}. Arguments must be picklable."
+                f"RewardExecutor: executor='process' could not send {what} to a worker process: "
+                f"{_describe(err)}; expected picklable arguments"
             ) from err
 
     def _begin(self, shared, n):
@@ -274,7 +272,7 @@ class ProcessItemExecutor(ItemExecutor):
                 self._drop(worker)
                 if not worker.ready:
                     raise RuntimeError(
-                        f"executor='process': a worker process died while loading the reward "
+                        f"RewardExecutor: executor='process': a worker process died while loading the reward "
                         f"functions {self.names} ({detail})"
                     )
                 if worker.task is not None:
@@ -282,8 +280,8 @@ class ProcessItemExecutor(ItemExecutor):
             elif not worker.ready and time.monotonic() >= worker.started + self.startup_timeout:
                 self._drop(worker)
                 raise RuntimeError(
-                    f"executor='process': a worker process did not load the reward functions "
-                    f"{self.names} within {self.startup_timeout}s"
+                    f"RewardExecutor: executor='process': a worker did not load the reward functions "
+                    f"{self.names} within {self.startup_timeout}s (startup_timeout)"
                 )
         return done
 
@@ -297,10 +295,8 @@ class ProcessItemExecutor(ItemExecutor):
         elif msg[0] == "init_error":
             self._drop(worker)
             raise RuntimeError(
-                f"executor='process': a worker process could not load the reward functions "
-                f"{self.names}: {msg[1]}. A function of an importable module is sent by "
-                "reference: the worker (a fresh interpreter with the trainer's sys.path) must "
-                "be able to import that module."
+                f"RewardExecutor: executor='process': a worker could not load the reward functions {self.names}: "
+                f"{msg[1]}; expected their module importable (sent by reference)"
             )
         elif msg[0] == worker.task:  # (task_id, status, value, detail, logs)
             worker.task, worker.running = None, False

@@ -42,19 +42,19 @@ InputMode = Literal["auto", "tokens", "text", "history"]
 
 
 def resolve_input_mode(td: TensorDictBase, input_mode: str, inputs: Mapping[str, Sequence[Sequence[NestedKey]]],
-                       *, what: str = "input", hint: str = "") -> str:
+                       *, owner: str, what: str = "input", hint: str = "") -> str:
     """``input_mode``, or for ``"auto"`` the first of ``inputs`` present in ``td``;
     ``inputs[mode]`` lists alternative key sets (present when every key of one is). A
-    ``KeyError`` names ``what``, the keys tried and those available (then ``hint``).
+    ``KeyError`` names ``owner``, ``what``, the keys tried and those available (then ``hint``).
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({"text": {"response": ["a"]}}, [1])
     >>> inputs = {"history": [[("history", "response")]], "text": [[("text", "response")]]}
-    >>> resolve_input_mode(td, "auto", inputs)
+    >>> resolve_input_mode(td, "auto", inputs, owner="RewardRenderer")
     'text'
     """
     if input_mode != "auto" and input_mode not in inputs:
-        raise ValueError(f"input_mode must be 'auto' or one of {list(inputs)}, got {input_mode!r}")
+        raise ValueError(f"{owner}: input_mode must be 'auto' or one of {list(inputs)}, got {input_mode!r}")
     tried = list(inputs) if input_mode == "auto" else [input_mode]
     for mode in tried:
         if any(all(layouts.has_key(td, k) for k in keys) for keys in inputs[mode]):
@@ -64,7 +64,7 @@ def resolve_input_mode(td: TensorDictBase, input_mode: str, inputs: Mapping[str,
         for mode in tried
     )
     raise KeyError(
-        f"found no {what} (input_mode={input_mode!r}): looked for {looked}. Available keys: "
+        f"{owner}: found no {what} (input_mode={input_mode!r}): looked for {looked}. Available keys: "
         f"{layouts.available_keys(td)}{hint}"
     )
 
@@ -126,14 +126,18 @@ class RewardRenderer:
         tokenizer: Any = None, policy_tokenizer: Any = None,
     ) -> None:
         if input_mode not in ("auto", "tokens", "text", "history"):
-            raise ValueError(f"input_mode must be 'auto', 'tokens', 'text' or 'history', got {input_mode!r}")
+            raise ValueError(
+                f"RewardRenderer: input_mode must be 'auto', 'tokens', 'text' or 'history', got {input_mode!r}"
+            )
         if add_eos not in ("auto", "always", "never"):
-            raise ValueError(f"add_eos must be 'auto', 'always' or 'never', got {add_eos!r}")
+            raise ValueError(f"RewardRenderer: add_eos must be 'auto', 'always' or 'never', got {add_eos!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}")
+            raise TypeError(
+                f"RewardRenderer: chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}"
+            )
         if fixed := sorted({"tokenize", "add_generation_prompt"} & set(chat_template_kwargs or {})):
-            raise ValueError(f"chat_template_kwargs: {fixed} cannot be set: the reward model scores the rendered chat "
-                             "as text (tokenize=False), without a generation prompt, as trl.RewardTrainer does")
+            raise ValueError(f"RewardRenderer: chat_template_kwargs {fixed} cannot be set: the reward model scores the "
+                             "chat as text (tokenize=False), without a generation prompt, as trl.RewardTrainer does")
         self.policy_tokenizer = policy_tokenizer
         self.input_mode = input_mode
         self.part = part
@@ -164,8 +168,8 @@ class RewardRenderer:
         part = self.part
         if token_key is not None and part != "full" and key_tuple(token_key) == layouts.token_key("full"):
             raise ValueError(
-                f"part={part!r} with token_key={token_key!r}: the full sequence's tokens cannot score the {part}; "
-                f"leave token_key unset (it then reads {layouts.token_key(part)!r}) or pass part='full'"
+                f"RewardRenderer: part={part!r} with token_key={token_key!r}: expected {layouts.token_key(part)!r} "
+                "(token_key unset) or part='full'"
             )
         bound = copy.copy(self)
         bound.tokenizer = tokenizer
@@ -203,7 +207,8 @@ class RewardRenderer:
 
     def resolve_mode(self, td: TensorDictBase) -> str:
         """The input used for ``td``: ``"tokens"``, ``"tokens->text"``, ``"text"`` or ``"history"``."""
-        mode = resolve_input_mode(td, self.input_mode, self._inputs(), what="reward-model input")
+        mode = resolve_input_mode(td, self.input_mode, self._inputs(), owner="RewardRenderer",
+                                  what="reward-model input")
         decode = mode == "tokens" and not self.tokens_direct and self.policy_tokenizer is not None
         return "tokens->text" if decode else mode  # no policy tokenizer: tokens in the reward vocabulary
 
@@ -232,9 +237,8 @@ class RewardRenderer:
         mask_key = self.attention_mask_key
         if mask_key is not None and not layouts.has_key(td, mask_key):
             raise KeyError(
-                f"HFRewardModelWrapper: attention_mask_key {mask_key!r} not found in the input "
-                f"TensorDict (tokens at {self.token_key!r}). Pass attention_mask_key=None if "
-                f"every stored token is real. Available keys: {layouts.available_keys(td)}"
+                f"HFRewardModelWrapper: expected attention_mask_key {mask_key!r} beside the tokens at "
+                f"{self.token_key!r} (or attention_mask_key=None). Available keys: {layouts.available_keys(td)}"
             )
         where = f"tokens at {self.token_key!r}" + (f" (attention mask {mask_key!r})" if mask_key is not None else "")
         try:
@@ -262,7 +266,7 @@ class RewardRenderer:
         """Chats -> text with the reward model's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
-                "the reward model's tokenizer has no chat_template: score the text instead "
+                "RewardRenderer: expected a chat_template on the reward model's tokenizer, it has none: score the text "
                 "(input_mode='text') or set tokenizer.chat_template"
             )
         kwargs = {"tokenize": False, "add_generation_prompt": False, **self.chat_template_kwargs}
@@ -290,10 +294,12 @@ class RewardRenderer:
 
     def encode_texts(self, texts: list[str]) -> Ragged:
         if self.tokenizer is None:
-            raise ValueError("scoring text needs the reward model's tokenizer: pass tokenizer=")
+            raise ValueError(
+                "RewardRenderer: scoring text needs the reward model's tokenizer: pass RewardRenderer(tokenizer=)"
+            )
         for i, t in enumerate(texts):
             if not isinstance(t, str):
-                raise TypeError(f"text {i} is a {type(t).__name__}, expected str: {t!r}")
+                raise TypeError(f"RewardRenderer: text {i} is a {type(t).__name__}, expected str: {t!r:.40}")
         texts = self.prepare_texts(list(texts))
         return Ragged.from_list(self.tokenizer(texts, add_special_tokens=True)["input_ids"])
 
@@ -336,4 +342,4 @@ def _checked_messages(conversation: Any, index: int) -> list[dict]:
     try:
         return layouts.to_messages(conversation)
     except TypeError as e:  # a non-string role or content: say which conversation
-        raise TypeError(f"conversation {index}: {e}") from e
+        raise TypeError(f"RewardRenderer: conversation {index}: {e}") from e

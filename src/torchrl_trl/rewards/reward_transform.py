@@ -30,14 +30,16 @@ class RewardTransform(Transform):
     buffer's write, or called as a module.
 
     Args:
-        scorer: anything with ``in_keys``, ``out_keys``, ``reward_shape`` and
+        scorer (scorer): anything with ``in_keys``, ``out_keys``, ``reward_shape`` and
             ``score_outputs`` (see :mod:`torchrl_trl.rewards.reward_transform`).
 
     Keyword Args:
-        reward_key: where the reward goes, *inside* ``"next"`` (default: the scorer's key).
-        reward_shape: ``"step"`` (``[*B, 1, 1]``), ``"trailing"`` or ``"flat"``
-            (default: the scorer's).
-        accumulate: add to a reward already there instead of overwriting it.
+        reward_key (NestedKey, optional): where the reward goes, *inside* ``"next"``. Defaults
+            to ``None``: the scorer's key.
+        reward_shape (str, optional): ``"step"`` (``[*B, 1, 1]``), ``"trailing"`` or ``"flat"``.
+            Defaults to ``None``: the scorer's.
+        accumulate (bool, optional): add to a reward already there instead of overwriting it.
+            Defaults to ``False``.
 
     ``in_keys`` are the scorer's; ``out_keys`` the ``("next", ...)`` keys written, added to
     the env's reward spec. In an env it scores once per step, in ``_step`` (the env's inverse
@@ -71,12 +73,12 @@ class RewardTransform(Transform):
                 f"RewardServiceClient or RewardFunctionWrapper); a {type(scorer).__name__} has no {missing}"
             )
         if not isinstance(accumulate, bool):
-            raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
+            raise TypeError(f"{type(self).__name__}: accumulate must be a bool, got {accumulate!r}")
         keys = [("next", *key_tuple(strip_next(key_tuple(k)))) for k in scorer.out_keys]
         if reward_key is not None:
             keys[0] = ("next", *key_tuple(reward_key))
         self.reward_shape = scorer.reward_shape if reward_shape is None else reward_shape
-        trailing_dims(self.reward_shape)  # checks the name
+        trailing_dims(self.reward_shape, type(self).__name__)  # checks the name
         self.accumulate = accumulate
         super().__init__(in_keys=list(scorer.in_keys), out_keys=keys)
         self.scorer = scorer
@@ -138,7 +140,7 @@ class RewardTransform(Transform):
         return output_spec
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        shape = reward_spec.shape + trailing_dims(self.reward_shape)
+        shape = reward_spec.shape + trailing_dims(self.reward_shape, type(self).__name__)
         for key in self.out_keys:
             spec = Unbounded(shape, dtype=torch.get_default_dtype())
             if len(key) == 2:

@@ -24,11 +24,7 @@ InputMode = Literal["auto", "history", "text", "tokens"]
 
 # reward functions take these as prompts/completions/completion_ids, not as columns
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids")
-_NO_RESPONSE = (
-    ". A reward needs the policy's output; on an env that is the root tensordict of a step, which "
-    "env.append_transform(RewardFunctionWrapper(...)) never sees (TorchRL calls a plain module on the reset and "
-    "'next' tensordicts): attach wrapper.as_transform() to the env instead"
-)
+_NO_RESPONSE = "; on an env, attach wrapper.as_transform() (a plain module never sees the step's output)"
 _DECODE = "pass tokenizer= (the policy's) to decode prompts and completions from the tokens"
 
 
@@ -59,12 +55,13 @@ def resolve_mode(td: TensorDictBase, input_mode: InputMode, tokenizer: Any = Non
     if input_mode == "tokens" or (input_mode == "auto" and tokenizer is not None):
         inputs["tokens"] = [[layouts.token_key("prompt"), layouts.token_key("response")]]
     if input_mode == "tokens" and tokenizer is None:
-        raise ValueError(f"input_mode='tokens': {_DECODE}")
+        raise ValueError(f"RewardFunctionWrapper: input_mode='tokens': {_DECODE}")
     stored = (layouts.history_key("response"), layouts.text_key("response"))
     tokens_only = (tokenizer is None and layouts.has_key(td, layouts.token_key("response"))
                    and not any(layouts.has_key(td, key) for key in stored))
     hint = f". These rollouts hold only tokens (ChatEnv(input_mode='tokens')): {_DECODE}" if tokens_only else ""
-    return resolve_input_mode(td, input_mode, inputs, what="response to score", hint=hint or _NO_RESPONSE)
+    return resolve_input_mode(td, input_mode, inputs, owner="RewardFunctionWrapper", what="response to score",
+                              hint=hint or _NO_RESPONSE)
 
 
 def column_keys(td: TensorDictBase, columns: Mapping[str, tuple] | None) -> dict[str, tuple]:
@@ -117,13 +114,13 @@ def trl_arguments(
     needs = [name for f, name in zip(funcs, names) if declares(f, "completion_ids")] if ids is None else []
     if needs:
         raise KeyError(
-            f"reward functions {needs} take completion_ids, but the rollouts hold no {response!r} to read "
-            f"them from. Available keys: {layouts.available_keys(td)}"
+            f"RewardFunctionWrapper: reward functions {needs} take completion_ids: expected {response!r} in the "
+            f"rollouts. Available keys: {layouts.available_keys(td)}"
         )
     if tokenizer is not None and ids is None:
         raise KeyError(
-            f"tokenizer= decodes completions from {response!r}, which is missing. Available keys: "
-            f"{layouts.available_keys(td)}"
+            f"RewardFunctionWrapper: tokenizer= decodes completions from {response!r}, which is missing. "
+            f"Available keys: {layouts.available_keys(td)}"
         )
     if mode == "tokens":
         prompt_ids = layouts.read_tokens(td, "prompt").tolist()
@@ -141,7 +138,7 @@ def trl_arguments(
     for name, key in column_keys(td, columns).items():
         source = td if layouts.has_key(td, key) else columns_td
         if source is None or not layouts.has_key(source, key):
-            raise KeyError(f"column {name!r}: key {key!r} not found in the rollouts. Available keys: "
-                           f"{layouts.available_keys(td)}")
+            raise KeyError(f"RewardFunctionWrapper: column {name!r}: key {key!r} not found in the rollouts. "
+                           f"Available keys: {layouts.available_keys(td)}")
         kwargs[name] = [_plain(v) for v in layouts.read_column(source, key)]
     return kwargs

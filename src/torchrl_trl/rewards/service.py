@@ -42,7 +42,7 @@ def _require_ray():
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is an optional dependency
-        raise ImportError("use_ray_service=True needs Ray: pip install 'ray>=2.50'") from e
+        raise ImportError("RewardServiceClient: expected Ray installed: pip install 'ray>=2.50'") from e
     return ray
 
 
@@ -299,24 +299,24 @@ class RewardServiceClient(RenderingScorer):
         from ray.exceptions import GetTimeoutError, RayActorError
 
         timeout = self.timeout if timeout is None else timeout
+        owner = type(self).__name__
         name = f"reward service {self.actor_name!r}" if self.actor_name else "the private reward service"
         try:
             ref = getattr(self._actor, method).remote(*args)
         except RayActorError as e:  # pragma: no cover - submitting to a dead handle
-            raise RewardServiceError(f"{name} is gone: {e}") from e
+            raise RewardServiceError(f"{owner}: {name} is gone: {e}") from e
         try:
             return ray.get(ref, timeout=timeout)
         except GetTimeoutError as e:
             ray.cancel(ref)
             raise RewardServiceError(
-                f"{name} did not answer {method}() within timeout={timeout}s (busy, hung or still "
+                f"{owner}: {name} did not answer {method}() within timeout={timeout}s (busy, hung or still "
                 "loading the model); pass a larger timeout= or check the actor"
             ) from e
         except RayActorError as e:
             raise RewardServiceError(
-                f"{name} died or cannot be reached ({type(e).__name__}); pass "
-                "remote_config={'max_restarts': n} to have Ray restart it, or create it again. "
-                f"Cause: {str(e).splitlines()[0] if str(e) else e!r}"
+                f"{owner}: {name} died or cannot be reached ({type(e).__name__}); remote_config="
+                f"{{'max_restarts': n}} restarts it. Cause: {str(e).splitlines()[0][:60] if str(e) else e!r}"
             ) from e
 
     def stats(self) -> dict:
@@ -350,7 +350,9 @@ def _actor_options(remote_config: dict | None) -> dict:
     """The actor's Ray options: ``remote_config`` over the defaults (a named actor: shared,
     ``get_if_exists``, detached)."""
     if remote_config is not None and not isinstance(remote_config, dict):
-        raise TypeError(f"RewardServiceClient: remote_config must be a dict of Ray actor options, got {remote_config!r}")
+        raise TypeError(
+            f"RewardServiceClient: remote_config must be a dict of Ray actor options, got {remote_config!r}"
+        )
     given = dict(remote_config or {})
     named = given.get("name") is not None
     options = {"max_restarts": 0, "max_concurrency": 1000}

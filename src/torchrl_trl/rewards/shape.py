@@ -12,15 +12,14 @@ RewardShape = Literal["flat", "trailing", "step"]
 _TRAILING = {"flat": (), "trailing": (1,), "step": (1, 1)}
 
 
-def trailing_dims(reward_shape: RewardShape) -> tuple[int, ...]:
-    """The dims a reward of ``reward_shape`` adds after the batch dims.
+def trailing_dims(reward_shape: RewardShape, owner: str) -> tuple[int, ...]:
+    """The dims a reward of ``reward_shape`` adds after the batch dims; an unknown name is a
+    ``ValueError`` starting with ``owner``.
 
-    >>> trailing_dims("step")
+    >>> trailing_dims("step", "RewardTransform")
     (1, 1)
     """
     try:
         return _TRAILING[reward_shape]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"reward_shape must be one of {sorted(_TRAILING)}, got {reward_shape!r}"
-        ) from None
+        raise ValueError(f"{owner}: reward_shape must be one of {sorted(_TRAILING)}, got {reward_shape!r}") from None

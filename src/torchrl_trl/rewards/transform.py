@@ -23,21 +23,26 @@ class HFRewardTransform(RewardTransform):
     called on a tensordict).
 
     Args:
-        scorer: an :class:`HFRewardModelWrapper`, a
-            :class:`~torchrl_trl.rewards.service.RewardServiceClient`, or a local path / a
-            loaded reward model (wrapped with ``inference_mode=True``; with
+        scorer (HFRewardModelWrapper, RewardServiceClient, nn.Module, str or os.PathLike): an
+            :class:`HFRewardModelWrapper`, a :class:`~torchrl_trl.rewards.service.RewardServiceClient`,
+            or a local path / a loaded reward model (wrapped with ``inference_mode=True``; with
             ``use_ray_service=True`` a path is served by a ``RewardServiceClient``).
 
     Keyword Args:
-        reward_key: reward key *inside* ``"next"``; defaults to the scorer's without a
-            leading ``"next"``.
-        reward_shape: ``"step"`` (default, ``[*B, 1, 1]``), ``"trailing"`` or ``"flat"``
-            (the scorer's own ``reward_shape`` is not used).
-        accumulate: add to a reward already there instead of overwriting it.
-        use_ray_service: serve ``scorer`` (a local path) from a named Ray actor shared by
-            every transform given the same ``actor_name``.
-        actor_name, num_cpus, num_gpus: the service's name and Ray resources (only with
-            ``use_ray_service=True``).
+        reward_key (NestedKey, optional): reward key *inside* ``"next"``. Defaults to ``None``:
+            the scorer's without a leading ``"next"``.
+        reward_shape (str, optional): ``"step"`` (``[*B, 1, 1]``), ``"trailing"`` or ``"flat"``
+            (the scorer's own ``reward_shape`` is not used). Defaults to ``"step"``.
+        accumulate (bool, optional): add to a reward already there instead of overwriting it.
+            Defaults to ``False``.
+        use_ray_service (bool, optional): serve ``scorer`` (a local path) from a named Ray actor
+            shared by every transform given the same ``actor_name``. Defaults to ``False``.
+        actor_name (str, optional): the service's name (``use_ray_service=True`` only).
+            Defaults to ``None`` (a private actor).
+        num_cpus (float, optional): the service's Ray CPUs (``use_ray_service=True`` only).
+            Defaults to ``None``.
+        num_gpus (float, optional): the service's Ray GPUs (``use_ray_service=True`` only).
+            Defaults to ``None``.
 
     The scorer is :attr:`scorer` (with its counters, or a client's ``stats()``).
 
@@ -68,12 +73,12 @@ class HFRewardTransform(RewardTransform):
         service = {"actor_name": actor_name, "num_cpus": num_cpus, "num_gpus": num_gpus}
         service = {k: v for k, v in service.items() if v is not None}
         if service and not use_ray_service:
-            raise TypeError(f"{sorted(service)} only apply with use_ray_service=True")
+            raise TypeError(f"HFRewardTransform: {sorted(service)} apply with use_ray_service=True only")
         if use_ray_service:
             if not isinstance(scorer, (str, os.PathLike)):
                 raise TypeError(
-                    "use_ray_service=True serves the reward model from a local path: pass the path, or a "
-                    f"RewardServiceClient itself (without use_ray_service), not a {type(scorer).__name__}"
+                    "HFRewardTransform: use_ray_service=True serves the reward model from a local path: expected the "
+                    f"path (or a RewardServiceClient, without use_ray_service), got a {type(scorer).__name__}"
                 )
             service["name"] = service.pop("actor_name", None)
             scorer = RewardServiceClient(scorer, remote_config=service)
@@ -81,7 +86,7 @@ class HFRewardTransform(RewardTransform):
             scorer = HFRewardModelWrapper(scorer, inference_mode=True)
         elif not isinstance(scorer, (HFRewardModelWrapper, RewardServiceClient)):
             raise TypeError(
-                "scorer must be an HFRewardModelWrapper, a RewardServiceClient, a reward model "
+                "HFRewardTransform: scorer must be an HFRewardModelWrapper, a RewardServiceClient, a reward model "
                 f"or a local path, got {type(scorer).__name__}"
             )
         super().__init__(scorer, reward_key=reward_key, reward_shape=reward_shape, accumulate=accumulate)

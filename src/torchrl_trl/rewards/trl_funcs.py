@@ -134,7 +134,8 @@ class TRLRewardFunc:
     def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
         self.calls += 1
         if len(completions) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions")
+            raise ValueError(f"TRLRewardFunc: expected one completion per prompt, got {len(prompts)} prompts and "
+                             f"{len(completions)} completions")
         if not prompts:
             return []
         args = (prompts, completions, completion_ids)
@@ -162,12 +163,12 @@ class TRLRewardFunc:
         if self.is_trl_function and "environments" in call_kwargs and self.executor.kind in ("process", "ray"):
             if declares(self.reward, "environments"):
                 raise TypeError(
-                    f"reward function {self.__name__!r} takes TRL's environments, live objects of the trainer that "
-                    f"cannot be sent to executor={self.executor.kind!r}; use executor='thread'"
+                    f"TRLRewardFunc: reward function {self.__name__!r} takes TRL's environments (live objects), which "
+                    f"executor={self.executor.kind!r} cannot send; expected executor='thread'"
                 )
             call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
         if self.is_trl_function:  # as TRL would fail, but once here rather than per completion
-            check_signature(self.reward, self.__name__, list(call_kwargs))
+            check_signature(self.reward, self.__name__, list(call_kwargs), type(self).__name__)
         rewards, _ = score_items(self.executor, call_kwargs, n, [self.__name__], self._failures,
                                  self.failure_reward, "it is returned as None (excluded by TRL)")
         return rewards[0]  # NaN/inf: counted by __call__
@@ -176,11 +177,11 @@ class TRLRewardFunc:
         """The rewards in the caller, without an executor (``None`` and non-finite values kept)."""
         if self.is_trl_function:  # called as TRL calls it
             call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-            return call_functions([self.reward], [self.__name__], call_kwargs, self.timeout)[0]
+            return call_functions([self.reward], [self.__name__], call_kwargs, self.timeout, type(self).__name__)[0]
         columns = self._select_columns(kwargs)
         with torch.inference_mode():  # as TRL scores its reward models
             rewards = run_with_timeout(lambda: self._score(prompts, completions, completion_ids, columns),
-                                       self.timeout, f"reward function {self.__name__!r}")
+                                       self.timeout, f"{type(self).__name__}: reward function {self.__name__!r}")
         rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
         if rewards.shape[1] != 1:
             raise ValueError(
@@ -203,7 +204,7 @@ class TRLRewardFunc:
 
     def _call_reward(self, fn, *args):
         """``fn(*args)``, its exceptions carrying this function's name."""
-        return call_function(lambda: fn(*args), self.__name__, {})
+        return call_function(lambda: fn(*args), self.__name__, {}, None, type(self).__name__)
 
     def _score(self, prompts, completions, completion_ids, columns) -> torch.Tensor:
         reward = self.reward
@@ -278,8 +279,9 @@ def as_trl_reward_func(
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
     Args:
-        reward: our ``HFRewardModelWrapper`` (``prompt + completion``, chat rendered with its
-            template, scored micro-batched: TRL's own ``reward_funcs=[model]`` rewards); a
+        reward (module, transform or callable): our ``HFRewardModelWrapper`` (``prompt +
+            completion``, chat rendered with its template, scored micro-batched: TRL's own
+            ``reward_funcs=[model]`` rewards); a
             TorchRL reward parser such as ``GSM8KRewardParser`` (run as ``env.step`` runs it
             on :func:`rollouts_from_trl`; without ``in_keys`` it reads the history or
             response text and the ``"answer"`` column, or ``columns[0]``); a TensorDict

@@ -50,13 +50,17 @@ def rollouts_from_trl(
     """
     n = len(prompts)
     if len(completions) != n:
-        raise ValueError(f"got {n} prompts but {len(completions)} completions")
+        raise ValueError(f"rollouts_from_trl: expected one completion per prompt, got {n} prompts and "
+                         f"{len(completions)} completions")
     if completion_ids is not None and len(completion_ids) != n:
-        raise ValueError(f"got {n} prompts but {len(completion_ids)} completion_ids")
+        raise ValueError(f"rollouts_from_trl: expected one completion_ids per prompt, got {n} prompts and "
+                         f"{len(completion_ids)} completion_ids")
     columns = columns or {}
     for name, values in columns.items():
         if len(values) != n:
-            raise ValueError(f"column {name!r} has {len(values)} values, expected {n} (one per completion)")
+            raise ValueError(
+                f"rollouts_from_trl: column {name!r} has {len(values)} values, expected {n} (one per completion)"
+            )
     chat = is_conversational(prompts)
     if chat:
         from torchrl.data.llm import History

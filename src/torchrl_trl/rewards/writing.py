@@ -32,12 +32,12 @@ def write_rewards(tensordict: TensorDictBase, rewards: torch.Tensor, key: Nested
     device = tensordict.device if tensordict.device is not None else getattr(existing, "device", torch.device("cpu"))
     floating = existing is not None and existing.is_floating_point()
     dtype = existing.dtype if floating else torch.get_default_dtype()
-    out = rewards.reshape(*tensordict.batch_size, *trailing_dims(reward_shape)).to(device, dtype)
+    out = rewards.reshape(*tensordict.batch_size, *trailing_dims(reward_shape, "write_rewards")).to(device, dtype)
     if accumulate and existing is not None:
         if existing.shape != out.shape:
             raise ValueError(
-                f"accumulate=True: the reward already at {key!r} has shape {tuple(existing.shape)}, this scorer writes "
-                f"{tuple(out.shape)} (reward_shape={reward_shape!r}); pass the reward_shape of the reward it adds to"
+                f"write_rewards: accumulate=True onto the reward at {key!r} of shape {tuple(existing.shape)}, expected "
+                f"this scorer's {tuple(out.shape)} (reward_shape={reward_shape!r}); pass the matching reward_shape"
             )
         out = existing.to(out.dtype) + out
     tensordict.set(key, out)
