@@ -357,8 +357,6 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
         LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=-1)
     with pytest.raises(ValueError, match="group_size"):
         LLMCollectorRolloutFunc(collector, rb, group_size=0)
-    with pytest.raises(ValueError, match="poll_s"):
-        LLMCollectorRolloutFunc(collector, rb, group_size=2, poll_s=None)
     from torchrl_trl.online import BehaviourLogProbsPostproc
 
     _, postproc = BehaviourLogProbsPostproc.for_factory(lambda: None)  # its factory never ran here
@@ -619,7 +617,8 @@ def test_buffer_reading_wraps_and_counts_overwritten_items():
 
     rb = ReplayBuffer(storage=LazyTensorStorage(6))  # 3 groups of 2
     collector = SimpleNamespace(is_running=lambda: True, policy_version=0)
-    func = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=0, timeout=1, poll_s=0.01)
+    func = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=0, timeout=1)
+    func.poll_s = 0.01
     rb.extend(groups(0, 2, version=0))
     assert [int(g["query"][0]) for _, g in func.take(1)] == [0]  # group 1 stays pending
     rb.extend(groups(2, 4, version=0))  # 8 items written since: 2 were overwritten before the read

@@ -18,7 +18,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from .. import layouts
-from .._checks import positive_int, positive_seconds
+from .._checks import positive_int
 from ..padding import check_policy_padding
 from .callback import CollectorError
 from .episodes import BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, episodes_to_trl
@@ -65,8 +65,9 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         forward_keys (sequence of NestedKey, optional): top-level keys passed to TRL's reward
             functions, as in :class:`~torchrl_trl.online.TorchRLRolloutFunc`. Defaults to ``None``
             (every non-TorchRL key).
-        poll_s (float, optional): seconds between two reads of the buffer while waiting.
-            Defaults to ``0.1``.
+
+    :attr:`poll_s` (a class attribute, ``0.1``; an instance may set its own) is the wait
+    between two reads of the buffer.
 
     Attributes:
         read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups, missed_items, weight_pushes:
@@ -92,9 +93,13 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
     (1, 1, [0, 0], 'hi')
     """
 
+    #: seconds between two reads of the buffer while waiting (and between two checks of a
+    #: collector held at its batch boundary)
+    poll_s: float = 0.1
+
     def __init__(
         self, collector, replay_buffer, *, group_size: int, max_staleness: int | None = 1,
-        timeout: float | None = 120.0, poll_s: float = 0.1, group_key="query", push_weights: bool = True,
+        timeout: float | None = 120.0, group_key="query", push_weights: bool = True,
         drop_zero_std: bool = False, reuse: int = 0, max_pending_groups: int | None = None,
         forward_keys: Sequence[NestedKey] | None = None,
     ):
@@ -103,9 +108,6 @@ class LLMCollectorRolloutFunc(GroupRolloutFunc):
         self.collector = collector
         self.replay_buffer = replay_buffer
         self.group_size = positive_int(group_size, "LLMCollectorRolloutFunc: group_size")
-        self.poll_s = positive_seconds(poll_s, "LLMCollectorRolloutFunc: poll_s")
-        if self.poll_s is None:
-            raise ValueError("LLMCollectorRolloutFunc: poll_s must be a positive number of seconds, got None")
         self.group_key = group_key
         self.forward_keys = None if forward_keys is None else list(forward_keys)
         self.read_groups = self.consumed_groups = self.weight_pushes = 0
