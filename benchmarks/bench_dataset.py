@@ -38,12 +38,14 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 from torch.utils.data import DataLoader
 from torchrl.data import LazyMemmapStorage, LazyStackStorage, LazyTensorStorage, ReplayBuffer
 
-from torchrl_trl.data import EpochPass, TorchRLBufferDataset
+from torchrl_trl.data import EpochPass, RowColumns, TorchRLBufferDataset
 
 
 # Token ids drawn from a real vocabulary's range: Python keeps one shared object for each int
 # below 257 only, so ids below that would hide what Python-list rows cost to build.
 VOCAB = 32_000
+#: one raw column, read as token rows (as upstream's tokenized format)
+IDS = RowColumns(columns={"input_ids": "input_ids"})
 
 
 def rss_mb() -> float:
@@ -236,8 +238,7 @@ def sft_step(rows=512, t=64, steps=16, repeats=3):
 
         def run(kind):
             if kind == "buffer":
-                columns = {"input_ids": "input_ids"}
-                ds = TorchRLBufferDataset(rb, 64, reading="epoch", columns=columns).as_hf_dataset()
+                ds = TorchRLBufferDataset(rb, 64, reading="epoch", format=IDS).as_hf_dataset()
             else:
                 ds = Dataset.from_dict({"input_ids": ids.tolist()})
             args = SFTConfig(
@@ -271,7 +272,7 @@ def scale(rows, t=512, batch=1024):
         storage_mb = rows * t * 4 / 2**20
         rss0 = rss_mb()
         ds = TorchRLBufferDataset(
-            rb, batch, reading=EpochPass(shuffle=True), columns={"input_ids": "input_ids"}
+            rb, batch, reading=EpochPass(shuffle=True), format=IDS
         )
         t0 = time.perf_counter()
         n = sum(1 for _ in ds.as_hf_dataset())

@@ -97,11 +97,10 @@ def run(mode: str, path: str, workload, args) -> dict:
     if mode == "shared":
         # every caller builds its own client, as each collector builds its own transform;
         # the first creates the actor, the others attach by name
-        first = RewardServiceClient(path, actor_name="bench-reward-service",
-                                    remote_config={"num_cpus": args.threads},
+        first = RewardServiceClient(path, remote_config={"name": "bench-reward-service", "num_cpus": args.threads},
                                     max_wait_ms=args.max_wait_ms, **settings)  # fmt: skip
         clients = [first] + [
-            RewardServiceClient(path, actor_name="bench-reward-service", **settings)
+            RewardServiceClient(path, remote_config={"name": "bench-reward-service"}, **settings)
             for _ in range(n - 1)
         ]
         services = [first]

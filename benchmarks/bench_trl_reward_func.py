@@ -62,7 +62,7 @@ def main():
 
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching
+    from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching, RewardRenderer
     from torchrl_trl.rewards.trl_funcs import as_trl_reward_func
     from torchrl_trl.testing import BRACKET_TEMPLATE, make_tokenizer
 
@@ -85,7 +85,9 @@ def main():
             rewards = model(**inputs).logits[:, 0]
         return rewards.float().cpu(), int(inputs["attention_mask"].sum()), inputs["input_ids"].numel()
 
-    scorer = HFRewardModelWrapper(model, tokenizer=tok, batching=RewardBatching(max_tokens_per_batch=args.max_tokens_per_batch))
+    scorer = HFRewardModelWrapper(
+        model, renderer=RewardRenderer(tokenizer=tok), batching=RewardBatching(max_tokens_per_batch=args.max_tokens_per_batch)
+    )
     func = as_trl_reward_func(scorer)
 
     def ours():

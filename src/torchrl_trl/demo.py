@@ -33,18 +33,23 @@ __all__ = ["PRESETS", "DemoConfig", "plot_reward_curve", "run_demo", "run_trl_gr
 #: how every checkpoint is loaded (with ``use_safetensors=True`` for weights)
 SAFE_LOADING = {"trust_remote_code": False}
 
+#: SmolLM2's chat template opens every chat with this line when none is given; TorchRL's
+#: ChatEnv renders chats without it, so the demo gives it explicitly: the policy then trains
+#: on the prompts it is measured on (and that a user of the model sends)
+SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
 #: each model's settings; a :class:`DemoConfig` field left ``None`` takes its model's value
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         task="vowels", iterations=25, group_size=4, prompts_per_batch=4, updates_per_iteration=4,
         max_new_tokens=12, lr=3e-3, reward_pairs=1200, reward_epochs=2, reward_lr=3e-3, reward_head_only=False,
-        sft_steps=20, sft_lr=1e-2, eval_samples=4,
+        sft_steps=20, sft_lr=1e-2, eval_samples=4, system_prompt=None,
     ),
     # measured to fit 10 minutes on 2 idle CPU cores; see README "The demo on a real model"
     "smollm2": dict(
         task="arithmetic", iterations=10, group_size=4, prompts_per_batch=4, updates_per_iteration=1,
         max_new_tokens=12, lr=2e-5, reward_pairs=256, reward_epochs=1, reward_lr=1e-2, reward_head_only=True,
-        sft_steps=8, sft_lr=2e-5, eval_samples=0,
+        sft_steps=8, sft_lr=2e-5, eval_samples=0, system_prompt=SMOLLM2_SYSTEM_PROMPT,
     ),
 }
 
@@ -78,6 +83,7 @@ class DemoConfig:
     sft_steps: int | None = None
     sft_lr: float | None = None
     eval_samples: int | None = None
+    system_prompt: str | None = None
     results: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -91,7 +97,7 @@ class DemoConfig:
             raise ValueError(f"DemoConfig: task must be one of {sorted(TASKS)}, got {self.task!r}")
         for name in ("iterations", "group_size", "prompts_per_batch", "updates_per_iteration", "max_new_tokens",
                      "reward_pairs", "reward_epochs", "sft_steps"):
-            positive_int(getattr(self, name), name)
+            positive_int(getattr(self, name), f"DemoConfig: {name}")
         if self.quick:
             self.iterations = min(self.iterations, 12)
             self.reward_pairs = min(self.reward_pairs, 400)
@@ -233,7 +239,7 @@ def run_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConfig) 
     model, tokenizer = _load_policy(policy_path, cfg)
     before = measure_true_score(model, tokenizer, task, cfg)
     env = testing.make_chat_env([{"query": p} for p in task.train_prompts], batch_size=cfg.prompts_per_batch,
-                                group_size=cfg.group_size)
+                                group_size=cfg.group_size, system_prompt=cfg.system_prompt)
     scorer = HFRewardModelWrapper.for_grpo(str(rm_path), renderer=RewardRenderer(policy_tokenizer=tokenizer))
     env = env.append_transform(HFRewardTransform(scorer))
     sampler = testing.make_policy_wrapper(model, tokenizer, max_new_tokens=cfg.max_new_tokens, device=cfg.device)
@@ -330,7 +336,7 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConf
     )
     trainer = GRPOTrainer(
         model=model, reward_funcs=[reward], args=args, processing_class=tokenizer, rollout_func=rollout_func,
-        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in task.train_prompts]}),
+        train_dataset=Dataset.from_dict({"prompt": [_chat(p, cfg) for p in task.train_prompts]}),
     )
     _train_quietly(trainer)
     after = measure_true_score(model.eval(), tokenizer, task, cfg)
@@ -343,7 +349,7 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConf
 def measure_true_score(model, tokenizer, task: DemoTask, cfg: DemoConfig) -> float:
     """Mean true score of fresh answers to ``task.heldout_prompts``: greedy ones when
     ``cfg.eval_samples`` is 0, else that many sampled per prompt (with a fixed seed)."""
-    conversations = [[{"role": "user", "content": p}] for p in task.heldout_prompts]
+    conversations = [_chat(p, cfg) for p in task.heldout_prompts]
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generate continues the last column
     try:
         inputs = tokenizer.apply_chat_template(
@@ -360,6 +366,12 @@ def measure_true_score(model, tokenizer, task: DemoTask, cfg: DemoConfig) -> flo
         )
     replies = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     return _mean_true_score(task, [p for p in task.heldout_prompts for _ in range(samples)], replies)
+
+
+def _chat(prompt: str, cfg: DemoConfig) -> list[dict]:
+    """``prompt`` as a chat's messages, after ``cfg.system_prompt`` when there is one."""
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    return [*system, {"role": "user", "content": prompt}]
 
 
 def _mean_true_score(task: DemoTask, prompts: list[str], replies: list[str]) -> float:

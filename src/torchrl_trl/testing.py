@@ -88,7 +88,7 @@ def _small_config(kind: str, tokenizer, **overrides):
 
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config}
     if kind not in configs:
-        raise ValueError(f"kind must be 'llama' or 'qwen2', got {kind!r}")
+        raise ValueError(f"make_policy / make_reward_model: kind must be 'llama' or 'qwen2', got {kind!r}")
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
@@ -161,17 +161,19 @@ def prompt_dataloader(rows: Sequence[dict[str, Any]], batch_size: int):
 
 def make_chat_env(
     rows: Sequence[dict[str, Any]], *, batch_size: int = 2, group_size: int = 2, max_turns: int = 1,
-    input_mode: str = "history",
+    input_mode: str = "history", system_prompt: str | None = None,
 ):
     """A ``ChatEnv`` fed from ``rows`` (each with a ``"query"``; other fields become columns),
-    every prompt repeated ``group_size`` times, episodes ending after ``max_turns`` turns."""
+    every prompt repeated ``group_size`` times, episodes ending after ``max_turns`` turns,
+    each chat opened by ``system_prompt`` when given."""
     from tensordict import set_list_to_stack
     from torchrl.envs import StepCounter
     from torchrl.envs.llm import ChatEnv
 
     set_list_to_stack(True).set()
     env = ChatEnv.from_dataloader(
-        dataloader=prompt_dataloader(rows, batch_size), batch_size=batch_size, repeats=group_size, input_mode=input_mode
+        dataloader=prompt_dataloader(rows, batch_size), batch_size=batch_size, repeats=group_size, input_mode=input_mode,
+        system_prompt=system_prompt,
     )
     return env.append_transform(StepCounter(max_steps=max_turns))
 
@@ -283,5 +285,5 @@ def smollm2_tokenizer(path: str | os.PathLike, pad: Literal["eos", "none", "own"
     elif pad == "own":
         tokenizer.pad_token = "<|endoftext|>"
     elif pad != "eos":
-        raise ValueError(f"pad must be 'eos', 'none' or 'own', got {pad!r}")
+        raise ValueError(f"smollm2_tokenizer: pad must be 'eos', 'none' or 'own', got {pad!r}")
     return tokenizer
