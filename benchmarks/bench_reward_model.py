@@ -153,6 +153,23 @@ def limit_grouped(model, seqs, device, budget):
     return out
 
 
+def print_limits(results: dict, timed: dict, o: dict) -> None:
+    """The lines comparing ours (``o``) and packing with the zero-padding limits."""
+    limit_name = min(("limit_single", "limit_grouped"), key=lambda k: results[k]["time"])
+    lim = results[limit_name]
+    ref = results["limit_single"]["rewards"]
+    print(f"ours / limit ({limit_name}): wall x{lim['time'] / o['time']:.3f}, "
+          f"cpu x{lim['cpu_time'] / o['cpu_time']:.3f} (best limit by cpu: "
+          f"x{min(results[k]['cpu_time'] for k in ('limit_single', 'limit_grouped')) / o['cpu_time']:.3f}), "
+          f"max |reward diff| {float((o['rewards'] - ref).abs().max()):.2e}")
+    for name in (k for k in timed if k.startswith("packed")):
+        pk = results[name]
+        print(f"{name} / ours (padded micro-batches): wall x{o['time'] / pk['time']:.3f}, "
+              f"cpu x{o['cpu_time'] / pk['cpu_time']:.3f}; {name} / limit: cpu "
+              f"x{lim['cpu_time'] / pk['cpu_time']:.3f}; max |reward diff| vs limit_single "
+              f"{float((pk['rewards'] - ref).abs().max()):.2e}")
+
+
 def build_model(name: str, dtype: torch.dtype):
     """``(reward model, tokenizer)``: a random 4-layer Llama on the test tokenizer, or the real
     SmolLM2-135M-Instruct as a one-label sequence classifier (score head seeded)."""
@@ -190,6 +207,7 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of ours / packed / limits (>= 1)")
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     p.add_argument("--skip-baselines", action="store_true", help="only ours, packed and the limits")
+    p.add_argument("--skip-limits", action="store_true", help="only ours and the baselines (no packing, no limits)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                    help="tiny: a random 4-layer Llama; smollm2: the real SmolLM2-135M-Instruct backbone")
@@ -249,6 +267,8 @@ def main():
 
     timed = {
         "ours": scorer_fn(max_tokens_per_batch=args.max_tokens_per_batch),
+    }
+    limits = {
         **{
             f"packed{b}": scorer_fn(max_tokens_per_batch=b, packing=True)
             for b in pack_budgets
@@ -256,6 +276,8 @@ def main():
         "limit_single": lambda: (limit_single(model, seqs, device), real),
         "limit_grouped": lambda: (limit_grouped(model, seqs, device, args.max_tokens_per_batch), real),
     }
+    if not args.skip_limits:
+        timed.update(limits)
     baselines = {} if args.skip_baselines else {"trl_grpo": trl_path, "upstream": upstream}
 
     # warm-up (kernels, thread pools), not timed
@@ -295,19 +317,8 @@ def main():
         print(f"{name:<14} {real / r['time']:>10.0f} {real / r['processed']:>8.3f} "
               f"{r['mem'] / 2**20:>9.1f} {r['time']:>8.2f} {r['cpu_time']:>8.2f}  {rounds}")
     o = results["ours"]
-    limit_name = min(("limit_single", "limit_grouped"), key=lambda k: results[k]["time"])
-    lim = results[limit_name]
-    ref = results["limit_single"]["rewards"]
-    print(f"ours / limit ({limit_name}): wall x{lim['time'] / o['time']:.3f}, "
-          f"cpu x{lim['cpu_time'] / o['cpu_time']:.3f} (best limit by cpu: "
-          f"x{min(results[k]['cpu_time'] for k in ('limit_single', 'limit_grouped')) / o['cpu_time']:.3f}), "
-          f"max |reward diff| {float((o['rewards'] - ref).abs().max()):.2e}")
-    for name in (k for k in timed if k.startswith("packed")):
-        pk = results[name]
-        print(f"{name} / ours (padded micro-batches): wall x{o['time'] / pk['time']:.3f}, "
-              f"cpu x{o['cpu_time'] / pk['cpu_time']:.3f}; {name} / limit: cpu "
-              f"x{lim['cpu_time'] / pk['cpu_time']:.3f}; max |reward diff| vs limit_single "
-              f"{float((pk['rewards'] - ref).abs().max()):.2e}")
+    if not args.skip_limits:
+        print_limits(results, timed, o)
     for base in baselines:
         b = results[base]
         print(f"ours vs {base}: throughput x{b['time'] / o['time']:.2f}, "

