@@ -180,7 +180,7 @@ def test_run_demo_refuses_pickle_only_checkpoints_unloaded(tmp_path):
 
     marker = tmp_path / "unpickled"
     bad = pickle_only_checkpoint(tmp_path, marker)
-    with pytest.raises(CLIError, match=r"reward_model.*pytorch_model\.bin.*safetensors"):
+    with pytest.raises(CLIError, match=r"reward_model.*safetensors.*pytorch_model\.bin"):
         run_demo(DemoConfig(output_dir=tmp_path / "out", reward_model=bad, quick=True))
     assert not marker.exists() and not (tmp_path / "out").exists()
 
