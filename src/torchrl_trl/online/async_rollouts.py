@@ -196,7 +196,8 @@ class AsyncTorchRLRolloutFunc(GroupRolloutFunc):
         drop_zero_std (bool, optional): drop groups whose env reward is the same for every
             completion. Defaults to ``False``.
         reuse (int, optional): train on each group up to ``1 + reuse`` times. Defaults to ``0``.
-        (All as :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`.)
+
+    All keyword arguments are as :class:`~torchrl_trl.online.group_rollouts.GroupRolloutFunc`'s.
 
     Example (``trainer`` stands in for ``GRPOTrainer``: only the attributes shown are read):
 
