@@ -205,22 +205,14 @@ def train_reward_model(init_path: Path, task: DemoTask, cfg: DemoConfig) -> dict
     return {"path": str(out_dir), "heldout_pairwise_accuracy": [before, after]}
 
 
-def _pairwise_accuracy(model, tokenizer, pairs: list[dict], batch_size: int = 32) -> float:
+def _pairwise_accuracy(model, tokenizer, pairs: list[dict]) -> float:
     """Share of ``pairs`` whose chosen chat the reward ``model`` scores above the rejected one
-    (each chat rendered with the reward model's own chat template, as ``RewardTrainer`` does)."""
+    (each chat rendered with the reward model's own chat template)."""
+    from torchrl_trl import HFRewardModelWrapper, RewardRenderer
 
-    def scores(chats: list[list[dict]]) -> torch.Tensor:
-        out = []
-        for i in range(0, len(chats), batch_size):
-            batch = tokenizer.apply_chat_template(
-                chats[i : i + batch_size], padding=True, return_tensors="pt", return_dict=True
-            ).to(model.device)
-            out.append(model(**batch).logits[:, 0])
-        return torch.cat(out)
-
-    with torch.no_grad():
-        chosen = scores([p["prompt"] + p["chosen"] for p in pairs])
-        rejected = scores([p["prompt"] + p["rejected"] for p in pairs])
+    scorer = HFRewardModelWrapper(model, inference_mode=True, renderer=RewardRenderer(tokenizer=tokenizer))
+    chosen = scorer.score_messages([p["prompt"] + p["chosen"] for p in pairs])
+    rejected = scorer.score_messages([p["prompt"] + p["rejected"] for p in pairs])
     return float((chosen > rejected).float().mean())
 
 
