@@ -168,7 +168,7 @@ def collator_floor(rows, t, up, repeats):
     """The DataLoader + TRL collator path on a dataset that costs nothing: a Python list of
     ready rows (``rows`` x ``t`` ids) of each row type, against upstream. Its ratio is
     the most any dataset yielding that row type can reach on this path."""
-    from torchrl_trl.data.columns import array_rows
+    from torchrl_trl.data.features import array_rows
 
     ids = torch.randint(1, VOCAB, (rows, t))
     kinds = {"tensor rows": list(ids.unbind(0)), "numpy rows": list(ids.numpy()),

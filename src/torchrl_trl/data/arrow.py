@@ -18,12 +18,10 @@ from datasets import IterableDataset
 
 from .. import _compat
 from ..layouts import Ragged
-from .columns import per_row, to_pylist as column_to_pylist
+from .columns import per_row
+from .features import to_pylist
 
-__all__ = [
-    "ColumnarExamplesIterable", "EpochSharingIterableDataset", "column_to_pylist", "columns_to_table",
-    "make_iterable_dataset",
-]
+__all__ = ["ColumnarExamplesIterable", "EpochSharingIterableDataset", "columns_to_table", "make_iterable_dataset"]
 
 ColumnBatch = Mapping[str, Any]
 
@@ -48,7 +46,7 @@ def _column_to_arrow(values: Any, arrow_type):
         return cls.from_arrays(offsets, pa.array(_numpy(values.values, arrow_type.value_type)), type=arrow_type)
     if isinstance(values, torch.Tensor) and values.ndim == 1 and not pa.types.is_nested(arrow_type):
         return pa.array(_numpy(values, arrow_type), type=arrow_type)
-    return pa.array(column_to_pylist(values), type=arrow_type)
+    return pa.array(to_pylist(values), type=arrow_type)
 
 
 def columns_to_table(cols: ColumnBatch, features):

@@ -1,31 +1,32 @@
-"""Read one column of a sampled batch, vectorised. A column spec is a ``NestedKey`` (``"a.b"``
-names a nested key) or ``fn(batch) -> list``; ``tokens.<part>`` yields only the real tokens,
-``history.<part>`` plain ``{"role", "content"}`` messages (via :mod:`torchrl_trl.layouts`)."""
+"""The columns of a batch of buffer rows: which ones a :class:`~torchrl_trl.data.TorchRLBufferDataset`
+yields (:class:`RowColumns`: upstream's ``keys``, a format's columns, named columns, the storage
+index, a row filter), each read vectorised, and their ``datasets.Features``.
+
+A column spec is a ``NestedKey`` (``"a.b"`` names a nested key) or ``fn(batch) -> list``;
+``tokens.<part>`` yields only the real tokens, ``history.<part>`` plain ``{"role", "content"}``
+messages (via :mod:`torchrl_trl.layouts`)."""
 
 from __future__ import annotations
 
-import functools
-import itertools
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
-import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
-from tensordict import is_tensor_collection
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase, is_tensor_collection
 from tensordict.utils import NestedKey
 
 from .. import layouts
-from .._token_ids import check_integer_ids
+from .features import infer_feature, to_pylist
+from .formats import BufferFormat, get_format, read_token_ids  # the registry, with every built-in format
 
 __all__ = [
-    "ArrayRow", "ColumnSpec", "array_rows", "column_name", "missing_key_error", "per_row", "read_key",
-    "read_key_columnar", "read_token_ids", "to_nested_key", "to_pylist",
+    "ColumnSpec", "RowColumns", "column_name", "missing_key_error", "per_row", "read_key", "read_key_columnar",
+    "to_nested_key",
 ]  # fmt: skip
 
 ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
 _PARTS = ("prompt", "response", "full")
-_CPU_DEVICE = np.empty(0).__dlpack_device__()  # (kDLCPU, 0)
 
 
 def to_nested_key(key: NestedKey) -> NestedKey:
@@ -66,126 +67,12 @@ def per_row(values: Any, python: bool = True) -> list:
     return list(values)
 
 
-def to_pylist(values: Any) -> list:
-    """A :func:`read_key_columnar` column as one Python value per row (integer and bool
-    sequences as :class:`ArrayRow` lists).
-
-    >>> import torch
-    >>> to_pylist(torch.tensor([[1, 2], [3, 4]]))
-    [[1, 2], [3, 4]]
-    >>> to_pylist(torch.tensor([0.5, 1.5]))
-    [0.5, 1.5]
-    """
-    if type(values) is list:
-        return values
-    rows = array_rows(values)
-    if rows is not None:
-        return rows
-    if isinstance(values, torch.Tensor) and values.dtype == torch.bfloat16:
-        values = values.float()
-    if hasattr(values, "tolist"):
-        return values.tolist()
-    return list(values)
-
-
-class ArrayRow(list):
-    """A plain Python list of integers or bools that hands ``torch.tensor(row)`` its values
-    as one private array copy through DLPack (TRL's collators call ``torch.tensor`` on
-    every row). A slice is an ``ArrayRow`` of the same array (``SFTTrainer`` truncates rows by
-    slicing before collating), so indexing runs in Python (about 0.2 us, ten times a list's).
-    An in-place change of the list drops the array. An empty row gives an int64 tensor (an
-    empty ``list`` gives float32).
-
-    >>> import numpy as np, torch
-    >>> row = ArrayRow.from_array(np.array([5, 6, 7]))
-    >>> row == [5, 6, 7], isinstance(row, list)
-    (True, True)
-    >>> torch.tensor(row), torch.tensor(row[1:])
-    (tensor([5, 6, 7]), tensor([6, 7]))
-    >>> row.append(8)
-    >>> torch.tensor(row)
-    tensor([5, 6, 7, 8])
-    """
-
-    __slots__ = ("_array",)
-
-    @classmethod
-    def from_array(cls, array: np.ndarray, values: list | None = None) -> ArrayRow:
-        """The row of 1-D int64 or bool ``array``; ``values``: ``array.tolist()`` if made."""
-        row = cls(array.tolist() if values is None else values)
-        row._array = array
-        return row
-
-    def __dlpack__(self, **kwargs):  # TRL's collator calls it twice per row: kept flat
-        array = getattr(self, "_array", None)
-        if array is None:  # built from a list, or changed in place since: torch's own rules
-            return torch.tensor(list(self)).__dlpack__(**kwargs)
-        return array.copy().__dlpack__(**kwargs)  # torch.as_tensor(row) must not alias the row
-
-    def __dlpack_device__(self):
-        return _CPU_DEVICE
-
-    def __getitem__(self, index):
-        item = list.__getitem__(self, index)
-        array = getattr(self, "_array", None)
-        if type(index) is slice and array is not None:
-            return ArrayRow.from_array(array[index], item)
-        return item
-
-
-def _dropping_array(name: str):
-    method = getattr(list, name)
-
-    @functools.wraps(method)
-    def mutate(self, *args):
-        self._array = None
-        return method(self, *args)
-
-    return mutate
-
-
-for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend",
-              "insert", "pop", "remove", "clear", "sort", "reverse"):
-    setattr(ArrayRow, _name, _dropping_array(_name))
-del _name
-
-
-def array_rows(values: Any) -> list[ArrayRow] | None:
-    """A ``[B, T]`` integer/bool tensor or :class:`~torchrl_trl.layouts.Ragged` as ``B``
-    :class:`ArrayRow` lists; ``None`` for anything else (floats stay plain lists).
-
-    >>> import torch
-    >>> from torchrl_trl.layouts import Ragged
-    >>> rows = array_rows(Ragged.from_list([[1, 2, 3], [4]]))
-    >>> rows, torch.tensor(rows[1])
-    ([[1, 2, 3], [4]], tensor([4]))
-    >>> array_rows(torch.zeros(2, 3)) is None  # floats stay plain lists
-    True
-    """
-    if isinstance(values, layouts.Ragged):
-        flat, lengths = values.values, values.lengths
-    elif isinstance(values, torch.Tensor) and values.ndim == 2 and not values.is_nested:
-        flat, lengths = values.reshape(-1), None
-    else:
-        return None
-    if flat.dtype.is_floating_point or flat.dtype.is_complex:
-        return None
-    # a private copy (later buffer writes don't reach it), of torch.tensor's dtype for such values
-    array = flat.detach().cpu().numpy().astype(np.bool_ if flat.dtype == torch.bool else np.int64, copy=True)
-    if lengths is None:
-        pieces = array.reshape(values.shape)
-        return [ArrayRow.from_array(p, v) for p, v in zip(pieces, pieces.tolist())]
-    bounds = [0, *itertools.accumulate(lengths.tolist())]
-    flat_list = array.tolist()
-    return [ArrayRow.from_array(array[a:b], flat_list[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
 def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dtype | None]:
     """``(values, dtype)`` as :func:`read_key`, the values in their cheapest whole-batch form:
     a tensor ``[B, ...]``, a :class:`~torchrl_trl.layouts.Ragged` (``tokens.<part>``) or a list."""
     key = to_nested_key(key)
     if not layouts.has_key(td, key):
-        raise missing_key_error(td, key, "column")
+        raise missing_key_error(td, key, "RowColumns")
     if isinstance(key, tuple) and len(key) == 2 and key[1] in _PARTS and key[0] in ("tokens", "history"):
         if key[0] == "history":
             return layouts.read_history(td, key[1]), None
@@ -200,7 +87,7 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
         return layouts.read_column(td, key), None
     if is_tensor_collection(value):
         raise TypeError(
-            f"column: key {column_name(key)!r} holds a nested {type(value).__name__}, not a leaf; "
+            f"RowColumns: key {column_name(key)!r} holds a nested {type(value).__name__}, not a leaf; "
             f"name one of its leaves. Available keys: {layouts.available_keys(td)}"
         )
     if isinstance(value, torch.Tensor):
@@ -208,13 +95,6 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
             return _RaggedRows(list(value.unbind(0))), value.dtype
         return value.reshape(-1, *value.shape[td.batch_dims :]), value.dtype
     return layouts.read_column(td, key), None
-
-
-def read_token_ids(td: TensorDictBase, part: layouts.Part) -> layouts.Ragged:
-    """:func:`layouts.read_tokens` of ``("tokens", part)``; ``TypeError`` if not integers."""
-    ragged = layouts.read_tokens(td, part)
-    check_integer_ids(ragged.values.dtype, f"key {column_name(layouts.token_key(part))!r}")
-    return ragged
 
 
 class _RaggedRows(list):
@@ -239,16 +119,200 @@ def leaf_keys(td: TensorDictBase) -> list[NestedKey]:
     return [to_nested_key(k) for k in layouts.available_keys(td)]
 
 
-def prompt_response_ids(td: TensorDictBase) -> tuple[layouts.Ragged, layouts.Ragged]:
-    """Each row's prompt + response tokens and a 0/1 int64 mask, 1 on the response (two
-    :class:`~torchrl_trl.layouts.Ragged` of the same lengths)."""
-    prompt, response = read_token_ids(td, "prompt"), read_token_ids(td, "response")
-    lengths = prompt.lengths + response.lengths
-    # interleave prompt and response tokens row by row with index arithmetic
-    starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
-    within = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
-    is_completion = within >= prompt.lengths.repeat_interleave(lengths)
-    values = torch.empty(int(lengths.sum()), dtype=prompt.values.dtype)
-    values[~is_completion] = prompt.values
-    values[is_completion] = response.values
-    return layouts.Ragged(values, lengths), layouts.Ragged(is_completion.long(), lengths)
+class RowColumns:
+    """What each row of a :class:`~torchrl_trl.data.TorchRLBufferDataset` holds beyond
+    upstream's ``keys``: a format's columns, named columns, the item's storage index, after a
+    row filter. Pass it as the dataset's ``format=`` (a format name or a
+    :class:`~torchrl_trl.data.BufferFormat` alone is ``RowColumns(format)``); it turns a batch of
+    buffer rows (batch shape ``[B]`` or ``[B, G]``) into ``{column: one value per row}``.
+
+    Args:
+        format (str or BufferFormat, optional): a registered format name (``"sft"``,
+            ``"grpo_conversational"``, ...: see :func:`~torchrl_trl.data.available_formats`) or a
+            :class:`~torchrl_trl.data.BufferFormat`. Defaults to ``None`` (no format).
+        columns (mapping of str to NestedKey or callable, optional): ``{column: spec}``, ``spec``
+            a nested key or ``fn(batch) -> list`` (e.g.
+            :meth:`torchrl_trl.online.StalenessFilter.weight_column`), yielded beside the
+            format's. Defaults to ``None``. (Keys yielded under their flat name: the dataset's
+            ``keys=``.)
+
+    Keyword Args:
+        index_column (str, optional): yield each row's storage index (an int) under this column
+            name (e.g. for :func:`torchrl_trl.online.update_priorities`; needs
+            ``remove_unused_columns=False`` in the trainer's config). Defaults to ``None``.
+        sample_filter (callable, optional): ``fn(batch) -> bool tensor [B]`` (one per row): rows
+            where it is ``False`` are not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`),
+            so an epoch pass yields fewer than ``len(dataset)`` rows. Another dtype or number of
+            values raises. Defaults to ``None``.
+        tokenizer (transformers tokenizer, optional): the policy's tokenizer; its pad string is
+            removed from decoded ``text``/``history`` (see :func:`torchrl_trl.layouts.read_text`).
+            Defaults to ``None``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import ListStorage, ReplayBuffer
+        >>> from torchrl_trl.data import TorchRLBufferDataset
+        >>> rb = ReplayBuffer(storage=ListStorage(8))
+        >>> _ = rb.extend(TensorDict({"x": torch.arange(4), "y": torch.arange(4) * 10}, [4]))
+        >>> rows = RowColumns(columns={"y_plus_x": lambda td: (td["y"] + td["x"]).tolist()}, index_column="index",
+        ...                   sample_filter=lambda td: td["x"] % 2 == 1)
+        >>> list(TorchRLBufferDataset(rb, 4, keys=["x"], format=rows, reading="epoch").as_hf_dataset())
+        [{'x': 1, 'y_plus_x': 11, 'index': 1}, {'x': 3, 'y_plus_x': 33, 'index': 3}]
+    """
+
+    def __init__(self, format: str | BufferFormat | None = None, columns: Mapping[str, ColumnSpec] | None = None, *,
+                 index_column: str | None = None, sample_filter: Callable[[TensorDictBase], torch.Tensor] | None = None,
+                 tokenizer: Any = None) -> None:  # fmt: skip
+        if format is not None and not isinstance(format, (str, BufferFormat)):
+            raise TypeError(
+                f"RowColumns: format must be a format name, a BufferFormat or None, got {type(format).__name__}"
+            )
+        if columns is not None and not isinstance(columns, Mapping):
+            raise TypeError(f"RowColumns: columns must be a mapping {{column: key or fn}}, got "
+                            f"{type(columns).__name__} (keys under their flat name: the dataset's keys=)")
+        if sample_filter is not None and not callable(sample_filter):
+            raise TypeError(f"RowColumns: sample_filter must be callable, got {type(sample_filter).__name__}")
+        self.format = get_format(format) if format is not None else None
+        self.columns: dict[str, ColumnSpec] = {
+            name: spec if callable(spec) else to_nested_key(spec) for name, spec in (columns or {}).items()
+        }
+        self.sample_filter = sample_filter
+        self.index_column = index_column
+        self.tokenizer = tokenizer
+        # set by bind(): the dataset's keys and device, the pad string
+        self.keys: list[NestedKey] | None = None
+        self.device: torch.device | None = None
+        self.pad_text: str | None = None
+        self.dtypes: dict[str, torch.dtype] = {}
+
+    def bind(self, *, keys: Sequence[NestedKey] | None = None, device: torch.device | str | None = None) -> RowColumns:
+        """A copy for one dataset: upstream's ``keys`` (raw keys, yielded under their flat name)
+        and ``device``; the tokenizer is kept as its pad string (cheap to send to DataLoader
+        workers)."""
+        bound = copy.copy(self)
+        bound.keys = None if keys is None else [to_nested_key(k) for k in keys]
+        bound.device = torch.device(device) if device is not None else None
+        tok = self.tokenizer
+        bound.pad_text = None if tok is None else tok.decode([tok.pad_token_id], skip_special_tokens=False)
+        bound.tokenizer = None
+        bound.dtypes = {}
+        return bound
+
+    def raw_keys(self, batch: TensorDictBase) -> list[NestedKey]:
+        """``keys``, or every leaf key when nothing else is asked for."""
+        if self.keys is None and self.format is None and not self.columns:
+            return leaf_keys(batch)
+        return list(self.keys or [])
+
+    def in_keys(self, batch: TensorDictBase) -> list[NestedKey]:
+        """The nested keys read by name: raw keys, the format's, the named columns'."""
+        named = [s for s in self.columns.values() if not callable(s)]
+        keys = [*self.raw_keys(batch), *(self.format.required_keys if self.format else ()), *named]
+        return list(dict.fromkeys(to_nested_key(k) for k in keys))
+
+    def check(self, peek: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
+        """Convert ``peek`` (the first stored rows) after checking every key is there."""
+        if self.format is not None and (missing := self.format.missing_keys(peek)):
+            raise KeyError(
+                f"TorchRLBufferDataset: format {self.format.name!r} needs keys {[column_name(k) for k in missing]} that "
+                f"the replay buffer's samples lack. Available keys: {layouts.available_keys(peek)}"
+            )
+        for spec in [*(self.keys or []), *(s for s in self.columns.values() if not callable(s))]:
+            if not layouts.has_key(peek, spec):
+                raise missing_key_error(peek, spec, "TorchRLBufferDataset")
+        cols = self.convert(peek, python=python)
+        if self.index_column is not None:
+            cols[self.index_column] = list(range(peek.batch_size.numel()))
+        return cols
+
+    def convert(self, batch: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
+        """``{column: one value per row}`` for ``batch``: ``python=True`` Python values, ``False``
+        tensors for tensor leaves, ``"columnar"`` :func:`read_key_columnar` forms."""
+        cols: dict[str, Any] = {}
+        if self.format is not None:
+            with layouts.decoded_padding(pad_text=self.pad_text), layouts.padding_checked_once():
+                cols.update(self.format(batch))
+        for key in self.raw_keys(batch):
+            cols[column_name(key)], self.dtypes[column_name(key)] = _read(batch, key, python)
+        for name, spec in self.columns.items():
+            if callable(spec):
+                cols[name] = list(spec(batch))
+            else:
+                cols[name], self.dtypes[name] = _read(batch, spec, python)
+        n = batch.batch_size.numel()
+        for name, values in cols.items():
+            if len(values) != n:
+                raise ValueError(f"TorchRLBufferDataset: expected one value per row in column {name!r}, "
+                                 f"got {len(values)} for a batch of {n} rows")
+        return cols
+
+    def of_batch(self, batch: TensorDictBase, python: bool | str,
+                 index: torch.Tensor | None = None) -> dict[str, Any] | None:
+        """:meth:`convert` after ``sample_filter`` (``None``: every row dropped), with the index
+        column; ``python=False`` moves tensors to ``device``."""
+        if index is not None:
+            index = _index_per_row(index, batch)
+        if self.sample_filter is not None:
+            keep = self.keep(batch)
+            if not keep.all():
+                kept = keep.nonzero().squeeze(-1)
+                if not kept.numel():
+                    return None
+                batch = batch[kept]
+                index = None if index is None else index[kept]
+        cols = self.convert(batch, python=python)
+        if self.index_column is not None:
+            index = torch.as_tensor(index).reshape(-1)
+            cols[self.index_column] = index.clone() if python == "columnar" else index.tolist()
+        if python is False and self.device is not None:
+            for name, values in cols.items():
+                cols[name] = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in values]
+        return cols
+
+    def rows(self, batch: TensorDictBase, python: bool, index: torch.Tensor | None = None) -> Iterator[dict[str, Any]]:
+        """:meth:`of_batch` as one dict per row."""
+        cols = self.of_batch(batch, python, index) or {}
+        for row in zip(*cols.values()):
+            yield dict(zip(cols, row))
+
+    def keep(self, batch: TensorDictBase) -> torch.Tensor:
+        """``sample_filter(batch)`` as bool ``[B]``; anything else raises."""
+        out = self.sample_filter(batch)
+        keep = torch.as_tensor(out) if not isinstance(out, torch.Tensor) else out
+        rows = batch.batch_size.numel()
+        if keep.dtype != torch.bool:
+            raise TypeError(
+                f"RowColumns: sample_filter must return bools (a bool tensor of shape [{rows}], one per row), "
+                f"got dtype {keep.dtype}"
+            )
+        if keep.numel() != rows:
+            raise ValueError(
+                f"RowColumns: sample_filter returned {keep.numel()} values (shape {list(keep.shape)}) for a batch "
+                f"of {rows} rows; expected shape [{rows}] (or {list(batch.batch_size)})"
+            )
+        return keep.reshape(-1)
+
+    def features(self, sample: dict[str, list]):
+        """``datasets.Features`` of a :meth:`check` result: the format's, else inferred."""
+        from datasets import Features, Value
+
+        declared = self.format.features() if self.format is not None else {}
+        feats = {name: declared[name] if name in declared else infer_feature(values, self.dtypes.get(name))
+                 for name, values in sample.items()}
+        if self.index_column is not None:
+            feats[self.index_column] = Value("int64")
+        return Features(feats)
+
+
+def _read(batch: TensorDictBase, key: NestedKey, python: bool | str):
+    return read_key_columnar(batch, key) if python == "columnar" else read_key(batch, key, python=python)
+
+
+def _index_per_row(index: torch.Tensor, batch: TensorDictBase) -> torch.Tensor:
+    """Storage indices, one per row (an item of batch shape ``[G]`` gives ``G`` rows)."""
+    index = torch.as_tensor(index).reshape(-1)
+    rows = batch.batch_size.numel()
+    if index.numel() and rows != index.numel() and rows % index.numel() == 0:
+        index = index.repeat_interleave(rows // index.numel())
+    return index

@@ -14,7 +14,7 @@ from . import hf
 from .buffer_reader import BufferReader, check_strings_survive
 from .formats import BufferFormat
 from .reading import EpochPass, OnlineSampling, ReadingStrategy, reading_from_arguments
-from .row_columns import RowColumns
+from .columns import RowColumns
 from .sharding import Sharding
 
 __all__ = ["TorchRLBufferDataset"]

@@ -13,16 +13,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
 
+import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from .. import layouts
+from .._token_ids import check_integer_ids
 from . import features as F
-from .columns import array_rows, column_name, prompt_response_ids
 
 __all__ = [
-    "CHOSEN_KEY", "LABEL_KEY", "MARGIN_KEY", "REJECTED_KEY", "BufferFormat", "available_formats", "check_format",
-    "get_format", "register_format",
+    "CHOSEN_KEY", "LABEL_KEY", "MARGIN_KEY", "REJECTED_KEY", "BufferFormat", "available_formats", "get_format",
+    "prompt_response_ids", "read_token_ids", "register_format",
 ]
 CHOSEN_KEY, REJECTED_KEY, MARGIN_KEY, LABEL_KEY = "chosen", "rejected", "margin", "label"
 
@@ -138,17 +139,6 @@ def available_formats() -> list[str]:
     return sorted(_FORMATS)
 
 
-def check_format(fmt: BufferFormat, td: TensorDictBase) -> None:
-    """Raise ``KeyError`` naming every key ``fmt`` needs that ``td`` lacks."""
-    missing = fmt.missing_keys(td)
-    if missing:
-        names = [column_name(k) for k in missing]
-        raise KeyError(
-            f"TorchRLBufferDataset: format {fmt.name!r} needs keys {names} that the replay buffer's samples lack. "
-            f"Available keys: {layouts.available_keys(td)}"
-        )
-
-
 # Built-in formats. Text columns are read from ("text", part) (prompts with the chat template
 # applied, as TorchRL stores them), conversational ones from ("history", part) as messages.
 class _Kind(NamedTuple):
@@ -181,9 +171,31 @@ def _read_format(name: str, kind: str, description: str, **parts: str) -> Buffer
                         partial(_columns_features, kind, spec), description)
 
 
+def read_token_ids(td: TensorDictBase, part: layouts.Part) -> layouts.Ragged:
+    """:func:`layouts.read_tokens` of ``("tokens", part)``; ``TypeError`` if not integers."""
+    ragged = layouts.read_tokens(td, part)
+    check_integer_ids(ragged.values.dtype, f"TorchRLBufferDataset: key {'.'.join(layouts.token_key(part))!r}")
+    return ragged
+
+
+def prompt_response_ids(td: TensorDictBase) -> tuple[layouts.Ragged, layouts.Ragged]:
+    """Each row's prompt + response tokens and a 0/1 int64 mask, 1 on the response (two
+    :class:`~torchrl_trl.layouts.Ragged` of the same lengths)."""
+    prompt, response = read_token_ids(td, "prompt"), read_token_ids(td, "response")
+    lengths = prompt.lengths + response.lengths
+    # interleave prompt and response tokens row by row with index arithmetic
+    starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+    within = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
+    is_completion = within >= prompt.lengths.repeat_interleave(lengths)
+    values = torch.empty(int(lengths.sum()), dtype=prompt.values.dtype)
+    values[~is_completion] = prompt.values
+    values[is_completion] = response.values
+    return layouts.Ragged(values, lengths), layouts.Ragged(is_completion.long(), lengths)
+
+
 def _sft_tokenized(td: TensorDictBase) -> dict[str, list]:
     ids, completion_mask = prompt_response_ids(td)
-    return {"input_ids": array_rows(ids), "completion_mask": array_rows(completion_mask)}
+    return {"input_ids": F.array_rows(ids), "completion_mask": F.array_rows(completion_mask)}
 
 
 def _sft_tokenized_features() -> dict:
@@ -232,7 +244,7 @@ def _pair_keys(key: Callable) -> tuple:
 
 
 def _reward_tokenized(td: TensorDictBase) -> dict[str, list]:
-    ids = [array_rows(prompt_response_ids(td.get(side))[0]) for side in (CHOSEN_KEY, REJECTED_KEY)]
+    ids = [F.array_rows(prompt_response_ids(td.get(side))[0]) for side in (CHOSEN_KEY, REJECTED_KEY)]
     return {"chosen_ids": ids[0], "rejected_ids": ids[1], "margin": _margin(td)}
 
 

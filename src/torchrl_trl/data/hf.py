@@ -9,7 +9,7 @@ from typing import Any
 
 from .buffer_reader import BufferReader
 from .reading import EpochPass, KeyedBatch, ReadingStrategy
-from .row_columns import RowColumns
+from .columns import RowColumns
 from .sharding import Sharding
 
 __all__ = ["HFBatches", "iterable_dataset", "snapshot"]
