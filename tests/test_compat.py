@@ -103,7 +103,7 @@ def test_ray_runtime_lease_shares_an_initialised_runtime(ray_session):
     assert ray.is_initialized()  # it did not start Ray, so it does not shut it down
 
 
-# -- the buffer dataset's uses (data/sharding.py, data/arrow.py) ---------------------------
+# -- the buffer dataset's uses (_buffers.py, data/arrow.py) -----------------------------------
 
 
 def test_reset_replay_lock_frees_a_lock_held_by_a_gone_thread():

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
 
-from torchrl_trl import testing
+from torchrl_trl import _buffers, testing
 from torchrl_trl.data import EpochPass, RowColumns, Sharding, TorchRLBufferDataset, sharding
 
 
@@ -297,7 +297,7 @@ def test_online_sampling_beside_writer_with_forked_workers():
 def test_worker_forked_mid_write_is_refused(monkeypatch):
     """A buffer whose lock another thread holds past the fork wait is refused in the
     worker with a clear error, not read torn or waited on forever."""
-    monkeypatch.setattr(sharding, "_FORK_WAIT_S", 0.2)
+    monkeypatch.setattr(_buffers, "_FORK_WAIT_S", 0.2)
     rb = _ids_buffer(8)
     ds = TorchRLBufferDataset(rb, 2, reading="epoch", keys=["x"])
     held, release = threading.Event(), threading.Event()

@@ -1,7 +1,18 @@
 """A local replay buffer (storage, sampler and writer in this process) told from a remote one
-(a ``RayReplayBuffer`` or its client), through TorchRL's public ``ReplayBuffer`` properties."""
+(a ``RayReplayBuffer`` or its client), through TorchRL's public ``ReplayBuffer`` properties;
+and what a forked process (a DataLoader worker) may read of a local one: ``fork`` waits for a
+write in progress (:func:`guard_fork`), a copy taken mid-write is known (:func:`forked_mid_write`),
+and :func:`readable_length` says how many items the copy holds and whether it grows."""
 
 from __future__ import annotations
+
+import os
+import weakref
+
+from . import _compat
+
+__all__ = ["forked_mid_write", "guard_fork", "is_local", "local_parts", "local_sampler", "local_storage",
+           "readable_length"]
 
 
 def is_local(replay_buffer) -> bool:
@@ -32,3 +43,84 @@ def local_parts(replay_buffer, what: str):
         raise TypeError(f"{what}: {type(replay_buffer).__name__} keeps its storage elsewhere (e.g. a Ray actor); "
                         "save or load a local torchrl.data.ReplayBuffer")
     return replay_buffer.storage, replay_buffer.sampler, replay_buffer.writer
+
+
+_GUARDED: weakref.WeakSet = weakref.WeakSet()
+_HELD: list = []
+_FORK_LEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # in a child: len at fork
+_TORN: weakref.WeakSet = weakref.WeakSet()  # in a child: buffers forked mid-write
+_FORK_WAIT_S = 30.0
+_hooks: list = []
+_private_tensor_storages: list = []
+
+
+def guard_fork(replay_buffer) -> None:
+    """Make ``fork`` wait for a write in progress on ``replay_buffer`` (the parent holds its lock
+    across the fork and the child records its length); a buffer still locked after 30 s is
+    marked torn in the child (:func:`forked_mid_write`)."""
+    if not is_local(replay_buffer):  # a Ray client: nothing in this process to fork
+        return
+    if not _hooks:
+        from torchrl.data import LazyMemmapStorage, TensorStorage
+
+        # no imports in the hooks (a forked child must not wait for the import lock)
+        _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage])
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+        _hooks.append(True)
+    _GUARDED.add(replay_buffer)
+
+
+def forked_mid_write(replay_buffer) -> bool:
+    """Whether this process was forked while another thread was writing ``replay_buffer``."""
+    return replay_buffer in _TORN
+
+
+def readable_length(replay_buffer) -> tuple[int, bool]:
+    """``(n, live)``: how many items this process can read consistently, and whether later
+    writes become readable here (a forked worker's private copy of in-process data stops at
+    the fork; memmap, remote and spawned tensor storages are shared: live)."""
+    import torch.utils.data
+    from torchrl.data import LazyMemmapStorage, TensorStorage
+
+    n = len(replay_buffer)
+    if torch.utils.data.get_worker_info() is None:
+        return n, True
+    storage = local_storage(replay_buffer)
+    if storage is None or isinstance(storage, LazyMemmapStorage):
+        return n, True
+    if replay_buffer in _FORK_LEN:
+        return min(n, _FORK_LEN[replay_buffer]), False
+    return n, isinstance(storage, TensorStorage)
+
+
+def _before_fork() -> None:
+    for rb in list(_GUARDED):
+        lock = _compat.replay_lock(rb)
+        if hasattr(lock, "acquire"):
+            acquired = lock.acquire(timeout=_FORK_WAIT_S)
+            _HELD.append((rb, lock, acquired))
+            if acquired:
+                _FORK_LEN[rb] = len(rb)  # the child keeps this (its copy of the dict)
+
+
+def _after_in_parent() -> None:
+    while _HELD:
+        rb, lock, acquired = _HELD.pop()
+        _FORK_LEN.pop(rb, None)
+        if acquired:
+            lock.release()
+
+
+def _after_in_child() -> None:
+    tensor_storage, memmap_storage = _private_tensor_storages
+    while _HELD:
+        rb, lock, acquired = _HELD.pop()
+        storage = rb.storage  # guarded buffers are local
+        if acquired and isinstance(storage, tensor_storage) and not isinstance(storage, memmap_storage):
+            # the child's data stops at the fork, but its length counter is shared with the parent
+            _compat.pin_storage_length(storage, _FORK_LEN.get(rb, len(storage)))
+        if acquired:
+            lock.release()
+        else:  # the writer thread does not exist here: its lock would never be released
+            _compat.reset_replay_lock(rb)
+            _TORN.add(rb)

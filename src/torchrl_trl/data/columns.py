@@ -214,10 +214,9 @@ class RowColumns:
     def check(self, peek: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
         """Convert ``peek`` (the first stored rows) after checking every key is there."""
         if self.format is not None and (missing := self.format.missing_keys(peek)):
-            raise KeyError(
-                f"TorchRLBufferDataset: format {self.format.name!r} needs keys {[column_name(k) for k in missing]} that "
-                f"the replay buffer's samples lack. Available keys: {layouts.available_keys(peek)}"
-            )
+            names = [column_name(k) for k in missing]
+            raise KeyError(f"TorchRLBufferDataset: format {self.format.name!r} needs keys {names} that the replay "
+                           f"buffer's samples lack. Available keys: {layouts.available_keys(peek)}")
         for spec in [*(self.keys or []), *(s for s in self.columns.values() if not callable(s))]:
             if not layouts.has_key(peek, spec):
                 raise missing_key_error(peek, spec, "TorchRLBufferDataset")

@@ -11,10 +11,11 @@ from tensordict.utils import NestedKey
 
 from .._checks import config_or_default, positive_int
 from . import hf
-from .buffer_reader import BufferReader, check_strings_survive
-from .formats import BufferFormat
-from .reading import EpochPass, OnlineSampling, ReadingStrategy, reading_from_arguments
 from .columns import RowColumns
+from .formats import BufferFormat
+from .reading import (
+    BufferReader, EpochPass, OnlineSampling, ReadingStrategy, check_strings_survive, reading_from_arguments,
+)
 from .sharding import Sharding
 
 __all__ = ["TorchRLBufferDataset"]

@@ -7,9 +7,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from .buffer_reader import BufferReader
-from .reading import EpochPass, KeyedBatch, ReadingStrategy
 from .columns import RowColumns
+from .reading import BufferReader, EpochPass, KeyedBatch, ReadingStrategy
 from .sharding import Sharding
 
 __all__ = ["HFBatches", "iterable_dataset", "snapshot"]

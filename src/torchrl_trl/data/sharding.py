@@ -1,6 +1,6 @@
 """Who reads what: epoch orders cut into contiguous shards (split over ranks and DataLoader
 workers, each item is read once), per-rank/per-worker random streams, and, beside a live
-writer, one buffer length per pass (:class:`PassLengths`) and safe forks (:func:`guard_fork`)."""
+writer, one buffer length per pass shared by every reader of it (:class:`PassLengths`)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .. import _compat
-from .._buffers import is_local, local_storage
 from .._checks import positive_int
 
-__all__ = ["PassLengths", "Sharding", "broadcast_length", "epoch_order", "forked_mid_write", "guard_fork",
-           "readable_length", "split_count", "stream_seed", "worker_index"]
+__all__ = ["PassLengths", "Sharding", "broadcast_length", "epoch_order", "split_count", "stream_seed", "worker_index"]
 
 
 def _in_worker() -> bool:
@@ -183,7 +180,7 @@ class PassLengths:
 
     def length(self, epoch: int, *, first: bool, pass_index: int, take: Callable[[], int], live: bool) -> int:
         """The length pass ``pass_index`` of ``epoch`` reads (``first``: this iteration's first;
-        ``take()`` reads it; ``live``: see :func:`readable_length`)."""
+        ``take()`` reads it; ``live``: see :func:`torchrl_trl._buffers.readable_length`)."""
         info = torch.utils.data.get_worker_info()
         if info is None:
             return self._take(epoch, take)
@@ -235,83 +232,3 @@ def _unlink_if_owner(path: str, pid: int) -> None:
     if os.getpid() == pid:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-_GUARDED: weakref.WeakSet = weakref.WeakSet()
-_HELD: list = []
-_FORK_LEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # in a child: len at fork
-_TORN: weakref.WeakSet = weakref.WeakSet()  # in a child: buffers forked mid-write
-_FORK_WAIT_S = 30.0
-_hooks: list = []
-_private_tensor_storages: list = []
-
-
-def guard_fork(replay_buffer) -> None:
-    """Make ``fork`` wait for a write in progress on ``replay_buffer`` (the parent holds its lock
-    across the fork and the child records its length); a buffer still locked after 30 s is
-    marked torn in the child (:func:`forked_mid_write`)."""
-    if not is_local(replay_buffer):  # a Ray client: nothing in this process to fork
-        return
-    if not _hooks:
-        from torchrl.data import LazyMemmapStorage, TensorStorage
-
-        # no imports in the hooks (a forked child must not wait for the import lock)
-        _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage])
-        os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
-        _hooks.append(True)
-    _GUARDED.add(replay_buffer)
-
-
-def forked_mid_write(replay_buffer) -> bool:
-    """Whether this process was forked while another thread was writing ``replay_buffer``."""
-    return replay_buffer in _TORN
-
-
-def readable_length(replay_buffer) -> tuple[int, bool]:
-    """``(n, live)``: how many items this process can read consistently, and whether later
-    writes become readable here (a forked worker's private copy of in-process data stops at
-    the fork; memmap, remote and spawned tensor storages are shared: live)."""
-    n = len(replay_buffer)
-    if torch.utils.data.get_worker_info() is None:
-        return n, True
-    from torchrl.data import LazyMemmapStorage, TensorStorage
-
-    storage = local_storage(replay_buffer)
-    if storage is None or isinstance(storage, LazyMemmapStorage):
-        return n, True
-    if replay_buffer in _FORK_LEN:
-        return min(n, _FORK_LEN[replay_buffer]), False
-    return n, isinstance(storage, TensorStorage)
-
-
-def _before_fork() -> None:
-    for rb in list(_GUARDED):
-        lock = _compat.replay_lock(rb)
-        if hasattr(lock, "acquire"):
-            acquired = lock.acquire(timeout=_FORK_WAIT_S)
-            _HELD.append((rb, lock, acquired))
-            if acquired:
-                _FORK_LEN[rb] = len(rb)  # the child keeps this (its copy of the dict)
-
-
-def _after_in_parent() -> None:
-    while _HELD:
-        rb, lock, acquired = _HELD.pop()
-        _FORK_LEN.pop(rb, None)
-        if acquired:
-            lock.release()
-
-
-def _after_in_child() -> None:
-    tensor_storage, memmap_storage = _private_tensor_storages
-    while _HELD:
-        rb, lock, acquired = _HELD.pop()
-        storage = rb.storage  # guarded buffers are local
-        if acquired and isinstance(storage, tensor_storage) and not isinstance(storage, memmap_storage):
-            # the child's data stops at the fork, but its length counter is shared with the parent
-            _compat.pin_storage_length(storage, _FORK_LEN.get(rb, len(storage)))
-        if acquired:
-            lock.release()
-        else:  # the writer thread does not exist here: its lock would never be released
-            _compat.reset_replay_lock(rb)
-            _TORN.add(rb)
