@@ -42,6 +42,8 @@ def _misbehave(how: str) -> None:
         os.kill(os.getpid(), signal.SIGSEGV)
     if how == "exit":
         os._exit(3)
+    if how == "exit0":
+        os._exit(0)
 
 
 def by_text(prompts, completions, **kwargs):
@@ -163,6 +165,22 @@ def test_default_context_and_failure_reward_and_copy():
         wrapper.shutdown()
         if clone is not None:
             clone.shutdown()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_worker_exiting_with_code_0_is_a_crash():
+    """A function that ends its worker with os._exit(0): pebble takes that for a worker's normal
+    end and never ends the task (with a timeout, it calls it a timeout); here a crash of that
+    item only, with no timeout set, and the pool runs on."""
+    wrapper = RewardFunctionWrapper(by_text, executor=RewardExecutor("process", max_workers=2, mp_context="fork"))
+    try:
+        with pytest.warns(UserWarning, match="crashed its worker"):
+            _same(_rewards(wrapper(_text_rollouts(["ab", "exit0", "abc"]))), [2.0, math.nan, 3.0])
+        assert wrapper.failure_counts["by_text"] == {"error": 0, "timeout": 0, "crash": 1}
+        _same(_rewards(wrapper(_text_rollouts(["four"]))), [4.0])
+    finally:
+        wrapper.shutdown()
 
 
 @pytest.mark.distributed

@@ -1,163 +1,156 @@
-"""``executor="process"``: our own worker pool; a task past its deadline has its worker killed
-and replaced, a dead worker fails only its item. Workers are fresh interpreters (never the
-trainer's ``__main__``) that get the functions once, with cloudpickle, and die with the trainer.
+"""``executor="process"``: each item a task of a :class:`pebble.ProcessPool`.
+
+pebble does the pool: ``max_workers`` processes, a per-task timeout counted from when a worker
+has loaded the task's arguments (the worker is then stopped and replaced), a worker that dies
+failing only its own task (``ProcessExpired``), and an initializer per worker, which loads the
+functions once (cloudpickle: lambdas, closures, functions of ``__main__``, of stdin or of a
+notebook) and warms them up (:func:`~torchrl_trl.rewards.scheduler.warm_up`), so a worker's
+start-up is never on an item's clock. What pebble 5.1.1 cannot do, and the test showing it
+(each fails with a plain ``pebble.ProcessPool``), is the code kept here:
+
+- an unguarded script's functions: multiprocessing's ``"spawn"`` runs the script's top level
+  again in every worker (which trains again, then fails); :class:`_SpawnWithoutMain` starts
+  workers without the trainer's ``__main__``
+  (``test_reward_function_of_main_in_process_workers[unguarded_script]``);
+- a bound on start-up: pebble waits forever for a worker stuck loading the functions;
+  ``startup_timeout`` stops the pool and raises
+  (``test_a_worker_that_cannot_load_the_functions_in_startup_timeout_raises``);
+- workers die with the trainer: pebble's outlive a trainer that was SIGKILLed; each worker
+  watches it (``test_a_worker_exits_when_its_trainer_is_killed``);
+- a worker that exits with code 0 mid-task: pebble takes it for a normal exit and never ends
+  the task (or calls it a timeout); a ``"crash"`` here (``test_a_worker_exiting_with_code_0_is_a_crash``).
 """
 
 from __future__ import annotations
 
-import atexit
+import concurrent.futures
 import contextlib
-import multiprocessing
+import io
 import multiprocessing.connection
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import threading
 import time
 import traceback
-import weakref
+from multiprocessing import context, popen_spawn_posix, reduction, spawn, util
 
 import cloudpickle
+import pebble
 
-from .scheduler import ItemExecutor, ItemResult, _deadline, _describe, _left, call_item, warm_up
+from .scheduler import ItemExecutor, ItemResult, _describe, call_item, warm_up
 
 __all__ = ["ProcessItemExecutor"]
 
 
+class _SpawnWithoutMain(popen_spawn_posix.Popen):
+    """``"spawn"``'s ``Popen`` (``_launch`` as in CPython 3.10-3.13) with preparation data that
+    name no ``__main__``: a worker never runs the trainer's script; the functions it needs
+    come with cloudpickle."""
+
+    def _launch(self, process_obj):
+        from multiprocessing import resource_tracker
+
+        self._fds.append(tracker_fd := resource_tracker.getfd())
+        prep = spawn.get_preparation_data(process_obj._name)
+        prep = {k: v for k, v in prep.items() if k not in ("init_main_from_path", "init_main_from_name")}
+        fp = io.BytesIO()
+        context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep, fp)
+            reduction.dump(process_obj, fp)
+        finally:
+            context.set_spawning_popen(None)
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        self._fds += [child_r, child_w]
+        try:
+            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(self, util.close_fds, [parent_r, parent_w])
+            os.close(child_r)
+            os.close(child_w)
+
+
+class _SpawnContext(context.SpawnContext):
+    class Process(context.SpawnProcess):
+        _Popen = staticmethod(_SpawnWithoutMain)
+
+
 def _exit_detail(exitcode: int | None) -> str:
     if exitcode is None:
-        return "worker process died"
+        return "worker process ended without a result"
     if exitcode < 0:
-        try:
+        with contextlib.suppress(ValueError):
             return f"worker process killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"worker process killed by signal {-exitcode}"
+        return f"worker process killed by signal {-exitcode}"
     return f"worker process exited with code {exitcode}"
 
 
 def _watch_trainer(trainer_pid: int) -> None:
-    # exit once the trainer is gone (the parent-death signal covers main-thread workers on Linux)
-    try:
-        handle = os.pidfd_open(trainer_pid)  # Linux >= 5.3: readable once it exits
-    except (AttributeError, OSError):
-        handle = None
-    if handle is not None:
-        multiprocessing.connection.wait([handle])  # returns once the trainer exits
-        os._exit(1)
-    while True:
-        time.sleep(1.0)
-        try:
-            os.kill(trainer_pid, 0)
-        except (ProcessLookupError, PermissionError):  # gone, or its pid reused by another user
-            os._exit(1)
+    """Exit once the trainer is gone (the parent-death signal covers pools of its main thread)."""
+    with contextlib.suppress(AttributeError, OSError):  # Linux >= 5.3: readable once it exits
+        multiprocessing.connection.wait([os.pidfd_open(trainer_pid)])
+    while os.getppid() == trainer_pid:  # elsewhere: adopted by another process once it exits
+        time.sleep(0.5)
+    os._exit(1)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent exits, even while C code holds the GIL."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):  # no libc prctl: the watcher thread remains
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+_FUNCS: list = []
+_LOAD_ERROR = ""
 
 
-# a fresh interpreter with the trainer's sys.path, importing neither its __main__ nor torch
-_WORKER_COMMAND = (
-    "import sys; sys.path[:] = sys.argv[4:]; "
-    "from torchrl_trl.rewards.process_pool import _worker_main; "
-    "_worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == '1')"
-)
+def _init_worker(payload: bytes, trainer_pid: int, die_with_parent: bool) -> None:
+    """pebble's initializer: watch the trainer, load the functions and warm them up. A failure
+    is kept for the first item to report (a raising initializer makes pebble restart the worker
+    forever)."""
+    global _FUNCS, _LOAD_ERROR
+    if die_with_parent and sys.platform.startswith("linux"):  # SIGKILL even while C code holds the GIL
+        import ctypes
 
-
-def _worker_main(conn, trainer_pid: int, die_with_parent: bool = False) -> None:
-    """A worker process: load the functions (``conn``'s first message) and warm them up
-    (:func:`~torchrl_trl.rewards.scheduler.warm_up`: the imports their first call would do),
-    say it is ready, run tasks until told to stop. Loading and warming up are its start-up,
-    bounded by ``startup_timeout``; no item's ``timeout`` pays for them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    if die_with_parent:
-        _die_with_parent()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     threading.Thread(target=_watch_trainer, args=(trainer_pid,), daemon=True).start()
-    if isinstance(conn, int):
-        conn = multiprocessing.connection.Connection(conn)
     try:
-        funcs = pickle.loads(conn.recv_bytes())
-        for func in funcs:
+        _FUNCS = pickle.loads(payload)
+        for func in _FUNCS:
             warm_up(func)
     except BaseException as err:
-        conn.send(("init_error", _describe(err)))
-        return
-    conn.send(("ready",))
-    shared: dict = {}
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "stop":
-            return
-        if msg[0] == "shared":
-            shared = msg[1]
-            continue
-        _, task_id, index, kwargs = msg
-        conn.send(("started", task_id))  # the arguments are loaded (imports done): the clock starts
-        try:
-            value, logs = call_item(funcs[index], {**shared, **kwargs})
-            reply = (task_id, "ok", value, "", logs)
-        except BaseException as err:
-            tb = traceback.extract_tb(err.__traceback__)
-            where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-            reply = (task_id, "error", None, _describe(err) + where, [])
-        try:
-            conn.send(reply)
-        except Exception as err:  # an output that cannot be pickled
-            detail = f"its output could not be sent back: {_describe(err)}"
-            conn.send((task_id, "error", None, detail, []))
+        _LOAD_ERROR = _describe(err)
 
 
-class _Worker:
-    """A worker process (``Popen`` or forked ``Process``), our end of its pipe, and its state."""
-
-    def __init__(self, process, conn):
-        self.process, self.conn = process, conn
-        self.started = time.monotonic()
-        self.ready, self.task, self.running = False, None, False
-        self.shared_version = -1
-
-    def exitcode(self) -> int | None:
-        """``None`` while it runs; negative: the signal that killed it."""
-        return self.process.poll() if isinstance(self.process, subprocess.Popen) else self.process.exitcode
-
-    def join(self, timeout: float | None) -> None:
-        if not isinstance(self.process, subprocess.Popen):
-            return self.process.join(timeout)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout)
-
-    def kill(self) -> None:
-        try:
-            if self.exitcode() is None:
-                self.process.kill()
-            self.join(5)
-        finally:
-            self.conn.close()
-
-
-_LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _shutdown_all() -> None:
-    for pool in list(_LIVE_POOLS):
-        pool.shutdown()
+def _run_item(func_index: int, shared: dict, kwargs: dict) -> tuple:
+    """In a worker: ``(status, value, detail, logs)`` of one call."""
+    if _LOAD_ERROR:
+        return "load_error", None, _LOAD_ERROR, []
+    try:
+        value, logs = call_item(_FUNCS[func_index], {**shared, **kwargs})
+    except BaseException as err:
+        tb = traceback.extract_tb(err.__traceback__)
+        where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+        return "error", None, _describe(err) + where, []
+    try:
+        pickle.dumps((value, logs))
+    except Exception as err:
+        return "error", None, f"its output could not be sent back: {_describe(err)}", []
+    return "ok", value, "", logs
 
 
 class ProcessItemExecutor(ItemExecutor):
-    """A pool of ``max_workers`` processes with a deadline per task: ``"spawn"`` (fresh
-    interpreters) or ``"fork"`` (fastest; inherits the trainer's threads, locks and CUDA)."""
+    """Items on a :class:`pebble.ProcessPool` of ``max_workers`` processes, ``"spawn"`` (fresh
+    interpreters) or ``"fork"`` (fastest; inherits the trainer's threads, locks and CUDA).
+
+    Args:
+        funcs (sequence of callables): the reward functions.
+        names (sequence of str): their names, for messages.
+        timeout (float or None): seconds an item may run once its worker has its arguments.
+        config (RewardExecutor): ``max_workers``, ``mp_context`` and ``startup_timeout``.
+    """
 
     kind = "process"
 
@@ -173,162 +166,111 @@ class ProcessItemExecutor(ItemExecutor):
                     f"({_describe(err)}); expected it picklable, or executor='thread'"
                 ) from err
         self.payload = cloudpickle.dumps(self.funcs)
-        self.replaced = 0  # worker processes killed (timeout) or found dead (crash)
+        self.replaced = 0  # worker processes stopped (timeout) or found dead (crash)
 
     def _reset_runtime(self) -> None:
         super()._reset_runtime()
-        self._workers: list[_Worker] = []
-        self._shared_version, self._target = 0, 0
-        _LIVE_POOLS.add(self)
+        self._pool: pebble.ProcessPool | None = None
+        self._gone: dict = {}  # future -> when its worker was first seen gone without an end
 
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of the current workers."""
-        return [w.process.pid for w in self._workers]
-
-    def _spawn(self) -> None:
-        parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
-        # the parent-death signal fires when the *thread* that started the worker exits
-        die = threading.current_thread() is threading.main_thread()
-        try:
-            if self.mp_context == "fork":
-                process = multiprocessing.get_context("fork").Process(
-                    target=_worker_main, args=(child_conn, os.getpid(), die),
-                    name="torchrl-trl-reward-worker", daemon=True,
-                )
-                process.start()
-            else:
-                fd = child_conn.fileno()
-                args = [str(fd), str(os.getpid()), str(int(die)), *map(str, sys.path)]
-                process = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, *args],
-                                           pass_fds=[fd], stdin=subprocess.DEVNULL)
-        finally:
-            child_conn.close()
-        self._workers.append(_Worker(process, parent_conn))
-        with contextlib.suppress(OSError):  # it died at once: _collect says so
-            parent_conn.send_bytes(self.payload)
-
-    def _drop(self, worker: _Worker) -> None:
-        worker.kill()
-        if worker in self._workers:
-            self._workers.remove(worker)
-            self.replaced += 1
-
-    def _send(self, worker: _Worker, msg, what: str) -> None:
-        try:
-            worker.conn.send(msg)
-        except (pickle.PicklingError, TypeError, AttributeError) as err:
-            raise TypeError(
-                f"RewardExecutor: executor='process' could not send {what} to a worker process: "
-                f"{_describe(err)}; expected picklable arguments"
-            ) from err
+        return [] if self._pool is None else list(self._pool._pool_manager.worker_manager.workers)
 
     def _begin(self, shared, n):
-        self._shared_version += 1
-        self._target = min(self.max_workers, n)
-
-    def _slot(self, running):
-        while len(self._workers) < self._target:
-            self._spawn()
-        return next((w for w in self._workers if w.ready and w.task is None), None)
+        try:
+            pickle.dumps(shared)
+        except Exception as err:
+            raise TypeError(
+                f"RewardExecutor: executor='process' could not send the shared arguments {sorted(shared)} to a "
+                f"worker process: {_describe(err)}; expected picklable arguments"
+            ) from err
+        self._gone = {}
+        if self._pool is not None and not self._pool.active:  # broken (a worker died idle): a new one
+            self.shutdown()
+        if self._pool is None:
+            ctx = multiprocessing.get_context("fork") if self.mp_context == "fork" else _SpawnContext()
+            # the parent-death signal fires when the thread that started the worker exits:
+            # pebble's own thread starts the replacements, this one the first workers
+            die = threading.current_thread() is threading.main_thread()
+            self._pool = pebble.ProcessPool(self.max_workers, initializer=_init_worker,
+                                            initargs=(self.payload, os.getpid(), die), context=ctx)
 
     def _first_timeout(self):
-        # until the worker has loaded the arguments (imports), the start-up bound applies
-        return self.startup_timeout
+        return self.startup_timeout  # until a worker has taken the item and loaded its arguments
 
-    def _submit(self, worker, index, func_index, kwargs, shared):
-        try:
-            if worker.shared_version != self._shared_version:
-                self._send(worker, ("shared", shared), f"the shared arguments {sorted(shared)}")
-                worker.shared_version = self._shared_version
-            what = f"the arguments {sorted(kwargs)} of reward function {self.names[func_index]!r}"
-            self._send(worker, ("task", index, func_index, kwargs), what)
-        except OSError:  # it died while idle: replace it
-            self._drop(worker)
-            return None
-        worker.task, worker.running = index, False
-        return worker
+    def _submit(self, slot, index, func_index, kwargs, shared):
+        return self._pool.schedule(_run_item, (func_index, shared, kwargs), timeout=self.timeout)
 
     def _collect(self, busy, wait_for):
-        starting = [w for w in self._workers if not w.ready]
-        watched = starting + busy
-        if not watched:
-            return []
-        # a worker's death closes its pipe, unless a process it forked holds it: look each second
-        limits = [1.0, *(_left(w.started + self.startup_timeout) for w in starting)]
-        limits += [] if wait_for is None else [wait_for]
-        multiprocessing.connection.wait([w.conn for w in watched], min(limits))
-        done = []
-        for worker in watched:
-            dead = False
-            try:
-                while worker.conn.poll():
-                    done += self._on_message(worker, worker.conn.recv())
-            except (EOFError, OSError):
-                dead = True
-            if dead or worker.exitcode() is not None:
-                worker.join(5)
-                detail = _exit_detail(worker.exitcode())
-                self._drop(worker)
-                if not worker.ready:
-                    raise RuntimeError(
-                        f"RewardExecutor: executor='process': a worker process died while loading the reward "
-                        f"functions {self.names} ({detail})"
-                    )
-                if worker.task is not None:
-                    done.append((worker, ItemResult("crash", detail=detail)))
-            elif not worker.ready and time.monotonic() >= worker.started + self.startup_timeout:
-                self._drop(worker)
+        done, _ = concurrent.futures.wait(busy, min(1.0, 1.0 if wait_for is None else wait_for),
+                                          concurrent.futures.FIRST_COMPLETED)
+        out = [(future, self._result(future)) for future in done]
+        if not self._pool.active:  # pebble's own threads stopped: nothing more would end
+            self.shutdown()
+            raise RuntimeError("RewardExecutor: executor='process': the pebble pool broke (a worker died while idle); "
+                               "expected it alive (the next call starts a new pool)")
+        now = time.monotonic()
+        for future in set(busy) - done:
+            if future.running():
+                self._running[future][1] = None  # pebble's timeout from here
+            elif now >= self._running[future][1]:
+                self.shutdown()
                 raise RuntimeError(
-                    f"RewardExecutor: executor='process': a worker did not load the reward functions "
-                    f"{self.names} within {self.startup_timeout}s (startup_timeout)"
+                    f"RewardExecutor: executor='process': a worker did not load the reward functions {self.names} "
+                    f"within {self.startup_timeout}s, or an item's arguments; expected a larger startup_timeout"
                 )
-        return done
+        return out + self._lost(set(busy) - done, now)
 
-    def _on_message(self, worker: _Worker, msg) -> list:
-        if msg[0] == "ready":
-            worker.ready = True
-        elif msg[0] == "started":
-            if msg[1] == worker.task and worker in self._running:
-                worker.running = True
-                self._running[worker][1] = _deadline(self.timeout)
-        elif msg[0] == "init_error":
-            self._drop(worker)
+    def _result(self, future) -> ItemResult:
+        try:
+            status, value, detail, logs = future.result()
+        except concurrent.futures.TimeoutError:
+            self.replaced += 1
+            return ItemResult("timeout", detail=self._late("worker killed"))
+        except pebble.ProcessExpired as err:
+            self.replaced += 1
+            return ItemResult("crash", detail=_exit_detail(err.exitcode))
+        except (pickle.PicklingError, TypeError, AttributeError) as err:  # pebble could not send it
+            raise TypeError(
+                f"RewardExecutor: executor='process' could not send an item's arguments to a worker process: "
+                f"{_describe(err)}; expected picklable arguments"
+            ) from err
+        if status == "load_error":
+            self.shutdown()
             raise RuntimeError(
                 f"RewardExecutor: executor='process': a worker could not load the reward functions {self.names}: "
-                f"{msg[1]}; expected their module importable (sent by reference)"
+                f"{detail}; expected their module importable (sent by reference)"
             )
-        elif msg[0] == worker.task:  # (task_id, status, value, detail, logs)
-            worker.task, worker.running = None, False
-            return [(worker, ItemResult(*msg[1:]))]
-        return []
+        return ItemResult(status, value, detail, logs)
 
-    def _cancel(self, worker):
-        late = f"the worker did not load the arguments within {self.startup_timeout}s; killed"
-        detail = self._late("worker killed") if worker.running else late
-        self._drop(worker)
-        return detail
+    def _lost(self, running: set, now: float) -> list:
+        """Started tasks whose worker pebble dropped without ending them (it exited with code 0):
+        a crash once seen so for 1 s (pebble ends a crash's task right after dropping its worker)."""
+        manager = self._pool._pool_manager
+        workers, lost = manager.worker_manager.workers, []
+        for task in list(manager.task_manager.tasks.values()):
+            late = task.timeout and time.time() - task.timestamp > task.timeout  # pebble is stopping it
+            if task.future in running and task.started and task.worker_id not in workers and not late:
+                if now - self._gone.setdefault(task.future, now) >= 1.0:
+                    self.replaced += 1
+                    lost.append((task.future, ItemResult("crash", detail=_exit_detail(None))))
+        return lost
+
+    def _cancel(self, future):
+        future.cancel()  # pebble stops its worker if it runs
+        return self._late("worker killed")
 
     def shutdown(self) -> None:
-        """Stop the workers: idle ones are asked to exit, any alive 1 s later (or busy) is
-        killed; the first error is re-raised once all were handled."""
-        workers, self._workers = list(getattr(self, "_workers", [])), []
-        idle = [w for w in workers if w.ready and w.task is None]
-        for worker in idle:
-            with contextlib.suppress(OSError, ValueError):  # already dead, or its pipe closed
-                worker.conn.send(("stop",))
-        deadline = _deadline(1.0)
-        first_error = None
-        for worker in workers:
-            try:
-                if worker in idle:
-                    worker.join(_left(deadline))
-                worker.kill()
-            except Exception as err:  # keep stopping the others
-                first_error = first_error or err
-        if first_error is not None:
-            raise first_error
+        """Stop the workers (a later ``run`` starts new ones)."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.stop()
+            pool.join()
 
     def __del__(self):
-        with contextlib.suppress(Exception):  # the workers must not outlive the pool
+        try:  # the workers must not outlive the pool (not contextlib: gone at interpreter exit)
             self.shutdown()
+        except Exception:
+            pass
