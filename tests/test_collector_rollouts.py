@@ -1,4 +1,4 @@
-"""LLMCollectorRolloutFunc: TRL's GRPOTrainer trains on the whole GRPO groups a real TorchRL
+"""TorchRLRolloutFunc(source=collector): TRL's GRPOTrainer trains on the whole GRPO groups a real TorchRL
 LLMCollector writes (MCAdvantage on the buffer), weights pushed through
 ``collector.update_policy_weights_`` and versioned by TorchRL's PolicyVersion; locally (the
 collector's background thread) and with the collector in a Ray actor writing into a
@@ -16,11 +16,17 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.online import CollectorError  # noqa: E402
-from torchrl_trl.online import LLMCollectorRolloutFunc, read_policy_version  # noqa: E402
+from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc, read_policy_version  # noqa: E402
 from test_rollout_func import Recorder, _wait  # noqa: E402
 
 ROWS = [{"query": q, "answer": a} for q, a in [("what is two plus two?", "four"), ("hello world", "hi")]]
 ANSWERS = {r["query"]: r["answer"] for r in ROWS}
+
+
+def _func(collector, rb, *, push=True, **options):
+    """The rollout function over ``collector`` (its buffer ``rb``), pushing the trainer's weights unless not ``push``."""
+    return TorchRLRolloutFunc(source=collector, replay_buffer=rb, sync_weights="copy" if push else None,
+                              options=RolloutOptions(**options))
 
 
 def _length_reward(completions, **kwargs):
@@ -100,7 +106,7 @@ def test_local_llm_collector_weights_version_and_staleness(checkpoints, policy_a
                      all(torch.equal(a, b) for a, b in zip(own.parameters(), model.parameters()))))
         return _reward(completions, **kwargs)
 
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
+    with _func(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
         rollout = Recorder(func, "rollout")
         trainer = _trainer(model, tok, rollout, Recorder(reward, "reward"), tmp_path, max_steps=3)
         before = [p.detach().clone() for p in model.parameters()]
@@ -109,7 +115,7 @@ def test_local_llm_collector_weights_version_and_staleness(checkpoints, policy_a
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it trained
     # one push per step, each bumping TorchRL's PolicyVersion; the collector's policy held the
     # trainer's weights at every step (pushed before it generated for the step)
-    assert func.weight_pushes == 3 and collector.policy_version == 3
+    assert func.groups.weight_pushes == 3 and collector.policy_version == 3
     assert seen == [(1, True), (2, True), (3, True)]
     assert len(func.consumed_staleness) == 3 * 2 and max(func.consumed_staleness) <= 1
     # whole groups: both completions of a row pair answer one prompt
@@ -119,9 +125,9 @@ def test_local_llm_collector_weights_version_and_staleness(checkpoints, policy_a
         assert all(torch.isnan(torch.tensor(lp[0])) for lp in batch["logprobs"])  # TorchRL's 0.0: unknown
     # nothing lost: every item written is still in the buffer; every group read was trained
     # on, dropped as stale or is pending; what TRL trained on is what TorchRL stored
-    assert len(rb) == rb.write_count >= 2 * func.read_groups
-    assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
-    assert func.missed_items == 0
+    assert len(rb) == rb.write_count >= 2 * func.groups.read_groups
+    assert func.groups.read_groups == func.groups.consumed_groups + func.groups.dropped_stale_groups + len(func.groups._pending)
+    assert func.groups.missed_items == 0
     stored = rb[:]
     stored = set(zip(map(tuple, layouts.read_tokens(stored, "prompt").tolist()),
                      map(tuple, layouts.read_tokens(stored, "response").tolist())))
@@ -160,7 +166,7 @@ def test_local_collector_records_behaviour_logprobs_for_the_correction(checkpoin
                 torch.testing.assert_close(torch.tensor(lp), r, atol=1e-4, rtol=1e-4)
         return _reward(completions, **kwargs)
 
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
+    with _func(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
         rollout = Recorder(func, "rollout")
         corrected = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})
         trainer = _trainer(model, tok, rollout, Recorder(reward, "reward"), tmp_path, max_steps=3, cls=corrected)
@@ -187,8 +193,8 @@ def test_pushes_land_between_batches_never_inside_one(checkpoints, policy_and_to
     rb = ReplayBuffer(storage=LazyStackStorage(100_000))
     collector = _recording_collector(own, tok, rb, max_new_tokens=12)
     weights = {0: copy.deepcopy(own)}
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=None, push_weights=False) as func:
-        func.start()
+    with _func(collector, rb, group_size=2, max_staleness=None, push=False) as func:
+        func.groups.start()
         for version in range(1, 6):
             written = rb.write_count
             _wait(lambda: rb.write_count >= written + 4)  # generating when the push comes
@@ -197,11 +203,11 @@ def test_pushes_land_between_batches_never_inside_one(checkpoints, policy_and_to
                 for p in trained.parameters():
                     p.add_(0.2 * torch.randn_like(p))
             weights[version] = trained
-            assert func.push(trained) == version and func.weight_pushes == version
+            assert func.groups.push(trained) == version and func.groups.weight_pushes == version
         written = rb.write_count
         _wait(lambda: rb.write_count >= written + 4)
         func.close()
-        groups = func.next_groups(func.pending, wait=False)
+        groups = func.groups.next_groups(func.groups.pending, version=5, wait=False)
     assert {g.version for g in groups} == set(range(6))
     for group in groups:
         batch = group.batch
@@ -240,18 +246,18 @@ def test_a_push_into_a_stalled_collector_is_a_named_error(policy_and_tokenizer):
                              policy=make_policy_wrapper(make_policy(tok), tok, max_new_tokens=2),
                              dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
                              total_dialog_turns=-1)
-    func = LLMCollectorRolloutFunc(collector, rb, group_size=2, timeout=1)
-    func.start()
+    func = _func(collector, rb, group_size=2, timeout=1)
+    func.groups.start()
     start = time.monotonic()
     with pytest.raises(CollectorError, match="did not end within timeout=1"):
-        func.push(model)
-    assert time.monotonic() - start < 10 and func.weight_pushes == 0
+        func.groups.push(model)
+    assert time.monotonic() - start < 10 and func.groups.weight_pushes == 0
     gate.set()
     func.close()
 
 
 def test_caller_pushes_weights_staleness_against_the_collectors_version(policy_and_tokenizer):
-    """push_weights=False: the caller moves the collector's PolicyVersion itself; every call
+    """push=False: the caller moves the collector's PolicyVersion itself; every call
     measures staleness against that version, so groups from before the caller's push are
     dropped with max_staleness=0."""
     import copy
@@ -273,16 +279,16 @@ def test_caller_pushes_weights_staleness_against_the_collectors_version(policy_a
     collector = LLMCollector(env=_env(), policy=make_policy_wrapper(copy.deepcopy(model), tok, max_new_tokens=2),
                              dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
                              total_dialog_turns=-1)
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, max_staleness=0, timeout=60) as func:
+    with _func(collector, rb, group_size=2, push=False, max_staleness=0, timeout=60) as func:
         func(prompts * 2, trainer)
-        assert func.policy_version == collector.policy_version == 0 and func.weight_pushes == 0
+        assert func.policy_version == collector.policy_version == 0 and func.groups.weight_pushes == 0
         collector.increment_version()  # the caller's own push, outside the rollout function
         batch = func(prompts * 2, trainer)
-        assert func.policy_version == collector.policy_version == 1 and func.weight_pushes == 0
+        assert func.policy_version == collector.policy_version == 1 and func.groups.weight_pushes == 0
         assert func.consumed_staleness == [0, 0, 0, 0] and batch["staleness"] == [0] * 4
         # only groups holding an item written before the push can be dropped
-        assert func.dropped_stale_groups <= int((read_policy_version(rb[:]) == 0).sum())
-        assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
+        assert func.groups.dropped_stale_groups <= int((read_policy_version(rb[:]) == 0).sum())
+        assert func.groups.read_groups == func.groups.consumed_groups + func.groups.dropped_stale_groups + len(func.groups._pending)
 
 
 def test_max_pending_groups_holds_the_collector(policy_and_tokenizer):
@@ -311,19 +317,20 @@ def test_max_pending_groups_holds_the_collector(policy_and_tokenizer):
                                  total_dialog_turns=-1)  # one group (2 items) per batch
         seen = []
         collector.post_collect_hook = lambda batch: seen.append(batch.numel())
-        with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, max_pending_groups=bound,
+        with _func(collector, rb, group_size=2, push=False, max_pending_groups=bound,
                                      timeout=60) as func:
-            func.start()
+            func.groups.start()
             if bound is None:
                 _wait(lambda: rb.write_count > 20)
                 continue
             assert settles_at(rb, 4) == 4  # 2 groups, the third batch held
-            assert len(func.next_groups(1, version=0)) == 1
+            assert len(func.groups.next_groups(1, version=0)) == 1
             assert settles_at(rb, 6) == 6  # room for one more
-            assert func.read_groups == 3 and set(seen) == {2}
+            assert func.groups.read_groups == 3 and set(seen) == {2}
 
 
 def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer):
+    import copy
     from types import SimpleNamespace
 
     from torchrl.collectors.llm import LLMCollector
@@ -339,24 +346,24 @@ def test_bad_buffer_and_stopped_collector_are_clear_errors(policy_and_tokenizer)
     prompts = [[{"role": "user", "content": "x"}]] * 2
     # no MCAdvantage(grpo_size=3): the env writes pairs, so 3 consecutive items are never one group
     rb = ReplayBuffer(storage=LazyStackStorage(64))
-    collector = LLMCollector(env=_env(), policy=make_policy_wrapper(model, tok, max_new_tokens=2),
+    collector = LLMCollector(env=_env(), policy=make_policy_wrapper(copy.deepcopy(model), tok, max_new_tokens=2),
                              dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
                              total_dialog_turns=-1)
-    with LLMCollectorRolloutFunc(collector, rb, group_size=3, push_weights=False) as func:
+    with _func(collector, rb, group_size=3, push=False) as func:
         with pytest.raises(ValueError, match=r"MCAdvantage\(grpo_size=3"):
             func(prompts[:1] * 3, SimpleNamespace(**{**vars(trainer), "num_generations": 3, "num_generations_eval": 3}))
     # a collector that stops (total_dialog_turns reached) surfaces as an error, never a hang
     rb = ReplayBuffer(storage=LazyStackStorage(64))
-    collector = LLMCollector(env=_env(), policy=make_policy_wrapper(model, tok, max_new_tokens=2),
+    collector = LLMCollector(env=_env(), policy=make_policy_wrapper(copy.deepcopy(model), tok, max_new_tokens=2),
                              dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
                              total_dialog_turns=2)
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, push_weights=False, timeout=60) as func:
+    with _func(collector, rb, group_size=2, push=False, timeout=60) as func:
         with pytest.raises(CollectorError, match="not running"):
             func(prompts * 4, trainer)
     with pytest.raises(ValueError, match="max_staleness"):
-        LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=-1)
+        _func(collector, rb, group_size=2, max_staleness=-1)
     with pytest.raises(ValueError, match="group_size"):
-        LLMCollectorRolloutFunc(collector, rb, group_size=0)
+        _func(collector, rb, group_size=0)
     from torchrl_trl.online import BehaviourLogProbsPostproc
 
     _, postproc = BehaviourLogProbsPostproc.for_factory(lambda: None)  # its factory never ran here
@@ -390,7 +397,7 @@ def test_reuse_and_drop_zero_std_through_a_real_llm_collector(checkpoints, polic
     collector = LLMCollector(env=env, policy=testing.make_policy_wrapper(own, tok, max_new_tokens=4),
                              dialog_turns_per_batch=2, replay_buffer=rb, track_policy_version=True,
                              total_dialog_turns=8)
-    func = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=None, reuse=1, drop_zero_std=True,
+    func = _func(collector, rb, group_size=2, max_staleness=None, reuse=1, drop_zero_std=True,
                                    timeout=120)
     with func:
         rollout = Recorder(func, "rollout")
@@ -399,7 +406,7 @@ def test_reuse_and_drop_zero_std_through_a_real_llm_collector(checkpoints, polic
         trainer.train()
     # the env's prompt order depends on the RNG: a zero-spread group may still be pending
     # (written after the last step read) instead of dropped
-    assert func.pending + func.dropped_filtered_groups == 2 and func.read_groups == 4
+    assert func.groups.pending + func.groups.dropped_filtered_groups == 2 and func.groups.read_groups == 4
     assert func.consumed_reuse == [0, 0, 1, 1] and func.replay.reused == 2
     (_, _, first), (_, _, second) = rollout.calls
     assert first["reuse"] == [0] * 4 and second["reuse"] == [1] * 4
@@ -410,7 +417,7 @@ def test_reuse_and_drop_zero_std_through_a_real_llm_collector(checkpoints, polic
 
 def test_async_grpo_protocols_on_a_real_llm_collector(checkpoints, policy_and_tokenizer):
     """TorchRLRolloutWorker / TorchRLWeightTransfer over TorchRL's own LLMCollector (through
-    LLMCollectorRolloutFunc), driven as AsyncGRPOTrainer does: a weight sync streams the
+    TorchRLRolloutFunc(source=collector)), driven as AsyncGRPOTrainer does: a weight sync streams the
     trainer's named parameters (TorchRL's update_policy_weights_ loads them and bumps its
     PolicyVersion to 1), the worker queues RolloutSamples of whole groups whose old
     log-probs are an independent forward of the synced weights."""
@@ -430,7 +437,7 @@ def test_async_grpo_protocols_on_a_real_llm_collector(checkpoints, policy_and_to
     own = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     rb = ReplayBuffer(storage=LazyStackStorage(1024))
     collector = _recording_collector(own, tok, rb)
-    source = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=None, timeout=120)
+    source = _func(collector, rb, group_size=2, max_staleness=None, timeout=120)
     worker = TorchRLRolloutWorker(source, [lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]])
     transfer = TorchRLWeightTransfer(source)
     for proto, obj in ((RolloutWorkerProtocol, worker), (WeightTransferProtocol, transfer)):
@@ -508,7 +515,7 @@ def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenize
     factory, postproc = BehaviourLogProbsPostproc.for_factory(_ray_policy_factory)
     collector = make_ray_collector(_ray_env_factory, factory, rb, dialog_turns_per_batch=2, postproc=postproc)
     model = testing.make_policy(tok)  # the same weights as the actor's (seed 0)
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=180) as func:
+    with _func(collector, rb, group_size=2, max_staleness=1, timeout=180) as func:
         rollout = Recorder(func, "rollout")
         corrected = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})
         trainer = _trainer(model, tok, rollout, Recorder(_reward, "reward"), tmp_path, max_steps=3, cls=corrected)
@@ -517,11 +524,11 @@ def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenize
     assert trainer.state.global_step == 3 and len(rollout.calls) == 3
     logprobs = [lp for _, _, b in rollout.calls for lp in b["logprobs"]]  # recorded in the actor
     assert logprobs and not any(torch.isnan(torch.tensor(lp)).any() for lp in logprobs)
-    assert func.weight_pushes == 3 and version == 3  # TorchRL's PolicyVersion, in the actor
+    assert func.groups.weight_pushes == 3 and version == 3  # TorchRL's PolicyVersion, in the actor
     assert len(func.consumed_staleness) == 6 and max(func.consumed_staleness) <= 1
-    assert func.read_groups == func.consumed_groups + func.dropped_stale_groups + len(func._pending)
+    assert func.groups.read_groups == func.groups.consumed_groups + func.groups.dropped_stale_groups + len(func.groups._pending)
     stored = rb[:]
-    assert len(rb) == rb.write_count >= 2 * func.read_groups and func.missed_items == 0
+    assert len(rb) == rb.write_count >= 2 * func.groups.read_groups and func.groups.missed_items == 0
     versions = [int(v) for v in layouts.read_column(stored, ("next", "policy_version"))]
     assert versions == sorted(versions) and max(versions) <= 3
     stored = set(zip(map(tuple, layouts.read_tokens(stored, "prompt").tolist()),
@@ -534,7 +541,7 @@ def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenize
     served = 0
     with pytest.raises(CollectorError, match="cannot be reached"):
         while served <= rb.write_count // 2:
-            func.take(1)
+            func.groups.take(1, version=version)
             served += 1
     assert len(rb) >= len(versions)
     rb.close()
@@ -575,7 +582,7 @@ def test_two_turn_chat_env_episodes_train_as_one_sample(tmp_path, yield_complete
             masked.append((inputs["completion_ids"], inputs["completion_mask"] * inputs["tool_mask"]))
             return super().compute_loss(model, inputs, *args, **kwargs)
 
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
+    with _func(collector, rb, group_size=2, max_staleness=1, timeout=120) as func:
         rollout = Recorder(func, "rollout")
         trainer = _trainer(model, tok, rollout, Recorder(_length_reward, "reward"), tmp_path, max_steps=2,
                            cls=MaskRecorder)
@@ -617,17 +624,16 @@ def test_buffer_reading_wraps_and_counts_overwritten_items():
 
     rb = ReplayBuffer(storage=LazyTensorStorage(6))  # 3 groups of 2
     collector = SimpleNamespace(is_running=lambda: True, policy_version=0)
-    func = LLMCollectorRolloutFunc(collector, rb, group_size=2, max_staleness=0, timeout=1)
-    func.poll_s = 0.01
+    func = _func(collector, rb, group_size=2, max_staleness=0, timeout=1)
+    func.groups.poll_s = 0.01
     rb.extend(groups(0, 2, version=0))
-    assert [int(g["query"][0]) for _, g in func.take(1)] == [0]  # group 1 stays pending
+    assert [int(g["query"][0]) for _, g in func.groups.take(1, version=0)] == [0]  # group 1 stays pending
     rb.extend(groups(2, 4, version=0))  # 8 items written since: 2 were overwritten before the read
     with pytest.warns(UserWarning, match="2 items were overwritten"):
-        got = func.take(4)
-    assert [int(g["query"][0]) for _, g in got] == [1, 3, 4, 5] and func.missed_items == 2
+        got = func.groups.take(4, version=0)
+    assert [int(g["query"][0]) for _, g in got] == [1, 3, 4, 5] and func.groups.missed_items == 2
     assert all(torch.equal(g["query"], g["query"][:1].expand(2)) for _, g in got)  # whole groups
-    func.policy_version = 1  # a push happened: version-0 groups are now too old
-    rb.extend(groups(6, 1, version=0))
+    rb.extend(groups(6, 1, version=0))  # a push happened: version-0 groups are now too old
     with pytest.raises(CollectorError, match="expected 1 groups within max_staleness=0, got 0"):
-        func.take(1)
-    assert func.dropped_stale_groups == 1 and func.read_groups == 6 and func.missed_items == 2  # group 2 was never read
+        func.groups.take(1, version=1)
+    assert func.groups.dropped_stale_groups == 1 and func.groups.read_groups == 6 and func.groups.missed_items == 2  # group 2 was never read

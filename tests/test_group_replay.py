@@ -1,4 +1,4 @@
-"""Replay of stored GRPO groups (``AsyncTorchRLRolloutFunc(reuse=k)``, ``GroupReplay``):
+"""Replay of stored GRPO groups (``RolloutOptions(reuse=k)``, ``GroupReplay``):
 bounded reuse, bounded age, behaviour log-probs kept, run end to end in ``GRPOTrainer.train()``
 (TRL's own replay-buffer GRPO is known broken, TRL issue 6804)."""
 
@@ -11,10 +11,10 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from torchrl_trl.online.group_rollouts import GroupReplay, RolloutGroup  # noqa: E402
+from torchrl_trl.online.collector_source import GroupReplay, RolloutGroup  # noqa: E402
 from torchrl_trl.online.rollout_func import RolloutBatch  # noqa: E402
 
-from test_rollout_func import CHATS, Recorder, _collector, _make_trainer, _match_rows  # noqa: E402
+from test_rollout_func import CHATS, Recorder, _alive, _collector, _make_trainer, _match_rows, _produced  # noqa: E402
 from test_rollout_func import LEARN_CHATS, ZERO_STD_CHATS, ShareOfA, learning_args, zero_for_hello_collector  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenize
     BehaviourLogProbsMixin), which differ from the moved weights'; nothing is written twice."""
     from transformers import AutoModelForCausalLM
     from torchrl.data import LazyStackStorage, ReplayBuffer
-    from torchrl_trl.online import AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
+    from torchrl_trl.online import BehaviourLogProbsMixin
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
@@ -78,12 +78,13 @@ def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenize
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     buffer = ReplayBuffer(storage=LazyStackStorage(64))
     prompts = iter(CHATS * 2)  # 4 groups, then the source ends
-    collector = _collector(generator, tok, prompts, buffer, max_pending_groups=4)
+    # max_staleness=4: the 4 groups were generated before the first push (version 0); step k trains on version k + 1
+    func = _collector(generator, tok, prompts, buffer, max_pending_groups=4, max_staleness=4, reuse=1, timeout=120)
     reward = Recorder(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids], "r")
-    with AsyncTorchRLRolloutFunc(collector, max_staleness=3, reuse=1, timeout=120) as func:
-        collector.start()
+    with func:
+        func.groups.start()
         deadline = time.monotonic() + 120  # only stops a hang
-        while collector.pending < 4:  # (the collector stops once the 4 groups are written)
+        while func.groups.pending < 4:  # (the collector stops once the 4 groups are written)
             assert time.monotonic() < deadline, "the generator did not produce 4 groups"
             time.sleep(0.01)
         rollout = Recorder(func, "rollout")
@@ -111,7 +112,7 @@ def test_grpo_train_reuses_groups_within_bounds(checkpoints, policy_and_tokenize
                 assert (cap["sampling_logps"][j] - cap["reference"][j]).abs().max() > 1e-3
     assert sorted(uses.values()) == [2, 2, 2, 2]  # each of the 4 groups exactly 1 + reuse times
     assert sorted(func.consumed_reuse) == [0] * 4 + [1] * 4 and func.replay.reused == 4 == n_reused_rows // 2
-    assert max(func.consumed_staleness) <= 3 and collector.produced_groups == 4
+    assert max(func.consumed_staleness) <= 4 and _produced(func) == 4
     assert len(buffer) == 8  # every generated rollout once; reuse writes nothing again
 
 
@@ -120,26 +121,27 @@ def test_zero_std_groups_never_replayed(checkpoints, policy_and_tokenizer):
     replay; from a source of 2 "hello" (reward 0 for all) and 2 other groups, 4 calls get
     the 2 groups with a reward spread, each twice."""
     from transformers import AutoModelForCausalLM
-    from torchrl_trl.online import AsyncTorchRLRolloutFunc
+    from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
-    collector = zero_for_hello_collector(generator, tok, iter(ZERO_STD_CHATS * 2))
+    collected = zero_for_hello_collector(generator, tok, iter(ZERO_STD_CHATS * 2))
+    options = RolloutOptions(group_size=2, max_pending_groups=4, max_staleness=0, reuse=1, drop_zero_std=True)
     trainer = _fake_trainer()
-    with AsyncTorchRLRolloutFunc(collector, max_staleness=0, reuse=1, drop_zero_std=True, push_weights=False) as func:
+    with TorchRLRolloutFunc(source=collected.groups.collector, sync_weights=None, options=options) as func:
         batches = [func(ZERO_STD_CHATS[1:] * 2, trainer) for _ in range(4)]
     for batch in batches:
         assert max(batch["torchrl_reward"]) > min(batch["torchrl_reward"])
         assert batch["torchrl_prompt"] == [ZERO_STD_CHATS[1]] * 2
     assert sorted(func.consumed_reuse) == [0, 0, 1, 1] and func.replay.reused == 2
-    assert collector.dropped_filtered_groups == 2 and collector.produced_groups == 4
+    assert func.groups.dropped_filtered_groups == 2 and _produced(func) == 4
 
 
 def test_dead_collector_not_hidden_by_replay(checkpoints, policy_and_tokenizer):
     """With stored groups able to serve the step, a collector that died still raises at once."""
     from transformers import AutoModelForCausalLM
-    from torchrl_trl.online import AsyncTorchRLRolloutFunc, CollectorError
+    from torchrl_trl.online import CollectorError, RolloutOptions, TorchRLRolloutFunc
 
     from test_rollout_func import _wait
 
@@ -149,11 +151,11 @@ def test_dead_collector_not_hidden_by_replay(checkpoints, policy_and_tokenizer):
         yield CHATS[0]
         raise RuntimeError("prompt source broke")
 
-    collector = _collector(AutoModelForCausalLM.from_pretrained(checkpoints.policy), tok, prompts())
+    collector = _collector(AutoModelForCausalLM.from_pretrained(checkpoints.policy), tok, prompts()).groups.collector
     trainer = _fake_trainer()
-    with AsyncTorchRLRolloutFunc(collector, reuse=3, push_weights=False) as func:
+    with TorchRLRolloutFunc(source=collector, sync_weights=None, options=RolloutOptions(reuse=3)) as func:
         func(CHATS[:1] * 2, trainer)
-        _wait(lambda: not collector.alive)
+        _wait(lambda: not _alive(func))
         assert len(func.replay) == 1  # could serve the next call
         with pytest.raises(CollectorError, match="died") as info:
             func(CHATS[:1] * 2, trainer)
@@ -176,8 +178,7 @@ def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
-    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
-    from torchrl_trl.online import TorchRLRolloutFunc
+    from torchrl_trl.online import BehaviourLogProbsMixin, RolloutOptions, TorchRLRolloutFunc, make_prompt_collector
     from torchrl_trl.testing import make_policy_wrapper
 
     _, tok = policy_and_tokenizer
@@ -186,7 +187,7 @@ def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
     means, chats = share_of_a.means, LEARN_CHATS
     model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
-    rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=8))
+    policy = make_policy_wrapper(generator, tok, max_new_tokens=8)
 
     budget = threading.Semaphore(4)  # generations (one group each) the generator may start: 4, then one per call
     generate = generator.generate
@@ -201,8 +202,8 @@ def test_grpo_with_replay_learns(checkpoints, policy_and_tokenizer, tmp_path):
         budget.release()
         return func(prompts, trainer)
 
-    collector = AsyncGroupCollector(rollout, chats, group_size=4, max_pending_groups=4)
-    func = AsyncTorchRLRolloutFunc(collector, max_staleness=2, reuse=1, timeout=120)
+    func = TorchRLRolloutFunc(source=make_prompt_collector(policy, chats, group_size=4),
+                              options=RolloutOptions(max_staleness=2, reuse=1, max_pending_groups=4))
     args = learning_args(tmp_path, STEPS)
     trainer = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})(
         model=model, reward_funcs=[share_of_a], args=args, processing_class=tok, rollout_func=paced,

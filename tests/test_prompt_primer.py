@@ -7,8 +7,8 @@ import torch
 from tensordict import set_list_to_stack
 
 from torchrl_trl import layouts
-from torchrl_trl.online import CollectorError, LLMCollectorRolloutFunc, PromptPrimer
-from torchrl_trl.online.prompt_primer import PromptSourceEnded
+from torchrl_trl.online import CollectorError, RolloutOptions, TorchRLRolloutFunc
+from torchrl_trl.online.episodes import PromptPrimer, PromptSourceEnded
 from torchrl_trl.testing import make_policy, make_policy_wrapper
 
 set_list_to_stack(True).set()
@@ -46,12 +46,12 @@ def test_every_prompt_generated_once_in_order_then_the_source_ends(policy_and_to
         iter(CHATS), repeats=2, context_fn=lambda chats: {"answer": [answers[c[-1]["content"]] for c in chats]}
     )
     collector, rb = _collector(tok, primer, "history")
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, group_key="group_id", max_staleness=None,
-                                 push_weights=False, timeout=60) as func:
-        func.start()
-        groups = func.next_groups(3)
-        with pytest.raises(CollectorError, match="not running"):
-            func.next_groups(1)
+    options = RolloutOptions(group_size=2, group_key="group_id", max_staleness=None, timeout=60)
+    with TorchRLRolloutFunc(source=collector, sync_weights=None, options=options) as func:
+        func.groups.start()
+        groups = func.groups.next_groups(3, version=0)
+        with pytest.raises(CollectorError, match="prompt source ended"):
+            func.groups.next_groups(1, version=0)
     assert isinstance(primer.error, PromptSourceEnded) and primer.served_prompts == 3
     assert [g.prompt for g in groups] == CHATS  # the history prompt is the chat itself
     for group, chat in zip(groups, CHATS):
@@ -108,7 +108,7 @@ def test_chats_of_different_lengths_in_one_batch_are_a_clear_error(policy_and_to
     """TorchRL's history-mode policy cannot generate chats of different lengths together
     (a zip error deep in History.extend): named up front, in the sync path and in the
     collector's; a text-mode policy generates them."""
-    from torchrl_trl.online import AsyncGroupCollector, TorchRLRolloutFunc
+    from torchrl_trl.online import TorchRLRolloutFunc, make_prompt_collector
 
     _, tok = policy_and_tokenizer
     mixed = [CHATS[0], CHATS[0], CHATS[1], CHATS[1]]
@@ -119,4 +119,4 @@ def test_chats_of_different_lengths_in_one_batch_are_a_clear_error(policy_and_to
     assert len(text.rollout(mixed, group_size=2, version=0)["completion_ids"]) == 4
 
     with pytest.raises(ValueError, match=r"chats of \[1, 2\] messages"):  # LLMCollector resets once when built
-        AsyncGroupCollector(func, CHATS[:2], group_size=2, prompts_per_batch=2)
+        make_prompt_collector(func.policy, CHATS[:2], group_size=2, prompts_per_batch=2)

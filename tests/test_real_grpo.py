@@ -129,12 +129,12 @@ def test_rollout_func_with_safe_policy_keeps_eos(smollm2_dir, smollm2_model, tmp
 
 
 def test_llm_collector_rollout_func_keeps_eos(smollm2_dir, smollm2_model, tmp_path):
-    """``LLMCollectorRolloutFunc``: a TorchRL ``LLMCollector`` over a ``ChatEnv`` with a safe policy of
-    its own weights (the trainer's pushed into it first) writes the groups TRL trains on."""
+    """``TorchRLRolloutFunc(source=LLMCollector)``: a TorchRL ``LLMCollector`` over a ``ChatEnv`` with a
+    safe policy of its own weights (the trainer's pushed into it first) writes the groups TRL trains on."""
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer
 
-    from torchrl_trl.online import LLMCollectorRolloutFunc
+    from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc
     from torchrl_trl.testing import make_chat_env, smollm2_tokenizer
 
     tok = smollm2_tokenizer(smollm2_dir, pad="eos")
@@ -144,21 +144,21 @@ def test_llm_collector_rollout_func_keeps_eos(smollm2_dir, smollm2_model, tmp_pa
         policy=_safe_greedy_policy(copy.deepcopy(smollm2_model), tok), dialog_turns_per_batch=2, replay_buffer=rb,
         track_policy_version=True, total_dialog_turns=-1,
     )
-    with LLMCollectorRolloutFunc(collector, rb, group_size=2, max_pending_groups=1, timeout=120) as func:
+    with TorchRLRolloutFunc(source=collector, options=RolloutOptions(max_pending_groups=1)) as func:
         recorded = Recorded(func)
         _, logged = _train(copy.deepcopy(smollm2_model), tok, recorded, tmp_path)
     _check_against_greedy(recorded.outputs, smollm2_model, tok, logged)
 
 
-def test_async_rollout_func_keeps_eos(smollm2_dir, smollm2_model, tmp_path):
-    """``AsyncTorchRLRolloutFunc`` over an ``AsyncGroupCollector`` generating in its background thread."""
-    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc, TorchRLRolloutFunc
+def test_prompt_collector_rollout_func_keeps_eos(smollm2_dir, smollm2_model, tmp_path):
+    """``TorchRLRolloutFunc`` over ``make_prompt_collector``: TRL's prompts generated in TorchRL's
+    ``LLMCollector`` thread."""
+    from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc, make_prompt_collector
     from torchrl_trl.testing import smollm2_tokenizer
 
     tok = smollm2_tokenizer(smollm2_dir, pad="eos")
-    rollout = TorchRLRolloutFunc(_safe_greedy_policy(copy.deepcopy(smollm2_model), tok))
-    collector = AsyncGroupCollector(rollout, PROMPTS, group_size=2, max_pending_groups=1)
-    with AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=120) as func:
+    collector = make_prompt_collector(_safe_greedy_policy(copy.deepcopy(smollm2_model), tok), PROMPTS, group_size=2)
+    with TorchRLRolloutFunc(source=collector, options=RolloutOptions(max_pending_groups=1)) as func:
         recorded = Recorded(func)
         _, logged = _train(copy.deepcopy(smollm2_model), tok, recorded, tmp_path)
     _check_against_greedy(recorded.outputs, smollm2_model, tok, logged)
@@ -185,26 +185,24 @@ def test_plain_wrapper_refused_by_rollout_func(smollm2_dir, smollm2_model, pad_s
         TorchRLRolloutFunc(policy)
 
 
-@pytest.mark.parametrize("where", ["LLMCollectorRolloutFunc", "AsyncGroupCollector", "CollectorCallback"])
+@pytest.mark.parametrize("where", ["TorchRLRolloutFunc", "make_prompt_collector", "CollectorCallback"])
 def test_plain_wrapper_refused_where_a_policy_is_received(smollm2_dir, smollm2_model, where):
     """The other classes that receive a policy refuse the shipped pad == eos set-up the same way."""
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer
 
-    from torchrl_trl.online import AsyncGroupCollector, CollectorCallback, LLMCollectorRolloutFunc, TorchRLRolloutFunc
+    from torchrl_trl.online import CollectorCallback, TorchRLRolloutFunc, make_prompt_collector
     from torchrl_trl.testing import make_chat_env, smollm2_tokenizer
 
     policy = _plain_policy(smollm2_model, smollm2_tokenizer(smollm2_dir, pad="eos"))
     with pytest.raises(ValueError, match=rf"^{where}: .*is its EOS.*safe_policy_wrapper"):
-        if where == "AsyncGroupCollector":
-            rollout = TorchRLRolloutFunc()
-            rollout.policy = policy  # set after construction: the collector checks it
-            AsyncGroupCollector(rollout, PROMPTS, group_size=2)
+        if where == "make_prompt_collector":
+            make_prompt_collector(policy, PROMPTS, group_size=2)
         else:
             rb = ReplayBuffer(storage=LazyStackStorage(8))
             collector = LLMCollector(env=make_chat_env([{"query": "hi"}]), policy=policy, dialog_turns_per_batch=2,
                                      replay_buffer=rb, track_policy_version=True, total_dialog_turns=-1)
-            if where == "LLMCollectorRolloutFunc":
-                LLMCollectorRolloutFunc(collector, rb, group_size=2)
+            if where == "TorchRLRolloutFunc":
+                TorchRLRolloutFunc(source=collector)
             else:
                 CollectorCallback(collector)

@@ -15,7 +15,7 @@ import torch
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from torchrl_trl import layouts  # noqa: E402
-from torchrl_trl.online import TorchRLRolloutFunc  # noqa: E402
+from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc  # noqa: E402
 
 QUESTIONS = ["what is two plus two?", "hello world"]
 ANSWERS = {"what is two plus two?": "four", "hello world": "hi"}
@@ -329,7 +329,7 @@ def test_grpo_two_turn_chat_env(tmp_path):
     def context(prompts):
         return {"answer": [ANSWERS[p[-1]["content"]] for p in prompts]}
 
-    func = TorchRLRolloutFunc(policy, env=env, max_turns=2, context_fn=context, replay_buffer=buffer)
+    func = TorchRLRolloutFunc(policy, env=env, max_turns=2, replay_buffer=buffer, options=RolloutOptions(context_fn=context))
     reward = Recorder(lambda torchrl_reward, answer, **kw: list(torchrl_reward), "reward")
     trainer = _make_trainer(fresh_model, tok, func, reward, tmp_path)
     trainer.train()
@@ -381,12 +381,26 @@ def _wait(predicate, timeout=60.0):
         time.sleep(0.05)
 
 
-def _collector(model, tok, prompts, buffer=None, **kwargs):
-    from torchrl_trl.online import AsyncGroupCollector
+def _collector(model, tok, prompts, buffer=None, *, prompts_per_batch=1, max_pending_groups=8, env=None, **options):
+    """A rollout function over a TorchRL ``LLMCollector`` generating groups of 2 from ``prompts``
+    (:func:`make_prompt_collector`) with ``model`` (the collector's own copy) into ``buffer``."""
+    from torchrl_trl.online import RolloutOptions, make_prompt_collector
     from torchrl_trl.testing import make_policy_wrapper
 
-    rollout = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=6), replay_buffer=buffer)
-    return AsyncGroupCollector(rollout, prompts, group_size=2, **kwargs)
+    policy = make_policy_wrapper(model, tok, max_new_tokens=6)
+    collector = make_prompt_collector(policy, prompts, group_size=2, prompts_per_batch=prompts_per_batch, env=env,
+                                      replay_buffer=buffer)
+    options = RolloutOptions(group_size=2, max_pending_groups=max_pending_groups, **options)
+    return TorchRLRolloutFunc(source=collector, options=options)
+
+
+def _produced(func) -> int:
+    """Groups of 2 the collector has written."""
+    return int(func.groups.replay_buffer.write_count) // 2
+
+
+def _alive(func) -> bool:
+    return func.groups.collector.is_running()
 
 
 def test_async_collector_drops_stale_groups_keeps_them_whole(fresh_model, policy_and_tokenizer):
@@ -395,17 +409,17 @@ def test_async_collector_drops_stale_groups_keeps_them_whole(fresh_model, policy
 
     _, tok = policy_and_tokenizer
     buffer = ReplayBuffer(storage=LazyStackStorage(256))
-    collector = _collector(fresh_model, tok, CHATS, buffer, max_pending_groups=4)
-    collector.start()
+    func = _collector(fresh_model, tok, CHATS, buffer, max_pending_groups=4, max_staleness=1, timeout=60)
+    func.groups.start()
     try:
-        _wait(lambda: collector.pending == 4)  # runs ahead, then waits (bounded)
-        collector.update_policy_weights_(version=2)  # two optimizer steps later
-        groups = collector.get_groups(3, consumer_version=2, max_staleness=1, timeout=60)
+        _wait(lambda: func.groups.pending == 4)  # runs ahead, then waits (bounded)
+        func.groups.push(None, version=2)  # two optimizer steps later
+        groups = func.groups.next_groups(3, version=2)
     finally:
-        collector.stop()
+        func.close()
     # the version-0 groups, 2 steps old: the 4 pending and the batch that waited for room
     # (generated before the push, written after)
-    assert collector.dropped_stale_groups == 5
+    assert func.groups.dropped_stale_groups == 5
     assert [g.version for g in groups] == [2, 2, 2]
     for g in groups:
         assert len(g.batch["completion_ids"]) == 2  # whole groups
@@ -413,30 +427,25 @@ def test_async_collector_drops_stale_groups_keeps_them_whole(fresh_model, policy
         assert len(ids) == 1
         assert set(read_policy_version(g.batch.steps[0]).tolist()) == {2}  # stamped when generated
     # nothing generated is lost: every group, stale or not, is in the TorchRL buffer
-    assert len(buffer) == 2 * collector.produced_groups >= 2 * 7
+    assert len(buffer) == 2 * _produced(func) >= 2 * 7
 
 
 def test_async_collector_push_waits_for_the_batch_in_flight_only(fresh_model, policy_and_tokenizer):
-    """``update_policy_weights_`` and ``pause()``/``resume(version=)`` on a running
-    collector wait for the batch being generated, not behind the thread's next ones, and
-    set the version of what it generates next."""
+    """A push (weights, or only a version) into a running collector waits for the batch being
+    generated, not behind the thread's next ones, and sets the version of what it generates next."""
     _, tok = policy_and_tokenizer
-    collector = _collector(fresh_model, tok, CHATS, max_pending_groups=10_000)  # never blocks
-    collector.start()
+    func = _collector(fresh_model, tok, CHATS, max_pending_groups=10_000)  # never blocks
+    func.groups.start()
     produced_during_push = []
     try:
         for version in range(1, 6):
-            _wait(lambda: collector.produced_groups >= 2 * version)  # generating
-            before = collector.produced_groups
-            if version % 2:
-                collector.update_policy_weights_(fresh_model.state_dict(), version=version)
-            else:
-                collector.pause()
-                collector.resume(version=version)
-            produced_during_push.append(collector.produced_groups - before)
+            _wait(lambda: _produced(func) >= 2 * version)  # generating
+            before = _produced(func)
+            func.groups.push(fresh_model.state_dict() if version % 2 else None, version=version)
+            produced_during_push.append(_produced(func) - before)
     finally:
-        collector.stop()
-    assert collector.alive is False and collector.policy_version == 5
+        func.close()
+    assert _alive(func) is False and func.groups.policy_version == 5
     # one batch is prompts_per_batch=1 group: the one in flight, and one the loop had
     # already started when the push began waiting
     assert max(produced_during_push) <= 2, produced_during_push
@@ -452,30 +461,29 @@ def test_async_collector_death_surfaces_as_an_error(fresh_model, policy_and_toke
         yield CHATS[0]
         raise RuntimeError("prompt source broke")
 
-    collector = _collector(fresh_model, tok, prompts())
-    collector.start()
+    func = _collector(fresh_model, tok, prompts(), max_staleness=0, timeout=600)
+    func.groups.start()
     with pytest.raises(CollectorError, match="died") as info:  # before the 600 s timeout: not a hang
-        collector.get_groups(3, consumer_version=0, max_staleness=0, timeout=600)
+        func.groups.next_groups(3, version=0)
     assert isinstance(info.value.__cause__, RuntimeError)
-    assert collector.produced_groups == 1 and not collector.alive
+    assert _produced(func) == 1 and not _alive(func)
 
 
 def test_async_grpo_train_bounded_staleness(checkpoints, fresh_model, policy_and_tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
     from torchrl.data import LazyStackStorage, ReplayBuffer
-    from torchrl_trl.online import AsyncTorchRLRolloutFunc
-
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
     buffer = ReplayBuffer(storage=LazyStackStorage(256))
     generator_model = AutoModelForCausalLM.from_pretrained(checkpoints.policy)  # the collector's own copy
-    collector = _collector(generator_model, tok, CHATS, buffer, prompts_per_batch=2, max_pending_groups=4)
+    func = _collector(generator_model, tok, CHATS, buffer, prompts_per_batch=2, max_pending_groups=4,
+                      max_staleness=1, timeout=120)
     reward = Recorder(lambda completion_ids, torchrl_prompt, **kw: [float(sum(c) % 7) for c in completion_ids], "r")
 
     class ReadsLogprobs:  # this test checks them: the collector (logprobs="auto") records them
         reads_rollout_logprobs = True
 
-    with AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=120) as func:
+    with func:
         rollout = Recorder(func, "rollout")
         trainer = _make_trainer(fresh_model, tok, rollout, reward, tmp_path, max_steps=3, mixins=(ReadsLogprobs,))
         trainer.train()
@@ -493,12 +501,12 @@ def test_async_grpo_train_bounded_staleness(checkpoints, fresh_model, policy_and
                 stale += 1
                 assert (got - ref).abs().max() > 1e-3
     assert fresh > 0 and stale > 0  # the run did go off-policy (collector ahead by one step)
-    assert not collector.alive
+    assert not _alive(func)
     assert len(func.consumed_staleness) == 3 * 2 and max(func.consumed_staleness) <= 1
-    assert collector.consumed_groups + collector.dropped_stale_groups <= collector.produced_groups
-    assert len(buffer) == 2 * collector.produced_groups
-    # the collector got the trainer's weights at the last step it generated for (version 2)
-    assert collector.policy_version == 2
+    assert func.groups.consumed_groups + func.groups.dropped_stale_groups <= _produced(func)
+    assert len(buffer) == 2 * _produced(func)
+    # one push per step, each bumping TorchRL's PolicyVersion
+    assert func.groups.policy_version == func.groups.weight_pushes == 3
     for _, kw, _ in reward.calls:  # reward functions see the prompts that were generated for
         assert len(kw["torchrl_prompt"]) == 4 and kw["torchrl_prompt"][0] == kw["torchrl_prompt"][1]
     for _, _, batch in rollout.calls:  # the TorchRL steps of the groups taken, in the same order
@@ -508,7 +516,7 @@ def test_async_grpo_train_bounded_staleness(checkpoints, fresh_model, policy_and
 def test_bad_input_is_a_clear_error(policy_and_tokenizer):
     from types import SimpleNamespace
 
-    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc
+    from torchrl_trl.online import RolloutOptions, make_prompt_collector
     from torchrl_trl.testing import make_policy_wrapper
 
     model, tok = policy_and_tokenizer
@@ -525,16 +533,20 @@ def test_bad_input_is_a_clear_error(policy_and_tokenizer):
         func(QUESTIONS)
     with pytest.raises(ValueError, match="not a multiple of group_size=2"):
         func.rollout(CHATS[:1] * 3, group_size=2, version=0)
-    collector = AsyncGroupCollector(func, CHATS, group_size=2)
+    collected = TorchRLRolloutFunc(source=make_prompt_collector(func.policy, CHATS, group_size=2))
     trainer = SimpleNamespace(
         num_generations=2, num_generations_eval=2, model=model, state=SimpleNamespace(global_step=0),
         accelerator=SimpleNamespace(unwrap_model=lambda m: m),
     )
     with pytest.raises(ValueError, match="own copy"):  # shared weights + a background thread
-        AsyncTorchRLRolloutFunc(collector)(CHATS * 2, trainer)
-    assert not collector.alive
+        collected(CHATS * 2, trainer)
+    assert not collected.groups.collector.is_running()
     with pytest.raises(ValueError, match="max_staleness"):
-        AsyncTorchRLRolloutFunc(collector, max_staleness=-1)
+        RolloutOptions(max_staleness=-1)
+    with pytest.raises(ValueError, match="policy=None and env=None"):
+        TorchRLRolloutFunc(func.policy, source=collected.groups.collector)
+    with pytest.raises(ValueError, match="group_size"):  # no trainer to say it
+        TorchRLRolloutFunc(source=collected.groups.collector).groups.start()
 
 
 LEARN_CHATS = [[{"role": "user", "content": q}] for q in ("hello", "what is two plus two?", "hi there", "0 1 2")]
@@ -595,7 +607,7 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
-    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
+    from torchrl_trl.online import BehaviourLogProbsMixin, RolloutOptions, make_prompt_collector
     from torchrl_trl.testing import make_policy_wrapper
 
     _, tok = policy_and_tokenizer
@@ -609,9 +621,9 @@ def test_grpo_on_torchrl_rollouts_learns(mode, checkpoints, fresh_model, policy_
         func = TorchRLRolloutFunc(make_policy_wrapper(fresh_model, tok, max_new_tokens=8))
     else:
         generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
-        rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=8))
-        collector = AsyncGroupCollector(rollout, chats, group_size=4, prompts_per_batch=2, max_pending_groups=4)
-        func = AsyncTorchRLRolloutFunc(collector, max_staleness=2, timeout=120)
+        collector = make_prompt_collector(make_policy_wrapper(generator, tok, max_new_tokens=8), chats, group_size=4,
+                                          prompts_per_batch=2)
+        func = TorchRLRolloutFunc(source=collector, options=RolloutOptions(max_staleness=2, max_pending_groups=4))
     args = learning_args(tmp_path, steps)
     cls = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {}) if mode == "async-corrected" else GRPOTrainer
     trainer = cls(
@@ -641,14 +653,14 @@ def test_behaviour_logprob_correction(corrected, checkpoints, fresh_model, polic
     are the collector's: the ratio pi_theta / mu is 1 on fresh groups, not on stale ones, and
     its mean over stale tokens is near 1 (E_mu[pi / mu] = 1)."""
     from transformers import AutoModelForCausalLM
-    from torchrl_trl.online import AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
+    from torchrl_trl.online import BehaviourLogProbsMixin
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
-    collector = _collector(generator, tok, CHATS, prompts_per_batch=2, max_pending_groups=4)
+    func = _collector(generator, tok, CHATS, prompts_per_batch=2, max_pending_groups=4, max_staleness=2, timeout=120)
     reward = Recorder(lambda completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids], "r")
-    with AsyncTorchRLRolloutFunc(collector, max_staleness=2, timeout=120) as func:
+    with func:
         rollout = Recorder(func, "rollout")
         mixins = (BehaviourLogProbsMixin,) if corrected else ()
         trainer = _make_trainer(fresh_model, tok, rollout, reward, tmp_path, max_steps=6, mixins=mixins)
@@ -658,7 +670,7 @@ def test_behaviour_logprob_correction(corrected, checkpoints, fresh_model, polic
     if not corrected:
         assert all(cap["old"] is None for cap in captured) and max(clipped) == 0.0
         # a trainer that does not read the log-probs: no scoring pass, TorchRL's first one unknown
-        assert collector.collector.postproc is None
+        assert func.groups.collector.postproc is None
         assert all(math.isnan(lp[0]) for _, _, batch in rollout.calls for lp in batch["logprobs"])
         return
     fresh, stale = [], []
@@ -690,7 +702,7 @@ def test_trl_async_grpo_worker_and_weight_transfer(checkpoints, fresh_model, pol
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
     generator = AutoModelForCausalLM.from_pretrained(checkpoints.policy)
-    collector = _collector(generator, tok, CHATS, max_pending_groups=2)
+    collector = _collector(generator, tok, CHATS, max_pending_groups=2, max_staleness=None)
 
     def mod7(completion_ids, **kw):
         return [float(sum(c) % 7) for c in completion_ids]
@@ -760,12 +772,11 @@ def test_trl_async_grpo_worker_failure_surfaces(fresh_model, policy_and_tokenize
 ZERO_STD_CHATS = [[{"role": "user", "content": q}] for q in ("hello", "what is two plus two?")]
 
 
-def zero_for_hello_collector(model, tok, prompts=ZERO_STD_CHATS):
-    """An AsyncGroupCollector (groups of 2) over a ChatEnv whose reward transform gives 0 to
+def zero_for_hello_collector(model, tok, prompts=ZERO_STD_CHATS, **options):
+    """A rollout function over a collector (groups of 2) from a ChatEnv whose reward transform gives 0 to
     every reply to "hello" (zero-std groups) and distinct rewards within other groups."""
     from torchrl.envs import StepCounter, Transform
     from torchrl.envs.llm import ChatEnv
-    from torchrl_trl.online import AsyncGroupCollector
     from torchrl_trl.online.episodes import per_sample as _per_sample
     from torchrl_trl.testing import make_policy_wrapper
 
@@ -784,25 +795,24 @@ def zero_for_hello_collector(model, tok, prompts=ZERO_STD_CHATS):
 
     env = ChatEnv(batch_size=(2,), input_mode="history", tokenizer=tok)
     env = env.append_transform(StepCounter(max_steps=1)).append_transform(ZeroForHello())
-    rollout = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=6), env=env)
-    return AsyncGroupCollector(rollout, prompts, group_size=2, max_pending_groups=4)
+    return _collector(model, tok, prompts, env=env, max_pending_groups=4, **options)
 
 
 def test_async_drop_zero_std_groups(fresh_model, policy_and_tokenizer):
     """DAPO-style: groups whose env reward is the same for every completion (no GRPO signal)
     are dropped and counted; every group handed to TRL has a reward spread."""
-    from torchrl_trl.online.group_rollouts import has_reward_spread as _has_reward_spread
+    from torchrl_trl.online.collector_source import has_reward_spread as _has_reward_spread
 
     _, tok = policy_and_tokenizer
     torch.manual_seed(0)
     chats = ZERO_STD_CHATS
-    collector = zero_for_hello_collector(fresh_model, tok)
-    collector.start()
+    func = zero_for_hello_collector(fresh_model, tok, max_staleness=None, timeout=60)
+    func.groups.start()
     try:
-        groups = collector.get_groups(2, consumer_version=0, max_staleness=None, timeout=60, keep=_has_reward_spread)
+        groups = func.groups.next_groups(2, version=0, keep=_has_reward_spread)
     finally:
-        collector.stop()
+        func.close()
     assert all(max(g.batch["torchrl_reward"]) > min(g.batch["torchrl_reward"]) for g in groups)
     assert all(g.prompt != chats[0] for g in groups)
-    assert collector.dropped_filtered_groups >= 2  # the "hello" groups (every other one) met on the way
-    assert len(groups) + collector.dropped_filtered_groups + collector.pending == collector.produced_groups
+    assert func.groups.dropped_filtered_groups >= 2  # the "hello" groups (every other one) met on the way
+    assert len(groups) + func.groups.dropped_filtered_groups + func.groups.pending == _produced(func)

@@ -1,15 +1,23 @@
-"""TorchRL as the rollout engine of TRL's ``GRPOTrainer`` (``rollout_func=``).
+"""TorchRL as the rollout engine of TRL's ``GRPOTrainer`` (``rollout_func=``): one function,
+rollouts from a pluggable source.
+
+* ``source=None``: generated on each call from TRL's prompts by a TorchRL policy (the
+  trainer's own model, on-policy), optionally through a ``ChatEnv`` over several turns.
+* ``source=`` a TorchRL ``LLMCollector`` (its own thread) or ``RayLLMCollector`` (an actor):
+  whole groups it generated ahead of the trainer (:mod:`~torchrl_trl.online.collector_source`),
+  within a staleness bound, reused, filtered; the trainer's weights are pushed to it.
 
 Log-probs (raw logits', NaN: unknown): ``logprobs="rescore"`` recomputes them on the exact
 sequence (one more forward), ``"generate"`` keeps TorchRL's with each first token NaN, ``"auto"``
 rescores where TRL reads them (no trainer, vLLM correction, ``off_policy_mask_threshold``,
-``reads_rollout_logprobs``).
+``reads_rollout_logprobs``). A collector records them with ``BehaviourLogProbsPostproc``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -17,54 +25,116 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 from tensordict.utils import NestedKey
 
 from .. import layouts
-from .._checks import WarnOnce, positive_int
+from .._checks import WarnOnce, non_negative_int, positive_int, positive_seconds
 from ..padding import check_policy_padding, safe_policy_wrapper
-from .behaviour import ResponseScorer, trl_corrects_logprobs
-from .episodes import GROUP_ID_KEY, TURN_KEY, VERSION_KEY, RolloutBatch, forward_fields, per_sample, rollout_batch, turns_to_trl
-from .prompt_primer import check_history_batch, columns_td, context_columns, env_query
+from .collector_source import CollectorGroups, GroupReplay, concat_groups, has_reward_spread
+from .episodes import (
+    GROUP_ID_KEY, TURN_KEY, VERSION_KEY, BehaviourLogProbsPostproc, ResponseScorer, RolloutBatch,
+    check_history_batch, columns_td, context_columns, env_query, forward_fields, per_sample, rollout_batch,
+    trl_corrects_logprobs, turns_to_trl,
+)
+from .staleness import check_max_staleness
 from .weights import load_weights
 
-__all__ = ["TorchRLRolloutFunc", "RolloutBatch"]
+__all__ = ["RolloutBatch", "RolloutOptions", "TorchRLRolloutFunc"]
+
+#: extra fields of every row taken from a collector (reward functions get them)
+PROMPT_FIELD = "torchrl_prompt"
+STALENESS_FIELD = "staleness"
+REUSE_FIELD = "reuse"
 
 
-class TorchRLRolloutFunc:
-    """A TRL ``GRPOTrainer`` ``rollout_func`` that generates with TorchRL:
-    ``f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask", **extra}``,
-    one completion per prompt received, in order (TRL repeats each prompt ``num_generations`` times).
+@dataclass(frozen=True)
+class RolloutOptions:
+    """The less common settings of :class:`TorchRLRolloutFunc`.
 
     Args:
-        policy (TransformersWrapper, optional): a TorchRL ``TransformersWrapper`` (``generate=True``,
-            ``return_log_probs=True``, ``input_mode`` ``"text"`` or ``"history"``) whose padding
-            loses no token: build it with
-            :func:`torchrl_trl.safe_policy_wrapper` (a pad == eos policy is refused with a
-            ``ValueError``, :func:`torchrl_trl.check_policy_padding`). ``None``: built that way on
-            the first call around the trainer's model and tokenizer (a copy with a pad token of its
-            own where its pad is the EOS) with TRL's generation settings (``max_completion_length``,
-            sampling, its EOS ids, ``GRPOConfig.generation_kwargs`` last). Defaults to ``None``.
-
-    Keyword Args:
-        env (ChatEnv, optional): a TorchRL ``ChatEnv`` in the policy's input mode, given the
-            prompts as ``"query"`` at reset in chunks of its batch size. Defaults to ``None``:
-            one generation per prompt.
-        max_turns (int, optional): most turns per episode with ``env`` (a chunk's samples end
-            together). Defaults to ``1``.
         context_fn (callable, optional): ``fn(prompts) -> {column: list}``, columns added to the
-            env's reset. Defaults to ``None``.
+            env's reset (``source=None`` with an ``env``). Defaults to ``None``.
         forward_keys (sequence of NestedKey, optional): top-level rollout keys passed to TRL's
             reward functions; the env's reward, summed over turns, goes as ``"torchrl_reward"``.
             Defaults to ``None`` (every non-TorchRL key).
-        replay_buffer (ReplayBuffer, optional): extended with every sample's every turn, tagged
-            ``"group_id"``, ``"policy_version"`` and ``"turn"``. Defaults to ``None``.
-        logprobs (str, optional): ``"auto"``, ``"rescore"`` or ``"generate"``, see the module
-            doc. Defaults to ``"auto"``.
-        sync_weights (str, callable or None, optional): when the trainer's ``global_step``
-            changed and ``policy`` does not share its parameters: ``"copy"`` loads them into
-            ``policy.model``, a callable ``fn(trainer_model, version)`` transfers them, ``None``
+        group_size (int, optional): completions per prompt in a collector's groups. Defaults to
+            ``None``: the trainer's ``num_generations``.
+        max_staleness (int or None, optional): largest accepted age of a collector's group (the
+            collector's policy version minus the group's); older ones are dropped and counted.
+            ``None`` keeps all. Defaults to ``1``.
+        reuse (int, optional): train on each collected group up to ``1 + reuse`` times (fresh
+            groups waited for only for what is missing). Defaults to ``0``.
+        drop_zero_std (bool, optional): drop (and count) collected groups whose env reward is the
+            same for every completion (their GRPO advantages are all 0). Defaults to ``False``.
+        timeout (float or None, optional): seconds to wait for a collector's groups (or its batch
+            in flight, before a push). Defaults to ``120.0``.
+        max_pending_groups (int, optional): an in-process collector waits before writing a batch
+            until its groups and those not yet taken are at most this many. Defaults to ``None``.
+        group_key (NestedKey, optional): the key a collected group's items share (``MCAdvantage``'s
+            ``prompt_key``). Defaults to ``None``: ``"group_id"`` where the items have it, else ``"query"``.
+    """
+
+    context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None
+    forward_keys: Sequence[NestedKey] | None = None
+    group_size: int | None = None
+    max_staleness: int | None = 1
+    reuse: int = 0
+    drop_zero_std: bool = False
+    timeout: float | None = 120.0
+    max_pending_groups: int | None = None
+    group_key: NestedKey | None = None
+
+    def __post_init__(self):
+        positive_int(self.group_size, "RolloutOptions: group_size", allow_none=True)
+        check_max_staleness(self.max_staleness, "RolloutOptions")
+        non_negative_int(self.reuse, "RolloutOptions: reuse")
+        positive_seconds(self.timeout, "RolloutOptions: timeout")
+        positive_int(self.max_pending_groups, "RolloutOptions: max_pending_groups", allow_none=True)
+
+
+class TorchRLRolloutFunc:
+    """A TRL ``GRPOTrainer`` ``rollout_func`` whose rollouts TorchRL makes:
+    ``f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask", **fields}``,
+    one completion per prompt received, in order (TRL repeats each prompt ``num_generations`` times).
+
+    Args:
+        policy (TransformersWrapper, optional): with ``source=None``, the generating TorchRL
+            ``TransformersWrapper`` (``generate=True``, ``return_log_probs=True``, ``input_mode``
+            ``"text"`` or ``"history"``), built with :func:`torchrl_trl.safe_policy_wrapper` (a pad
+            == eos policy is refused). ``None``: built that way on the first call around the
+            trainer's model and tokenizer, with TRL's generation settings. Defaults to ``None``.
+
+    Keyword Args:
+        source (LLMCollector or RayLLMCollector, optional): where rollouts come from.
+            ``None``: generated on each call from TRL's prompts (on-policy). A TorchRL collector
+            built with ``replay_buffer=`` and ``track_policy_version=True``, with a policy of its
+            own weights (multi-turn: ``yield_completed_trajectories=True``; exact log-probs:
+            ``postproc=BehaviourLogProbsPostproc(policy)``; from TRL prompts:
+            :func:`~torchrl_trl.online.make_prompt_collector`): whole groups it generated ahead,
+            taken as :class:`RolloutOptions` says; rows then carry ``"torchrl_prompt"`` (reward
+            functions must read it, not TRL's ``prompts``), ``"staleness"`` and ``"reuse"``.
+            Started on the first call. Defaults to ``None``.
+        env (ChatEnv, optional): with ``source=None``, a TorchRL ``ChatEnv`` in the policy's input
+            mode, given the prompts as ``"query"`` at reset in chunks of its batch size.
+            Defaults to ``None``: one generation per prompt.
+        max_turns (int, optional): most turns per episode with ``env`` (a chunk's samples end
+            together). Defaults to ``1``.
+        replay_buffer (ReplayBuffer, optional): ``source=None``: extended with every sample's every
+            turn, tagged ``"group_id"``, ``"policy_version"`` and ``"turn"``. With a collector: the
+            buffer it writes into. Defaults to ``None`` (with a collector: ``source.replay_buffer``).
+        logprobs (str, optional): ``"auto"``, ``"rescore"`` or ``"generate"``, see the module doc.
+            Defaults to ``"auto"``.
+        sync_weights (str, callable or None, optional): when the trainer's ``global_step`` changed:
+            ``"copy"`` loads the trainer's weights into ``policy.model`` (where it does not share
+            them) or pushes them to the collector (``update_policy_weights_``, between two of its
+            batches); a callable ``fn(trainer_model, global_step)`` transfers them itself; ``None``
             does nothing. Defaults to ``"copy"``.
+        options (RolloutOptions, optional): env columns, forwarded keys and how a collector's
+            groups are taken. Defaults to ``None``: ``RolloutOptions()``.
 
     Attributes:
-        policy_version: the trainer's ``global_step`` when the weights last generated.
-        calls, samples: counters.
+        policy_version: the version of the weights that generated last (``source=None``: the
+            trainer's ``global_step``; a collector: its ``PolicyVersion``, + 1 per weight push).
+        calls, samples, consumed_staleness, consumed_reuse: counters; the last two list the age
+            and prior uses of every collected group returned.
+        groups (CollectorGroups): with a collector, its reader and counters; else ``None``.
 
     Example (without a trainer: one completion per prompt received, as TRL calls it):
 
@@ -80,14 +150,14 @@ class TorchRLRolloutFunc:
     True
     >>> len(rb), rb[0]["group_id"].item(), rb[1]["group_id"].item()  # one group of 2 stored
     (2, 0, 0)
+
+    From a collector running ahead: see :func:`~torchrl_trl.online.make_prompt_collector`.
     """
 
     def __init__(
-        self, policy=None, *, env=None, max_turns: int = 1,
-        context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None,
-        forward_keys: Sequence[NestedKey] | None = None, replay_buffer=None,
+        self, policy=None, *, source=None, env=None, max_turns: int = 1, replay_buffer=None,
         logprobs: Literal["auto", "rescore", "generate"] = "auto",
-        sync_weights: Literal["copy"] | Callable | None = "copy",
+        sync_weights: Literal["copy"] | Callable | None = "copy", options: RolloutOptions | None = None,
     ):
         if logprobs not in ("auto", "rescore", "generate"):
             raise ValueError(f"TorchRLRolloutFunc: logprobs must be 'auto', 'rescore' or 'generate', got {logprobs!r}")
@@ -95,27 +165,46 @@ class TorchRLRolloutFunc:
             raise ValueError(
                 f"TorchRLRolloutFunc: sync_weights must be 'copy', a callable or None, got {sync_weights!r}"
             )
+        if options is not None and not isinstance(options, RolloutOptions):
+            raise TypeError(f"TorchRLRolloutFunc: options must be a RolloutOptions, got {type(options).__name__}")
+        self.options = options = options or RolloutOptions()
         max_turns = positive_int(max_turns, "TorchRLRolloutFunc: max_turns")
         if env is None and max_turns != 1:
             raise ValueError(
                 "TorchRLRolloutFunc: max_turns > 1 needs an env (a ChatEnv) to produce the next turn's prompt"
             )
-        if policy is not None:
+        self.groups: CollectorGroups | None = None
+        if source is not None:
+            if policy is not None or env is not None:
+                raise ValueError("TorchRLRolloutFunc: with a source, expected policy=None and env=None (the "
+                                 "collector has its own policy and env)")
+            replay_buffer = replay_buffer if replay_buffer is not None else getattr(source, "replay_buffer", None)
+            if replay_buffer is None:
+                raise ValueError("TorchRLRolloutFunc: expected the source collector built with replay_buffer=, or "
+                                 "replay_buffer= the buffer it writes into")
+            self.groups = CollectorGroups(
+                source, replay_buffer, group_size=options.group_size, group_key=options.group_key,
+                max_staleness=options.max_staleness, timeout=options.timeout,
+                max_pending_groups=options.max_pending_groups, forward_keys=options.forward_keys,
+            )
+        elif policy is not None:
             _check_policy(policy)
         self.policy = policy
         self.env = env
         self.max_turns = max_turns
-        self.context_fn = context_fn
-        self.forward_keys = None if forward_keys is None else list(forward_keys)
         self.replay_buffer = replay_buffer
         self.logprobs = logprobs
         self.sync_weights = sync_weights
+        self.replay = GroupReplay(options.reuse, options.max_staleness)
         self.policy_version = -1
         self.calls = 0
         self.samples = 0
+        self.consumed_staleness: list[int] = []
+        self.consumed_reuse: list[int] = []
         self.__name__ = type(self).__name__
         self._scorer = None
         self._next_group = 0
+        self._synced_step: int | None = None
         self._lock = threading.Lock()
         self._warnings = WarnOnce()
 
@@ -125,11 +214,84 @@ class TorchRLRolloutFunc:
                 f"TorchRLRolloutFunc: prompts must be a non-empty list, got {type(prompts).__name__} {prompts!r:.60}"
             )
         with self._lock:
+            self.calls += 1
+            if self.groups is not None:
+                return self._collected(prompts, trainer)
             policy = self._policy_for(trainer, prompts)
             group_size = _group_size(trainer, len(prompts))
             version = self._sync(trainer, policy)
-            self.calls += 1
             return self.rollout(prompts, group_size=group_size, version=version, logprobs=self._logprobs_mode(trainer))
+
+    def _collected(self, prompts: list, trainer) -> RolloutBatch:
+        """TRL's batch from whole groups the collector wrote: fresh ones within ``max_staleness``,
+        then reused ones, waiting for fresh ones only for what is still missing."""
+        groups = self.groups
+        g = groups.group_size = _group_size(trainer, len(prompts), self.options.group_size or groups.group_size)
+        version = self._sync_collector(trainer)
+        n = len(prompts) // g
+        keep = has_reward_spread if self.options.drop_zero_std else None
+        fresh = groups.next_groups(n, version=version, wait=False, keep=keep) if self.replay.reuse else []
+        reused = self.replay.draw(n - len(fresh), consumer_version=version)
+        if len(fresh) + len(reused) < n:
+            fresh += groups.next_groups(n - len(fresh) - len(reused), version=version, keep=keep)
+        self.replay.add(fresh)
+        chosen = [(group, 0) for group in fresh] + reused
+        batch = concat_groups([group.batch for group, _ in chosen])
+        batch[PROMPT_FIELD] = [group.prompt for group, _ in chosen for _ in range(g)]
+        staleness = [version - group.version for group, _ in chosen]
+        batch[STALENESS_FIELD] = [s for s in staleness for _ in range(g)]
+        batch[REUSE_FIELD] = [uses for _, uses in chosen for _ in range(g)]
+        self.consumed_staleness.extend(staleness)
+        self.consumed_reuse.extend(uses for _, uses in chosen)
+        self.samples += len(prompts)
+        mismatches = sum(a != b for a, b in zip(prompts, batch[PROMPT_FIELD]))
+        self._warnings.add("prompt_mismatch", f"{mismatches} of TRL's {len(prompts)} prompts are not the prompts the "
+                           f"collector generated for: reward functions must read {PROMPT_FIELD!r} (and env columns), "
+                           "not 'prompts'", n=mismatches, stacklevel=4)
+        return batch
+
+    def _sync_collector(self, trainer) -> int:
+        """Push the trainer's weights to the collector when ``global_step`` changed, start it;
+        returns its policy version (the consumer version staleness is measured against)."""
+        groups = self.groups
+        if trainer is not None:
+            step = int(trainer.state.global_step)
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            collector = groups.collector
+            if groups.in_process and getattr(collector.policy, "model", None) is model:
+                raise ValueError(
+                    "TorchRLRolloutFunc: expected the collector's policy to hold its own copy of the model, it wraps "
+                    "the trainer's (generation would read weights the optimizer writes)"
+                )
+            postproc = getattr(collector, "postproc", None)
+            if not groups._started and isinstance(postproc, BehaviourLogProbsPostproc) \
+                    and self._logprobs_mode(trainer) == "generate":
+                collector.postproc = None  # TRL will not read them: no scoring pass per batch
+            if step != self._synced_step:
+                if self.sync_weights == "copy":
+                    groups.push(model)
+                elif callable(self.sync_weights):
+                    self.sync_weights(model, step)
+                self._synced_step = step
+        groups.start()
+        self.policy_version = groups.policy_version
+        return self.policy_version
+
+    @property
+    def prompt_mismatches(self) -> int:
+        """How many of TRL's prompts differed from the collected groups' prompts, over all calls."""
+        return self._warnings.counts["prompt_mismatch"]
+
+    def close(self) -> None:
+        """Stop a collector source (nothing to do without one)."""
+        if self.groups is not None:
+            self.groups.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def rollout(
         self, prompts: list, *, group_size: int, version: int, logprobs: Literal["rescore", "generate"] | None = None
@@ -137,6 +299,8 @@ class TorchRLRolloutFunc:
         """Generate one completion per prompt with the weights as they are, tag the rollouts with
         ``version`` and their group (``group_size`` consecutive prompts), write them into the
         replay buffer, and return TRL's dict (``logprobs=None``: the constructor's)."""
+        if self.groups is not None:
+            raise ValueError("TorchRLRolloutFunc: rollout() generates inline; with a source, call the function")
         if self.policy is None:
             raise ValueError(
                 "TorchRLRolloutFunc: expected a policy: pass one, or call the function once with the trainer"
@@ -154,7 +318,7 @@ class TorchRLRolloutFunc:
             if self._scorer is None or self._scorer.model is not self.policy.model:
                 self._scorer = ResponseScorer(self.policy)
             rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
-        batch = rollout_batch(rows, forward_fields(steps, self.forward_keys), steps)
+        batch = rollout_batch(rows, forward_fields(steps, self.options.forward_keys), steps)
         self._annotate(steps, group_size, version)
         if self.replay_buffer is not None:
             for step in steps:
@@ -233,7 +397,7 @@ class TorchRLRolloutFunc:
                 f"TorchRLRolloutFunc: expected a multiple of {chunk} prompts (the env's batch "
                 f"{tuple(env.batch_size)}), got {len(prompts)} (TRL's generation batch)"
             )
-        context = context_columns(self.context_fn, prompts, "TorchRLRolloutFunc")
+        context = context_columns(self.options.context_fn, prompts, "TorchRLRolloutFunc")
         per_chunk = [
             self._episode(policy, prompts[i : i + chunk], {k: list(v[i : i + chunk]) for k, v in context.items()})
             for i in range(0, len(prompts), chunk)
@@ -291,33 +455,27 @@ def _check_policy(policy) -> None:
     if not getattr(policy, "generate", False):
         raise ValueError("TorchRLRolloutFunc: expected a generating policy (TransformersWrapper(..., generate=True))")
     if not getattr(policy, "return_log_probs", False):
-        raise ValueError(
-            "TorchRLRolloutFunc: expected a policy returning log-probs (TransformersWrapper(..., "
-            "return_log_probs=True))"
-        )
+        raise ValueError("TorchRLRolloutFunc: expected a policy returning log-probs (return_log_probs=True)")
     if getattr(policy, "num_samples", None) not in (None, 1):
-        raise ValueError(
-            f"TorchRLRolloutFunc: expected policy.num_samples=1 (TRL repeats each prompt num_generations times), got "
-            f"{policy.num_samples}"
-        )
+        raise ValueError(f"TorchRLRolloutFunc: expected policy.num_samples=1 (TRL repeats each prompt "
+                         f"num_generations times), got {policy.num_samples}")
     mode = getattr(policy, "input_mode", None)
     if mode not in ("text", "history"):
         raise ValueError(f"TorchRLRolloutFunc: policy.input_mode must be 'text' or 'history', got {mode!r}")
     check_policy_padding(policy, "TorchRLRolloutFunc")
 
 
-def _group_size(trainer, n: int, expected: int | None = None, owner: str = "TorchRLRolloutFunc") -> int:
-    """TRL's group size (``num_generations[_eval]``), checked to divide ``n`` and to equal ``expected``;
-    errors start with ``owner``."""
+def _group_size(trainer, n: int, expected: int | None = None) -> int:
+    """TRL's group size (``num_generations[_eval]``), checked to divide ``n`` and to equal ``expected``."""
     if trainer is None:
         return n if expected is None else expected
     training = getattr(trainer.model, "training", True)
     g = trainer.num_generations if training else getattr(trainer, "num_generations_eval", trainer.num_generations)
     if expected is not None and g != expected:
-        raise ValueError(f"{owner}: expected the trainer's num_generations ({g}) to be the collector's group_size "
-                         f"({expected})")
+        raise ValueError(f"TorchRLRolloutFunc: expected the trainer's num_generations ({g}) to be the collector's "
+                         f"group_size ({expected})")
     if n % g:
-        raise ValueError(f"{owner}: got {n} prompts, not a multiple of group_size={g}")
+        raise ValueError(f"TorchRLRolloutFunc: got {n} prompts, not a multiple of group_size={g}")
     return g
 
 

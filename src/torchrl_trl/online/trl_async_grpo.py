@@ -1,4 +1,5 @@
-"""TorchRL as the rollout worker and weight sink of ``trl.experimental.async_grpo.AsyncGRPOTrainer``.
+"""The TRL trainers' side: :class:`BehaviourLogProbsMixin` for ``GRPOTrainer``, and TorchRL as the
+rollout worker and weight sink of ``trl.experimental.async_grpo.AsyncGRPOTrainer``.
 
 ``AsyncGRPOTrainer`` needs CUDA: on CPU these are tested against TRL's worker and weight-transfer protocols.
 """
@@ -13,12 +14,53 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .._checks import positive_int, positive_seconds
+from .._checks import positive_int
 from ..rewards.functions import RewardFunctionWrapper
-from .async_rollouts import AsyncGroupCollector, AsyncTorchRLRolloutFunc
-from .group_rollouts import GroupRolloutFunc, RolloutGroup
+from .collector_source import CollectorGroups, RolloutGroup
+from .episodes import trl_corrects_logprobs
+from .rollout_func import TorchRLRolloutFunc
+from .weights import weights_td
 
-__all__ = ["TorchRLRolloutWorker", "TorchRLWeightTransfer"]
+__all__ = ["BehaviourLogProbsMixin", "TorchRLRolloutWorker", "TorchRLWeightTransfer"]
+
+
+class BehaviourLogProbsMixin:
+    """Mix into ``GRPOTrainer`` (``class Trainer(BehaviourLogProbsMixin, GRPOTrainer)``) so TRL's
+    loss uses the rollout func's log-probs as ``old_per_token_logps`` (ratio ``pi_theta / mu``),
+    unless TRL corrects them itself (``use_vllm`` with ``vllm_importance_sampling_correction``). NaN behaviour log-probs raise
+    ``ValueError`` on trained tokens and are set to 0 on masked ones.
+
+    Example (``Base`` stands in for ``GRPOTrainer``, whose loss then reads the old log-probs):
+
+    >>> import torch
+    >>> class Base:
+    ...     def compute_loss(self, model, inputs):
+    ...         return inputs["old_per_token_logps"]
+    >>> class Trainer(BehaviourLogProbsMixin, Base):
+    ...     pass
+    >>> inputs = {"sampling_per_token_logps": torch.tensor([[-0.5, -1.0, float("nan")]]),
+    ...           "completion_mask": torch.tensor([[1, 1, 0]])}
+    >>> Trainer().compute_loss(None, inputs)  # the behaviour log-probs; NaN on a masked token -> 0
+    tensor([[-0.5000, -1.0000,  0.0000]])
+    """
+
+    #: tells ``TorchRLRolloutFunc(logprobs="auto")`` to return exact log-probs
+    reads_rollout_logprobs = True
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        behaviour = inputs.get("sampling_per_token_logps")
+        if behaviour is not None and not trl_corrects_logprobs(self):
+            mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                mask = mask * inputs["tool_mask"]
+            unknown = torch.isnan(behaviour)
+            if (unknown & mask.bool()).any():
+                raise ValueError(
+                    "BehaviourLogProbsMixin: expected behaviour log-probs on trained tokens, sampling_per_token_logps "
+                    "holds NaN; use TorchRLRolloutFunc(logprobs='rescore')"
+                )
+            inputs["old_per_token_logps"] = behaviour.masked_fill(unknown, 0.0)
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
 
 class TorchRLRolloutWorker:
@@ -28,9 +70,9 @@ class TorchRLRolloutWorker:
     :attr:`rollout_buffer` (``completion_mask`` 0 on the prompt and env tokens).
 
     Args:
-        collector (GroupRolloutFunc or AsyncGroupCollector): a ``GroupRolloutFunc`` (e.g. an
-            :class:`~torchrl_trl.online.LLMCollectorRolloutFunc` with ``max_staleness=None``) or an
-            :class:`~torchrl_trl.online.AsyncGroupCollector`.
+        rollout_func (TorchRLRolloutFunc): one with a collector ``source`` and
+            ``RolloutOptions(group_size=...)``; ``max_staleness=None`` leaves staleness to
+            ``AsyncGRPOTrainer`` (each sample carries its ``model_version``).
         reward_funcs (sequence of callables): TRL-style ``f(prompts, completions, completion_ids,
             **fields) -> list``, scored by one :class:`~torchrl_trl.RewardFunctionWrapper` (:attr:`scorer`).
 
@@ -39,20 +81,19 @@ class TorchRLRolloutWorker:
             Defaults to ``None`` (all ones).
         queue_maxsize (int, optional): bound of :attr:`rollout_buffer` (the pump waits when it
             is full). Defaults to ``1024``.
-        timeout (float, optional): seconds the pump waits for a group from an
-            ``AsyncGroupCollector``. Defaults to ``600.0``.
 
     Example:
 
-    >>> from torchrl_trl.online import AsyncGroupCollector, TorchRLRolloutFunc
+    >>> from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc, make_prompt_collector
     >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
     >>> tok = make_tokenizer()
     >>> policy = make_policy_wrapper(make_policy(tok), tok, max_new_tokens=3)
-    >>> collector = AsyncGroupCollector(TorchRLRolloutFunc(policy), [[{"role": "user", "content": "hi"}]],
-    ...                                 group_size=2, max_pending_groups=1)
+    >>> collector = make_prompt_collector(policy, [[{"role": "user", "content": "hi"}]], group_size=2)
+    >>> func = TorchRLRolloutFunc(source=collector, options=RolloutOptions(group_size=2, max_staleness=None,
+    ...                                                                    max_pending_groups=1))
     >>> def length(completions, **kwargs):
     ...     return [float(len(c[0]["content"])) for c in completions]
-    >>> worker = TorchRLRolloutWorker(collector, [length], queue_maxsize=2)
+    >>> worker = TorchRLRolloutWorker(func, [length], queue_maxsize=2)
     >>> worker.start()
     >>> a, b = worker.rollout_buffer.get(timeout=60), worker.rollout_buffer.get(timeout=60)  # one group
     >>> worker.stop()
@@ -63,21 +104,20 @@ class TorchRLRolloutWorker:
     """
 
     def __init__(
-        self, collector: GroupRolloutFunc | AsyncGroupCollector, reward_funcs: Sequence[Callable], *,
-        reward_weights: Sequence[float] | None = None, queue_maxsize: int = 1024, timeout: float = 600.0,
+        self, rollout_func: TorchRLRolloutFunc, reward_funcs: Sequence[Callable], *,
+        reward_weights: Sequence[float] | None = None, queue_maxsize: int = 1024,
     ):
         if not reward_funcs:
             raise ValueError(
                 "TorchRLRolloutWorker: expected reward functions (the worker scores every group it sends), got none"
             )
-        self.collector = collector
-        self.source = _group_source(collector, type(self).__name__, timeout)
+        self.rollout_func = rollout_func
+        self.source = _collector_groups(rollout_func, type(self).__name__)
         self.reward_funcs = list(reward_funcs)
         self.scorer = RewardFunctionWrapper(self.reward_funcs, weights=reward_weights)
         maxsize = positive_int(queue_maxsize, "TorchRLRolloutWorker: queue_maxsize")
         self.rollout_buffer: queue.Queue = queue.Queue(maxsize=maxsize)
         self.metrics_queue: queue.Queue = queue.Queue()
-        self.timeout = positive_seconds(timeout, "TorchRLRolloutWorker: timeout")
         self.model_version = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,8 +141,8 @@ class TorchRLRolloutWorker:
 
     def update_model_version(self, model_version: int) -> None:
         self.model_version = int(model_version)
-        if isinstance(self.collector, AsyncGroupCollector) and self.collector.policy_version != self.model_version:
-            self.collector.update_policy_weights_(version=self.model_version)
+        if self.source.in_process and self.source.policy_version != self.model_version:
+            self.source.push(None, version=self.model_version)
 
     def check_health(self, stale_after_s: float) -> None:
         """Raise ``RuntimeError`` if the pump died or nothing moved for ``stale_after_s`` seconds."""
@@ -121,7 +161,7 @@ class TorchRLRolloutWorker:
     def _pump(self) -> None:
         try:
             while not self._stop.is_set():
-                (group,) = self.source.next_groups(1)
+                (group,) = self.source.next_groups(1, version=self.source.policy_version)
                 for sample in self.to_samples(group):
                     while not self._stop.is_set():
                         try:
@@ -171,19 +211,18 @@ class TorchRLWeightTransfer:
     into the collector's policy between two of its batches, its policy version + 1.
 
     Args:
-        collector (GroupRolloutFunc or AsyncGroupCollector): the rollouts' source, as
-            :class:`TorchRLRolloutWorker`'s.
+        rollout_func (TorchRLRolloutFunc): the rollouts' source, as :class:`TorchRLRolloutWorker`'s.
 
     Example (the calls ``AsyncGRPOTrainer`` makes at a weight sync):
 
     >>> import torch
-    >>> from torchrl_trl.online import AsyncGroupCollector, TorchRLRolloutFunc
+    >>> from torchrl_trl.online import TorchRLRolloutFunc, make_prompt_collector
     >>> from torchrl_trl.testing import make_policy, make_policy_wrapper, make_tokenizer
     >>> tok = make_tokenizer()
     >>> policy = make_policy_wrapper(make_policy(tok, seed=0), tok)
-    >>> collector = AsyncGroupCollector(TorchRLRolloutFunc(policy), [[{"role": "user", "content": "hi"}]], group_size=2)
+    >>> collector = make_prompt_collector(policy, [[{"role": "user", "content": "hi"}]], group_size=2)
     >>> trained = make_policy(tok, seed=1)
-    >>> transfer = TorchRLWeightTransfer(collector)
+    >>> transfer = TorchRLWeightTransfer(TorchRLRolloutFunc(source=collector))
     >>> transfer.pause()
     >>> transfer.send_weights(trained.named_parameters())
     >>> transfer.resume()
@@ -191,9 +230,9 @@ class TorchRLWeightTransfer:
     (1, True)
     """
 
-    def __init__(self, collector: GroupRolloutFunc | AsyncGroupCollector):
-        self.collector = collector
-        self.source = _group_source(collector, type(self).__name__)
+    def __init__(self, rollout_func: TorchRLRolloutFunc):
+        self.rollout_func = rollout_func
+        self.source = _collector_groups(rollout_func, type(self).__name__)
         self.transfers = 0
         self.loaded = 0
 
@@ -205,17 +244,15 @@ class TorchRLWeightTransfer:
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         named = list(iterator)
-        self.source.send_named_weights(named)
+        self.source.push(weights_td(named))
         self.loaded = len(named)
         self.transfers += 1
 
 
-def _group_source(collector, owner: str, timeout: float | None = None) -> GroupRolloutFunc:
-    """``collector`` as a :class:`GroupRolloutFunc` (no staleness bound, no weight pushes:
-    the trainer and the weight transfer do those); a ``TypeError`` names ``owner``."""
-    if isinstance(collector, GroupRolloutFunc):
-        return collector
-    if isinstance(collector, AsyncGroupCollector):
-        return AsyncTorchRLRolloutFunc(collector, max_staleness=None, timeout=timeout, push_weights=False)
-    raise TypeError(f"{owner}: collector must be an LLMCollectorRolloutFunc (or another GroupRolloutFunc) or an "
-                    f"AsyncGroupCollector, got {type(collector).__name__}")
+def _collector_groups(rollout_func, owner: str) -> CollectorGroups:
+    """The collector reader of ``rollout_func``; a ``TypeError`` naming ``owner`` for anything else."""
+    groups = getattr(rollout_func, "groups", None) if isinstance(rollout_func, TorchRLRolloutFunc) else None
+    if groups is None:
+        raise TypeError(f"{owner}: expected a TorchRLRolloutFunc with a collector source, got "
+                        f"{type(rollout_func).__name__}" + (" without one" if isinstance(rollout_func, TorchRLRolloutFunc) else ""))
+    return groups
