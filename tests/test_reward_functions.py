@@ -10,7 +10,7 @@ import torch
 from torchrl_trl import layouts
 from torchrl_trl.rewards.executors import RewardExecutor
 from torchrl_trl.rewards.functions import RewardFunctionWrapper
-from torchrl_trl.rewards.reward_transform import RewardTransform
+from torchrl_trl.rewards.transform import RewardTransform
 from torchrl_trl.testing import collect_rollouts, make_chat_env, make_policy_wrapper
 
 ROWS = [
@@ -348,7 +348,7 @@ def test_reward_shape_names():
 
 
 def test_write_is_write_rewards_per_key():
-    """The module's write is the one every scorer writes with (writing.write_rewards): a
+    """The module's write is the one every scorer writes with (postprocess.write_rewards): a
     reward already at the key keeps its dtype, inside_next drops the leading "next"."""
     from tensordict import TensorDict
 

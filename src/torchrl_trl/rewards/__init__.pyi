@@ -6,7 +6,6 @@ from .batching import RewardBatching as RewardBatching
 from .model import HFRewardModelWrapper as HFRewardModelWrapper, load_reward_model as load_reward_model
 from .postprocess import RewardOutput as RewardOutput, RunningRewardNorm as RunningRewardNorm
 from .render import RewardRenderer as RewardRenderer
-from .reward_transform import RewardTransform as RewardTransform
 from .service import RewardServiceClient as RewardServiceClient, RewardServiceError as RewardServiceError
-from .transform import HFRewardTransform as HFRewardTransform
+from .transform import HFRewardTransform as HFRewardTransform, RewardTransform as RewardTransform
 from .trl_funcs import as_trl_reward_func as as_trl_reward_func

@@ -26,11 +26,10 @@ from .calling import (
     score_items,
 )
 from .executors import RewardExecutor, reward_executor
-from .reward_transform import RewardTransform
+from .postprocess import RewardShape, trailing_dims, write_rewards
 from .rollout_arguments import InputMode, input_keys, trl_arguments
 from .scheduler import warm_up
-from .shape import RewardShape, trailing_dims
-from .writing import write_rewards
+from .transform import RewardTransform
 
 __all__ = ["FunctionTimeout", "RewardFunctionError", "RewardFunctionWrapper"]
 
@@ -270,7 +269,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self, td: TensorDictBase, rewards: torch.Tensor, per_func: torch.Tensor, *, inside_next: bool = False
     ) -> TensorDictBase:
         """Write ``[N]`` rewards (and ``[N, n_funcs]`` per-function ones) into ``td`` with
-        :func:`~torchrl_trl.rewards.writing.write_rewards`; ``inside_next``: ``td`` is an env
+        :func:`~torchrl_trl.rewards.postprocess.write_rewards`; ``inside_next``: ``td`` is an env
         step's ``next`` tensordict (a leading ``"next"`` of the keys is dropped)."""
         for key, value in zip(self.out_keys, [rewards, *per_func.unbind(1)]):
             write_rewards(td, value, strip_next(key) if inside_next else key, self.reward_shape)

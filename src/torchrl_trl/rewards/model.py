@@ -21,10 +21,8 @@ from .._token_ids import check_token_ids, check_tokenizer_fits, embedding_size
 from ..layouts import Ragged
 from .batching import RewardBatching
 from .packing import causal_classifier, packing_unsupported, score_pack
-from .postprocess import NonFiniteRewards, RewardOutput, extract_scores, select_head
+from .postprocess import NonFiniteRewards, RewardOutput, RewardShape, extract_scores, select_head, write_rewards
 from .render import RewardRenderer
-from .shape import RewardShape
-from .writing import write_rewards
 
 __all__ = ["HFRewardModelWrapper", "load_reward_model"]
 
@@ -107,7 +105,7 @@ class RenderingScorer:
 
     def score_outputs(self, tensordict: TensorDictBase,
                       columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
-        """``[score(tensordict)]``, as :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`
+        """``[score(tensordict)]``, as :class:`~torchrl_trl.rewards.RewardTransform`
         reads a scorer (``columns_td`` is not read)."""
         return [self.score(tensordict)]
 

@@ -1,6 +1,13 @@
 """From model outputs to rewards: read the score, pick a head, handle non-finite scores,
-and normalise with running statistics (:class:`RunningRewardNorm`). Scale, shift and clip
-are TorchRL's ``RewardScaling``/``RewardClipping``, composed after the scorer.
+write ``[N]`` scores as TorchRL rewards (:func:`write_rewards`, the one convention every
+scorer writes with) and normalise with running statistics (:class:`RunningRewardNorm`).
+Scale, shift and clip are TorchRL's ``RewardScaling``/``RewardClipping``, composed after the
+scorer.
+
+A written reward's shape (``reward_shape=`` of every scorer, :data:`RewardShape`) is
+``"flat"`` ``[*B]`` (upstream ``HFRewardModelWrapper``), ``"trailing"`` ``[*B, 1]`` (an env's
+``reward_spec``) or ``"step"`` ``[*B, 1, 1]`` (TorchRL's LLM reward parsers, ``MCAdvantage``,
+``GRPOLoss``).
 """
 
 from __future__ import annotations
@@ -15,11 +22,57 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torchrl.envs import Transform
 
+from .. import layouts
 from .._checks import WarnOnce
-from .shape import RewardShape, trailing_dims
 
-__all__ = ["NonFiniteRewards", "RewardOutput", "RewardShapeError", "RunningRewardNorm", "extract_scores",
-           "select_head"]
+__all__ = ["NonFiniteRewards", "RewardOutput", "RewardShape", "RewardShapeError", "RunningRewardNorm",
+           "extract_scores", "select_head", "trailing_dims", "write_rewards"]
+
+RewardShape = Literal["flat", "trailing", "step"]
+_TRAILING = {"flat": (), "trailing": (1,), "step": (1, 1)}
+
+
+def trailing_dims(reward_shape: RewardShape, owner: str) -> tuple[int, ...]:
+    """The dims a reward of ``reward_shape`` adds after the batch dims; an unknown name is a
+    ``ValueError`` starting with ``owner``.
+
+    >>> trailing_dims("step", "RewardTransform")
+    (1, 1)
+    """
+    try:
+        return _TRAILING[reward_shape]
+    except (KeyError, TypeError):
+        raise ValueError(f"{owner}: reward_shape must be one of {sorted(_TRAILING)}, got {reward_shape!r}") from None
+
+
+def write_rewards(tensordict: TensorDictBase, rewards: torch.Tensor, key: NestedKey, reward_shape: RewardShape,
+                  *, accumulate: bool = False) -> TensorDictBase:
+    """Write ``[N]`` rewards into ``tensordict`` at ``key`` (in place), shaped
+    ``[*batch_size, *trailing dims of reward_shape]``, in the floating dtype and on the device
+    of a reward already there (else the default dtype, the tensordict's device or CPU);
+    ``accumulate``: add to that reward (same shape required).
+
+    >>> from tensordict import TensorDict
+    >>> td = TensorDict({("next", "reward"): torch.ones(2, 1, 1)}, batch_size=[2])
+    >>> write_rewards(td, torch.tensor([1.0, 2.0]), ("next", "reward"), "step", accumulate=True)["next", "reward"].flatten()
+    tensor([2., 3.])
+    """
+    existing = tensordict.get(key, None) if layouts.has_key(tensordict, key) else None
+    if not isinstance(existing, torch.Tensor) or existing.is_nested:
+        existing = None
+    device = tensordict.device if tensordict.device is not None else getattr(existing, "device", torch.device("cpu"))
+    floating = existing is not None and existing.is_floating_point()
+    dtype = existing.dtype if floating else torch.get_default_dtype()
+    out = rewards.reshape(*tensordict.batch_size, *trailing_dims(reward_shape, "write_rewards")).to(device, dtype)
+    if accumulate and existing is not None:
+        if existing.shape != out.shape:
+            raise ValueError(
+                f"write_rewards: accumulate=True onto the reward at {key!r} of shape {tuple(existing.shape)}, expected "
+                f"this scorer's {tuple(out.shape)} (reward_shape={reward_shape!r}); pass the matching reward_shape"
+            )
+        out = existing.to(out.dtype) + out
+    tensordict.set(key, out)
+    return tensordict
 
 
 @dataclass(frozen=True)
@@ -36,7 +89,7 @@ class RewardOutput:
             ``FloatingPointError``), ``"warn"`` (count and keep them) or a finite number
             written instead. Defaults to ``"raise"``.
         shape (str, optional): the written reward's shape: ``"flat"`` ``[*B]``, ``"trailing"``
-            ``[*B, 1]`` or ``"step"`` ``[*B, 1, 1]`` (see :mod:`torchrl_trl.rewards.shape`).
+            ``[*B, 1]`` or ``"step"`` ``[*B, 1, 1]`` (see :mod:`torchrl_trl.rewards.postprocess`).
             Defaults to ``"flat"`` (upstream's).
 
     Examples:

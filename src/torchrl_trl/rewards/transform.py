@@ -1,5 +1,13 @@
-"""``HFRewardTransform``: a :class:`~torchrl_trl.rewards.reward_transform.RewardTransform`
-scoring with a Hugging Face reward model, built from a path or a model when not given ready.
+"""The reward transform: any reward scorer as a TorchRL ``Transform``
+(:class:`RewardTransform`), writing into ``next`` on a ``ChatEnv`` step, scoring once on a
+replay buffer's write (append it *after* ``MCAdvantage``), or scoring ``td`` when called; and
+:class:`HFRewardTransform`, one with a reward-model scorer built for you. A scorer has
+``in_keys``, ``out_keys`` (the reward first), ``reward_shape`` and
+``score_outputs(td, columns_td=None) -> list[Tensor]`` (one ``[N]`` tensor per out key), as
+:class:`~torchrl_trl.rewards.HFRewardModelWrapper`,
+:class:`~torchrl_trl.rewards.RewardServiceClient` and
+:class:`~torchrl_trl.rewards.RewardFunctionWrapper` do; it writes with
+:func:`~torchrl_trl.rewards.postprocess.write_rewards`.
 """
 
 from __future__ import annotations
@@ -7,15 +15,150 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import nn
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import EnvBase, Transform
 
+from .._checks import key_tuple, strip_next
 from .model import HFRewardModelWrapper
-from .reward_transform import RewardTransform
+from .postprocess import RewardShape, trailing_dims, write_rewards
 from .service import RewardServiceClient
-from .shape import RewardShape
 
-__all__ = ["HFRewardTransform"]
+__all__ = ["HFRewardTransform", "RewardTransform"]
+
+_BUFFER = object()  # RewardTransform._holder() in a replay buffer
+_SCORER_API = ("in_keys", "out_keys", "reward_shape", "score_outputs")
+
+
+class RewardTransform(Transform):
+    """Write a scorer's rewards as TorchRL rewards, inside an env's step, on a replay
+    buffer's write, or called as a module.
+
+    Args:
+        scorer (scorer): anything with ``in_keys``, ``out_keys``, ``reward_shape`` and
+            ``score_outputs`` (see :mod:`torchrl_trl.rewards.transform`).
+
+    Keyword Args:
+        reward_key (NestedKey, optional): where the reward goes, *inside* ``"next"``. Defaults
+            to ``None``: the scorer's key.
+        reward_shape (str, optional): ``"step"`` (``[*B, 1, 1]``), ``"trailing"`` or ``"flat"``.
+            Defaults to ``None``: the scorer's.
+        accumulate (bool, optional): add to a reward already there instead of overwriting it.
+            Defaults to ``False``.
+
+    ``in_keys`` are the scorer's; ``out_keys`` the ``("next", ...)`` keys written, added to
+    the env's reward spec. In an env it scores once per step, in ``_step`` (the env's inverse
+    pass over the policy's output passes through): one reward-model forward per completion.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyStackStorage, ReplayBuffer
+        >>> from torchrl_trl import RewardFunctionWrapper
+        >>> def length(prompts, completions, **kwargs):
+        ...     return [float(len(c)) for c in completions]
+        >>> rb = ReplayBuffer(storage=LazyStackStorage(8), batch_size=2)
+        >>> transform = RewardTransform(RewardFunctionWrapper(length), accumulate=True)
+        >>> rb.append_transform(transform)  # doctest: +ELLIPSIS
+        ReplayBuffer(...)
+        >>> rb.extend(TensorDict({"text": {"prompt": ["q", "q"], "response": ["ab", "abc"]},
+        ...                       ("next", "reward"): torch.ones(2, 1, 1)}, [2]))
+        tensor([0, 1])
+        >>> rb[:]["next", "reward"].flatten().tolist()  # scored on write, added to the 1.0
+        [3.0, 4.0]
+        >>> rb.sample()["next", "reward"].shape  # not scored again
+        torch.Size([2, 1, 1])
+    """
+
+    def __init__(self, scorer, *, reward_key: NestedKey | None = None, reward_shape: RewardShape | None = None,
+                 accumulate: bool = False) -> None:
+        missing = [name for name in _SCORER_API if not hasattr(scorer, name)]
+        if missing:
+            raise TypeError(
+                f"{type(self).__name__}: the scorer needs {', '.join(_SCORER_API)} (an HFRewardModelWrapper, "
+                f"RewardServiceClient or RewardFunctionWrapper); a {type(scorer).__name__} has no {missing}"
+            )
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"{type(self).__name__}: accumulate must be a bool, got {accumulate!r}")
+        keys = [("next", *key_tuple(strip_next(key_tuple(k)))) for k in scorer.out_keys]
+        if reward_key is not None:
+            keys[0] = ("next", *key_tuple(reward_key))
+        self.reward_shape = scorer.reward_shape if reward_shape is None else reward_shape
+        trailing_dims(self.reward_shape, type(self).__name__)  # checks the name
+        self.accumulate = accumulate
+        super().__init__(in_keys=list(scorer.in_keys), out_keys=keys)
+        self.scorer = scorer
+
+    def _score_into(self, source: TensorDictBase, dest: TensorDictBase, *, inside_next: bool,
+                    columns_td=None) -> TensorDictBase:
+        """Score ``source`` into ``dest`` (an env step's ``next`` when ``inside_next``)."""
+        for key, value in zip(self.out_keys, self.scorer.score_outputs(source, columns_td)):
+            key = strip_next(key) if inside_next else key
+            write_rewards(dest, value, key, self.reward_shape, accumulate=self.accumulate)
+        return dest
+
+    # env: the policy's output is in the root tensordict, the rewards go to "next"
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return self._score_into(tensordict, next_tensordict, inside_next=True, columns_td=next_tensordict)
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return tensordict_reset
+
+    # replay buffer: score once on write ... (an env runs the inverse pass on the policy's output
+    # before its step too: _step scores there, so scoring here as well ran the model twice)
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if tensordict is None or self._in_env():
+            return tensordict
+        return self._score_into(tensordict, tensordict, inside_next=False)
+
+    # ... and pass through on sample (and on an env's observations)
+    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return next_tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Score ``tensordict`` and write the reward keys (in a replay buffer: pass the sample
+        through, it was scored on write)."""
+        if self._in_replay_buffer():
+            return tensordict
+        return self._score_into(tensordict, tensordict, inside_next=False)
+
+    def _holder(self):
+        """The env holding this transform, :data:`_BUFFER` in a replay buffer's Compose (no env
+        holds it: ``container`` raises ``ValueError``), ``None`` when never attached."""
+        try:
+            return self.container
+        except ValueError:
+            return _BUFFER
+        except AttributeError:  # never attached
+            return None
+
+    def _in_replay_buffer(self) -> bool:
+        return self._holder() is _BUFFER
+
+    def _in_env(self) -> bool:
+        return isinstance(self._holder(), EnvBase)
+
+    def transform_output_spec(self, output_spec: Composite) -> Composite:
+        # out_keys are rollout keys ("next", ...); the env's reward spec is relative to "next"
+        output_spec = output_spec.clone()
+        if "full_reward_spec" in output_spec.keys():
+            output_spec["full_reward_spec"] = self.transform_reward_spec(output_spec["full_reward_spec"])
+        return output_spec
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        shape = reward_spec.shape + trailing_dims(self.reward_shape, type(self).__name__)
+        for key in self.out_keys:
+            spec = Unbounded(shape, dtype=torch.get_default_dtype())
+            if len(key) == 2:
+                reward_spec.set(key[1], spec)
+            else:
+                reward_spec.update(Composite({key[1:]: spec}, shape=reward_spec.shape))
+        return reward_spec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.scorer!r})"
 
 
 class HFRewardTransform(RewardTransform):
