@@ -42,7 +42,7 @@ def main():
     from vllm import LLM
 
     from torchrl_trl import layouts, safe_pad_tokenizer, safe_policy_wrapper
-    from torchrl_trl.demo_tasks import arithmetic_task
+    from torchrl_trl.cli.demo_tasks import arithmetic_task
     from torchrl_trl.testing import smollm2_checkpoint
 
     set_list_to_stack(True).set()

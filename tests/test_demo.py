@@ -85,8 +85,8 @@ def test_demo_quick_learns_the_hidden_rule(tmp_path):
 def test_trl_grpo_phase_runs_on_torchrl_rollouts(checkpoints, tmp_path):
     """Step 5 in small: one iteration (one TorchRL generation of 2 prompts x 2 x 4 steps,
     4 TRL optimizer steps) with the untrained reward model; typed numbers."""
-    from torchrl_trl.demo import DemoConfig, run_trl_grpo
-    from torchrl_trl.demo_tasks import vowels_task
+    from torchrl_trl.cli.demo import DemoConfig, run_trl_grpo
+    from torchrl_trl.cli.demo_tasks import vowels_task
 
     cfg = DemoConfig(output_dir=tmp_path, iterations=1, prompts_per_batch=2, group_size=2, max_new_tokens=4, lr=1e-2)
     out = run_trl_grpo(checkpoints.policy, checkpoints.reward_model, vowels_task(), cfg)
@@ -98,7 +98,7 @@ def test_trl_grpo_phase_runs_on_torchrl_rollouts(checkpoints, tmp_path):
 def test_arithmetic_task_on_tiny_models_runs_every_phase(tmp_path):
     """The smollm2 task's plumbing on the tiny models (nothing is learned): held-out prompts
     scored by math-verify, best-of-n SFT from the prompt/reply split TorchRL collected."""
-    from torchrl_trl.demo import DemoConfig, run_demo
+    from torchrl_trl.cli.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
         output_dir=tmp_path, task="arithmetic", iterations=2, prompts_per_batch=2, group_size=2, max_new_tokens=4,
@@ -113,7 +113,7 @@ def test_arithmetic_task_on_tiny_models_runs_every_phase(tmp_path):
 
 
 def test_arithmetic_true_score_is_math_verify_on_the_asked_sum():
-    from torchrl_trl.demo_tasks import arithmetic_task
+    from torchrl_trl.cli.demo_tasks import arithmetic_task
 
     task = arithmetic_task()
     assert set(task.train_prompts).isdisjoint(task.heldout_prompts)
@@ -138,7 +138,7 @@ def test_demo_on_smollm2_in_small(smollm2_dir, tmp_path):
     """``--model smollm2``'s phases on the real model, cut to one iteration of 2 prompts x 2
     replies: the reward model's head trains on the real backbone and every phase reports a
     held-out true score (the full run's learning is measured in the README, not here)."""
-    from torchrl_trl.demo import DemoConfig, run_demo
+    from torchrl_trl.cli.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
         output_dir=tmp_path, model="smollm2", iterations=1, prompts_per_batch=2, group_size=2, max_new_tokens=8,
@@ -163,7 +163,7 @@ def test_demo_help_lists_the_flags():
 
 
 def test_true_score_is_the_vowel_fraction():
-    from torchrl_trl.demo_tasks import vowel_fraction
+    from torchrl_trl.cli.demo_tasks import vowel_fraction
 
     assert vowel_fraction("", "") == 0.0
     assert vowel_fraction("", "aaaa") == 1.0
@@ -174,7 +174,7 @@ def test_run_demo_refuses_pickle_only_checkpoints_unloaded(tmp_path):
     """The API path too: a reward model directory with only ``pytorch_model.bin`` is
     refused before anything is loaded (its unpickling would create ``marker``)."""
     from torchrl_trl.cli import CLIError
-    from torchrl_trl.demo import DemoConfig, run_demo
+    from torchrl_trl.cli.demo import DemoConfig, run_demo
 
     from test_cli import pickle_only_checkpoint
 
@@ -191,7 +191,7 @@ def test_quiet_libraries_keeps_our_warnings():
     import warnings
 
     from torchrl_trl.data.groups import SkippedRolloutsWarning
-    from torchrl_trl.demo_output import quiet_libraries
+    from torchrl_trl.cli.demo_output import quiet_libraries
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

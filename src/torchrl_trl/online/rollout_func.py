@@ -3,9 +3,8 @@ rollouts from a pluggable source.
 
 * ``source=None``: generated on each call from TRL's prompts by a TorchRL policy (the
   trainer's own model, on-policy), optionally through a ``ChatEnv`` over several turns.
-* ``source=`` a TorchRL ``LLMCollector`` (its own thread) or ``RayLLMCollector`` (an actor):
-  whole groups it generated ahead of the trainer (:mod:`~torchrl_trl.online.collector_source`),
-  within a staleness bound, reused, filtered; the trainer's weights are pushed to it.
+* ``source=`` a TorchRL ``LLMCollector`` (its own thread) or ``RayLLMCollector`` (an actor): whole
+  groups it generated ahead (:mod:`~torchrl_trl.online.collector_source`); weights pushed to it.
 
 Log-probs (raw logits', NaN: unknown): ``logprobs="rescore"`` recomputes them on the exact
 sequence (one more forward), ``"generate"`` keeps TorchRL's with each first token NaN, ``"auto"``
@@ -69,6 +68,10 @@ class RolloutOptions:
             until its groups and those not yet taken are at most this many. Defaults to ``None``.
         group_key (NestedKey, optional): the key a collected group's items share (``MCAdvantage``'s
             ``prompt_key``). Defaults to ``None``: ``"group_id"`` where the items have it, else ``"query"``.
+
+    >>> RolloutOptions(reuse=-1)
+    Traceback (most recent call last):
+    ValueError: RolloutOptions: reuse must be an integer >= 0, got -1
     """
 
     context_fn: Callable[[list], dict[str, Sequence[Any]]] | None = None
@@ -189,16 +192,10 @@ class TorchRLRolloutFunc:
             )
         elif policy is not None:
             _check_policy(policy)
-        self.policy = policy
-        self.env = env
-        self.max_turns = max_turns
-        self.replay_buffer = replay_buffer
-        self.logprobs = logprobs
-        self.sync_weights = sync_weights
+        self.policy, self.env, self.max_turns, self.replay_buffer = policy, env, max_turns, replay_buffer
+        self.logprobs, self.sync_weights = logprobs, sync_weights
         self.replay = GroupReplay(options.reuse, options.max_staleness)
-        self.policy_version = -1
-        self.calls = 0
-        self.samples = 0
+        self.policy_version, self.calls, self.samples = -1, 0, 0
         self.consumed_staleness: list[int] = []
         self.consumed_reuse: list[int] = []
         self.__name__ = type(self).__name__

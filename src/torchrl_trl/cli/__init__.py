@@ -9,8 +9,8 @@ import os
 import platform
 from pathlib import Path
 
-from . import __version__
-from ._checks import positive_int
+from .. import __version__
+from .._checks import positive_int
 from .model_paths import CLIError, resolve_model_dir
 
 DESCRIPTION = (
@@ -63,8 +63,8 @@ def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
     path = _require_dir(path)
     from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 
-    from .online import load_buffer
-    from .online.checkpoint import read_meta
+    from ..online import load_buffer
+    from ..online.checkpoint import read_meta
 
     try:
         meta = read_meta(path)
@@ -86,7 +86,7 @@ def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
 def _layout(td) -> str:
     """``"padded (...)"``, ``"ragged (...)"``, ``"mixed (...)"`` or ``"no tokens"``, from
     TorchRL's ``Tokens.padded`` flags when present, else from the stored widths."""
-    from . import layouts
+    from .. import layouts
 
     key = layouts.token_key("full")
     if not layouts.has_key(td, key):
@@ -116,8 +116,8 @@ _SAMPLE_FORMATS = ("sft_conversational", "dpo_conversational", "kto_conversation
 
 
 def cmd_inspect(args) -> int:
-    from . import layouts
-    from .data import available_formats, get_format
+    from .. import layouts
+    from ..data import available_formats, get_format
 
     rb, _ = load_saved_buffer(args.path)
     n = len(rb)
@@ -150,7 +150,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_export(args) -> int:
     _require_dir(args.path)
-    from .data import TorchRLBufferDataset, available_formats
+    from ..data import TorchRLBufferDataset, available_formats
 
     if args.format not in available_formats():
         raise CLIError(f"--format: unknown format {args.format!r}; available: {', '.join(available_formats())}")
@@ -186,9 +186,9 @@ def cmd_score(args) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from . import layouts
-    from .online import save_buffer
-    from .rewards import HFRewardModelWrapper, RewardBatching, RewardRenderer
+    from .. import layouts
+    from ..online import save_buffer
+    from ..rewards import HFRewardModelWrapper, RewardBatching, RewardRenderer
 
     policy_tokenizer = None
     if tok_dir is not None:
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from .layouts import PaddingLostError
+    from ..layouts import PaddingLostError
 
     try:
         return args.func(args)

