@@ -1,6 +1,5 @@
 """Calling TRL reward functions (``f(prompts, completions, completion_ids, **columns) ->
-list[float | None]``, sync or async) the way TRL calls them: arguments checked, outputs
-validated, exceptions re-raised with the function's name, optional timeouts. Shared by
+list[float | None]``, sync or async) the way TRL calls them: outputs validated, exceptions re-raised with the function's name, optional timeouts. Shared by
 :class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` and
 :func:`~torchrl_trl.rewards.trl_funcs.as_trl_reward_func`.
 """
@@ -8,7 +7,6 @@ validated, exceptions re-raised with the function's name, optional timeouts. Sha
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import numbers
 from collections import Counter
@@ -20,14 +18,12 @@ import torch
 from torchrl_trl._checks import WarnOnce
 from torchrl_trl._threads import run_async, run_in_thread
 
-__all__ = [
-    "TRL_EXTRA_KWARGS", "FailureCounter", "FunctionTimeout", "RewardFunctionError", "call_function",
-    "check_signature", "declares", "function_names", "named_error", "per_completion_items",
-    "replay_logs", "run_coroutines", "run_with_timeout", "score_items", "to_rewards",
-]  # fmt: skip
+from .arguments import per_completion_items
 
-#: keyword arguments TRL passes that are not dataset columns
-TRL_EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
+__all__ = [
+    "FailureCounter", "FunctionTimeout", "RewardFunctionError", "call_function", "call_functions", "function_names",
+    "named_error", "replay_logs", "run_coroutines", "run_with_timeout", "score_items", "to_rewards",
+]  # fmt: skip
 
 
 class RewardFunctionError(RuntimeError):
@@ -200,69 +196,6 @@ def to_rewards(output: Any, *, name: str, expected: int, owner: str,
             )
         rewards.append(float(value))
     return rewards
-
-
-def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[list[tuple[int, dict]], dict]:
-    """``(items, shared)`` for an item executor: one ``(function index, kwargs)`` item per
-    function and completion (function-major), per-completion arguments cut to one-element
-    lists; ``shared`` holds the rest. ``log_extra``/``log_metric`` are set by the executor.
-
-    >>> items, shared = per_completion_items({"prompts": ["a", "b"], "trainer_state": None, "log_metric": print}, 2)
-    >>> items, shared
-    ([(0, {'prompts': ['a'], 'log_metric': None}), (0, {'prompts': ['b'], 'log_metric': None})], {'trainer_state': None})
-    """
-    loggers = {k: None for k in ("log_extra", "log_metric") if k in call_kwargs}
-    rest = {k: v for k, v in call_kwargs.items() if k not in loggers}
-    per_item = {k: v for k, v in rest.items() if k != "trainer_state" and isinstance(v, (list, tuple)) and len(v) == n}
-    shared = {k: v for k, v in rest.items() if k not in per_item}
-    items = [(i, {**{k: [v[row]] for k, v in per_item.items()}, **loggers}) for i in range(n_funcs) for row in range(n)]
-    return items, shared
-
-
-def check_signature(func: Callable, name: str, provided: Sequence[str], owner: str) -> None:
-    """A ``KeyError`` if ``func`` requires an argument not in ``provided``, a ``TypeError`` if
-    it does not accept one that is (TRL passes every column and its extra keywords); both
-    start with ``owner``.
-
-    >>> def needs_solution(prompts, completions, solution, **kw): ...
-    >>> check_signature(needs_solution, "needs_solution", ["prompts", "completions", "answer"], "Scorer")
-    Traceback (most recent call last):
-    ...
-    KeyError: "Scorer: reward function 'needs_solution' requires the argument 'solution', not a column passed (['answer']); expected columns={'solution': <key>}"
-    """
-    try:
-        sig = inspect.signature(func)
-    except (TypeError, ValueError):
-        return
-    params = sig.parameters.values()
-    columns = [k for k in provided if k not in ("prompts", "completions", "completion_ids", *TRL_EXTRA_KWARGS)]
-    for p in params:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
-            continue
-        if p.name not in provided:
-            raise KeyError(
-                f"{owner}: reward function {name!r} requires the argument {p.name!r}, not a column passed "
-                f"({columns}); expected columns={{{p.name!r}: <key>}}"
-            )
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        unexpected = [k for k in provided if k not in sig.parameters]
-        if unexpected:
-            raise TypeError(
-                f"{owner}: reward function {name!r} does not accept {unexpected} (TRL passes every column and "
-                "trainer_state/log_extra/log_metric): expected **kwargs in its signature"
-            )
-
-
-def declares(func: Callable, arg: str) -> bool:
-    """Whether ``func``'s signature names ``arg`` (not just ``**kwargs``).
-
-    >>> declares(lambda prompts, completion_ids, **kw: None, "completion_ids")
-    True
-    """
-    try:
-        return arg in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class FailureCounter:

@@ -16,18 +16,10 @@ from tensordict.utils import NestedKey
 from torchrl_trl import layouts
 from torchrl_trl._checks import WarnOnce, key_tuple, strip_next
 
-from .calling import (
-    FailureCounter,
-    FunctionTimeout,
-    RewardFunctionError,
-    call_functions,
-    check_signature,
-    function_names,
-    score_items,
-)
+from .arguments import InputMode, check_signature, input_keys, trl_arguments
+from .calling import FailureCounter, FunctionTimeout, RewardFunctionError, call_functions, function_names, score_items
 from .executors import RewardExecutor, reward_executor
 from .postprocess import RewardShape, trailing_dims, write_rewards
-from .rollout_arguments import InputMode, input_keys, trl_arguments
 from .scheduler import warm_up
 from .transform import RewardTransform
 
@@ -53,7 +45,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
     rollouts in ``td`` (any batch shape, padded or ragged) and writes the reward keys.
 
     Each function is called as TRL's ``GRPOTrainer`` calls it (see
-    :func:`~torchrl_trl.rewards.rollout_arguments.trl_arguments`). The reward is
+    :func:`~torchrl_trl.rewards.arguments.trl_arguments`). The reward is
     ``nansum(weights * rewards_per_func)``: ``None``, NaN and inf are excluded (counted in
     :attr:`none_counts` / :attr:`nonfinite_counts`, warned once); a row with no reward left
     gets the executor's ``unscorable_reward`` (NaN, as TRL). A function's exception is re-raised with its name. On a

@@ -20,13 +20,10 @@ from tensordict.utils import NestedKey
 from torchrl_trl import _compat, layouts
 from torchrl_trl._checks import WarnOnce, key_tuple, strip_next
 
-from .calling import (
-    TRL_EXTRA_KWARGS, FailureCounter, call_function, call_functions, check_signature, declares,
-    run_with_timeout, score_items,
-)  # fmt: skip
+from .arguments import TRL_EXTRA_KWARGS, as_messages, check_signature, declares, is_conversational, rollouts_from_trl
+from .calling import FailureCounter, call_function, call_functions, run_with_timeout, score_items
 from .executors import RewardExecutor, reward_executor
 from .scheduler import warm_up
-from .trl_rollouts import as_messages, is_conversational, rollouts_from_trl
 
 __all__ = ["TRLRewardFunc", "as_trl_reward_func", "is_conversational", "is_trl_function", "rollouts_from_trl"]
 
