@@ -1,22 +1,22 @@
-"""The same GRPO run with TRL's own generation, with ``TorchRLRolloutFunc``, and async.
+"""The same GRPO run with TRL's own generation and with ``TorchRLRolloutFunc`` on each source.
 
 One process, one tiny policy (CPU by default), fixed prompts and seeds; each mode trains
 ``--steps`` optimizer steps of ``--batch`` completions (``--group`` per prompt):
 
 1. ``trl``: ``GRPOTrainer`` generating itself (``model.generate``);
-2. ``torchrl``: ``rollout_func=TorchRLRolloutFunc(TransformersWrapper(model))`` (shared weights);
-3. ``async``: ``AsyncTorchRLRolloutFunc`` over an ``AsyncGroupCollector``: TorchRL's
-   ``LLMCollector`` built from the same prompts (``PromptPrimer``), generating with its own
-   copy of the weights, one step ahead at most (``max_staleness=1``);
+2. ``torchrl``: ``rollout_func=TorchRLRolloutFunc(TransformersWrapper(model))`` (inline,
+   shared weights);
+3. ``async``: ``TorchRLRolloutFunc(source=make_prompt_collector(...))``: TorchRL's
+   ``LLMCollector`` built from the same prompts, generating with its own copy of the
+   weights, one step ahead at most (``RolloutOptions(max_staleness=1, max_pending_groups=)``);
 4. ``async-reuse``: the same with ``reuse=1``: a step takes stored groups (each trained on
    at most twice, within ``max_staleness=1``) instead of waiting for fresh ones. Its
    samples/s counts trained samples, reuses included; the line also gives how many were fresh.
-5. ``llm-collector``: ``LLMCollectorRolloutFunc`` draining the groups a TorchRL
-   ``LLMCollector`` thread (own weights, ``ChatEnv``) writes into a plain buffer
-   (``max_staleness=1``; weights through ``collector.update_policy_weights_``), at most one
-   step of groups ahead (``max_pending_groups``); ``llm-collector-free``: the same running
-   free (TorchRL's ``collector.start()`` alone); ``llm-collector-mc``: bounded, through
-   ``MCAdvantage``;
+5. ``llm-collector``: ``source=`` a hand-built TorchRL ``LLMCollector`` thread (own weights,
+   ``ChatEnv``) writing into a plain buffer (``max_staleness=1``; weights through
+   ``collector.update_policy_weights_``), at most one step of groups ahead
+   (``max_pending_groups``); ``llm-collector-free``: the same running free (TorchRL's
+   ``collector.start()`` alone); ``llm-collector-mc``: bounded, through ``MCAdvantage``;
 6. ``llm-collector-ray``: the same collector in a ``RayLLMCollector`` actor (its own
    process, 1 thread) writing into a ``RayReplayBuffer``; the trainer gets the other
    ``--cores - 1`` threads. Equal cores: the synchronous modes get all ``--cores``.
@@ -73,7 +73,7 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from torchrl_trl.online import AsyncGroupCollector, AsyncTorchRLRolloutFunc, TorchRLRolloutFunc
+    from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc, make_prompt_collector
     from torchrl_trl.testing import make_policy_wrapper
 
     class TimedTrainer(GRPOTrainer):
@@ -98,12 +98,13 @@ def make_trainer(mode, ckpt, tok, args, out_dir):
         func = TorchRLRolloutFunc(make_policy_wrapper(model, tok, max_new_tokens=args.max_new_tokens, device=args.device))
     elif mode in ("async", "async-reuse"):
         generator = AutoModelForCausalLM.from_pretrained(ckpt)
-        rollout = TorchRLRolloutFunc(make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens))
-        collector = AsyncGroupCollector(
-            rollout, chats, group_size=args.group, prompts_per_batch=args.batch // args.group,
-            max_pending_groups=args.batch // args.group,  # one step ahead at most
+        collector = make_prompt_collector(
+            make_policy_wrapper(generator, tok, max_new_tokens=args.max_new_tokens), chats, group_size=args.group,
+            prompts_per_batch=args.batch // args.group,
         )
-        func = AsyncTorchRLRolloutFunc(collector, max_staleness=1, timeout=600, reuse=int(mode == "async-reuse"))
+        options = RolloutOptions(max_staleness=1, timeout=600, reuse=int(mode == "async-reuse"),
+                                 max_pending_groups=args.batch // args.group)  # one step ahead at most
+        func = TorchRLRolloutFunc(source=collector, options=options)
     config = GRPOConfig(
         output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         num_generations=args.group, max_completion_length=args.max_new_tokens, use_cpu=args.device == "cpu",
@@ -150,7 +151,7 @@ def _llm_collector_func(ckpt, tok, args, mc_advantage=False, bounded=True):
     from transformers import AutoModelForCausalLM
 
     from torchrl_trl import RewardFunctionWrapper
-    from torchrl_trl.online import LLMCollectorRolloutFunc
+    from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc
     from torchrl_trl.testing import make_chat_env, make_policy_wrapper
 
     env = make_chat_env([{"query": q} for q in QUESTIONS], batch_size=args.batch, group_size=args.group)
@@ -166,8 +167,8 @@ def _llm_collector_func(ckpt, tok, args, mc_advantage=False, bounded=True):
         dialog_turns_per_batch=args.batch, replay_buffer=rb, track_policy_version=True, total_dialog_turns=-1,
     )
     ahead = args.batch // args.group if bounded else None  # one step ahead at most, as async
-    return LLMCollectorRolloutFunc(collector, rb, group_size=args.group, max_staleness=1, timeout=600,
-                                   max_pending_groups=ahead)
+    options = RolloutOptions(group_size=args.group, max_staleness=1, timeout=600, max_pending_groups=ahead)
+    return TorchRLRolloutFunc(source=collector, replay_buffer=rb, options=options)
 
 
 def _bigger_policy(tok, root, config: dict) -> str:
@@ -211,15 +212,15 @@ def _ray_collector_func(ckpt, args):
     import ray
     from torchrl.objectives.llm import MCAdvantage
 
-    from torchrl_trl.online import LLMCollectorRolloutFunc
-    from torchrl_trl.online.ray import make_ray_collector, make_ray_replay_buffer
+    from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc, make_ray_collector, make_ray_replay_buffer
 
     if not ray.is_initialized():
         ray.init(num_cpus=args.cores, include_dashboard=False, log_to_driver=False)
     rb = make_ray_replay_buffer(100_000, transform_factory=partial(MCAdvantage, grpo_size=args.group))
     collector = make_ray_collector(partial(_ray_env, args), partial(_ray_policy, ckpt, args), rb,
                                    dialog_turns_per_batch=args.batch, num_cpus=1)
-    return LLMCollectorRolloutFunc(collector, rb, group_size=args.group, max_staleness=1, timeout=600)
+    options = RolloutOptions(group_size=args.group, max_staleness=1, timeout=600)
+    return TorchRLRolloutFunc(source=collector, replay_buffer=rb, options=options)
 
 
 def run(mode, ckpt, tok, args):
@@ -242,17 +243,16 @@ def run(mode, ckpt, tok, args):
             if mode.startswith("async") or mode.startswith("llm-collector"):
                 func.close()
         wall = time.perf_counter() - start
-    waited = getattr(func, "wait_s", 0.0) if mode.startswith("llm-collector") else None
-    if waited is None:
-        waited = func.collector.wait_s if mode.startswith("async") else trainer.generate_s
+    groups = getattr(func, "groups", None)  # a collector source's reader (its counters)
+    waited = groups.wait_s if groups is not None else trainer.generate_s
     extra = ""
     if mode.startswith("llm-collector"):
-        extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {func.dropped_stale_groups} "
-                 f"of {func.read_groups} groups read, pushing weights {100 * func.push_s / wall:.1f}%")
+        extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {groups.dropped_stale_groups} "
+                 f"of {groups.read_groups} groups read, pushing weights {100 * groups.push_s / wall:.1f}%")
     if mode.startswith("async"):
-        c = func.collector
-        extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {c.dropped_stale_groups} "
-                 f"of {c.produced_groups} groups, {func.replay.reused} of {len(func.consumed_reuse)} reused")
+        produced = int(groups.replay_buffer.write_count) // args.group
+        extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {groups.dropped_stale_groups} "
+                 f"of {produced} groups, {func.replay.reused} of {len(func.consumed_reuse)} reused")
     samples = args.steps * args.batch
     curve = trainer.learning_curve
     if curve:

@@ -5,9 +5,9 @@ TRL GRPO on TorchRL rollouts
 TRL's ``GRPOTrainer`` normally generates its completions itself. Here TorchRL does it: a
 ``TransformersWrapper`` policy generates through :class:`torchrl_trl.TorchRLRolloutFunc`
 (TRL's ``rollout_func`` hook), every rollout lands in a TorchRL replay buffer, and TRL
-trains on exactly those tokens and log-probabilities. Then the same with generation by
-TorchRL's ``LLMCollector`` running ahead of the trainer (bounded staleness), stored groups reused
-once, and the behaviour log-probs correcting the stale samples.
+trains on exactly those tokens and log-probabilities. Then the same function with
+generation by TorchRL's ``LLMCollector`` running ahead of the trainer (bounded staleness),
+stored groups reused once, and the behaviour log-probs correcting the stale samples.
 """
 
 # %%
@@ -116,15 +116,16 @@ print("a completion:  ", repr(items[-1]["text", "response"]))
 # %%
 # Async: generation runs ahead, groups are reused
 # -----------------------------------------------
-# :class:`~torchrl_trl.AsyncGroupCollector` builds a TorchRL ``LLMCollector`` over a
-# ``ChatEnv`` fed with the prompts; it generates whole groups in its background thread with
-# its *own* copy of the weights; :class:`~torchrl_trl.AsyncTorchRLRolloutFunc` pushes
-# the trainer's weights to it at every step and takes groups at most ``max_staleness``
-# steps old. With ``reuse=1`` each group may be trained on twice, so a step takes stored
-# groups instead of waiting when nothing fresh is ready.
+# The same function takes its rollouts from a TorchRL ``LLMCollector`` instead
+# (``source=``). :func:`~torchrl_trl.make_prompt_collector` builds one over a ``ChatEnv``
+# fed with the prompts; it generates whole groups in its background thread with its *own*
+# copy of the weights. At every step the function pushes the trainer's weights to it (each
+# push advances the collector's policy version by one) and takes groups at most
+# ``max_staleness`` versions old. With ``reuse=1`` each group may be trained on twice, so a
+# step takes stored groups instead of waiting when nothing fresh is ready.
 # :class:`~torchrl_trl.BehaviourLogProbsMixin` makes the collector's recorded log-probs
 # TRL's old log-probs, so TRL's clipped ratio corrects the stale samples.
-from torchrl_trl import AsyncGroupCollector, AsyncTorchRLRolloutFunc, BehaviourLogProbsMixin
+from torchrl_trl import BehaviourLogProbsMixin, RolloutOptions, make_prompt_collector
 
 model = AutoModelForCausalLM.from_pretrained(paths.policy)
 generator_policy = safe_policy_wrapper(
@@ -132,17 +133,15 @@ generator_policy = safe_policy_wrapper(
     generate=True, return_log_probs=True, pad_output=False,
     generate_kwargs={"max_new_tokens": 8, "do_sample": True},
 )
-collector = AsyncGroupCollector(
-    TorchRLRolloutFunc(generator_policy), list(prompts["prompt"]), group_size=4, prompts_per_batch=2,
-    max_pending_groups=2,
-)
+collector = make_prompt_collector(generator_policy, list(prompts["prompt"]), group_size=4, prompts_per_batch=2)
 
 
 class CorrectedGRPOTrainer(BehaviourLogProbsMixin, GRPOTrainer):
     pass
 
 
-with AsyncTorchRLRolloutFunc(collector, max_staleness=2, reuse=1) as async_func:
+options = RolloutOptions(max_staleness=2, reuse=1, max_pending_groups=2)
+with TorchRLRolloutFunc(source=collector, options=options) as async_func:
     trainer = CorrectedGRPOTrainer(
         model=model, reward_funcs=[vowel_share], args=grpo_args("async", 20), train_dataset=prompts,
         processing_class=tokenizer, rollout_func=async_func,
@@ -156,7 +155,7 @@ print("reused groups:", async_func.replay.reused, "of", len(async_func.consumed_
 
 # %%
 # The collector stays at most 2 groups ahead (``max_pending_groups=2``): when a step finds
-# nothing fresh it reuses a stored group, no older than 2 steps, instead of waiting. Groups
+# nothing fresh it reuses a stored group, no older than 2 versions, instead of waiting. Groups
 # up to 2 steps old learn more slowly per step than on-policy ones; the async run's gain is
 # in wall time when generation is the bottleneck (``benchmarks/bench_grpo_rollouts.py``).
 #
