@@ -543,6 +543,10 @@ def test_bad_input_is_a_clear_error(policy_and_tokenizer):
     assert not collected.groups.collector.is_running()
     with pytest.raises(ValueError, match="max_staleness"):
         RolloutOptions(max_staleness=-1)
+    with pytest.raises(ValueError, match=r"RolloutOptions \['reuse'\] do not apply without a collector source"):
+        TorchRLRolloutFunc(options=RolloutOptions(reuse=1))  # a setting that would be ignored
+    with pytest.raises(ValueError, match=r"\['context_fn'\] do not apply with a collector"):
+        TorchRLRolloutFunc(source=collected.groups.collector, options=RolloutOptions(context_fn=lambda p: {}))
     with pytest.raises(ValueError, match="policy=None and env=None"):
         TorchRLRolloutFunc(func.policy, source=collected.groups.collector)
     with pytest.raises(ValueError, match="group_size"):  # no trainer to say it

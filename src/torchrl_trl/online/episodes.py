@@ -34,7 +34,7 @@ __all__ = [
 
 #: Generation log-probs of the response tokens, as TorchRL's wrappers write them.
 GENERATED_LOGPROBS_KEY: NestedKey = ("log_probs", "response")
-#: Per-token behaviour log-probs a collector's postproc records (``collector_rollouts``).
+#: Per-token behaviour log-probs a collector's postproc records (:class:`BehaviourLogProbsPostproc`).
 BEHAVIOUR_KEY = "behaviour_log_probs"
 #: Name under which the env's reward (summed over turns) reaches TRL's reward functions.
 TORCHRL_REWARD_FIELD = "torchrl_reward"

@@ -38,30 +38,27 @@ from .weights import load_weights
 __all__ = ["RolloutBatch", "RolloutOptions", "TorchRLRolloutFunc"]
 
 #: extra fields of every row taken from a collector (reward functions get them)
-PROMPT_FIELD = "torchrl_prompt"
-STALENESS_FIELD = "staleness"
-REUSE_FIELD = "reuse"
+PROMPT_FIELD, STALENESS_FIELD, REUSE_FIELD = "torchrl_prompt", "staleness", "reuse"
 
 
 @dataclass(frozen=True)
 class RolloutOptions:
-    """The less common settings of :class:`TorchRLRolloutFunc`.
+    """The less common settings of :class:`TorchRLRolloutFunc`; all but the first two apply to a
+    collector source only (a setting that does not apply is a ``ValueError``).
 
     Args:
         context_fn (callable, optional): ``fn(prompts) -> {column: list}``, columns added to the
-            env's reset (``source=None`` with an ``env``). Defaults to ``None``.
+            env's reset (``source=None``). Defaults to ``None``.
         forward_keys (sequence of NestedKey, optional): top-level rollout keys passed to TRL's
             reward functions; the env's reward, summed over turns, goes as ``"torchrl_reward"``.
             Defaults to ``None`` (every non-TorchRL key).
-        group_size (int, optional): completions per prompt in a collector's groups. Defaults to
-            ``None``: the trainer's ``num_generations``.
-        max_staleness (int or None, optional): largest accepted age of a collector's group (the
-            collector's policy version minus the group's); older ones are dropped and counted.
-            ``None`` keeps all. Defaults to ``1``.
+        group_size (int, optional): completions per prompt. Defaults to ``None``: ``num_generations``.
+        max_staleness (int or None, optional): largest accepted age of a group (the collector's policy
+            version minus the group's); older ones are dropped, counted. ``None``: any. Defaults to ``1``.
         reuse (int, optional): train on each collected group up to ``1 + reuse`` times (fresh
             groups waited for only for what is missing). Defaults to ``0``.
-        drop_zero_std (bool, optional): drop (and count) collected groups whose env reward is the
-            same for every completion (their GRPO advantages are all 0). Defaults to ``False``.
+        drop_zero_std (bool, optional): drop (and count) groups whose env reward is the same for
+            every completion (GRPO advantages all 0). Defaults to ``False``.
         timeout (float or None, optional): seconds to wait for a collector's groups (or its batch
             in flight, before a push). Defaults to ``120.0``.
         max_pending_groups (int, optional): an in-process collector waits before writing a batch
@@ -90,6 +87,10 @@ class RolloutOptions:
         non_negative_int(self.reuse, "RolloutOptions: reuse")
         positive_seconds(self.timeout, "RolloutOptions: timeout")
         positive_int(self.max_pending_groups, "RolloutOptions: max_pending_groups", allow_none=True)
+
+
+_DEFAULTS = RolloutOptions()
+_COLLECTOR_OPTIONS = ("group_size", "max_staleness", "reuse", "drop_zero_std", "timeout", "max_pending_groups", "group_key")
 
 
 class TorchRLRolloutFunc:
@@ -127,8 +128,8 @@ class TorchRLRolloutFunc:
         sync_weights (str, callable or None, optional): when the trainer's ``global_step`` changed:
             ``"copy"`` loads the trainer's weights into ``policy.model`` (where it does not share
             them) or pushes them to the collector (``update_policy_weights_``, between two of its
-            batches); a callable ``fn(trainer_model, global_step)`` transfers them itself; ``None``
-            does nothing. Defaults to ``"copy"``.
+            batches); a callable ``fn(trainer_model, global_step)`` transfers them itself (and, with a
+            collector, advances its ``PolicyVersion``); ``None`` does nothing. Defaults to ``"copy"``.
         options (RolloutOptions, optional): env columns, forwarded keys and how a collector's
             groups are taken. Defaults to ``None``: ``RolloutOptions()``.
 
@@ -171,11 +172,12 @@ class TorchRLRolloutFunc:
         if options is not None and not isinstance(options, RolloutOptions):
             raise TypeError(f"TorchRLRolloutFunc: options must be a RolloutOptions, got {type(options).__name__}")
         self.options = options = options or RolloutOptions()
-        max_turns = positive_int(max_turns, "TorchRLRolloutFunc: max_turns")
-        if env is None and max_turns != 1:
-            raise ValueError(
-                "TorchRLRolloutFunc: max_turns > 1 needs an env (a ChatEnv) to produce the next turn's prompt"
-            )
+        if positive_int(max_turns, "TorchRLRolloutFunc: max_turns") != 1 and env is None:
+            raise ValueError("TorchRLRolloutFunc: max_turns > 1 needs an env (a ChatEnv) to make the next prompt")
+        fields = _COLLECTOR_OPTIONS if source is None else ("context_fn",)
+        if ignored := [f for f in fields if getattr(options, f) != getattr(_DEFAULTS, f)]:
+            where = "without a collector source" if source is None else "with a collector (make_prompt_collector takes it)"
+            raise ValueError(f"TorchRLRolloutFunc: RolloutOptions {ignored} do not apply {where}")
         self.groups: CollectorGroups | None = None
         if source is not None:
             if policy is not None or env is not None:
