@@ -58,8 +58,6 @@ def resolve_mode(td: TensorDictBase, input_mode: InputMode, tokenizer: Any = Non
     inputs = {"history": [[layouts.history_key("response")]], "text": [[layouts.text_key("response")]]}
     if input_mode == "tokens" or (input_mode == "auto" and tokenizer is not None):
         inputs["tokens"] = [[layouts.token_key("prompt"), layouts.token_key("response")]]
-    if input_mode == "tokens" and tokenizer is None:
-        raise ValueError(f"RewardFunctionWrapper: input_mode='tokens': {_DECODE}")
     stored = (layouts.history_key("response"), layouts.text_key("response"))
     tokens_only = (tokenizer is None and layouts.has_key(td, layouts.token_key("response"))
                    and not any(layouts.has_key(td, key) for key in stored))
@@ -123,8 +121,8 @@ def trl_arguments(
         )
     if tokenizer is not None and ids is None:
         raise KeyError(
-            f"RewardFunctionWrapper: tokenizer= decodes completions from {response!r}, which is missing. "
-            f"Available keys: {layouts.available_keys(td)}"
+            f"RewardFunctionWrapper: tokenizer= decodes completions from the response ids: expected {response!r} in "
+            f"the rollouts. Available keys: {layouts.available_keys(td)}"
         )
     if mode == "tokens":
         prompt_ids = layouts.read_tokens(td, "prompt").tolist()
@@ -142,7 +140,7 @@ def trl_arguments(
     for name, key in column_keys(td, columns).items():
         source = td if layouts.has_key(td, key) else columns_td
         if source is None or not layouts.has_key(source, key):
-            raise KeyError(f"RewardFunctionWrapper: column {name!r}: key {key!r} not found in the rollouts. "
+            raise KeyError(f"RewardFunctionWrapper: column {name!r}: expected {key!r} in the rollouts, not found. "
                            f"Available keys: {layouts.available_keys(td)}")
         kwargs[name] = [_plain(v) for v in layouts.read_column(source, key)]
     return kwargs

@@ -1,7 +1,8 @@
 """Calling TRL reward functions (``f(prompts, completions, completion_ids, **columns) ->
-list[float | None]``, sync or async) the way TRL calls them: outputs validated, exceptions re-raised with the function's name, optional timeouts. Shared by
-:class:`~torchrl_trl.rewards.functions.RewardFunctionWrapper` and
-:func:`~torchrl_trl.rewards.trl_funcs.as_trl_reward_func`.
+list[float | None]``, sync or async) the way TRL calls them: outputs validated, exceptions
+re-raised with the function's name, optional timeouts; in the caller or one completion at a
+time in an item executor. Shared by :class:`~torchrl_trl.rewards.RewardFunctionWrapper` and
+:func:`~torchrl_trl.rewards.as_trl_reward_func`.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) ->
     """
     if timeout is None:
         return fn()
-    return run_in_thread(fn, timeout, f"{what} did not return within timeout={timeout}s",
+    return run_in_thread(fn, timeout, f"{what} did not return within timeout={timeout}s: expected a result by then",
                          error=FunctionTimeout, name="torchrl-trl-reward")
 
 
@@ -102,7 +103,8 @@ def run_coroutines(coros: list, names: list[str], timeout: float | None, owner: 
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
             task.cancel()
-            raise FunctionTimeout(f"{owner}: reward function {name!r} did not return within timeout={timeout}s")
+            raise FunctionTimeout(f"{owner}: reward function {name!r} did not return within timeout={timeout}s: "
+                                  "expected a result by then")
         try:
             return task.result()
         except Exception as err:  # the function's own exception, TimeoutError included
@@ -113,7 +115,8 @@ def run_coroutines(coros: list, names: list[str], timeout: float | None, owner: 
 
     bound = None if timeout is None else timeout + 1.0  # the margin: a coroutine blocking the loop
     what = f"{owner}: the async reward functions {names} (one blocks the event loop without awaiting)"
-    return run_async(gather(), bound, f"{what} did not return within timeout={bound}s", error=FunctionTimeout)
+    return run_async(gather(), bound, f"{what} did not return within timeout={bound}s: expected a result by then",
+                     error=FunctionTimeout)
 
 
 def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None, owner: str) -> Any:

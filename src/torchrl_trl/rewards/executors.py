@@ -58,7 +58,7 @@ class RewardExecutor:
         >>> RewardExecutor("thread", mp_context="fork")
         Traceback (most recent call last):
         ...
-        ValueError: RewardExecutor: mp_context applies to kind='process' only, got kind='thread'
+        ValueError: RewardExecutor: mp_context applies to kind='process' only: expected it there, got kind='thread'
     """
 
     kind: str | concurrent.futures.Executor = "caller"
@@ -79,9 +79,11 @@ class RewardExecutor:
         positive_int(self.max_workers, "RewardExecutor: max_workers", allow_none=True)
         given = [n for n in ("max_workers", "failure_reward") if getattr(self, n) is not None]
         if kind == "caller" and given:
-            raise ValueError(f"RewardExecutor: {given} apply to isolated kinds (process, thread, ray), not 'caller'")
+            raise ValueError(f"RewardExecutor: {given} apply to isolated kinds: expected kind='process', 'thread' or "
+                             "'ray', got 'caller'")
         if self.mp_context is not None and kind != "process":
-            raise ValueError(f"RewardExecutor: mp_context applies to kind='process' only, got kind={kind!r}")
+            raise ValueError(f"RewardExecutor: mp_context applies to kind='process' only: expected it there, got "
+                             f"kind={kind!r}")
         if (ctx := self.mp_context) not in (None, "spawn", "forkserver", "fork"):
             raise ValueError(f"RewardExecutor: mp_context must be 'spawn', 'forkserver' or 'fork', got {ctx!r}")
         object.__setattr__(self, "timeout", positive_seconds(self.timeout, "RewardExecutor: timeout"))

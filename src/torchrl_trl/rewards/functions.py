@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from types import SimpleNamespace
 
 import torch
 from tensordict import TensorDictBase
@@ -24,20 +25,6 @@ from .scheduler import warm_up
 from .transform import RewardTransform
 
 __all__ = ["FunctionTimeout", "RewardFunctionError", "RewardFunctionWrapper"]
-
-
-class _Logs:
-    """Where ``log_extra``/``log_metric`` calls from reward functions land."""
-
-    def __init__(self):
-        self.extra: dict[str, list] = {}
-        self.metrics: dict[str, list[float]] = {}
-
-    def log_extra(self, column: str, values: list) -> None:
-        self.extra.setdefault(column, []).extend(values)
-
-    def log_metric(self, name: str, value: float) -> None:
-        self.metrics.setdefault(name, []).append(value)
 
 
 class RewardFunctionWrapper(TensorDictModuleBase):
@@ -125,7 +112,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             raise ValueError(f"{name}: input_mode must be 'auto', 'history', 'text' or 'tokens', got {input_mode!r}")
         if input_mode == "tokens" and tokenizer is None:
             raise ValueError(f"{name}: input_mode='tokens' decodes prompts and completions from the rollouts' "
-                             "tokens: pass tokenizer= (the policy's)")
+                             "tokens: expected tokenizer= (the policy's)")
         self.names = function_names(funcs, names)
         weights = [1.0] * len(funcs) if weights is None else weights
         if len(weights) != len(funcs):
@@ -151,7 +138,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self.failure_reward = config.failure_reward
         self.executor = config.build(funcs, self.names) if config.isolated else None
         self._failures = FailureCounter(self.names, name)
-        self.logs = _Logs()
+        self.logs = SimpleNamespace(extra={}, metrics={})  # where log_extra/log_metric calls land
         self._none, self._nonfinite, self._unscorable = WarnOnce(), WarnOnce(), WarnOnce()
 
     @property
@@ -200,8 +187,9 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             td, input_mode=self.input_mode, columns=self.columns, tokenizer=self.tokenizer,
             funcs=self.funcs, names=self.names, columns_td=columns_td,
         )
-        logs = {"log_extra": self.logs.log_extra, "log_metric": self.logs.log_metric}
-        return {**kwargs, "trainer_state": self.trainer_state, **logs}
+        return {**kwargs, "trainer_state": self.trainer_state,
+                "log_extra": lambda column, values: self.logs.extra.setdefault(column, []).extend(values),
+                "log_metric": lambda name, value: self.logs.metrics.setdefault(name, []).append(value)}
 
     def score(self, td: TensorDictBase, columns_td: TensorDictBase | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rewards, rewards_per_func)`` of the rollouts in ``td``, writing nothing: float32

@@ -133,8 +133,8 @@ def extract_scores(out: Any) -> torch.Tensor:
     if isinstance(out, dict) and "logits" in out:
         return out["logits"]
     raise RuntimeError(
-        f"HFRewardModelWrapper: could not extract reward from model output. Got type {type(out).__name__}. Expected an "
-        "output with a 'logits' or 'rewards' attribute, a dict with 'logits', or a bare torch.Tensor."
+        f"HFRewardModelWrapper: could not extract reward from model output ({type(out).__name__}): expected a tensor, "
+        "a dict with 'logits' or an output with .logits or .rewards"
     )
 
 
@@ -162,7 +162,8 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
         )
     head_index = 0 if head_index is None else head_index
     if not -k <= head_index < k:
-        raise ValueError(f"HFRewardModelWrapper: RewardOutput(head_index={head_index}) out of range for num_labels={k}")
+        raise ValueError(f"HFRewardModelWrapper: RewardOutput(head_index={head_index}): expected -{k} <= head_index < "
+                         f"{k} (num_labels={k})")
     return logits[:, head_index]
 
 
@@ -266,6 +267,3 @@ class RunningRewardNorm(Transform):
             self._update(reward[finite])
         out = (reward - self.mean.to(reward.device, reward.dtype)) / self.std.to(reward.device, reward.dtype)
         return torch.where(finite, out, reward)
-
-    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        return tensordict_reset

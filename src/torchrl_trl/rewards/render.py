@@ -136,8 +136,8 @@ class RewardRenderer:
                 f"RewardRenderer: chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r}"
             )
         if fixed := sorted({"tokenize", "add_generation_prompt"} & set(chat_template_kwargs or {})):
-            raise ValueError(f"RewardRenderer: chat_template_kwargs {fixed} cannot be set: the reward model scores the "
-                             "chat as text (tokenize=False), without a generation prompt, as trl.RewardTrainer does")
+            raise ValueError(f"RewardRenderer: chat_template_kwargs {fixed} cannot be set: expected neither (the chat "
+                             "is scored as text, without a generation prompt, as trl.RewardTrainer does)")
         self.policy_tokenizer = policy_tokenizer
         self.input_mode = input_mode
         self.part = part
@@ -162,8 +162,8 @@ class RewardRenderer:
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         if self.input_mode in ("text", "history") and tokenizer is None:
             raise ValueError(
-                f"RewardRenderer: input_mode={self.input_mode!r} needs the reward model's tokenizer: pass "
-                "RewardRenderer(tokenizer=) or load the model by path (its tokenizer is loaded)"
+                f"RewardRenderer: input_mode={self.input_mode!r} needs the reward model's tokenizer: expected "
+                "RewardRenderer(tokenizer=) or the model loaded by path (its tokenizer is loaded)"
             )
         part = self.part
         if token_key is not None and part != "full" and key_tuple(token_key) == layouts.token_key("full"):
@@ -295,7 +295,7 @@ class RewardRenderer:
     def encode_texts(self, texts: list[str]) -> Ragged:
         if self.tokenizer is None:
             raise ValueError(
-                "RewardRenderer: scoring text needs the reward model's tokenizer: pass RewardRenderer(tokenizer=)"
+                "RewardRenderer: scoring text needs the reward model's tokenizer: expected RewardRenderer(tokenizer=)"
             )
         for i, t in enumerate(texts):
             if not isinstance(t, str):

@@ -177,13 +177,12 @@ def _as_ragged(values: Any, lengths: Any, where: str) -> Ragged:
     values = torch.as_tensor(np.asarray(values)).reshape(-1)
     lengths = torch.as_tensor(np.asarray(lengths)).reshape(-1)
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise TypeError(f"{where}: lengths must be integers, got dtype {lengths.dtype}")
+        raise TypeError(f"RewardModelService: {where}: expected integer lengths, got dtype {lengths.dtype}")
     if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"{where}: negative length {int(lengths.min())} in lengths")
+        raise ValueError(f"RewardModelService: {where}: expected lengths >= 0, got {int(lengths.min())}")
     if int(lengths.sum()) != values.numel():
-        raise ValueError(
-            f"{where}: lengths sum to {int(lengths.sum())} but {values.numel()} token ids were sent"
-        )
+        raise ValueError(f"RewardModelService: {where}: expected lengths summing to the {values.numel()} ids sent, "
+                         f"got {int(lengths.sum())}")
     check_integer_ids(values.dtype, where)
     return check_token_ids(Ragged(values.long(), lengths.long()), where)
 
@@ -253,7 +252,8 @@ class RewardServiceClient(RenderingScorer):
         if model_kwargs is not None and not isinstance(model_kwargs, dict):
             raise TypeError(f"{name}: model_kwargs must be a dict or None, got {type(model_kwargs).__name__}")
         if "load_tokenizer" in (model_kwargs or {}):
-            raise TypeError(f"{name}: model_kwargs takes load_reward_model's loading arguments, not load_tokenizer")
+            raise TypeError(f"{name}: model_kwargs takes load_reward_model's loading arguments: expected no "
+                            "load_tokenizer")
         if not _is_number(timeout) or not 0 < timeout < float("inf"):
             raise ValueError(f"{name}: timeout must be a finite number of seconds > 0, got {timeout!r}")
         if not _is_number(max_wait_ms) or max_wait_ms < 0:
@@ -270,12 +270,13 @@ class RewardServiceClient(RenderingScorer):
         if not ray.is_initialized():
             ray.init()
         remote = ray.remote(RewardModelService).options(**options)
-        self._actor = remote.remote(self.model_path, **settings, max_wait_ms=float(max_wait_ms))
+        self.actor = remote.remote(self.model_path, **settings, max_wait_ms=float(max_wait_ms))  # Ray handle
         info = self._call("info")
         if info["model_path"] != self.model_path or info["settings"] != settings:
+            differ = [k for k in settings if info["settings"][k] != settings[k]]
             raise ValueError(
-                f"{name}: the reward service {self.actor_name!r} serves {info['model_path']!r} with settings "
-                f"{info['settings']}, this caller asks for {self.model_path!r} with {settings}: use another name"
+                f"{name}: the reward service {self.actor_name!r} serves {info['model_path']!r} (differing settings: "
+                f"{differ}), this caller asks for {self.model_path!r}: expected the same, or another name"
             )
         loaded = None
         if renderer.tokenizer is None:
@@ -288,11 +289,6 @@ class RewardServiceClient(RenderingScorer):
             eos_token_id=info["eos_token_id"], reward_key="reward",
         )  # fmt: skip
 
-    @property
-    def actor(self):
-        """The Ray actor handle."""
-        return self._actor
-
     def _call(self, method: str, *args, timeout: float | None = None):
         """``actor.method(*args)``, waited for at most ``timeout`` (default: ``self.timeout``)."""
         ray = _require_ray()
@@ -302,21 +298,21 @@ class RewardServiceClient(RenderingScorer):
         owner = type(self).__name__
         name = f"reward service {self.actor_name!r}" if self.actor_name else "the private reward service"
         try:
-            ref = getattr(self._actor, method).remote(*args)
+            ref = getattr(self.actor, method).remote(*args)
         except RayActorError as e:  # pragma: no cover - submitting to a dead handle
-            raise RewardServiceError(f"{owner}: {name} is gone: {e}") from e
+            raise RewardServiceError(f"{owner}: expected a live actor, {name} is gone: {e}") from e
         try:
             return ray.get(ref, timeout=timeout)
         except GetTimeoutError as e:
             ray.cancel(ref)
             raise RewardServiceError(
                 f"{owner}: {name} did not answer {method}() within timeout={timeout}s (busy, hung or still "
-                "loading the model); pass a larger timeout= or check the actor"
+                "loading the model): expected a larger timeout= or a responsive actor"
             ) from e
         except RayActorError as e:
             raise RewardServiceError(
-                f"{owner}: {name} died or cannot be reached ({type(e).__name__}); remote_config="
-                f"{{'max_restarts': n}} restarts it. Cause: {str(e).splitlines()[0][:60] if str(e) else e!r}"
+                f"{owner}: {name} died or cannot be reached ({type(e).__name__}): expected a live actor (remote_config="
+                f"{{'max_restarts': n}} restarts it). Cause: {str(e).splitlines()[0][:60] if str(e) else e!r}"
             ) from e
 
     def stats(self) -> dict:
@@ -328,7 +324,7 @@ class RewardServiceClient(RenderingScorer):
 
     def shutdown(self) -> None:
         """Kill the actor (every caller attached to it loses it)."""
-        _require_ray().kill(self._actor, no_restart=True)
+        _require_ray().kill(self.actor, no_restart=True)
 
     def score_ids(self, ids: Ragged, *, where: str = "reward-model input") -> torch.Tensor:
         """Rewards ``float32 [N]`` (CPU) for reward-model token ids, one per row."""

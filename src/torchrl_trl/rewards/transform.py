@@ -77,7 +77,7 @@ class RewardTransform(Transform):
         missing = [name for name in _SCORER_API if not hasattr(scorer, name)]
         if missing:
             raise TypeError(
-                f"{type(self).__name__}: the scorer needs {', '.join(_SCORER_API)} (an HFRewardModelWrapper, "
+                f"{type(self).__name__}: the scorer needs {', '.join(_SCORER_API)} (expected an HFRewardModelWrapper, "
                 f"RewardServiceClient or RewardFunctionWrapper); a {type(scorer).__name__} has no {missing}"
             )
         if not isinstance(accumulate, bool):
@@ -103,13 +103,10 @@ class RewardTransform(Transform):
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         return self._score_into(tensordict, next_tensordict, inside_next=True, columns_td=next_tensordict)
 
-    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        return tensordict_reset
-
     # replay buffer: score once on write ... (an env runs the inverse pass on the policy's output
     # before its step too: _step scores there, so scoring here as well ran the model twice)
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if tensordict is None or self._in_env():
+        if tensordict is None or isinstance(self._holder(), EnvBase):
             return tensordict
         return self._score_into(tensordict, tensordict, inside_next=False)
 
@@ -120,7 +117,7 @@ class RewardTransform(Transform):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Score ``tensordict`` and write the reward keys (in a replay buffer: pass the sample
         through, it was scored on write)."""
-        if self._in_replay_buffer():
+        if self._holder() is _BUFFER:
             return tensordict
         return self._score_into(tensordict, tensordict, inside_next=False)
 
@@ -134,12 +131,6 @@ class RewardTransform(Transform):
         except AttributeError:  # never attached
             return None
 
-    def _in_replay_buffer(self) -> bool:
-        return self._holder() is _BUFFER
-
-    def _in_env(self) -> bool:
-        return isinstance(self._holder(), EnvBase)
-
     def transform_output_spec(self, output_spec: Composite) -> Composite:
         # out_keys are rollout keys ("next", ...); the env's reward spec is relative to "next"
         output_spec = output_spec.clone()
@@ -150,11 +141,7 @@ class RewardTransform(Transform):
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
         shape = reward_spec.shape + trailing_dims(self.reward_shape, type(self).__name__)
         for key in self.out_keys:
-            spec = Unbounded(shape, dtype=torch.get_default_dtype())
-            if len(key) == 2:
-                reward_spec.set(key[1], spec)
-            else:
-                reward_spec.update(Composite({key[1:]: spec}, shape=reward_spec.shape))
+            reward_spec[key[1:]] = Unbounded(shape, dtype=torch.get_default_dtype())
         return reward_spec
 
     def __repr__(self) -> str:
@@ -216,7 +203,8 @@ class HFRewardTransform(RewardTransform):
         service = {"actor_name": actor_name, "num_cpus": num_cpus, "num_gpus": num_gpus}
         service = {k: v for k, v in service.items() if v is not None}
         if service and not use_ray_service:
-            raise TypeError(f"HFRewardTransform: {sorted(service)} apply with use_ray_service=True only")
+            raise TypeError(f"HFRewardTransform: {sorted(service)} apply with use_ray_service=True only: "
+                            "expected it set")
         if use_ray_service:
             if not isinstance(scorer, (str, os.PathLike)):
                 raise TypeError(

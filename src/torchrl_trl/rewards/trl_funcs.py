@@ -76,8 +76,8 @@ class TRLRewardFunc:
                 f"{type(reward).__name__}"
             )
         if not math.isnan(config.unscorable_reward):  # TRL decides for the rows no function scored
-            raise ValueError("as_trl_reward_func: RewardExecutor(unscorable_reward=) applies to RewardFunctionWrapper; "
-                             "TRL scores the rows no function scored")
+            raise ValueError("as_trl_reward_func: RewardExecutor(unscorable_reward=) applies to RewardFunctionWrapper: "
+                             "expected it unset (TRL scores the rows no function scored)")
         self.reward = reward
         self.tokenizer = tokenizer
         self.is_trl_function = is_trl_function(reward)
@@ -182,7 +182,7 @@ class TRLRewardFunc:
         rewards = rewards.detach().float().cpu().reshape(len(prompts), -1)
         if rewards.shape[1] != 1:
             raise ValueError(
-                f"{self.__name__}: expected one reward per completion, got shape "
+                f"TRLRewardFunc {self.__name__!r}: expected one reward per completion, got shape "
                 f"{tuple(rewards.shape)} for {len(prompts)} completions"
             )
         return rewards[:, 0].tolist()
@@ -193,8 +193,8 @@ class TRLRewardFunc:
             missing = [c for c in self.columns if c not in columns]
             if missing:
                 raise KeyError(
-                    f"{self.__name__}: columns {missing} were not passed by the trainer; "
-                    f"dataset columns available: {sorted(columns)}"
+                    f"TRLRewardFunc {self.__name__!r}: columns {missing} were not passed by the trainer: expected "
+                    f"dataset columns, got {sorted(columns)}"
                 )
             columns = {c: columns[c] for c in self.columns}
         return columns
@@ -264,8 +264,8 @@ class TRLRewardFunc:
                 values = layouts.read_column(td, key)
                 return torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in values])
         raise KeyError(
-            f"{self.__name__}: the reward module wrote none of the reward keys {candidates}. "
-            f"Pass reward_key=... . Keys after the call: {layouts.available_keys(td)}"
+            f"TRLRewardFunc {self.__name__!r}: the reward module wrote none of the reward keys {candidates}: expected "
+            f"reward_key= of one it writes: {layouts.available_keys(td)}"
         )
 
 
