@@ -118,13 +118,6 @@ class RewardBatching:
             input_ids[mask] = torch.cat([rows[i] for i in index.tolist()])
             yield MicroBatch(index, input_ids, mask.long())
 
-    def packs(self, ids: Ragged, *, pad_token_id: int | None):
-        """:class:`~torchrl_trl.rewards.packing.Pack` s of ``ids`` by this policy."""
-        from .packing import iter_packs
-
-        return iter_packs(ids, pad_token_id=pad_token_id, max_tokens_per_batch=self.max_tokens_per_batch,
-                          max_batch_size=self.max_batch_size)  # fmt: skip
-
 
 @dataclass(frozen=True)
 class MicroBatch:

@@ -20,7 +20,7 @@ from .._checks import WarnOnce, config_or_default
 from .._token_ids import check_token_ids, check_tokenizer_fits, embedding_size
 from ..layouts import Ragged
 from .batching import RewardBatching
-from .packing import causal_classifier, packing_unsupported, score_pack
+from .packing import causal_classifier, iter_packs, packing_unsupported, score_pack
 from .postprocess import NonFiniteRewards, RewardOutput, RewardShape, extract_scores, select_head, write_rewards
 from .render import RewardRenderer
 
@@ -321,7 +321,8 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
             return torch.zeros(0, device=self._model_device())
         pad, packing = self.pad_token_id, self.batching.packing
         if packing:
-            parts = self.batching.packs(ids, pad_token_id=pad)
+            parts = iter_packs(ids, pad_token_id=pad, max_tokens_per_batch=self.batching.max_tokens_per_batch,
+                               max_batch_size=self.batching.max_batch_size)
         else:  # a model that takes no mask cannot tell padding: equal lengths only
             equal = self.attention_mask_key is None and not self._model_takes_mask
             parts = self.batching.micro_batches(ids, pad_token_id=0 if pad is None else pad, equal_lengths=equal)
