@@ -46,7 +46,7 @@ def test_every_prompt_generated_once_in_order_then_the_source_ends(policy_and_to
         iter(CHATS), repeats=2, context_fn=lambda chats: {"answer": [answers[c[-1]["content"]] for c in chats]}
     )
     collector, rb = _collector(tok, primer, "history")
-    options = RolloutOptions(group_size=2, group_key="group_id", max_staleness=None, timeout=60)
+    options = RolloutOptions(group_size=2, max_staleness=None, timeout=60)
     with TorchRLRolloutFunc(source=collector, sync_weights=None, options=options) as func:
         func.groups.start()
         groups = func.groups.next_groups(3, version=0)

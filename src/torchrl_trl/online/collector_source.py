@@ -163,8 +163,8 @@ class CollectorGroups:
     """The complete GRPO groups a TorchRL ``LLMCollector`` / ``RayLLMCollector`` writes into
     ``replay_buffer``, read as they come, and the weights pushed back to its policy: the collector
     source of :class:`~torchrl_trl.online.TorchRLRolloutFunc`, whose :class:`RolloutOptions` give the
-    keyword arguments (``group_size`` may stay ``None`` until :meth:`start`; ``group_key=None``:
-    ``"group_id"`` where the items have it, else ``"query"``).
+    keyword arguments (``group_size`` may stay ``None`` until :meth:`start`). A group's items share
+    ``"group_id"`` where they have it (``make_prompt_collector``), else ``"query"`` (``MCAdvantage``'s).
 
     Attributes:
         read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups, missed_items,
@@ -176,11 +176,11 @@ class CollectorGroups:
     poll_s: float = 0.1
 
     def __init__(
-        self, collector, replay_buffer, *, group_size: int | None, group_key: NestedKey | None,
+        self, collector, replay_buffer, *, group_size: int | None,
         max_staleness: int | None, timeout: float | None, max_pending_groups: int | None,
         forward_keys: Sequence[NestedKey] | None,
     ):
-        self.collector, self.replay_buffer, self.group_size, self.group_key = collector, replay_buffer, group_size, group_key
+        self.collector, self.replay_buffer, self.group_size = collector, replay_buffer, group_size
         self.max_staleness, self.timeout, self.forward_keys = max_staleness, timeout, forward_keys
         self.read_groups = self.consumed_groups = self.weight_pushes = 0
         self.dropped_stale_groups = self.dropped_filtered_groups = 0
@@ -411,9 +411,7 @@ class CollectorGroups:
         bounds = _episode_bounds(items)
         if not aligned:
             bounds = self._skip_partial_episode(items, bounds)
-        group_key = self.group_key
-        if group_key is None:
-            group_key = GROUP_ID_KEY if layouts.has_key(items, GROUP_ID_KEY) else "query"
+        group_key = GROUP_ID_KEY if layouts.has_key(items, GROUP_ID_KEY) else "query"
         keys = layouts.read_column(items, group_key)
         g = self.group_size
         runs = itertools.groupby(bounds, key=lambda bound: _hashable(keys[bound[0]]))

@@ -63,8 +63,6 @@ class RolloutOptions:
             in flight, before a push). Defaults to ``120.0``.
         max_pending_groups (int, optional): an in-process collector waits before writing a batch
             until its groups and those not yet taken are at most this many. Defaults to ``None``.
-        group_key (NestedKey, optional): the key a collected group's items share (``MCAdvantage``'s
-            ``prompt_key``). Defaults to ``None``: ``"group_id"`` where the items have it, else ``"query"``.
 
     >>> RolloutOptions(reuse=-1)
     Traceback (most recent call last):
@@ -79,7 +77,6 @@ class RolloutOptions:
     drop_zero_std: bool = False
     timeout: float | None = 120.0
     max_pending_groups: int | None = None
-    group_key: NestedKey | None = None
 
     def __post_init__(self):
         positive_int(self.group_size, "RolloutOptions: group_size", allow_none=True)
@@ -90,7 +87,7 @@ class RolloutOptions:
 
 
 _DEFAULTS = RolloutOptions()
-_COLLECTOR_OPTIONS = ("group_size", "max_staleness", "reuse", "drop_zero_std", "timeout", "max_pending_groups", "group_key")
+_COLLECTOR_OPTIONS = ("group_size", "max_staleness", "reuse", "drop_zero_std", "timeout", "max_pending_groups")
 
 
 class TorchRLRolloutFunc:
@@ -188,7 +185,7 @@ class TorchRLRolloutFunc:
                 raise ValueError("TorchRLRolloutFunc: expected the source collector built with replay_buffer=, or "
                                  "replay_buffer= the buffer it writes into")
             self.groups = CollectorGroups(
-                source, replay_buffer, group_size=options.group_size, group_key=options.group_key,
+                source, replay_buffer, group_size=options.group_size,
                 max_staleness=options.max_staleness, timeout=options.timeout,
                 max_pending_groups=options.max_pending_groups, forward_keys=options.forward_keys,
             )
