@@ -16,7 +16,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from torchrl_trl import layouts  # noqa: E402
 from torchrl_trl.online import CollectorError  # noqa: E402
-from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc, read_policy_version  # noqa: E402
+from torchrl_trl.online import RolloutOptions, TorchRLRolloutFunc  # noqa: E402
+from torchrl_trl.online.staleness import read_policy_version  # noqa: E402
 from test_rollout_func import Recorder, _wait  # noqa: E402
 
 ROWS = [{"query": q, "answer": a} for q, a in [("what is two plus two?", "four"), ("hello world", "hi")]]

@@ -405,7 +405,7 @@ def _alive(func) -> bool:
 
 def test_async_collector_drops_stale_groups_keeps_them_whole(fresh_model, policy_and_tokenizer):
     from torchrl.data import LazyStackStorage, ReplayBuffer
-    from torchrl_trl.online import read_policy_version
+    from torchrl_trl.online.staleness import read_policy_version
 
     _, tok = policy_and_tokenizer
     buffer = ReplayBuffer(storage=LazyStackStorage(256))

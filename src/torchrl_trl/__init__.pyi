@@ -3,6 +3,6 @@
 from .data import *
 from .online import *
 from .rewards import *
-from .padding import check_policy_padding as check_policy_padding, safe_policy_wrapper as safe_policy_wrapper
+from .padding import safe_policy_wrapper as safe_policy_wrapper
 
 __version__: str
