@@ -104,6 +104,23 @@ def test_lazy_stack_rollouts_formats_and_features(rollouts, policy_and_tokenizer
     assert [r["tokens.response"].tolist() for r in raw] == responses
 
 
+def test_a_batch_is_walked_once_and_each_key_read_once(rollouts, monkeypatch):
+    """However many keys a format, ``keys=`` and named columns read, a batch's lazy stack is
+    walked once and each of its keys read once from its members (layouts.read_once)."""
+    from torchrl_trl import _ragged
+
+    batches, reads = [], []
+    init, get_values = _ragged.Batch.__init__, _ragged.get_values
+    monkeypatch.setattr(_ragged.Batch, "__init__", lambda self, td: batches.append(td) or init(self, td))
+    monkeypatch.setattr(_ragged, "get_values", lambda td, key: reads.append((id(td), key)) or get_values(td, key))
+    for name in ["sft", "sft_conversational", "sft_tokenized", "grpo"]:
+        columns = RowColumns(name, columns={"ids": "tokens.full", "n": lambda b: layouts.read_tokens(b).lengths})
+        ds = TorchRLBufferDataset(rollouts, 8, format=columns, keys=["answer", "tokens.response"], reading="epoch")
+        batches.clear(), reads.clear()
+        assert len(list(ds)) == 8
+        assert len(batches) == 1 and reads and len(reads) == len(set(reads)), name
+
+
 def test_token_rows_are_lists_whose_tensors_are_private_copies(rollouts):
     """What TRL does to token rows (``torch.tensor``, truncation by slicing, its collator) sees
     the list's values; tensors made from a row never share memory with it."""

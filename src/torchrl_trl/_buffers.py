@@ -2,17 +2,19 @@
 (a ``RayReplayBuffer`` or its client), through TorchRL's public ``ReplayBuffer`` properties;
 and what a forked process (a DataLoader worker) may read of a local one: ``fork`` waits for a
 write in progress (:func:`guard_fork`), a copy taken mid-write is known (:func:`forked_mid_write`),
-and :func:`readable_length` says how many items the copy holds and whether it grows."""
+and :func:`readable_length` says how many items the copy holds and whether it grows. Whether
+this TorchRL's ``LazyMemmapStorage`` keeps strings is probed here too."""
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
 from . import _compat
 
 __all__ = ["forked_mid_write", "guard_fork", "is_local", "local_parts", "local_sampler", "local_storage",
-           "readable_length"]
+           "memmap_keeps_strings", "readable_length"]
 
 
 def is_local(replay_buffer) -> bool:
@@ -43,6 +45,20 @@ def local_parts(replay_buffer, what: str):
         raise TypeError(f"{what}: {type(replay_buffer).__name__} keeps its storage elsewhere (e.g. a Ray actor); "
                         "save or load a local torchrl.data.ReplayBuffer")
     return replay_buffer.storage, replay_buffer.sampler, replay_buffer.writer
+
+
+@functools.cache
+def memmap_keeps_strings() -> bool:
+    """Whether this TorchRL's ``LazyMemmapStorage`` reads strings back as written (probed once)."""
+    import tempfile
+
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rb = ReplayBuffer(storage=LazyMemmapStorage(2, scratch_dir=tmp))
+        rb.extend(TensorDict({"s": ["a", "b"]}, batch_size=[2]))
+        return [str(s) for s in rb[:].get("s")] == ["a", "b"]
 
 
 _GUARDED: weakref.WeakSet = weakref.WeakSet()

@@ -1,19 +1,24 @@
 """The :class:`Ragged` container, and reading a key through lazy stacks that ``td.get``
-cannot stack. Knows nothing of TorchRL's LLM keys (:mod:`.layouts` does)."""
+cannot stack: :class:`Batch` walks a batch's lazy stacks once, then reads each key from its
+dense members; within :func:`read_once` every reader of a batch shares its :class:`Batch`.
+Knows nothing of TorchRL's LLM keys (:mod:`.layouts` does)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase, is_leaf_nontensor
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase, is_leaf_nontensor
 from tensordict.utils import NestedKey
 
 __all__ = [
-    "Ragged", "available_keys", "batch_numel", "chunks", "first_member", "flatten", "get_values",
-    "has_key", "leaves", "members", "require",
+    "Batch", "Ragged", "available_keys", "batch_numel", "batch_of", "chunks", "first_member", "flatten",
+    "get_values", "has_key", "leaves", "members", "per_sample", "read_once", "reads_once",
 ]
 
 
@@ -84,17 +89,9 @@ def members(td: LazyStackedTensorDict) -> list[TensorDictBase]:
     return td.tensordicts if td.stack_dim == 0 else td.unbind(0)
 
 
-def chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
-    """The tensor at ``key`` as dense ``[n_i, T_i]`` chunks in row-major order of ``td``'s
-    batch: one per dense member of a lazy stack, one per sample where values are ragged."""
-    if isinstance(td, LazyStackedTensorDict):
-        if td.stack_dim == 0 and td.batch_dims == 1:  # a sample per member (LazyStackStorage rows)
-            values = td.get(key, as_list=True)  # one call, not a get per member
-            if values is not None and all(isinstance(v, torch.Tensor) and v.ndim == 1 and not v.is_nested
-                                          for v in values):
-                return [v[None] for v in values]
-        return [chunk for sub in members(td) for chunk in chunks(sub, key)]
-    value = get_values(td, key)
+def chunks(value: Any, td: TensorDictBase) -> list[torch.Tensor]:
+    """A tensor ``value`` :func:`get_values` read from ``td`` (no lazy stack) as dense ``[n_i, T_i]``
+    chunks in row-major order of its batch: one chunk, or one per sample where values are ragged."""
     if isinstance(value, list):  # one tensor per sample
         return [torch.as_tensor(v).reshape(1, -1) for v in value]
     if value.is_nested:
@@ -102,6 +99,20 @@ def chunks(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
     if value.ndim == td.batch_dims:  # a scalar per sample
         return [value.reshape(-1, 1)]
     return [value.reshape(batch_numel(td), value.shape[-1])]
+
+
+def per_sample(value: Any, td: TensorDictBase) -> list[Any]:
+    """A ``value`` :func:`get_values` read from ``td`` (no lazy stack), one per sample: Python
+    objects for non-tensor data, tensors (ragged allowed) otherwise."""
+    if isinstance(value, list):  # one value per sample already
+        return value
+    if isinstance(value, (NonTensorData, NonTensorStack)):
+        return flatten(value.tolist(), td.batch_dims)
+    if isinstance(value, torch.Tensor) and not value.is_nested:
+        return list(value.reshape(-1, *value.shape[td.batch_dims :]).unbind(0))
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind(0))
+    return flatten(value, td.batch_dims)
 
 
 def get_values(td: TensorDictBase, key: NestedKey) -> Any:
@@ -126,16 +137,11 @@ def flatten(value: Any, depth: int) -> list:
 
 
 def has_key(td: TensorDictBase, key: NestedKey) -> bool:
-    """Whether ``key`` is set (and not ``None``) in every sample of ``td``, even where its
-    values cannot be stacked."""
-    if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
-        return all(has_key(sub, key) for sub in td.tensordicts)
+    """Whether ``key`` is set (and not ``None``) in every sample of a tensordict that is no lazy
+    stack, even where its values cannot be stacked (lazy stacks inside it)."""
     try:
         return td.get(key, None) is not None
-    except (KeyError, RuntimeError):
-        # only some members hold the key, or the values cannot be stacked: ask the parts
-        if isinstance(td, LazyStackedTensorDict):
-            return all(has_key(sub, key) for sub in members(td))
+    except (KeyError, RuntimeError):  # only some samples hold the key, or the values cannot be stacked
         return td.batch_dims > 0 and all(has_key(sample, key) for sample in td.unbind(0))
 
 
@@ -169,12 +175,6 @@ def available_keys(td: TensorDictBase) -> list[str]:
     return sorted(k if isinstance(k, str) else ".".join(k) for k in keys)
 
 
-def require(td: TensorDictBase, key: NestedKey, what: str) -> None:
-    """A ``KeyError`` naming ``what``, ``key`` and the available keys unless ``key`` is set."""
-    if not has_key(td, key):
-        raise KeyError(f"{what}: key {key!r} not found in the rollouts. Available keys: {available_keys(td)}")
-
-
 def batch_numel(td: TensorDictBase) -> int:
     """Number of samples, i.e. the product of ``td``'s batch dimensions."""
     return td.batch_size.numel()
@@ -185,3 +185,120 @@ def leaves(td: TensorDictBase) -> list[TensorDictBase]:
     if isinstance(td, LazyStackedTensorDict):
         return [leaf for sub in members(td) for leaf in leaves(sub)]
     return [td]
+
+
+class Batch:
+    """A batch of samples walked once into its dense members (the leaves of its lazy stacks),
+    each key then read from them once and kept, with anything else computed once per batch
+    (:meth:`once`): the readers of one batch share the walk and the reads. ``td`` must not
+    change while a ``Batch`` of it is in use.
+
+    >>> from tensordict import TensorDict, lazy_stack
+    >>> rows = Batch(lazy_stack([TensorDict({"ids": torch.arange(n)}) for n in (2, 3)]))
+    >>> [c.tolist() for c in rows.chunks("ids")], rows.has("ids"), rows.has("mask")
+    ([[[0, 1]], [[0, 1, 2]]], True, False)
+    >>> rows.values("ids")[1].tolist(), rows.chunks("mask", None)
+    ([0, 1, 2], None)
+    """
+
+    def __init__(self, td: TensorDictBase) -> None:
+        self.td = td
+        self.leaves = leaves(td)
+        self.numel = td.batch_size.numel()
+        self._read: dict[Any, Any] = {}
+
+    def once(self, name: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, computed on the first call for ``name`` and kept (an error as well)."""
+        if name not in self._read:
+            try:
+                self._read[name] = compute()
+            except KeyError as err:  # a key not set: kept, raised anew each time
+                self._read[name] = err
+        value = self._read[name]
+        if isinstance(value, KeyError):
+            raise KeyError(*value.args)
+        return value
+
+    def has(self, key: NestedKey) -> bool:
+        """Whether ``key`` is set (and not ``None``) in every sample, even where its values cannot be stacked."""
+        return self.once(("has", key), lambda: all(has_key(leaf, key) for leaf in self.leaves))
+
+    def _members(self, key: NestedKey) -> list[Any]:
+        """:func:`get_values` of each member: the one read of ``key``."""
+        return self.once(("read", key), lambda: [get_values(leaf, key) for leaf in self.leaves])
+
+    def chunks(self, key: NestedKey, *default: Any) -> list[torch.Tensor]:
+        """:func:`chunks` of the batch; ``KeyError`` (or ``default``) when ``key`` is not set."""
+        try:
+            return self.once(("chunks", key), lambda: [
+                c for leaf, value in zip(self.leaves, self._members(key)) for c in chunks(value, leaf)
+            ])
+        except KeyError:
+            if default:
+                return default[0]
+            raise
+
+    def values(self, key: NestedKey) -> list[Any]:
+        """:func:`per_sample` of the batch, in row-major order."""
+        return self.once(("values", key), lambda: [
+            v for leaf, value in zip(self.leaves, self._members(key)) for v in per_sample(value, leaf)
+        ])
+
+    def stacked(self, key: NestedKey) -> torch.Tensor | None:
+        """The tensors at ``key`` as one ``[numel, ...]`` tensor (a dense member's own, or the
+        members' concatenated), ``None`` where they are not tensors of one shape."""
+
+        def stack() -> torch.Tensor | None:
+            parts = self._members(key)
+            if not parts or not all(isinstance(p, torch.Tensor) and not p.is_nested for p in parts):
+                return None
+            flat = [p.reshape(-1, *p.shape[leaf.batch_dims :]) for p, leaf in zip(parts, self.leaves)]
+            if len({f.shape[1:] for f in flat}) > 1:
+                return None
+            return flat[0] if len(flat) == 1 else torch.cat(flat)
+
+        return self.once(("stacked", key), stack)
+
+    def require(self, key: NestedKey, what: str) -> None:
+        """A ``KeyError`` naming ``what``, ``key`` and the available keys unless ``key`` is set."""
+        if not self.has(key):
+            raise KeyError(f"{what}: key {key!r} not found in the rollouts. Available keys: {available_keys(self.td)}")
+
+
+_BATCHES: ContextVar[dict | None] = ContextVar("torchrl_trl_batches", default=None)
+
+
+@contextmanager
+def read_once():
+    """Within this context (and the ones nested in it) each batch, the same tensordict object, has
+    one :class:`Batch`: it is walked once and each of its keys read once, however many readers
+    read it; it must not change meanwhile."""
+    current = _BATCHES.get()
+    token = _BATCHES.set({} if current is None else current)
+    try:
+        yield
+    finally:
+        _BATCHES.reset(token)
+
+
+def batch_of(td: TensorDictBase) -> Batch:
+    """The :class:`Batch` of ``td``: this :func:`read_once` context's (made on first use), else a new one."""
+    batches = _BATCHES.get()
+    if batches is None:
+        return Batch(td)
+    found = batches.get(id(td))
+    if found is None:
+        found = batches[id(td)] = Batch(td)  # it holds td: its id cannot be reused while the context lives
+    return found
+
+
+def reads_once(reader: Callable) -> Callable:
+    """``reader(td, ...)`` run within a :func:`read_once` context (the caller's, else one of its
+    own), so that the readers it calls share ``td``'s :class:`Batch`."""
+
+    @functools.wraps(reader)
+    def read(td, *args, **kwargs):
+        with read_once():
+            return reader(td, *args, **kwargs)
+
+    return read

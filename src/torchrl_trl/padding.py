@@ -9,16 +9,24 @@ log-prob, ``("text", "response")`` is cut and the ``History`` reply is ``""``. A
 ``generation_config.pad_token_id``), those pads are taken for generated tokens.
 
 :func:`safe_policy_wrapper` builds a wrapper that gets both right; :func:`check_policy_padding`
-refuses a wrapper that does not, where our classes receive a policy.
+refuses a wrapper that does not, where our classes receive a policy. On rollouts already
+collected, the tensor side of :func:`torchrl_trl.layouts.check_padding_kept` is here: the pad id
+that took real tokens (:func:`lost_pad_id`), the masks rebuilt without it, and the pad strings
+TorchRL decoded into text (:func:`pad_strings`, :func:`unpad`); :mod:`.layouts` reads the keys.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["PAD_CANDIDATES", "check_policy_padding", "eos_token_ids", "pad_is_unsafe", "safe_pad_tokenizer",
-           "safe_policy_wrapper"]
+import torch
+
+__all__ = [
+    "COLLECT_FIX", "PAD_CANDIDATES", "PaddingLostError", "check_policy_padding", "eos_token_ids", "first_pad_id",
+    "lost_pad_id", "pad_counts", "pad_is_unsafe", "pad_string", "pad_strings", "rebuilt_masks", "safe_pad_tokenizer",
+    "safe_policy_wrapper", "short_row", "strip_trailing", "unpad",
+]
 
 #: Pad tokens tried, in order, when a tokenizer's own pad is unsafe; each must be an added (atomic)
 #: token of the vocabulary, which plain text never tokenises into. ``<|fim_pad|>``: Qwen2.5, whose
@@ -156,3 +164,172 @@ def check_policy_padding(policy: Any, where: str) -> None:
             f"{where}: generate pads finished sequences with id {pad}, expected the tokenizer's pad id "
             f"{tokenizer.pad_token_id}: pass generate_kwargs={{'pad_token_id': ...}} or use safe_policy_wrapper"
         )
+
+
+# -- rollouts already collected: what TorchRL's padding took (layouts.py reads the keys) -------
+
+
+class PaddingLostError(ValueError):
+    """Rollouts in which TorchRL's wrapper took real tokens for padding (its pad token is also a
+    token of the chat, most often the EOS): what it dropped cannot be read back."""
+
+
+#: how to collect rollouts that keep their tokens (troubleshooting.md says why)
+COLLECT_FIX = "collect with torchrl_trl.safe_policy_wrapper (a pad token of its own)"
+
+
+def _holes(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a ``[n, T]`` bool mask, whether a 0 lies between its first and last 1."""
+    first = mask.int().argmax(-1)
+    last = mask.shape[-1] - 1 - mask.flip(-1).int().argmax(-1)
+    return mask.any(-1) & (mask.sum(-1) != last - first + 1)
+
+
+def lost_pad_id(fulls: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[int, bool] | None | Literal[False]:
+    """For padded rows that TorchRL's mask took real tokens from: ``(the pad id, whether a
+    prompt lost tokens)``; ``None`` when every masked-out id is padding, ``False`` when no row
+    is padded. Lost tokens show as 0s between real tokens, or as an id both masked out and real
+    (a safe pad never occurs in a chat).
+
+    Args:
+        fulls (list of torch.Tensor): ``("tokens", "full")`` as ``[n, T]`` chunks.
+        masks (list of torch.Tensor): their attention masks, chunk by chunk.
+
+    >>> lost_pad_id([torch.tensor([[5, 2, 6, 2]])], [torch.tensor([[1, 0, 1, 0]])])  # 2: a pad between real tokens
+    (2, True)
+    >>> lost_pad_id([torch.tensor([[0, 5, 6]])], [torch.tensor([[0, 1, 1]])]) is None  # 0 is only padding
+    True
+    """
+    if bool(torch.cat([m.reshape(-1) for m in masks]).all()):
+        return False  # one pass where nothing is padded (ragged rows)
+    masked, real, hole_ids = [], [], []
+    for t, m in zip(fulls, masks):
+        m = m.bool()
+        if t.shape != m.shape or m.all():
+            continue
+        t, m = t[m.any(-1)], m[m.any(-1)]  # a row with no real token says nothing of its padding
+        masked.append(t[~m].unique())
+        real.append(t[m].unique())
+        if (holes := _holes(m)).any():
+            row = holes.nonzero()[0, 0]
+            inside = (m[row].int().cumsum(-1) > 0) & (m[row].flip(-1).int().cumsum(-1).flip(-1) > 0)
+            hole_ids.append(t[row][inside & ~m[row]][:1])
+    if hole_ids:
+        return int(hole_ids[0]), True
+    if not masked:
+        return False
+    masked_ids = torch.cat(masked).unique()
+    shared = masked_ids[torch.isin(masked_ids, torch.cat(real))]
+    return (int(shared[0]), False) if shared.numel() else None
+
+
+def short_row(prompt: list[int], response: list[int], full: list[int]) -> str | None:
+    """The first sample whose full width is below its prompt's + response's (ragged rows that
+    lost tokens to padding), described; else ``None``.
+
+    >>> short_row([3, 2], [2, 2], [5, 3])
+    "sample 1's ('tokens', 'full') holds 3 tokens, its prompt + response 4"
+    """
+    i = next((i for i, (p, r, f) in enumerate(zip(prompt, response, full)) if f < p + r), None)
+    if i is None:
+        return None
+    return f"sample {i}'s ('tokens', 'full') holds {full[i]} tokens, its prompt + response {prompt[i] + response[i]}"
+
+
+def rebuilt_masks(fulls: list[torch.Tensor], masks: list[torch.Tensor], prompts: list[torch.Tensor],
+                  pad_id: int) -> list[torch.Tensor]:
+    """Full-sequence masks of padded rows rebuilt from the tokens where ``pad_id`` was also a
+    real token: the prompt is real after its left padding, the response up to and with its
+    first ``pad_id`` (the EOS generation stopped at), all of it when it holds none.
+
+    Args:
+        fulls (list of torch.Tensor): ``("tokens", "full")`` as ``[n, T]`` chunks.
+        masks (list of torch.Tensor): their attention masks, chunk by chunk.
+        prompts (list of torch.Tensor): ``("tokens", "prompt")``, chunk by chunk.
+        pad_id (int): the pad id that was also a real token.
+    """
+    out = []
+    for t, m, p in zip(fulls, masks, prompts):
+        width, prompt_width = t.shape[-1], p.shape[-1]
+        if m.shape != t.shape or prompt_width > width:
+            out.append(m)
+            continue
+        cols = torch.arange(width).expand(t.shape)
+        prompt_start = m[:, :prompt_width].int().argmax(-1, keepdim=True)
+        is_pad = t[:, prompt_width:] == pad_id
+        stop = torch.where(is_pad.any(-1), is_pad.int().argmax(-1), width - prompt_width).unsqueeze(-1)
+        out.append((cols >= prompt_start) & ((cols < prompt_width) | (cols - prompt_width <= stop)))
+    return out
+
+
+def first_pad_id(fulls: list[torch.Tensor], masks: list[torch.Tensor]) -> int | None:
+    """The id at the first padded position of ``("tokens", "full")`` (chunks, and their masks), if any."""
+    for t, m in zip(fulls, masks):
+        if t.shape == m.shape and not m.bool().all():
+            return int(t[~m.bool()][0])
+    return None
+
+
+def pad_counts(masks: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Per sample of the attention-mask chunks ``masks``, the pad columns before and after its real tokens."""
+    lead, trail = [], []
+    for m in masks:
+        m = m.bool()
+        lead += (m.cumsum(-1) == 0).sum(-1).tolist()
+        trail += (m.flip(-1).cumsum(-1) == 0).sum(-1).tolist()
+    return lead, trail
+
+
+def pad_string(tokenizer: Any, pad_id: int | None = None) -> str:
+    """The string ``tokenizer`` decodes its pad token (or ``pad_id``) to."""
+    pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
+    return tokenizer.decode([pad_id], skip_special_tokens=False)
+
+
+def unpad(text: str, pad: str, lead: int, trail: int) -> str:
+    """``text`` without ``lead`` pads before and ``trail`` after, where present.
+
+    >>> unpad("<p><p>hi<p>", "<p>", 2, 1), unpad("hi", "<p>", 2, 0)
+    ('hi', 'hi')
+    """
+    if lead and text.startswith(pad * lead):
+        text = text[len(pad) * lead :]
+    if trail and text.endswith(pad * trail):
+        text = text[: len(text) - len(pad) * trail]
+    return text
+
+
+def pad_strings(fulls: list[str], prompts: list[str], lead: list[int], trail: list[int]) -> tuple[set[str], int]:
+    """``(pad strings, clean rows)`` read off decoded texts: each full text whose ``lead`` pad
+    columns decoded before its prompt, or whose ``trail`` ones repeat at its end, shows its pad
+    string; a text that starts with its prompt despite ``lead`` pads is clean."""
+    found, clean_rows = set(), 0
+    for f, p, before, after in zip(fulls, prompts, lead, trail):
+        at = f.find(p) if p else -1
+        if before and at == 0:
+            clean_rows += 1  # the text starts with its prompt: no pads were decoded
+        elif before and at > 0 and at % before == 0 and f[: at // before] * before == f[:at]:
+            found.add(f[: at // before])
+        elif not before and after >= 2 and (period := _shortest_period(f, after)):
+            found.add(period)
+    return found, clean_rows
+
+
+def _shortest_period(text: str, repeats: int) -> str | None:
+    """The shortest ``s`` such that ``text`` ends with ``s * repeats``, if any."""
+    for n in range(1, len(text) // repeats + 1):
+        if text.endswith(text[-n:] * repeats):
+            return text[-n:]
+    return None
+
+
+def strip_trailing(conversation: list[dict[str, str]], pad: str) -> list[dict[str, str]]:
+    """``conversation`` with ``pad`` strings stripped off each message's end (a message left empty dropped)."""
+    out = []
+    for m in conversation:
+        content = m["content"]
+        while content.endswith(pad):
+            content = content[: -len(pad)]
+        if content or not m["content"]:
+            out.append({**m, "content": content})
+    return out

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase, is_tensor_collection
+from tensordict import TensorDictBase, is_tensor_collection
 from tensordict.utils import NestedKey
 
 from .. import layouts
@@ -26,7 +26,6 @@ __all__ = [
 ]  # fmt: skip
 
 ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
-_PARTS = ("prompt", "response", "full")
 
 
 def to_nested_key(key: NestedKey) -> NestedKey:
@@ -73,28 +72,22 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
     key = to_nested_key(key)
     if not layouts.has_key(td, key):
         raise missing_key_error(td, key, "RowColumns")
-    if isinstance(key, tuple) and len(key) == 2 and key[1] in _PARTS and key[0] in ("tokens", "history"):
+    if isinstance(key, tuple) and len(key) == 2 and key[1] in layouts.PARTS and key[0] in ("tokens", "history"):
         if key[0] == "history":
             return layouts.read_history(td, key[1]), None
         ragged = read_token_ids(td, key[1])
         return ragged, ragged.values.dtype
-    value = _get_dense(td, key)
-    if value is None:  # ragged lazy stack: one tensor per row
-        rows = layouts.read_column(td, key)
-        dtype = rows[0].dtype if rows and isinstance(rows[0], torch.Tensor) else None
-        return _RaggedRows(rows), dtype
-    if isinstance(value, (NonTensorData, NonTensorStack)):
-        return layouts.read_column(td, key), None
-    if is_tensor_collection(value):
+    values = layouts.read_column(td, key, stack=True)
+    if isinstance(values, torch.Tensor):
+        return values, values.dtype
+    if values and isinstance(values[0], torch.Tensor):  # ragged: one tensor per row
+        return _RaggedRows(values), values[0].dtype
+    if values and is_tensor_collection(values[0]):
         raise TypeError(
-            f"RowColumns: key {column_name(key)!r} holds a nested {type(value).__name__}, not a leaf; "
+            f"RowColumns: key {column_name(key)!r} holds a nested {type(values[0]).__name__}, not a leaf; "
             f"name one of its leaves. Available keys: {layouts.available_keys(td)}"
         )
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            return _RaggedRows(list(value.unbind(0))), value.dtype
-        return value.reshape(-1, *value.shape[td.batch_dims :]), value.dtype
-    return layouts.read_column(td, key), None
+    return values, None
 
 
 class _RaggedRows(list):
@@ -102,16 +95,6 @@ class _RaggedRows(list):
 
     def tolist(self) -> list:
         return [r.tolist() if isinstance(r, torch.Tensor) else r for r in self]
-
-
-def _get_dense(td: TensorDictBase, key: NestedKey) -> Any:
-    """``td.get(key)``, or ``None`` where the rows cannot be stacked (ragged lazy stacks)."""
-    try:
-        return td.get(key)
-    except (RuntimeError, ValueError, TypeError):
-        if isinstance(td, LazyStackedTensorDict) or td.batch_dims > 0:
-            return None
-        raise
 
 
 def leaf_keys(td: TensorDictBase) -> list[NestedKey]:
@@ -229,16 +212,17 @@ class RowColumns:
         """``{column: one value per row}`` for ``batch``: ``python=True`` Python values, ``False``
         tensors for tensor leaves, ``"columnar"`` :func:`read_key_columnar` forms."""
         cols: dict[str, Any] = {}
-        if self.format is not None:
-            with layouts.decoded_padding(pad_text=self.pad_text), layouts.padding_checked_once():
-                cols.update(self.format(batch))
-        for key in self.raw_keys(batch):
-            cols[column_name(key)], self.dtypes[column_name(key)] = _read(batch, key, python)
-        for name, spec in self.columns.items():
-            if callable(spec):
-                cols[name] = list(spec(batch))
-            else:
-                cols[name], self.dtypes[name] = _read(batch, spec, python)
+        with layouts.read_once():  # the format, the keys and the named columns share one read of the batch
+            if self.format is not None:
+                with layouts.decoded_padding(pad_text=self.pad_text):
+                    cols.update(self.format(batch))
+            for key in self.raw_keys(batch):
+                cols[column_name(key)], self.dtypes[column_name(key)] = _read(batch, key, python)
+            for name, spec in self.columns.items():
+                if callable(spec):
+                    cols[name] = list(spec(batch))
+                else:
+                    cols[name], self.dtypes[name] = _read(batch, spec, python)
         n = batch.batch_size.numel()
         for name, values in cols.items():
             if len(values) != n:
