@@ -14,10 +14,9 @@ from torchrl_trl.data import (
     RowColumns,
     Sharding,
     TorchRLBufferDataset,
-    available_formats,
-    get_format,
     register_format,
 )
+from torchrl_trl.data.formats import available_formats, get_format
 
 
 def _dense(n=10, t=6, storage=LazyTensorStorage):

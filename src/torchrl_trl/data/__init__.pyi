@@ -2,13 +2,8 @@
 
 from .columns import RowColumns as RowColumns
 from .dataset import TorchRLBufferDataset as TorchRLBufferDataset
-from .formats import (
-    BufferFormat as BufferFormat,
-    available_formats as available_formats,
-    get_format as get_format,
-    register_format as register_format,
-)
-from .groups import SkippedRolloutsWarning as SkippedRolloutsWarning, SkipStats as SkipStats, find_groups as find_groups
+from .formats import BufferFormat as BufferFormat, register_format as register_format
+from .groups import SkippedRolloutsWarning as SkippedRolloutsWarning
 from .reading import EpochPass as EpochPass, OnlineSampling as OnlineSampling
 from .sharding import Sharding as Sharding
 from .preference import best_of_n as best_of_n, kto_rows as kto_rows, preference_pairs as preference_pairs
