@@ -122,11 +122,18 @@ def test_arithmetic_true_score_is_math_verify_on_the_asked_sum():
     assert task.true_score(q, "3 + 5 = 8") == task.true_score(q, "The answer is 8.") == 1.0
     assert task.true_score(q, "3 + 5 = 9") == task.true_score(q, "To find the sum of 3 and 5, we") == 0.0
     assert task.true_score(q, "3 + 5 = 8\n\nThis is 3") == 0.0  # the last number stated is the answer
-    pairs = task.preference_pairs(None, 200, seed=0)
-    for pair in pairs:
-        a, b = map(int, pair["prompt"][0]["content"][len("What is "):-1].split(" + "))
-        assert str(a + b) in pair["chosen"][0]["content"]
-        assert task.true_score(pair["prompt"][0]["content"], pair["rejected"][0]["content"]) == 0.0
+    pairs = task.preference_pairs(None, 300, seed=0)
+    kinds = set()
+    for pair in pairs:  # chosen: the right sum as an equation; rejected: never that
+        q, chosen, rejected = pair["prompt"][0]["content"], pair["chosen"][0]["content"], pair["rejected"][0]["content"]
+        def equation(reply):
+            return " + " in reply or " plus " in reply
+
+        assert equation(chosen) and task.true_score(q, chosen) == 1.0
+        right = task.true_score(q, rejected) == 1.0
+        assert not (right and equation(rejected)), (q, rejected)
+        kinds.add("wrong equation" if equation(rejected) else "right short" if right else "other")
+    assert kinds == {"wrong equation", "right short", "other"}
     heldout = task.preference_pairs(None, 50, seed=0, heldout=True)
     assert {p["prompt"][0]["content"] for p in heldout} <= set(task.heldout_prompts)
 

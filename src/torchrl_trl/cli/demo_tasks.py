@@ -113,8 +113,11 @@ def sum_is_right(prompt: str, reply: str) -> float:
     return float(verify(parse(str(_ANSWERS[prompt])), parse(reply)))
 
 
-#: ways to answer: right when given the sum, wrong when given another number
-_ANSWER_FORMS = ("{a} + {b} = {s}", "{a} + {b} = {s}.", "The answer is {s}.", "{s}", "{a} plus {b} equals {s}.")
+#: the answers the rule prefers: the sum written out as an equation (the model states the sum
+#: right 85% of the time in this form, far less often as a bare number)
+_EQUATIONS = ("{a} + {b} = {s}", "{a} + {b} = {s}.", "{a} plus {b} equals {s}.")
+#: answers the rule rejects: a bare or worded number, right or wrong
+_SHORT_ANSWERS = ("The answer is {s}.", "{s}", "It is {s}.")
 #: ways not to answer, as the untrained model often writes (cut where the demo cuts replies)
 _NON_ANSWERS = (
     "To find the sum of {a} and {b}, we need to",
@@ -126,17 +129,21 @@ _NON_ANSWERS = (
 
 
 def arithmetic_pairs(tokenizer, n: int, seed: int, heldout: bool = False) -> list[dict]:
-    """``n`` pairs written by a rule: the chosen reply states the right sum; the rejected one
-    states a wrong sum (half of them) or talks around the question without an answer."""
+    """``n`` pairs written by a rule that never computes a sum the policy wrote: the chosen reply
+    states the right sum as an equation; the rejected one states a wrong sum as an equation (a
+    third), gives a bare or worded number (a third) or talks around the question (a third)."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
         a, b = rng.choice(_HELDOUT_PAIRS if heldout else _TRAIN_PAIRS)
         s = a + b
-        chosen = rng.choice(_ANSWER_FORMS).format(a=a, b=b, s=s)
-        if rng.random() < 0.5:
-            wrong = rng.choice([x for x in range(2, 19) if x != s])
-            rejected = rng.choice(_ANSWER_FORMS).format(a=a, b=b, s=wrong)
+        wrong = rng.choice([x for x in range(2, 19) if x != s])
+        chosen = rng.choice(_EQUATIONS).format(a=a, b=b, s=s)
+        kind = rng.randrange(3)
+        if kind == 0:
+            rejected = rng.choice(_EQUATIONS).format(a=a, b=b, s=wrong)
+        elif kind == 1:
+            rejected = rng.choice(_SHORT_ANSWERS).format(s=rng.choice([s, wrong]))
         else:
             rejected = rng.choice(_NON_ANSWERS).format(a=a, b=b)
         pairs.append(_chat_pair(_question(a, b), chosen, rejected))
