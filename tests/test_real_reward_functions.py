@@ -126,7 +126,7 @@ def test_reward_function_in_a_chat_env_gets_the_reference_replies(smollm2_model,
     else:
         with pytest.raises(KeyError, match="only tokens.*pass tokenizer="):
             RewardFunctionWrapper(Recorder("no_tokenizer"))(data)
-        with pytest.raises(ValueError, match=r"input_mode='tokens'.*pass tokenizer="):
+        with pytest.raises(ValueError, match=r"input_mode='tokens'.*expected tokenizer="):
             RewardFunctionWrapper(Recorder("no_tokenizer"), input_mode="tokens")
     # and the rewards written are the function's, per rollout
     assert data.get(("next", "decoded"), as_padded_tensor=True).reshape(-1).tolist() == [float(len(r)) for r in refs]

@@ -117,7 +117,7 @@ _SAMPLE_FORMATS = ("sft_conversational", "dpo_conversational", "kto_conversation
 
 def cmd_inspect(args) -> int:
     from .. import layouts
-    from ..data import available_formats, get_format
+    from ..data.formats import available_formats, get_format
 
     rb, _ = load_saved_buffer(args.path)
     n = len(rb)
@@ -150,7 +150,8 @@ def cmd_inspect(args) -> int:
 
 def cmd_export(args) -> int:
     _require_dir(args.path)
-    from ..data import TorchRLBufferDataset, available_formats
+    from ..data import TorchRLBufferDataset
+    from ..data.formats import available_formats
 
     if args.format not in available_formats():
         raise CLIError(f"--format: unknown format {args.format!r}; available: {', '.join(available_formats())}")
