@@ -111,7 +111,7 @@ class RowColumns:
 
     Args:
         format (str or BufferFormat, optional): a registered format name (``"sft"``,
-            ``"grpo_conversational"``, ...: see :func:`~torchrl_trl.data.available_formats`) or a
+            ``"grpo_conversational"``, ...: see :func:`~torchrl_trl.data.formats.available_formats`) or a
             :class:`~torchrl_trl.data.BufferFormat`. Defaults to ``None`` (no format).
         columns (mapping of str to NestedKey or callable, optional): ``{column: spec}``, ``spec``
             a nested key or ``fn(batch) -> list`` (e.g.

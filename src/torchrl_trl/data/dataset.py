@@ -43,7 +43,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             unbounded), as ``reading=OnlineSampling(num_batches)``. Defaults to ``1``.
         format (str, BufferFormat or RowColumns, optional): the trainer's columns: a registered
             format name (``"sft"``, ``"grpo_conversational"``, ...: see
-            :func:`~torchrl_trl.data.available_formats`), a :class:`BufferFormat`, or a
+            :func:`~torchrl_trl.data.formats.available_formats`), a :class:`BufferFormat`, or a
             :class:`RowColumns` (a format with named columns, the storage index, a row filter,
             the policy tokenizer). Defaults to ``None``.
         reading (str, EpochPass or OnlineSampling, optional): ``"online"`` (batches drawn by the

@@ -94,7 +94,7 @@ class CollectorCallback(TrainerCallback):
         collector (collector): an ``LLMCollector`` (any TorchRL collector) or a ``RayLLMCollector``
             (runs remotely). A local collector's LLM policy must keep its tokens through padding
             (:func:`torchrl_trl.safe_policy_wrapper`): a pad == eos policy is refused with a
-            ``ValueError`` (:func:`torchrl_trl.check_policy_padding`).
+            ``ValueError`` (:func:`torchrl_trl.padding.check_policy_padding`).
 
     Keyword Args:
         replay_buffer (ReplayBuffer, optional): the buffer. Defaults to ``collector.replay_buffer``.
