@@ -188,7 +188,7 @@ class CollectorGroups:
         self._warnings = WarnOnce()
         self._cursor = int(replay_buffer.stats()["write_count"])  # what was there before is not ours
         self._pending: deque[tuple[int, TensorDictBase]] = deque()
-        self._started = False
+        self.started = False
         self.in_process = not is_ray_collector(collector)
         if self.in_process:  # a Ray collector's policy lives in its actor
             check_policy_padding(getattr(collector, "policy", None), "TorchRLRolloutFunc")
@@ -222,7 +222,7 @@ class CollectorGroups:
 
     def start(self) -> None:
         """Start the collector (idempotent)."""
-        if self._started:
+        if self.started:
             return
         if self.group_size is None:
             raise ValueError("TorchRLRolloutFunc: expected RolloutOptions(group_size=...) to read a collector's "
@@ -230,7 +230,7 @@ class CollectorGroups:
         if self.in_process:
             self._install_boundary()
         self.collector.start()
-        self._started = True
+        self.started = True
 
     def _install_boundary(self) -> None:
         """Chain a ``post_collect_hook`` that holds the collector between two batches while
@@ -270,7 +270,7 @@ class CollectorGroups:
             self._pauses += 1
         try:
             with self._reading:
-                while self._started and self.in_process and not self._at_boundary and _is_running(self.collector):
+                while self.started and self.in_process and not self._at_boundary and _is_running(self.collector):
                     if self.timeout is not None and time.monotonic() - start > self.timeout:
                         raise CollectorError(
                             f"TorchRLRolloutFunc: the collector's batch in flight did not end within "
@@ -448,7 +448,7 @@ class CollectorGroups:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the collector (``async_shutdown``), releasing it if it waits at a batch boundary."""
         self._closing.set()
-        if self._started:
+        if self.started:
             self.collector.async_shutdown(timeout=timeout)
 
 

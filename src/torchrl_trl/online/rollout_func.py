@@ -260,7 +260,7 @@ class TorchRLRolloutFunc:
                     "the trainer's (generation would read weights the optimizer writes)"
                 )
             postproc = getattr(collector, "postproc", None)
-            if not groups._started and isinstance(postproc, BehaviourLogProbsPostproc) \
+            if not groups.started and isinstance(postproc, BehaviourLogProbsPostproc) \
                     and self._logprobs_mode(trainer) == "generate":
                 collector.postproc = None  # TRL will not read them: no scoring pass per batch
             if step != self._synced_step:
