@@ -543,6 +543,10 @@ def test_bad_input_is_a_clear_error(policy_and_tokenizer):
     assert not collected.groups.collector.is_running()
     with pytest.raises(ValueError, match="max_staleness"):
         RolloutOptions(max_staleness=-1)
+    from torchrl_trl.online import TorchRLRolloutWorker
+
+    with pytest.raises(TypeError, match="TorchRLRolloutWorker: expected a TorchRLRolloutFunc with a collector source"):
+        TorchRLRolloutWorker(func, [lambda completions, **kw: [0.0] * len(completions)])  # source=None
     with pytest.raises(ValueError, match=r"RolloutOptions \['reuse'\] do not apply without a collector source"):
         TorchRLRolloutFunc(options=RolloutOptions(reuse=1))  # a setting that would be ignored
     with pytest.raises(ValueError, match=r"\['context_fn'\] do not apply with a collector"):

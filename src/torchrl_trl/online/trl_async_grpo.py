@@ -251,8 +251,9 @@ class TorchRLWeightTransfer:
 
 def _collector_groups(rollout_func, owner: str) -> CollectorGroups:
     """The collector reader of ``rollout_func``; a ``TypeError`` naming ``owner`` for anything else."""
-    groups = getattr(rollout_func, "groups", None) if isinstance(rollout_func, TorchRLRolloutFunc) else None
-    if groups is None:
+    if not isinstance(rollout_func, TorchRLRolloutFunc):
         raise TypeError(f"{owner}: expected a TorchRLRolloutFunc with a collector source, got "
-                        f"{type(rollout_func).__name__}" + (" without one" if isinstance(rollout_func, TorchRLRolloutFunc) else ""))
-    return groups
+                        f"{type(rollout_func).__name__}")
+    if rollout_func.groups is None:
+        raise TypeError(f"{owner}: expected a TorchRLRolloutFunc with a collector source, got one with source=None")
+    return rollout_func.groups
