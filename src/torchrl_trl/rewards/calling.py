@@ -1,8 +1,6 @@
-"""Calling TRL reward functions (``f(prompts, completions, completion_ids, **columns) ->
-list[float | None]``, sync or async) the way TRL calls them: outputs validated, exceptions
-re-raised with the function's name, optional timeouts; in the caller or one completion at a
-time in an item executor. Shared by :class:`~torchrl_trl.rewards.RewardFunctionWrapper` and
-:func:`~torchrl_trl.rewards.as_trl_reward_func`.
+"""Calling TRL reward functions (sync or async) the way TRL calls them: outputs validated,
+exceptions re-raised with the function's name, optional timeouts; in the caller or one
+completion at a time in an item executor.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ __all__ = [
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised an exception that cannot be re-raised as its own type
-    with the function's name (the original is the ``__cause__``)."""
+    """A reward function's exception that cannot be re-raised as its own type with the function's name."""
 
 
 class FunctionTimeout(TimeoutError):
@@ -37,8 +34,7 @@ class FunctionTimeout(TimeoutError):
 
 
 def function_names(funcs: Sequence[Callable], names: Sequence[str] | None = None) -> list[str]:
-    """One unique name per function: ``names`` (the keys of a ``{name: function}`` mapping), or
-    TRL's names (``trl.trainer.utils.get_callable_name``) deduplicated with a ``_1``, ``_2``... suffix.
+    """``names``, or TRL's names of ``funcs`` deduplicated with a ``_1``, ``_2``... suffix.
 
     >>> import functools
     >>> def acc(prompts, completions, **kw): ...
@@ -60,13 +56,7 @@ def function_names(funcs: Sequence[Callable], names: Sequence[str] | None = None
 
 
 def named_error(err: BaseException, name: str, owner: str) -> BaseException:
-    """``err`` re-created with ``owner`` (the scorer's class) and the function's ``name`` in its
-    message, keeping its type where it takes a message (else :class:`RewardFunctionError`); raise
-    it ``from err``.
-
-    >>> named_error(ValueError("bad row"), "acc", "RewardFunctionWrapper")
-    ValueError("RewardFunctionWrapper: reward function 'acc' raised ValueError: bad row")
-    """
+    """``err`` re-created (same type where it can, else :class:`RewardFunctionError`) with ``owner`` and ``name``."""
     message = f"{owner}: reward function {name!r} raised {type(err).__name__}: {err}"
     try:
         new = type(err)(message)
@@ -76,12 +66,7 @@ def named_error(err: BaseException, name: str, owner: str) -> BaseException:
 
 
 def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
-    """``fn()``; with ``timeout`` (s) in a daemon thread, raising a :class:`FunctionTimeout`
-    naming ``what`` if it has not returned by then (the thread is abandoned).
-
-    >>> run_with_timeout(lambda: 3, 1.0, "f")
-    3
-    """
+    """``fn()``; with ``timeout`` (s) in a daemon thread (abandoned past it: :class:`FunctionTimeout`)."""
     if timeout is None:
         return fn()
     return run_in_thread(fn, timeout, f"{what} did not return within timeout={timeout}s: expected a result by then",
@@ -89,14 +74,7 @@ def run_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) ->
 
 
 def run_coroutines(coros: list, names: list[str], timeout: float | None, owner: str) -> list:
-    """Run coroutines concurrently (``asyncio.gather``), also from inside a running loop; each
-    within ``timeout`` (s) else :class:`FunctionTimeout`; exceptions carry ``owner`` and the
-    function's name.
-
-    >>> async def one(): return [1.0]
-    >>> run_coroutines([one()], ["one"], None, "RewardFunctionWrapper")
-    [[1.0]]
-    """
+    """Coroutines run concurrently (also from inside a running loop), each within ``timeout`` (s)."""
 
     async def one(coro, name):
         task = asyncio.ensure_future(coro)
@@ -120,12 +98,7 @@ def run_coroutines(coros: list, names: list[str], timeout: float | None, owner: 
 
 
 def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None, owner: str) -> Any:
-    """``func(**kwargs)``, its exception re-raised with ``owner`` and its ``name``, bounded by
-    ``timeout`` (s) if given; the output is not validated (see :func:`to_rewards`).
-
-    >>> call_function(lambda prompts, **kw: [1.0] * len(prompts), "one", {"prompts": ["a", "b"]}, None, "Scorer")
-    [1.0, 1.0]
-    """
+    """``func(**kwargs)`` within ``timeout`` (s), its exception re-raised with ``owner`` and ``name``."""
     try:
         return run_with_timeout(lambda: func(**kwargs), timeout, f"{owner}: reward function {name!r}")
     except FunctionTimeout:
@@ -136,9 +109,8 @@ def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None
 
 def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict, timeout: float | None,
                    owner: str) -> list[list[float | None]]:
-    """Each function called once on the whole batch (sync ones in turn, async ones
-    concurrently), ``timeout`` s each: one validated list of rewards per function (``None``
-    kept); errors start with ``owner``.
+    """Each function called once on the whole batch (async ones concurrently): one validated list
+    of rewards per function (``None`` kept).
 
     >>> call_functions([lambda prompts, **kw: [1.0, None]], ["f"], {"prompts": ["a", "b"]}, None, "Scorer")
     [[1.0, None]]
@@ -161,8 +133,7 @@ def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict
 
 def to_rewards(output: Any, *, name: str, expected: int, owner: str,
                none: float | None = math.nan) -> list[float | None]:
-    """One function's output as ``expected`` floats (``None`` -> ``none``; tensors and numpy
-    arrays read as lists), else a ``TypeError``/``ValueError`` naming ``owner`` and the function.
+    """One function's output as ``expected`` floats (``None`` -> ``none``), else a ``TypeError``/``ValueError``.
 
     >>> to_rewards([1, None, 0.5], name="f", expected=3, owner="RewardFunctionWrapper")
     [1.0, nan, 0.5]
@@ -188,10 +159,8 @@ def to_rewards(output: Any, *, name: str, expected: int, owner: str,
         if value is None:
             rewards.append(none)
             continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        elif hasattr(value, "item") and not isinstance(value, (str, bytes)):
-            value = value.item()  # numpy scalars
+        if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+            value = value.item()  # tensors, numpy scalars
         if not isinstance(value, numbers.Real):
             raise TypeError(
                 f"{owner}: reward function {name!r} returned a non-numeric reward at index {i}: "
@@ -234,9 +203,8 @@ class FailureCounter:
 
 
 def replay_logs(results: Sequence, log_extra: Callable | None, log_metric: Callable | None) -> None:
-    """Replay the items' ``log_extra``/``log_metric`` calls in item order: each ``log_extra``
-    column once, joined over the items (``None`` for an item that did not log it, keeping it
-    aligned), then every ``log_metric`` call. A target that is not callable is skipped."""
+    """Replay the items' ``log_extra`` calls (one per column, ``None`` for an item that did not log
+    it) and ``log_metric`` calls, in item order."""
     if callable(log_extra):
         for column in dict.fromkeys(e[1] for r in results for e in r.logs if e[0] == "extra"):
             values: list = []
@@ -251,10 +219,8 @@ def replay_logs(results: Sequence, log_extra: Callable | None, log_metric: Calla
 
 def score_items(executor, call_kwargs: dict, n: int, names: Sequence[str], failures: FailureCounter,
                 failure_reward: float | None, excluded: str) -> tuple[list[list[float | None]], list[list[bool]]]:
-    """Each function on each of the ``n`` completions alone, in an item ``executor``:
-    ``(rewards, failed)``, per function one entry per completion (``failure_reward`` where it
-    failed, counted in ``failures``; ``excluded`` says what becomes of it without one). The
-    items' log calls are replayed into ``call_kwargs``'s."""
+    """Each function on each of the ``n`` completions alone, in an item ``executor``: ``(rewards,
+    failed)``, per function one entry per completion (``failure_reward`` where it failed)."""
     results = executor.run(*per_completion_items(call_kwargs, n, len(names)))
     note = excluded if failure_reward is None else f"its reward is failure_reward={failure_reward}"
     rewards, failed = [], []

@@ -1,6 +1,5 @@
-"""Reward functions run one completion at a time, isolated, with a per-completion timeout: the
-executor kinds (threads, processes, Ray) on one scheduler (:class:`~torchrl_trl.rewards.scheduler.ItemExecutor`).
-Worker processes import this module: no torch."""
+"""How reward functions run (:class:`RewardExecutor`), and the isolated kinds (one completion at a
+time: threads, an ``Executor``, Ray) on one scheduler. Worker processes import this module: no torch."""
 
 from __future__ import annotations
 
@@ -14,20 +13,17 @@ from dataclasses import dataclass
 from torchrl_trl._checks import positive_int, positive_seconds
 from torchrl_trl._threads import in_caller_modes
 
-from .scheduler import FAILURE_KINDS, ItemExecutor, ItemResult, _describe, call_item, warm_up
+from .scheduler import ItemExecutor, ItemResult, _describe, call_item, warm_up
 
-__all__ = ["FAILURE_KINDS", "ItemExecutor", "ItemResult", "RewardExecutor", "ThreadItemExecutor",
-           "FuturesItemExecutor", "RayItemExecutor", "call_item", "reward_executor"]
-
-_KINDS = ("caller", "process", "thread", "ray")
+__all__ = ["ItemExecutor", "ItemResult", "RewardExecutor", "ThreadItemExecutor", "FuturesItemExecutor",
+           "RayItemExecutor", "call_item", "reward_executor"]
 
 
 @dataclass(frozen=True)
 class RewardExecutor:
-    """How reward functions run, and the reward of what they do not score: the ``executor=``
-    of :class:`~torchrl_trl.rewards.RewardFunctionWrapper` and
-    :func:`~torchrl_trl.rewards.as_trl_reward_func` (a kind alone, ``executor="process"``, is
-    ``RewardExecutor("process")``).
+    """How reward functions run, and the reward of what they do not score: the ``executor=`` of
+    :class:`~torchrl_trl.rewards.RewardFunctionWrapper` and :func:`~torchrl_trl.rewards.as_trl_reward_func`
+    (a kind alone, ``executor="process"``, is ``RewardExecutor("process")``).
 
     Args:
         kind (str or concurrent.futures.Executor, optional): ``"caller"`` (each function called
@@ -35,17 +31,14 @@ class RewardExecutor:
             ``"process"``, ``"thread"``, ``"ray"`` or a ``concurrent.futures.Executor``.
             Defaults to ``"caller"``.
         max_workers (int, optional): completions run at once (isolated kinds). Defaults to
-            ``None``: the CPU count for process and Ray, ``min(32, cpus + 4)`` threads, an
-            Executor's own size.
+            ``None``: the CPU count (``min(32, cpus + 4)`` threads, an Executor's own size).
         mp_context (str, optional): ``"spawn"`` (``"forkserver"`` means the same) or ``"fork"``
             (``kind="process"`` only). Defaults to ``None`` (``"spawn"``).
         timeout (float, optional): seconds one call of a function on the batch (``"caller"``),
             or one completion (isolated kinds), may take before a ``TimeoutError`` naming the
             function. Defaults to ``None`` (no limit).
         startup_timeout (float, optional): seconds a new process or Ray worker may take to load
-            the functions and the shared arguments and warm them up (the imports a first call
-            would do, :func:`~torchrl_trl.rewards.scheduler.warm_up`); not counted in
-            ``timeout``. Defaults to ``120.0``.
+            and warm up the functions (not counted in ``timeout``). Defaults to ``120.0``.
         failure_reward (float, optional): the reward of a completion that raised, timed out or
             crashed its worker (isolated kinds). Defaults to ``None``: excluded, like TRL's ``None``.
         unscorable_reward (float, optional): the reward of a row every function returned
@@ -71,7 +64,7 @@ class RewardExecutor:
 
     def __post_init__(self) -> None:
         kind = self.kind
-        if kind not in _KINDS and not isinstance(kind, concurrent.futures.Executor):
+        if kind not in ("caller", "process", "thread", "ray") and not isinstance(kind, concurrent.futures.Executor):
             raise ValueError(
                 "RewardExecutor: kind must be 'caller', 'process', 'thread', 'ray' or a concurrent.futures.Executor, "
                 f"got {kind!r}"
@@ -101,8 +94,7 @@ class RewardExecutor:
         return self.kind != "caller"
 
     def build(self, funcs: Sequence[Callable], names: Sequence[str]):
-        """The item executor running ``funcs`` (named ``names``), :attr:`timeout` s per item
-        (isolated kinds only)."""
+        """The item executor running ``funcs`` (isolated kinds only)."""
         from .process_pool import ProcessItemExecutor
 
         cls = {"process": ProcessItemExecutor, "thread": ThreadItemExecutor, "ray": RayItemExecutor}
@@ -110,14 +102,7 @@ class RewardExecutor:
 
 
 def reward_executor(executor) -> RewardExecutor:
-    """``executor=`` (``None``, a kind, an Executor or a :class:`RewardExecutor`) as a
-    :class:`RewardExecutor` (``None``: ``RewardExecutor()``, functions run in the caller).
-
-    >>> reward_executor("thread").kind
-    'thread'
-    >>> reward_executor(None).isolated
-    False
-    """
+    """``executor=`` (``None``, a kind, an Executor or a :class:`RewardExecutor`) as a :class:`RewardExecutor`."""
     if isinstance(executor, RewardExecutor):
         return executor
     return RewardExecutor() if executor is None else RewardExecutor(executor)

@@ -28,15 +28,15 @@ __all__ = ["FunctionTimeout", "RewardFunctionError", "RewardFunctionWrapper"]
 
 
 class RewardFunctionWrapper(TensorDictModuleBase):
-    """TRL-style reward functions as a TensorDict module: ``wrapper(td)`` scores the
-    rollouts in ``td`` (any batch shape, padded or ragged) and writes the reward keys.
+    """TRL-style reward functions as a TensorDict module: ``wrapper(td)`` scores the rollouts in
+    ``td`` (any batch shape, padded or ragged) and writes the reward keys.
 
-    Each function is called as TRL's ``GRPOTrainer`` calls it (see
-    :func:`~torchrl_trl.rewards.arguments.trl_arguments`). The reward is
+    Each function is called as TRL's ``GRPOTrainer`` calls it
+    (:func:`~torchrl_trl.rewards.arguments.trl_arguments`). The reward is
     ``nansum(weights * rewards_per_func)``: ``None``, NaN and inf are excluded (counted in
-    :attr:`none_counts` / :attr:`nonfinite_counts`, warned once); a row with no reward left
-    gets the executor's ``unscorable_reward`` (NaN, as TRL). A function's exception is re-raised with its name. On a
-    ``ChatEnv`` or a replay buffer's write use :meth:`as_transform`.
+    :attr:`none_counts` / :attr:`nonfinite_counts`, warned once); a row with no reward left gets
+    the executor's ``unscorable_reward``. A function's exception is re-raised with its name. On a
+    ``ChatEnv`` or a replay buffer use :meth:`as_transform`.
 
     Args:
         funcs (callable, sequence of callables or mapping of str to callable): one reward
@@ -49,28 +49,21 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         columns (sequence of NestedKey or mapping of str to NestedKey, optional): the rollout
             fields passed: keys (the argument is the key's last part) or ``{argument: key}``.
             Defaults to ``None``: every top-level non-tensor field not TorchRL's.
-        input_mode (str, optional): ``"history"``, ``"text"``, ``"tokens"`` or ``"auto"``
-            (history when present, else text, else tokens when ``tokenizer`` is given).
-            ``"tokens"`` (rollouts of ``ChatEnv(input_mode="tokens")``): prompts are the prompt
-            ids decoded with their special tokens, completions strings; it needs ``tokenizer``.
-            Defaults to ``"auto"``.
-        tokenizer (transformers tokenizer, optional): the policy tokenizer. Given, completions
-            are decoded from the response ids as TRL decodes them (``skip_special_tokens=True``);
-            without it they are the stored chat or text, and rows that lost tokens to padding (a
-            policy whose pad token is its EOS) are refused by the layout reader. Defaults to ``None``.
+        input_mode (str, optional): ``"history"``, ``"text"``, ``"tokens"`` (needs ``tokenizer``)
+            or ``"auto"`` (history when present, else text, else tokens when ``tokenizer`` is
+            given). Defaults to ``"auto"``.
+        tokenizer (transformers tokenizer, optional): the policy tokenizer; given, completions
+            are decoded from the response ids as TRL decodes them. Defaults to ``None``.
         out_keys (sequence of NestedKey, optional): where the rewards are written: the weighted
             sum, then, if given, one key per function for its raw reward (NaN for ``None``).
             Defaults to ``None``: ``[("next", "reward")]``.
         reward_shape (str, optional): ``"step"`` (``[*B, 1, 1]``), ``"trailing"`` (``[*B, 1]``)
             or ``"flat"`` (``[*B]``). Defaults to ``"step"``.
         executor (RewardExecutor, str or concurrent.futures.Executor, optional): how the
-            functions run (in the caller on the whole batch, or one completion at a time,
-            isolated: a failure gets ``failure_reward`` and is counted in
-            :attr:`failure_counts`), their ``timeout`` (a ``TimeoutError`` names the function),
-            and the ``unscorable_reward``. Defaults to ``None``: ``RewardExecutor()``.
+            functions run (failures of isolated kinds counted in :attr:`failure_counts`).
+            Defaults to ``None``: ``RewardExecutor()``.
 
-    ``in_keys``: every key it may read. :attr:`trainer_state` is passed to the functions as
-    ``trainer_state`` (``None`` until set, e.g. to a trainer's ``state``).
+    :attr:`trainer_state` is passed to the functions as ``trainer_state`` (``None`` until set).
 
     Examples:
         >>> from tensordict import TensorDict
@@ -84,12 +77,8 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         >>> wrapper = RewardFunctionWrapper([length_reward, says_hi], weights=[1.0, 10.0])
         >>> wrapper(rollouts)["next", "reward"].flatten().tolist()  # None is excluded, not 0
         [18.0, 2.0]
-        >>> rollouts["next", "reward"].shape
-        torch.Size([2, 1, 1])
         >>> wrapper.none_counts
         {'length_reward': 0, 'says_hi': 1}
-        >>> RewardFunctionWrapper({"len": length_reward}, out_keys=["score"], reward_shape="flat")(rollouts)["score"]
-        tensor([8., 2.])
     """
 
     def __init__(
@@ -167,10 +156,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
             self.executor.shutdown()
 
     def _torchrl_trl_warm_up(self) -> None:
-        """In a fresh executor worker (``as_trl_reward_func(wrapper, executor=...)``), before its
-        first item: the imports a first call would do (TRL's ``is_async_callable``, which loads
-        its trainer utilities), then the reward functions' own warm-up
-        (:func:`~torchrl_trl.rewards.scheduler.warm_up`)."""
+        """The imports a first call would do, then the functions' own warm-up (see :func:`warm_up`)."""
         from trl.trainer.utils import is_async_callable  # noqa: F401  call_functions
 
         for func in self.funcs:

@@ -30,16 +30,15 @@ __all__ = ["HFRewardModelWrapper", "load_reward_model"]
 def load_reward_model(path: str | os.PathLike, *, trust_remote_code: bool = False,
                       dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                       load_tokenizer: bool = True, **model_kwargs) -> tuple[nn.Module, Any]:
-    """Load a reward model, ``AutoModelForSequenceClassification`` (safetensors only), and
-    its tokenizer from a local directory (``trl.RewardTrainer``'s output).
+    """Load a reward model (``AutoModelForSequenceClassification``, safetensors only) and its
+    tokenizer from a local directory (``trl.RewardTrainer``'s output).
 
     Args:
         path (str or os.PathLike): the checkpoint directory.
 
     Keyword Args:
         trust_remote_code (bool, optional): passed to ``from_pretrained``. Defaults to ``False``.
-        dtype (torch.dtype or str, optional): the weights' dtype. Defaults to ``None`` (the
-            checkpoint's).
+        dtype (torch.dtype or str, optional): the weights' dtype. Defaults to ``None``.
         device (torch.device or str, optional): where the weights go. Defaults to ``None`` (CPU).
         load_tokenizer (bool, optional): also load the tokenizer saved there. Defaults to ``True``.
         **model_kwargs: more ``from_pretrained`` arguments.
@@ -66,8 +65,7 @@ def load_reward_model(path: str | os.PathLike, *, trust_remote_code: bool = Fals
 
 
 class RenderingScorer:
-    """A reward-model scorer rendering its own inputs: texts, chats and tensordicts scored
-    through its ``score_ids`` with the bound :class:`RewardRenderer`."""
+    """A reward-model scorer rendering texts, chats and tensordicts into its ``score_ids``."""
 
     renderer: RewardRenderer
     reward_key: NestedKey
@@ -75,8 +73,7 @@ class RenderingScorer:
 
     def _bind_renderer(self, renderer: RewardRenderer, loaded_tokenizer, *, token_key, attention_mask_key,
                        eos_token_id, reward_key) -> None:  # fmt: skip
-        """Bind ``renderer`` to its tokenizer (else ``loaded_tokenizer``, the one saved beside
-        the model) and the keys."""
+        """Bind ``renderer`` to its tokenizer (else ``loaded_tokenizer``) and the keys."""
         tokenizer = loaded_tokenizer if renderer.tokenizer is None else renderer.tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
         self.renderer = renderer.bind(
@@ -105,8 +102,7 @@ class RenderingScorer:
 
     def score_outputs(self, tensordict: TensorDictBase,
                       columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
-        """``[score(tensordict)]``, as :class:`~torchrl_trl.rewards.RewardTransform`
-        reads a scorer (``columns_td`` is not read)."""
+        """``[score(tensordict)]`` (the :class:`~torchrl_trl.rewards.RewardTransform` API)."""
         return [self.score(tensordict)]
 
     def write(
@@ -120,9 +116,8 @@ class RenderingScorer:
 
 
 class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
-    """Score TorchRL LLM samples with a Hugging Face sequence-classification reward model.
-
-    Reads each sample's tokens, text or chat and writes one reward per sample.
+    """Score TorchRL LLM samples (tokens, text or chat) with a Hugging Face sequence-classification
+    reward model, one reward per sample.
 
     Args:
         model (nn.Module or str or os.PathLike): a loaded reward model (output
@@ -133,8 +128,7 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         token_key (NestedKey, optional): where token ids are read. Defaults to ``None``:
             ``("tokens", part)``.
         attention_mask_key (NestedKey or None, optional): mask of real tokens, required with
-            tokens; ``None``: every stored token is real (the mask is passed only where padding
-            needs it). Defaults to ``("masks", "all_attention_mask")``.
+            tokens; ``None``: every stored token is real. Defaults to ``("masks", "all_attention_mask")``.
         reward_key (NestedKey, optional): where the reward is written. Defaults to ``"reward"``.
         inference_mode (bool, optional): score under ``torch.no_grad()``. Defaults to ``False``.
         renderer (RewardRenderer, optional): what the model sees, with the reward model's
@@ -142,20 +136,13 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
             ``RewardRenderer()``.
         batching (RewardBatching, optional): how it is fed. Defaults to ``RewardBatching()``.
         output (RewardOutput, optional): which head, what a NaN/inf score does, the written
-            shape. Defaults to ``RewardOutput()`` (one score per input, non-finite raises, ``[*B]``).
+            shape. Defaults to ``RewardOutput()``.
 
     The first four keyword arguments are upstream's, with the same meaning and defaults. A
     module with no ``config`` and no pad id (a stand-in, as in upstream's tests) gets the
-    stored ids and mask as given, in row chunks of the token budget, when the rows have one
-    width and nothing is truncated or appended; else right-padded with 0 beside their mask.
-
-    Attributes:
-        in_keys: the keys read when every input is present (see :meth:`RewardRenderer.in_keys`).
-        renderer: the renderer bound to this model (tokenizer, keys, EOS).
-        max_length: the longest input fed to the model.
-        num_embeddings: rows of the model's input embedding (``None`` if unknown).
-        truncated_count, nonfinite_count: inputs truncated / non-finite rewards so far.
-        real_tokens, processed_tokens: token counters (:attr:`padding_efficiency`).
+    stored ids and mask as given when the rows have one width and nothing is truncated or
+    appended. Counters: :attr:`truncated_count`, :attr:`nonfinite_count`, ``real_tokens`` and
+    ``processed_tokens`` (:attr:`padding_efficiency`).
 
     Examples:
         >>> import tempfile, torch
@@ -221,20 +208,15 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
     def from_pretrained(cls, path: str | os.PathLike, *, device: torch.device | str | None = None,
                         dtype: torch.dtype | str | None = None, trust_remote_code: bool = False,
                         model_kwargs: dict | None = None, **wrapper_kwargs) -> HFRewardModelWrapper:
-        """Load a reward model from a local directory with :func:`load_reward_model` and
-        wrap it; ``**wrapper_kwargs`` go to the constructor. The tokenizer saved at ``path``
-        is loaded unless ``renderer`` has one.
+        """Load a reward model from a local directory with :func:`load_reward_model` (its
+        tokenizer too unless ``renderer`` has one) and wrap it; ``**wrapper_kwargs`` go to the
+        constructor.
 
-        Examples:
-            >>> import tempfile
-            >>> from torchrl_trl import testing
-            >>> from torchrl_trl.rewards import RewardRenderer
-            >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
-            >>> scorer = HFRewardModelWrapper.from_pretrained(
-            ...     paths.reward_model, dtype=torch.float32, inference_mode=True,
-            ...     renderer=RewardRenderer(add_eos="never"))
-            >>> scorer.score_messages([[{"role": "user", "content": "hi"}]]).dtype
-            torch.float32
+        >>> import tempfile
+        >>> from torchrl_trl import testing
+        >>> path = testing.tiny_checkpoints(tempfile.mkdtemp()).reward_model
+        >>> HFRewardModelWrapper.from_pretrained(path, dtype=torch.float32).score_texts(["hi"]).dtype
+        torch.float32
         """
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(

@@ -1,8 +1,7 @@
-"""From model outputs to rewards: read the score, pick a head, handle non-finite scores,
-write ``[N]`` scores as TorchRL rewards (:func:`write_rewards`, the one convention every
-scorer writes with) and normalise with running statistics (:class:`RunningRewardNorm`).
-Scale, shift and clip are TorchRL's ``RewardScaling``/``RewardClipping``, composed after the
-scorer.
+"""From model outputs to rewards: read the score, pick a head, handle non-finite scores, write
+``[N]`` scores as TorchRL rewards (:func:`write_rewards`, used by every scorer) and normalise
+with running statistics (:class:`RunningRewardNorm`; scale and clip are TorchRL's
+``RewardScaling``/``RewardClipping``, composed after the scorer).
 
 A written reward's shape (``reward_shape=`` of every scorer, :data:`RewardShape`) is
 ``"flat"`` ``[*B]`` (upstream ``HFRewardModelWrapper``), ``"trailing"`` ``[*B, 1]`` (an env's
@@ -33,12 +32,7 @@ _TRAILING = {"flat": (), "trailing": (1,), "step": (1, 1)}
 
 
 def trailing_dims(reward_shape: RewardShape, owner: str) -> tuple[int, ...]:
-    """The dims a reward of ``reward_shape`` adds after the batch dims; an unknown name is a
-    ``ValueError`` starting with ``owner``.
-
-    >>> trailing_dims("step", "RewardTransform")
-    (1, 1)
-    """
+    """The dims a reward of ``reward_shape`` adds after the batch dims (``"step"``: ``(1, 1)``)."""
     try:
         return _TRAILING[reward_shape]
     except (KeyError, TypeError):
@@ -78,9 +72,8 @@ def write_rewards(tensordict: TensorDictBase, rewards: torch.Tensor, key: Nested
 @dataclass(frozen=True)
 class RewardOutput:
     """How a reward model's output becomes the reward it writes: the ``output=`` of
-    :class:`~torchrl_trl.rewards.HFRewardModelWrapper` (and of
-    :class:`~torchrl_trl.rewards.service.RewardServiceClient`, whose service applies
-    ``head_index`` and ``on_nonfinite``).
+    :class:`~torchrl_trl.rewards.HFRewardModelWrapper` and
+    :class:`~torchrl_trl.rewards.service.RewardServiceClient`.
 
     Args:
         head_index (int, optional): which output of a multi-label head is the reward.
@@ -89,8 +82,7 @@ class RewardOutput:
             ``FloatingPointError``), ``"warn"`` (count and keep them) or a finite number
             written instead. Defaults to ``"raise"``.
         shape (str, optional): the written reward's shape: ``"flat"`` ``[*B]``, ``"trailing"``
-            ``[*B, 1]`` or ``"step"`` ``[*B, 1, 1]`` (see :mod:`torchrl_trl.rewards.postprocess`).
-            Defaults to ``"flat"`` (upstream's).
+            ``[*B, 1]`` or ``"step"`` ``[*B, 1, 1]``. Defaults to ``"flat"`` (upstream's).
 
     Examples:
         >>> RewardOutput(head_index=1, on_nonfinite=0.0).shape
@@ -168,26 +160,15 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
 
 
 class NonFiniteRewards:
-    """What a scorer does with NaN/inf scores, by ``policy`` (:attr:`RewardOutput.on_nonfinite`,
-    checked there): ``"raise"`` (default, ``FloatingPointError``), ``"warn"`` (count in
-    :attr:`count`, warn once, keep them) or a finite number (count, warn once, write it instead).
-
-    >>> check = NonFiniteRewards(0.0)
-    >>> import warnings
-    >>> with warnings.catch_warnings():
-    ...     warnings.simplefilter("ignore")
-    ...     check(torch.tensor([1.0, float("nan")]))
-    tensor([1., 0.])
-    >>> check.count
-    1
-    """
+    """What a scorer does with NaN/inf scores, by ``policy`` (:attr:`RewardOutput.on_nonfinite`):
+    raise a ``FloatingPointError``, or count them in :attr:`count`, warn once, and keep them
+    (``"warn"``) or write the number given instead."""
 
     def __init__(self, policy: str | float = "raise") -> None:
         self.policy, self._warn = policy, WarnOnce(RuntimeWarning)
 
     @property
     def count(self) -> int:
-        """Non-finite scores seen so far (when not raising)."""
         return self._warn.counts["nonfinite"]
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
@@ -208,12 +189,11 @@ class NonFiniteRewards:
 
 
 class RunningRewardNorm(Transform):
-    """Normalise rewards by running statistics: ``(r - mean) / std``, on a tensordict, an
-    env or a replay buffer (where TorchRL's ``VecNormV2`` only runs in an env's step).
+    """Normalise rewards by running statistics, ``(r - mean) / std``, on a tensordict, an env or a
+    replay buffer (TorchRL's ``VecNormV2`` only runs in an env's step).
 
-    Welford statistics over every finite reward seen, in float64 buffers (saved with
-    ``state_dict``); the std is 1 until two rewards were seen, and at least ``eps``.
-    Non-finite rewards pass through, not counted.
+    Welford statistics over every finite reward seen (non-finite ones pass through), in float64
+    buffers (saved with ``state_dict``); the std is 1 until two rewards were seen, and at least ``eps``.
 
     Args:
         in_keys (list of NestedKey, optional): the reward keys (rollouts:

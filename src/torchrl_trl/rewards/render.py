@@ -3,13 +3,8 @@ in order:
 
 1. ``"history"``, when the reward model has a chat template (and ``part="full"``): the chat
    rendered with the reward model's own template (``add_special_tokens=False``, as
-   ``trl.RewardTrainer``), even when ``policy_tokenizer`` equals the reward model's tokenizer.
-   The stored tokens are what TorchRL rendered, not ``tokenizer.apply_chat_template``:
-   ``History.apply_chat_template`` picks a template of its own by the tokenizer's name (for
-   a local path TorchRL's ``chatml_format``, without the model's default system line), so
-   the same tokenizer does not mean the same rendering. Re-rendering costs a tokenisation,
-   far less than the forward; checking that the tokens equal the render would cost the same
-   tokenisation and save nothing.
+   ``trl.RewardTrainer``), even when ``policy_tokenizer`` equals the reward model's tokenizer
+   (TorchRL's ``History.apply_chat_template`` may pick another template by the tokenizer's name).
 2. ``"tokens"`` as they are, when they are in the reward model's vocabulary (it has no
    tokenizer, or ``policy_tokenizer`` equals it): samples without a chat (text or tokens
    input modes), and ``part="response"`` (no template around a reply).
@@ -43,9 +38,8 @@ InputMode = Literal["auto", "tokens", "text", "history"]
 
 def resolve_input_mode(td: TensorDictBase, input_mode: str, inputs: Mapping[str, Sequence[Sequence[NestedKey]]],
                        *, owner: str, what: str = "input", hint: str = "") -> str:
-    """``input_mode``, or for ``"auto"`` the first of ``inputs`` present in ``td``;
-    ``inputs[mode]`` lists alternative key sets (present when every key of one is). A
-    ``KeyError`` names ``owner``, ``what``, the keys tried and those available (then ``hint``).
+    """``input_mode``, or for ``"auto"`` the first of ``inputs`` present in ``td`` (``inputs[mode]``:
+    alternative key sets); else a ``KeyError`` naming ``owner``, ``what`` and the keys tried.
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({"text": {"response": ["a"]}}, [1])
@@ -86,9 +80,8 @@ def same_tokenizer(a: Any, b: Any) -> bool:
 
 class RewardRenderer:
     """What the reward model sees: input, part, EOS rule, chat template arguments, the reward
-    model's tokenizer and the policy's. :class:`~torchrl_trl.rewards.HFRewardModelWrapper`
-    (``renderer=``) binds it to the reward model with :meth:`bind`; the bound renderer turns a
-    tensordict (or texts / chats) into reward-model token ids.
+    model's tokenizer and the policy's. Bound to a reward model (:meth:`bind`, done by
+    ``HFRewardModelWrapper(renderer=)``), it turns tensordicts, texts or chats into its token ids.
 
     Keyword Args:
         input_mode (str, optional): ``"auto"``, ``"tokens"``, ``"text"`` or ``"history"`` (see
@@ -96,15 +89,13 @@ class RewardRenderer:
         part (str, optional): ``"full"`` (prompt + response) or ``"response"``. Defaults to ``"full"``.
         add_eos (str, optional): ``"auto"``, ``"always"`` or ``"never"``. Defaults to ``"auto"``.
         chat_template_kwargs (dict, optional): extra arguments to ``apply_chat_template`` (not
-            ``tokenize`` or ``add_generation_prompt``: a ``ValueError``). Defaults to ``None``.
+            ``tokenize`` or ``add_generation_prompt``). Defaults to ``None``.
         tokenizer (transformers tokenizer, optional): the reward model's tokenizer, for text and
             chat inputs and re-tokenisation. Defaults to ``None``: the one saved beside a model
             loaded by path, else none (token inputs only).
         policy_tokenizer (transformers tokenizer, optional): the tokenizer of the tokens in the
             tensordict; when it differs from the reward model's, samples are re-rendered and
-            re-tokenised. When it equals it, stored tokens are scored as they are only where no
-            chat is re-rendered with the reward model's template (see
-            :mod:`torchrl_trl.rewards.render`). Defaults to ``None``.
+            re-tokenised (see :mod:`torchrl_trl.rewards.render`). Defaults to ``None``.
 
     Examples:
         >>> import tempfile
@@ -113,11 +104,8 @@ class RewardRenderer:
         >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
         >>> rm_tok = AutoTokenizer.from_pretrained(paths.reward_model)
         >>> renderer = RewardRenderer(input_mode="text", add_eos="always", tokenizer=rm_tok).bind()
-        >>> ids = renderer.encode_texts(["hello"])
-        >>> ids.tolist()[0][-1] == rm_tok.eos_token_id
+        >>> renderer.encode_texts(["hello"]).tolist()[0][-1] == rm_tok.eos_token_id
         True
-        >>> renderer.in_keys()
-        [('text', 'full')]
     """
 
     def __init__(
@@ -149,16 +137,14 @@ class RewardRenderer:
         self.attention_mask_key = layouts.ATTENTION_MASK_KEY
         self.eos_token_id = None
         self.tokens_direct = True  # tokens fed as they are
-        self._whitespace_ids: dict[int, bool] | None = None
+        self._whitespace_ids: dict[int, bool] = {}
 
     def bind(
         self, tokenizer: Any = None, *, token_key: NestedKey | None = None,
         attention_mask_key: NestedKey | None = layouts.ATTENTION_MASK_KEY, eos_token_id: int | None = None,
     ) -> RewardRenderer:
-        """A copy bound to a reward model: its ``tokenizer`` (default :attr:`tokenizer`;
-        neither: tokens only), ``token_key`` (default ``("tokens", part)``),
-        ``attention_mask_key`` (``None``: every stored token is real) and ``eos_token_id``
-        (default: the tokenizer's)."""
+        """A copy bound to a reward model's ``tokenizer`` (default :attr:`tokenizer`), keys and
+        ``eos_token_id`` (default: the tokenizer's)."""
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         if self.input_mode in ("text", "history") and tokenizer is None:
             raise ValueError(
@@ -178,7 +164,7 @@ class RewardRenderer:
         bound.eos_token_id = tokenizer.eos_token_id if eos_token_id is None and tokenizer is not None else eos_token_id
         # the stored ids are in the reward model's vocabulary; a chat is still re-rendered (_inputs)
         bound.tokens_direct = tokenizer is None or same_tokenizer(tokenizer, self.policy_tokenizer)
-        bound._whitespace_ids = None
+        bound._whitespace_ids = {}
         return bound
 
     def __repr__(self) -> str:
@@ -189,8 +175,7 @@ class RewardRenderer:
         )
 
     def _inputs(self) -> dict[str, list[list[NestedKey]]]:
-        """The inputs ``"auto"`` tries, in order, each with its alternative key sets (the
-        order is the module's: a chat first where the reward model has a template for it)."""
+        """The inputs ``"auto"`` tries, in the module's order, each with its alternative key sets."""
         template = bool(getattr(self.tokenizer, "chat_template", None))
         inputs = {}
         if template and self.part == "full":
@@ -232,8 +217,7 @@ class RewardRenderer:
         return self.add_eos == "never" or self.eos_token_id is None or auto_unknown
 
     def read_token_ids(self, td: TensorDictBase) -> Ragged:
-        """The real token ids at :attr:`token_key` (padding removed with the mask), checked
-        (:func:`~torchrl_trl._token_ids.check_token_ids`); a ``KeyError`` if the mask is absent."""
+        """The real token ids at :attr:`token_key` (padding removed with the mask), checked."""
         mask_key = self.attention_mask_key
         if mask_key is not None and not layouts.has_key(td, mask_key):
             raise KeyError(
@@ -250,8 +234,7 @@ class RewardRenderer:
         return check_token_ids(ids, where)
 
     def render(self, td: TensorDictBase, mode: str | None = None) -> Ragged:
-        """Reward-model token ids of every sample of ``td`` (row-major); ``mode`` as
-        :meth:`resolve_mode` returns it."""
+        """Reward-model token ids of every sample of ``td`` (row-major), ``mode`` from :meth:`resolve_mode`."""
         mode = self.resolve_mode(td) if mode is None else mode
         if mode == "tokens":
             return self.append_eos(self.read_token_ids(td))
@@ -279,29 +262,23 @@ class RewardRenderer:
             texts = [t + self.tokenizer.eos_token for t in texts]
         return Ragged.from_list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
 
-    def prepare_texts(self, texts: list[str]) -> list[str]:
-        """Apply the EOS rule to plain texts."""
-        eos = self.tokenizer.eos_token
-        policy_eos = getattr(self.policy_tokenizer, "eos_token", None)
+    def encode_texts(self, texts: list[str]) -> Ragged:
+        """Plain texts -> ids, with the EOS rule (a policy EOS at the end swapped for the reward model's)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "RewardRenderer: scoring text needs the reward model's tokenizer: expected RewardRenderer(tokenizer=)"
+            )
+        eos, policy_eos = self.tokenizer.eos_token, getattr(self.policy_tokenizer, "eos_token", None)
         out = []
-        for t in texts:
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise TypeError(f"RewardRenderer: text {i} is a {type(t).__name__}, expected str: {t!r:.40}")
             if policy_eos and policy_eos != eos and t.rstrip().endswith(policy_eos):
                 t = t.rstrip()[: -len(policy_eos)]
             if eos and (self.add_eos == "always" or (self.add_eos == "auto" and not t.rstrip().endswith(eos))):
                 t = t + eos
             out.append(t)
-        return out
-
-    def encode_texts(self, texts: list[str]) -> Ragged:
-        if self.tokenizer is None:
-            raise ValueError(
-                "RewardRenderer: scoring text needs the reward model's tokenizer: expected RewardRenderer(tokenizer=)"
-            )
-        for i, t in enumerate(texts):
-            if not isinstance(t, str):
-                raise TypeError(f"RewardRenderer: text {i} is a {type(t).__name__}, expected str: {t!r:.40}")
-        texts = self.prepare_texts(list(texts))
-        return Ragged.from_list(self.tokenizer(texts, add_special_tokens=True)["input_ids"])
+        return Ragged.from_list(self.tokenizer(out, add_special_tokens=True)["input_ids"])
 
     def append_eos(self, ids: Ragged) -> Ragged:
         """Token inputs with the EOS rule applied."""
@@ -324,18 +301,12 @@ class RewardRenderer:
     def _is_whitespace(self, token_id: int) -> bool:
         """Whether a (non-special) token decodes to whitespace only; decoded once per id met,
         not for the whole vocabulary (1.4 s for a 49k vocabulary, each time a model was bound)."""
-        if self._whitespace_ids is None:
-            self._whitespace_ids = {}
-        known = self._whitespace_ids.get(token_id)
-        if known is None:
+        known = self._whitespace_ids
+        if token_id not in known:
             tokenizer = self.tokenizer
-            if tokenizer is None or token_id in set(tokenizer.all_special_ids):
-                known = False
-            else:
-                text = tokenizer.decode([token_id])
-                known = bool(text) and not text.strip()
-            self._whitespace_ids[token_id] = known
-        return known
+            text = "" if tokenizer is None or token_id in tokenizer.all_special_ids else tokenizer.decode([token_id])
+            known[token_id] = bool(text) and not text.strip()
+        return known[token_id]
 
 
 def _checked_messages(conversation: Any, index: int) -> list[dict]:

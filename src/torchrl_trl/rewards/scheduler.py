@@ -15,15 +15,13 @@ from typing import Any
 
 from torchrl_trl._threads import run_async
 
-__all__ = ["FAILURE_KINDS", "WARM_UP", "ItemExecutor", "ItemResult", "call_item", "warm_up"]
-
-#: the ways one item can fail: the function raised, ran past ``timeout``, or its worker died
-FAILURE_KINDS = ("error", "timeout", "crash")
+__all__ = ["WARM_UP", "ItemExecutor", "ItemResult", "call_item", "warm_up"]
 
 
 @dataclass
 class ItemResult:
-    """What one item gave: ``status`` ``"ok"`` (``value``) or one of :data:`FAILURE_KINDS` (``detail``)."""
+    """What one item gave: ``status`` ``"ok"`` (``value``), else ``"error"`` (it raised), ``"timeout"`` or
+    ``"crash"`` (its worker died), with ``detail``."""
 
     status: str
     value: Any = None
@@ -76,14 +74,6 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _deadline(seconds: float | None) -> float | None:
-    return None if seconds is None else time.monotonic() + seconds
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
 class ItemExecutor:
     """Runs items, at most :attr:`max_workers` at a time, each bounded by :attr:`timeout`.
     A subclass defines ``_submit(slot, index, func_index, kwargs, shared) -> handle``,
@@ -120,9 +110,11 @@ class ItemExecutor:
                         if handle is None:  # the slot was gone (a dead idle worker): retry
                             pending.appendleft(index)
                             continue
-                        running[handle] = [index, _deadline(self._first_timeout())]
+                        seconds = self._first_timeout()
+                        running[handle] = [index, None if seconds is None else time.monotonic() + seconds]
                     first = min((d for _, d in running.values() if d is not None), default=None)
-                    for handle, result in self._collect(list(running), _left(first)):
+                    wait_for = None if first is None else max(0.0, first - time.monotonic())
+                    for handle, result in self._collect(list(running), wait_for):
                         results[running.pop(handle)[0]] = result
                     now = time.monotonic()
                     for handle, (index, deadline) in list(running.items()):

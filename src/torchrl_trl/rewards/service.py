@@ -31,11 +31,7 @@ __all__ = ["RewardModelService", "RewardServiceClient", "RewardServiceError"]
 
 
 class RewardServiceError(RuntimeError):
-    """A :class:`RewardServiceClient` call's service did not answer within ``timeout``, or died.
-
-    >>> issubclass(RewardServiceError, RuntimeError)
-    True
-    """
+    """A :class:`RewardServiceClient` call's service did not answer within ``timeout``, or died."""
 
 
 def _require_ray():
@@ -188,45 +184,33 @@ def _as_ragged(values: Any, lengths: Any, where: str) -> Ragged:
 
 
 class RewardServiceClient(RenderingScorer):
-    """A caller of a shared :class:`RewardModelService`: renders locally, scores remotely.
-
-    ``HFRewardTransform(path, use_ray_service=True, ...)`` is this client in a transform.
+    """A caller of a shared :class:`RewardModelService` (a Ray actor): renders locally, scores remotely.
 
     Args:
         model (str or os.PathLike): local path of the reward model, loaded once by the actor.
 
     Keyword Args:
-        renderer (RewardRenderer, optional): applied here, by the caller: what the model sees
-            (with the reward model's tokenizer, else the one saved at ``model``). Defaults to
-            ``RewardRenderer()``. Tokens are read at TorchRL's keys (``("tokens", part)``,
-            ``("masks", "all_attention_mask")``).
+        renderer (RewardRenderer, optional): applied by the caller (its tokenizer, else the one
+            saved at ``model``). Defaults to ``RewardRenderer()``.
         batching (RewardBatching, optional): applied in the service. Defaults to ``RewardBatching()``.
         output (RewardOutput, optional): its head and non-finite policy apply in the service,
             its shape here. Defaults to ``RewardOutput()``.
         model_kwargs (dict, optional): keyword arguments of :func:`load_reward_model` in the
-            service (``device``, ``dtype``, ``trust_remote_code``, ``from_pretrained``'s own).
-            Defaults to ``None``: the model on the GPU Ray gives the actor, if any.
-        remote_config (dict, optional): the actor's Ray options (``name``, ``num_gpus``,
-            ``namespace``, ``max_restarts``, ``lifetime`` (``"detached"`` when named), ...). A
+            service. Defaults to ``None``: the model on the GPU Ray gives the actor, if any.
+        remote_config (dict, optional): the actor's Ray options (``name``, ``num_gpus``, ...). A
             named actor is shared: created by the first caller, later ones must ask for the same
             path and service-side settings (else ``ValueError``). Defaults to ``None``: a private
             actor.
-        timeout (float, optional): finite seconds a call may take (the actor's start, loading
-            the model, included) before :class:`RewardServiceError`. Defaults to ``600.0``.
+        timeout (float, optional): finite seconds a call may take (the actor's start included)
+            before :class:`RewardServiceError`. Defaults to ``600.0``.
         max_wait_ms (float, optional): how long the service holds a first request for others.
             Defaults to ``5.0``.
 
-    Scores come back without gradients (``inference_mode`` is ``True``); the reward is written
-    at ``"reward"`` (:class:`HFRewardTransform` chooses another key).
+    Scores come back without gradients, written at ``"reward"``.
 
     Examples:
-        Starting the actor needs a Ray cluster (``tests/test_reward_service.py`` runs it)::
-
-            client = RewardServiceClient(path, remote_config={"name": "rm", "num_gpus": 1},
-                                         renderer=RewardRenderer(policy_tokenizer=tok))
-            env.append_transform(HFRewardTransform(client))
-
-        Arguments are checked before Ray is touched:
+        Starting the actor needs Ray (``HFRewardTransform(RewardServiceClient(path, ...))`` on an
+        env); arguments are checked before Ray is touched:
 
         >>> RewardServiceClient("rm_dir", timeout=float("inf"))
         Traceback (most recent call last):

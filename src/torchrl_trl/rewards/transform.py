@@ -1,13 +1,7 @@
-"""The reward transform: any reward scorer as a TorchRL ``Transform``
-(:class:`RewardTransform`), writing into ``next`` on a ``ChatEnv`` step, scoring once on a
-replay buffer's write (append it *after* ``MCAdvantage``), or scoring ``td`` when called; and
-:class:`HFRewardTransform`, one with a reward-model scorer built for you. A scorer has
+"""The reward transform: any reward scorer as a TorchRL ``Transform`` (:class:`RewardTransform`),
+and :class:`HFRewardTransform`, one with a reward-model scorer built for you. A scorer has
 ``in_keys``, ``out_keys`` (the reward first), ``reward_shape`` and
-``score_outputs(td, columns_td=None) -> list[Tensor]`` (one ``[N]`` tensor per out key), as
-:class:`~torchrl_trl.rewards.HFRewardModelWrapper`,
-:class:`~torchrl_trl.rewards.RewardServiceClient` and
-:class:`~torchrl_trl.rewards.RewardFunctionWrapper` do; it writes with
-:func:`~torchrl_trl.rewards.postprocess.write_rewards`.
+``score_outputs(td, columns_td=None) -> list[Tensor]`` (one ``[N]`` tensor per out key).
 """
 
 from __future__ import annotations
@@ -34,8 +28,8 @@ _SCORER_API = ("in_keys", "out_keys", "reward_shape", "score_outputs")
 
 
 class RewardTransform(Transform):
-    """Write a scorer's rewards as TorchRL rewards, inside an env's step, on a replay
-    buffer's write, or called as a module.
+    """Write a scorer's rewards as TorchRL rewards: into ``next`` on an env's step (a ``ChatEnv``),
+    once on a replay buffer's write (append it *after* ``MCAdvantage``), or called as a module.
 
     Args:
         scorer (scorer): anything with ``in_keys``, ``out_keys``, ``reward_shape`` and
@@ -50,8 +44,7 @@ class RewardTransform(Transform):
             Defaults to ``False``.
 
     ``in_keys`` are the scorer's; ``out_keys`` the ``("next", ...)`` keys written, added to
-    the env's reward spec. In an env it scores once per step, in ``_step`` (the env's inverse
-    pass over the policy's output passes through): one reward-model forward per completion.
+    the env's reward spec. In an env it scores once per step.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -149,8 +142,7 @@ class RewardTransform(Transform):
 
 
 class HFRewardTransform(RewardTransform):
-    """Write reward-model scores as TorchRL rewards (on an env's step, a buffer's write, or
-    called on a tensordict).
+    """A :class:`RewardTransform` of reward-model scores, its scorer built from a path or a model.
 
     Args:
         scorer (HFRewardModelWrapper, RewardServiceClient, nn.Module, str or os.PathLike): an
@@ -174,12 +166,9 @@ class HFRewardTransform(RewardTransform):
         num_gpus (float, optional): the service's Ray GPUs (``use_ray_service=True`` only).
             Defaults to ``None``.
 
-    The scorer is :attr:`scorer` (with its counters, or a client's ``stats()``).
-
     Examples:
         >>> import tempfile, torch
         >>> from tensordict import TensorDict
-        >>> from torchrl.envs import RewardScaling
         >>> from torchrl_trl import testing
         >>> from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching
         >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
@@ -187,12 +176,8 @@ class HFRewardTransform(RewardTransform):
         ...     paths.reward_model, inference_mode=True, batching=RewardBatching(max_tokens_per_batch=256))
         >>> transform = HFRewardTransform(scorer, reward_shape="step")
         >>> rollouts = TensorDict({"text": {"full": ["a nice answer", "no"]}}, batch_size=[2])
-        >>> rollouts = transform(rollouts)
-        >>> rollouts["next", "reward"].shape
+        >>> transform(rollouts)["next", "reward"].shape
         torch.Size([2, 1, 1])
-        >>> scaled = RewardScaling(loc=1.0, scale=2.0, in_keys=[("next", "reward")])(rollouts.clone())
-        >>> torch.allclose(scaled["next", "reward"], 2 * rollouts["next", "reward"] + 1)
-        True
     """
 
     def __init__(

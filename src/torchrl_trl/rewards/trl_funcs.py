@@ -117,9 +117,7 @@ class TRLRewardFunc:
             self.executor.shutdown()
 
     def _torchrl_trl_warm_up(self) -> None:
-        """In a fresh executor worker, before its first item: the imports a first call would do
-        (TRL's ``is_conversational`` imports transformers and datasets, seconds of work), then
-        the wrapped reward's own warm-up. See :func:`~torchrl_trl.rewards.scheduler.warm_up`."""
+        """The imports a first call would do (seconds of work), then the reward's own warm-up (see :func:`warm_up`)."""
         import trl.data_utils  # noqa: F401  is_conversational
         from torchrl.data.llm import History  # noqa: F401  rollouts_from_trl, for chat
 
@@ -276,13 +274,12 @@ def as_trl_reward_func(
     """Wrap a TorchRL reward as a TRL reward function (for ``reward_funcs=[...]``).
 
     Args:
-        reward (module, transform or callable): our ``HFRewardModelWrapper`` (``prompt +
-            completion``, chat rendered with its template, scored micro-batched: TRL's own
-            ``reward_funcs=[model]`` rewards); a
-            TorchRL reward parser such as ``GSM8KRewardParser`` (run as ``env.step`` runs it
-            on :func:`rollouts_from_trl`; without ``in_keys`` it reads the history or
-            response text and the ``"answer"`` column, or ``columns[0]``); a TensorDict
-            module writing a reward; or a plain TRL reward function, to use ``executor=``.
+        reward (module, transform or callable): our ``HFRewardModelWrapper`` (scored as TRL's
+            own ``reward_funcs=[model]``, micro-batched); a TorchRL reward parser such as
+            ``GSM8KRewardParser`` (run as ``env.step`` runs it on :func:`rollouts_from_trl`;
+            without ``in_keys`` it reads the history or response text and the ``"answer"``
+            column, or ``columns[0]``); a TensorDict module writing a reward; or a plain TRL
+            reward function, to use ``executor=``.
 
     Keyword Args:
         tokenizer (transformers tokenizer, optional): the policy tokenizer, to build text and
@@ -294,9 +291,8 @@ def as_trl_reward_func(
         columns (sequence of str, optional): dataset columns to pass; a missing one is a
             ``KeyError``. Defaults to ``None`` (all).
         executor (RewardExecutor, str or concurrent.futures.Executor, optional): how the reward
-            runs: in the caller, one call per batch (``timeout`` s each), or one completion per
-            call, isolated (a failure gets ``failure_reward``, counted in
-            :attr:`TRLRewardFunc.failure_counts`). Defaults to ``None``: ``RewardExecutor()``.
+            runs (failures of isolated kinds counted in :attr:`TRLRewardFunc.failure_counts`).
+            Defaults to ``None``: ``RewardExecutor()``.
 
     Returns:
         a :class:`TRLRewardFunc`: exceptions carry its name, non-finite rewards become ``None``.
@@ -308,13 +304,10 @@ def as_trl_reward_func(
         >>> reward_func = as_trl_reward_func(HFRewardModelWrapper(str(paths.reward_model)), name="rm")
         >>> reward_func.__name__
         'rm'
-        >>> rewards = reward_func(
-        ...     prompts=[[{"role": "user", "content": "hi"}]] * 2,
-        ...     completions=[[{"role": "assistant", "content": "hello"}], [{"role": "assistant", "content": "bye"}]],
-        ...     completion_ids=[[1], [2]],
-        ... )
-        >>> len(rewards), all(isinstance(r, float) for r in rewards)
-        (2, True)
+        >>> rewards = reward_func(prompts=[[{"role": "user", "content": "hi"}]],
+        ...                       completions=[[{"role": "assistant", "content": "hello"}]], completion_ids=[[1]])
+        >>> len(rewards), isinstance(rewards[0], float)
+        (1, True)
     """
     return TRLRewardFunc(reward, tokenizer=tokenizer, name=name, reward_key=reward_key, columns=columns,
                          executor=executor)
