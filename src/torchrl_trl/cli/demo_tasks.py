@@ -2,10 +2,9 @@
 reward model never sees) and the preference pairs ``trl.RewardTrainer`` learns from.
 
 * ``vowels`` (tiny random models): an answer is better the larger its fraction of vowels.
-* ``arithmetic`` (SmolLM2-135M-Instruct): ``"What is 3 + 5?"`` for single-digit pairs. The
-  model knows the sums (prefilled with ``"3 + 5 ="`` it answers 85% of them right) but rarely
-  says them plainly, so greedy answers are right about a third of the time. The true score
-  is ``math_verify``'s check of the reply against the sum, on pairs held out of training.
+* ``arithmetic`` (SmolLM2-135M-Instruct): ``"What is 3 + 5?"`` for single-digit pairs; the model
+  knows the sums but rarely says them plainly (greedy answers are right about a third of the time).
+  The true score is ``math_verify``'s check of the reply against the sum, on held-out pairs.
 """
 
 from __future__ import annotations
@@ -24,12 +23,10 @@ class DemoTask:
     Args:
         name (str): the task's name in ``results.json``.
         train_prompts (list of str): the user turns GRPO samples from.
-        heldout_prompts (list of str): the user turns the true score is measured on after
-            training (the same as ``train_prompts`` where the task has no held-out set).
+        heldout_prompts (list of str): the user turns the true score is measured on (may be ``train_prompts``).
         true_score (callable): ``true_score(prompt, reply) -> float`` in ``[0, 1]``.
-        preference_pairs (callable): ``preference_pairs(tokenizer, n, seed, heldout) -> rows``,
-            conversational ``prompt`` / ``chosen`` / ``rejected`` rows for ``RewardTrainer``,
-            drawn from the held-out prompts when ``heldout`` is true.
+        preference_pairs (callable): ``preference_pairs(tokenizer, n, seed, heldout) -> rows``, conversational
+            ``RewardTrainer`` rows, of the held-out prompts when ``heldout``.
         score_label (str): what the true score measures, for the printed table.
     """
 
@@ -63,8 +60,7 @@ def vowel_fraction(prompt: str, reply: str) -> float:
 
 
 def vowel_pairs(tokenizer, n: int, seed: int, heldout: bool = False, max_tokens: int = 12) -> list[dict]:
-    """``n`` pairs of random non-special tokens, as the untrained tiny policy writes, ranked by
-    the hidden rule (near-ties skipped)."""
+    """``n`` pairs of random non-special tokens, as the untrained tiny policy writes, ranked by the rule."""
     rng = random.Random(seed)
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(len(tokenizer)) if i not in special]
@@ -129,9 +125,8 @@ _NON_ANSWERS = (
 
 
 def arithmetic_pairs(tokenizer, n: int, seed: int, heldout: bool = False) -> list[dict]:
-    """``n`` pairs written by a rule that never computes a sum the policy wrote: the chosen reply
-    states the right sum as an equation; the rejected one states a wrong sum as an equation (a
-    third), gives a bare or worded number (a third) or talks around the question (a third)."""
+    """``n`` pairs by a rule: the chosen reply states the right sum as an equation; the rejected one a wrong
+    sum as an equation, a bare or worded number, or talk around the question (a third each)."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):

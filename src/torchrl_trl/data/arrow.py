@@ -7,6 +7,7 @@ A column batch is ``{name: values}``, ``values`` a list, a tensor ``[B, ...]`` o
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from copy import deepcopy
 from typing import Any
@@ -21,7 +22,7 @@ from ..layouts import Ragged
 from .columns import per_row
 from .features import to_pylist
 
-__all__ = ["ColumnarExamplesIterable", "EpochSharingIterableDataset", "columns_to_table", "make_iterable_dataset"]
+__all__ = ["ColumnarExamplesIterable", "EpochSharingIterableDataset", "columns_to_table"]
 
 ColumnBatch = Mapping[str, Any]
 
@@ -63,14 +64,12 @@ def _rows(cols: ColumnBatch, tensors: bool = False) -> Iterator[dict]:
 
 
 class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
-    """Examples iterable over ``generate_batches([shard], pass_index=k) -> ((key, column batch),
-    ...)`` for each of ``shard_ids`` (which ``datasets`` splits over ranks and workers), going
-    ``num_passes`` times over them (``None``: endless). ``generate_batches.start_pass(k,
-    first) -> dict``, if any, is called once per pass and its dict passed to that pass's calls.
-    """
+    """Examples iterable over ``generate_batches([shard], pass_index=k, **start_pass(k, first)) -> ((key,
+    column batch), ...)`` (a :class:`~torchrl_trl.data.hf.HFBatches`) for each of ``shard_ids`` (which
+    ``datasets`` splits over ranks and workers), ``num_passes`` times (``None``: endless)."""
 
-    def __init__(self, generate_batches: Callable[[list[int]], Iterator[tuple[Any, ColumnBatch]]],
-                 shard_ids: list[int], features, tensors: bool = False, num_passes: int | None = 1) -> None:
+    def __init__(self, generate_batches: Callable[..., Iterator[tuple[Any, ColumnBatch]]], shard_ids: list[int],
+                 features, tensors: bool = False, num_passes: int | None = 1) -> None:
         super().__init__()
         self.generate_batches = generate_batches
         self.shard_ids = list(shard_ids)
@@ -94,13 +93,10 @@ class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
         """``(start, key, cols, n)``: batches left, ``start`` rows to skip (resuming a state dict)."""
         state = self._state_dict
         k = state.get("pass_idx", 0) if state else 0
-        start_pass = getattr(self.generate_batches, "start_pass", None)
         first = True
         while self.num_passes is None or k < self.num_passes:
-            kwargs = {"pass_index": k} if k else {}
-            if start_pass is not None:  # once per pass, shared by all its shards
-                kwargs.update(start_pass(k, first))
-                first = False
+            kwargs = {"pass_index": k, **self.generate_batches.start_pass(k, first)}  # once per pass, for its shards
+            first = False
             first_shard = state["shard_idx"] if state else 0
             for s in self.shard_ids[first_shard:]:
                 skip = state["shard_example_idx"] if state else 0
@@ -121,9 +117,7 @@ class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
     def __iter__(self):
         state = self._state_dict
         for start, key, cols, _ in self._batches():
-            for i, row in enumerate(_rows(cols, self.tensors)):
-                if i < start:
-                    continue
+            for i, row in enumerate(itertools.islice(_rows(cols, self.tensors), start, None), start):
                 if state:
                     state["shard_example_idx"] += 1
                 yield f"{key}_{i}", row
@@ -162,13 +156,3 @@ class EpochSharingIterableDataset(IterableDataset):
         super().set_epoch(epoch)
         if self.epoch_counter is not None:
             self.epoch_counter.fill_(int(epoch))
-
-
-def make_iterable_dataset(generate_batches, shard_ids: list[int], features, tensors: bool = False,
-                          num_passes: int | None = 1, epoch_counter: torch.Tensor | None = None):
-    """An :class:`EpochSharingIterableDataset` declaring ``features`` over a
-    :class:`ColumnarExamplesIterable` (``tensors``: tensor columns as 1-row tensor views)."""
-    ex_iterable = ColumnarExamplesIterable(generate_batches, shard_ids, features, tensors, num_passes)
-    ds = _compat.iterable_dataset_from_examples(ex_iterable, features, cls=EpochSharingIterableDataset)
-    ds.epoch_counter = epoch_counter
-    return ds

@@ -1,10 +1,7 @@
-"""The columns of a batch of buffer rows: which ones a :class:`~torchrl_trl.data.TorchRLBufferDataset`
-yields (:class:`RowColumns`: upstream's ``keys``, a format's columns, named columns, the storage
-index, a row filter), each read vectorised, and their ``datasets.Features``.
-
-A column spec is a ``NestedKey`` (``"a.b"`` names a nested key) or ``fn(batch) -> list``;
-``tokens.<part>`` yields only the real tokens, ``history.<part>`` plain ``{"role", "content"}``
-messages (via :mod:`torchrl_trl.layouts`)."""
+"""The columns a :class:`~torchrl_trl.data.TorchRLBufferDataset` yields from a batch of buffer rows
+(:class:`RowColumns`), each read vectorised, and their ``datasets.Features``. A column spec is a
+``NestedKey`` (``"a.b"`` nests) or ``fn(batch) -> list``; ``tokens.<part>`` yields the real tokens,
+``history.<part>`` plain ``{"role", "content"}`` messages (via :mod:`torchrl_trl.layouts`)."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ from .features import infer_feature, to_pylist
 from .formats import BufferFormat, get_format, read_token_ids  # the registry, with every built-in format
 
 __all__ = [
-    "ColumnSpec", "RowColumns", "column_name", "missing_key_error", "per_row", "read_key", "read_key_columnar",
-    "to_nested_key",
+    "ColumnSpec", "RowColumns", "column_name", "missing_key_error", "per_row", "read_key_columnar", "to_nested_key",
 ]  # fmt: skip
 
 ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
@@ -47,14 +43,6 @@ def missing_key_error(td: TensorDictBase, key: NestedKey, what: str) -> KeyError
     return KeyError(f"{what}: key {column_name(key)!r} is not in the replay buffer's samples. Available keys: {keys}")
 
 
-def read_key(td: TensorDictBase, key: NestedKey, *, python: bool = True) -> tuple[list, torch.dtype | None]:
-    """``(values, dtype)``: ``key``'s values, one per row (Python objects when ``python``, else
-    tensors for tensor leaves), and the source tensor dtype (``None`` for non-tensor data).
-    A missing key raises ``KeyError`` naming the available keys."""
-    values, dtype = read_key_columnar(td, key)
-    return per_row(values, python), dtype
-
-
 def per_row(values: Any, python: bool = True) -> list:
     """A :func:`read_key_columnar` column, one value per row (``python``: :func:`to_pylist`, else tensor views)."""
     if python:
@@ -67,8 +55,9 @@ def per_row(values: Any, python: bool = True) -> list:
 
 
 def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dtype | None]:
-    """``(values, dtype)`` as :func:`read_key`, the values in their cheapest whole-batch form:
-    a tensor ``[B, ...]``, a :class:`~torchrl_trl.layouts.Ragged` (``tokens.<part>``) or a list."""
+    """``(values, dtype)``: ``key``'s values in their cheapest whole-batch form (a tensor ``[B, ...]``, a
+    :class:`~torchrl_trl.layouts.Ragged` for ``tokens.<part>``, or a list) and the source tensor dtype
+    (``None`` for non-tensor data). A missing key raises ``KeyError`` naming the available keys."""
     key = to_nested_key(key)
     if not layouts.has_key(td, key):
         raise missing_key_error(td, key, "RowColumns")
@@ -97,39 +86,27 @@ class _RaggedRows(list):
         return [r.tolist() if isinstance(r, torch.Tensor) else r for r in self]
 
 
-def leaf_keys(td: TensorDictBase) -> list[NestedKey]:
-    """Every leaf key of ``td`` (tensors and non-tensor data), in a stable order."""
-    return [to_nested_key(k) for k in layouts.available_keys(td)]
-
-
 class RowColumns:
-    """What each row of a :class:`~torchrl_trl.data.TorchRLBufferDataset` holds beyond
-    upstream's ``keys``: a format's columns, named columns, the item's storage index, after a
-    row filter. Pass it as the dataset's ``format=`` (a format name or a
-    :class:`~torchrl_trl.data.BufferFormat` alone is ``RowColumns(format)``); it turns a batch of
-    buffer rows (batch shape ``[B]`` or ``[B, G]``) into ``{column: one value per row}``.
+    """What each row of a :class:`~torchrl_trl.data.TorchRLBufferDataset` holds beyond upstream's
+    ``keys``: a format's columns, named columns, the storage index, after a row filter. Pass it as the
+    dataset's ``format=`` (a format name or :class:`~torchrl_trl.data.BufferFormat` is ``RowColumns(format)``).
 
     Args:
         format (str or BufferFormat, optional): a registered format name (``"sft"``,
             ``"grpo_conversational"``, ...: see :func:`~torchrl_trl.data.formats.available_formats`) or a
             :class:`~torchrl_trl.data.BufferFormat`. Defaults to ``None`` (no format).
-        columns (mapping of str to NestedKey or callable, optional): ``{column: spec}``, ``spec``
-            a nested key or ``fn(batch) -> list`` (e.g.
-            :meth:`torchrl_trl.online.StalenessFilter.weight_column`), yielded beside the
-            format's. Defaults to ``None``. (Keys yielded under their flat name: the dataset's
-            ``keys=``.)
+        columns (mapping of str to NestedKey or callable, optional): ``{column: spec}``, ``spec`` a nested
+            key or ``fn(batch) -> list`` (e.g. :meth:`torchrl_trl.online.StalenessFilter.weight_column`),
+            yielded beside the format's. Defaults to ``None``.
 
     Keyword Args:
         index_column (str, optional): yield each row's storage index (an int) under this column
             name (e.g. for :func:`torchrl_trl.online.update_priorities`; needs
             ``remove_unused_columns=False`` in the trainer's config). Defaults to ``None``.
-        sample_filter (callable, optional): ``fn(batch) -> bool tensor [B]`` (one per row): rows
-            where it is ``False`` are not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`),
-            so an epoch pass yields fewer than ``len(dataset)`` rows. Another dtype or number of
-            values raises. Defaults to ``None``.
-        tokenizer (transformers tokenizer, optional): the policy's tokenizer; its pad string is
-            removed from decoded ``text``/``history`` (see :func:`torchrl_trl.layouts.read_text`).
-            Defaults to ``None``.
+        sample_filter (callable, optional): ``fn(batch) -> bool tensor [B]``: rows where it is ``False`` are
+            not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`). Defaults to ``None``.
+        tokenizer (transformers tokenizer, optional): the policy's tokenizer; its pad string is removed from
+            decoded ``text``/``history`` (see :func:`torchrl_trl.layouts.read_text`). Defaults to ``None``.
 
     Examples:
         >>> import torch
@@ -170,9 +147,7 @@ class RowColumns:
         self.dtypes: dict[str, torch.dtype] = {}
 
     def bind(self, *, keys: Sequence[NestedKey] | None = None, device: torch.device | str | None = None) -> RowColumns:
-        """A copy for one dataset: upstream's ``keys`` (raw keys, yielded under their flat name)
-        and ``device``; the tokenizer is kept as its pad string (cheap to send to DataLoader
-        workers)."""
+        """A copy for one dataset's ``keys`` and ``device``, the tokenizer kept as its pad string."""
         bound = copy.copy(self)
         bound.keys = None if keys is None else [to_nested_key(k) for k in keys]
         bound.device = torch.device(device) if device is not None else None
@@ -185,7 +160,7 @@ class RowColumns:
     def raw_keys(self, batch: TensorDictBase) -> list[NestedKey]:
         """``keys``, or every leaf key when nothing else is asked for."""
         if self.keys is None and self.format is None and not self.columns:
-            return leaf_keys(batch)
+            return [to_nested_key(k) for k in layouts.available_keys(batch)]
         return list(self.keys or [])
 
     def in_keys(self, batch: TensorDictBase) -> list[NestedKey]:
@@ -209,8 +184,8 @@ class RowColumns:
         return cols
 
     def convert(self, batch: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
-        """``{column: one value per row}`` for ``batch``: ``python=True`` Python values, ``False``
-        tensors for tensor leaves, ``"columnar"`` :func:`read_key_columnar` forms."""
+        """``{column: one value per row}``: ``python=True`` Python values, ``False`` tensors for tensor
+        leaves, ``"columnar"`` :func:`read_key_columnar` forms."""
         cols: dict[str, Any] = {}
         with layouts.read_once():  # the format, the keys and the named columns share one read of the batch
             if self.format is not None:
@@ -232,10 +207,12 @@ class RowColumns:
 
     def of_batch(self, batch: TensorDictBase, python: bool | str,
                  index: torch.Tensor | None = None) -> dict[str, Any] | None:
-        """:meth:`convert` after ``sample_filter`` (``None``: every row dropped), with the index
-        column; ``python=False`` moves tensors to ``device``."""
-        if index is not None:
-            index = _index_per_row(index, batch)
+        """:meth:`convert` after ``sample_filter`` (``None``: every row dropped), with the index column."""
+        if index is not None:  # one per row: an item of batch shape [G] gives G rows
+            index = torch.as_tensor(index).reshape(-1)
+            rows = batch.batch_size.numel()
+            if index.numel() and rows != index.numel() and rows % index.numel() == 0:
+                index = index.repeat_interleave(rows // index.numel())
         if self.sample_filter is not None:
             keep = self.keep(batch)
             if not keep.all():
@@ -246,7 +223,6 @@ class RowColumns:
                 index = None if index is None else index[kept]
         cols = self.convert(batch, python=python)
         if self.index_column is not None:
-            index = torch.as_tensor(index).reshape(-1)
             cols[self.index_column] = index.clone() if python == "columnar" else index.tolist()
         if python is False and self.device is not None:
             for name, values in cols.items():
@@ -261,8 +237,7 @@ class RowColumns:
 
     def keep(self, batch: TensorDictBase) -> torch.Tensor:
         """``sample_filter(batch)`` as bool ``[B]``; anything else raises."""
-        out = self.sample_filter(batch)
-        keep = torch.as_tensor(out) if not isinstance(out, torch.Tensor) else out
+        keep = torch.as_tensor(self.sample_filter(batch))
         rows = batch.batch_size.numel()
         if keep.dtype != torch.bool:
             raise TypeError(
@@ -288,14 +263,6 @@ class RowColumns:
         return Features(feats)
 
 
-def _read(batch: TensorDictBase, key: NestedKey, python: bool | str):
-    return read_key_columnar(batch, key) if python == "columnar" else read_key(batch, key, python=python)
-
-
-def _index_per_row(index: torch.Tensor, batch: TensorDictBase) -> torch.Tensor:
-    """Storage indices, one per row (an item of batch shape ``[G]`` gives ``G`` rows)."""
-    index = torch.as_tensor(index).reshape(-1)
-    rows = batch.batch_size.numel()
-    if index.numel() and rows != index.numel() and rows % index.numel() == 0:
-        index = index.repeat_interleave(rows // index.numel())
-    return index
+def _read(batch: TensorDictBase, key: NestedKey, python: bool | str) -> tuple[Any, torch.dtype | None]:
+    values, dtype = read_key_columnar(batch, key)
+    return (values if python == "columnar" else per_row(values, python)), dtype

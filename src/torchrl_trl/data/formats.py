@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -141,34 +140,60 @@ def available_formats() -> list[str]:
 
 # Built-in formats. Text columns are read from ("text", part) (prompts with the chat template
 # applied, as TorchRL stores them), conversational ones from ("history", part) as messages.
-class _Kind(NamedTuple):
-    read: Callable[[TensorDictBase, str], list]  # read(td, part) -> one value per row
-    key: Callable[[str], tuple]  # key(part) -> the nested key read
-    feature: Callable[[], Any]  # feature() -> the datasets feature of a column
-
-
-_KINDS = {
-    "text": _Kind(layouts.read_text, layouts.text_key, F.string),
-    "history": _Kind(layouts.read_history, layouts.history_key, F.messages),
+_KINDS = {  # kind: (read(td, part) -> one value per row, key(part) -> nested key, its datasets feature)
+    "text": (layouts.read_text, layouts.text_key, F.string),
+    "history": (layouts.read_history, layouts.history_key, F.messages),
 }
-_KTO_PARTS = (("prompt", "prompt"), ("completion", "response"))
+_PAIR_PARTS = ((CHOSEN_KEY, "prompt"), (CHOSEN_KEY, "response"), (REJECTED_KEY, "prompt"), (REJECTED_KEY, "response"))
+_PROMPT, _COMPLETION = ("prompt", "prompt"), ("completion", "response")
 
 
-def _columns(td: TensorDictBase, kind: str, parts: tuple) -> dict[str, list]:
-    return {column: _KINDS[kind].read(td, part) for column, part in parts}
+@dataclass(frozen=True)
+class _Read:
+    """Columns ``(column, part)`` read as ``kind`` (of chosen/rejected pairs when ``pairs``), then the
+    ``extra`` key (margin or label); a dataclass, not a lambda: formats pickle into DataLoader workers."""
+
+    kind: str
+    parts: tuple[tuple[str, str], ...] = ()
+    pairs: bool = False
+    extra: str | None = None
+
+    def keys(self) -> tuple:
+        key = _KINDS[self.kind][1]
+        keys = [(side, *key(part)) for side, part in _PAIR_PARTS] if self.pairs else [key(p) for _, p in self.parts]
+        return (*keys, *([self.extra] if self.extra else []))
+
+    def __call__(self, td: TensorDictBase) -> dict[str, list]:
+        read = _KINDS[self.kind][0]
+        if self.pairs:
+            chosen, rejected = td.get(CHOSEN_KEY), td.get(REJECTED_KEY)
+            out = {"prompt": read(chosen, "prompt")}
+            for i, (a, b) in enumerate(zip(out["prompt"], read(rejected, "prompt"))):
+                if a != b:
+                    raise ValueError(
+                        f"TorchRLBufferDataset: preference row {i}: expected chosen and rejected rollouts of one "
+                        f"prompt, got {a!r} vs {b!r}"
+                    )
+            out.update(chosen=read(chosen, "response"), rejected=read(rejected, "response"))
+        else:
+            out = {column: read(td, part) for column, part in self.parts}
+        if self.extra:
+            values = td.get(self.extra).reshape(-1).tolist()
+            out[self.extra] = [bool(v) for v in values] if self.extra == LABEL_KEY else values
+        return out
+
+    def features(self) -> dict[str, Any]:
+        columns = ("prompt", "chosen", "rejected") if self.pairs else [column for column, _ in self.parts]
+        out = {column: _KINDS[self.kind][2]() for column in columns}
+        if self.extra:
+            out[self.extra] = F.value("bool" if self.extra == LABEL_KEY else "float32")
+        return out
 
 
-def _columns_features(kind: str, parts: tuple) -> dict[str, Any]:
-    return {column: _KINDS[kind].feature() for column, _ in parts}
-
-
-def _read_format(name: str, kind: str, description: str, **parts: str) -> BufferFormat:
-    """A format whose column ``column=part`` is ``(kind, part)`` read as text or messages
-    (functools.partial, not lambdas: formats pickle into DataLoader workers)."""
-    spec = tuple(parts.items())
-    keys = tuple(_KINDS[kind].key(part) for _, part in spec)
-    return BufferFormat(name, keys, partial(_columns, kind=kind, parts=spec),
-                        partial(_columns_features, kind, spec), description)
+def _read_format(name: str, description: str, kind: str, *parts: tuple[str, str], pairs: bool = False,
+                 extra: str | None = None) -> BufferFormat:
+    read = _Read(kind, parts, pairs, extra)
+    return BufferFormat(name, read.keys(), read, read.features, description)
 
 
 def read_token_ids(td: TensorDictBase, part: layouts.Part) -> layouts.Ragged:
@@ -202,50 +227,9 @@ def _sft_tokenized_features() -> dict:
     return {"input_ids": F.token_list(), "completion_mask": F.token_list()}
 
 
-def _margin(td: TensorDictBase) -> list[float]:
-    return td.get(MARGIN_KEY).reshape(-1).tolist()
-
-
-def _kto(td: TensorDictBase, kind: str) -> dict[str, list]:
-    labels = [bool(v) for v in td.get(LABEL_KEY).reshape(-1).tolist()]
-    return {**_columns(td, kind, _KTO_PARTS), "label": labels}
-
-
-def _kto_features(kind: str) -> dict:
-    return {**_columns_features(kind, _KTO_PARTS), "label": F.value("bool")}
-
-
-def _kto_keys(kind: str) -> tuple:
-    return (*(_KINDS[kind].key(part) for _, part in _KTO_PARTS), LABEL_KEY)
-
-
-def _pairs(td: TensorDictBase, kind: str, margin: bool = False) -> dict[str, list]:
-    read = _KINDS[kind].read
-    chosen, rejected = td.get(CHOSEN_KEY), td.get(REJECTED_KEY)
-    prompt = read(chosen, "prompt")
-    for i, (a, b) in enumerate(zip(prompt, read(rejected, "prompt"))):
-        if a != b:
-            raise ValueError(
-                f"TorchRLBufferDataset: preference row {i}: expected chosen and rejected rollouts of one prompt, "
-                f"got {a!r} vs {b!r}"
-            )
-    out = {"prompt": prompt, "chosen": read(chosen, "response"), "rejected": read(rejected, "response")}
-    return {**out, "margin": _margin(td)} if margin else out
-
-
-def _pair_features(kind: str, margin: bool = False) -> dict:
-    feature = _KINDS[kind].feature
-    out = {"prompt": feature(), "chosen": feature(), "rejected": feature()}
-    return {**out, "margin": F.value("float32")} if margin else out
-
-
-def _pair_keys(key: Callable) -> tuple:
-    return tuple((side, *key(part)) for side in (CHOSEN_KEY, REJECTED_KEY) for part in ("prompt", "response"))
-
-
 def _reward_tokenized(td: TensorDictBase) -> dict[str, list]:
     ids = [F.array_rows(prompt_response_ids(td.get(side))[0]) for side in (CHOSEN_KEY, REJECTED_KEY)]
-    return {"chosen_ids": ids[0], "rejected_ids": ids[1], "margin": _margin(td)}
+    return {"chosen_ids": ids[0], "rejected_ids": ids[1], "margin": td.get(MARGIN_KEY).reshape(-1).tolist()}
 
 
 def _reward_tokenized_features() -> dict:
@@ -253,44 +237,36 @@ def _reward_tokenized_features() -> dict:
 
 
 for _fmt in (
-    _read_format("sft", "text", "prompt/completion text (SFTTrainer, prompt-completion)",
-                 prompt="prompt", completion="response"),
-    _read_format("sft_conversational", "history", "prompt/completion as role/content messages (SFTTrainer, "
-                 "conversational prompt-completion)", prompt="prompt", completion="response"),
-    _read_format("sft_messages", "history", "the whole chat as role/content messages (SFTTrainer, "
-                 "conversational language modeling)", messages="full"),
+    _read_format("sft", "prompt/completion text (SFTTrainer, prompt-completion)", "text", _PROMPT, _COMPLETION),
+    _read_format("sft_conversational", "prompt/completion as role/content messages (SFTTrainer, conversational "
+                 "prompt-completion)", "history", _PROMPT, _COMPLETION),
+    _read_format("sft_messages", "the whole chat as role/content messages (SFTTrainer, conversational language "
+                 "modeling)", "history", ("messages", "full")),
     BufferFormat("sft_tokenized", (layouts.token_key("prompt"), layouts.token_key("response")), _sft_tokenized,
                  _sft_tokenized_features, "pre-tokenized input_ids (prompt + response, no padding) and "
                  "completion_mask (SFTConfig(completion_only_loss=True) makes TRL train on the response only)"),
-    _read_format("grpo", "text", "prompt text with the chat template applied (GRPOTrainer/RLOOTrainer)",
-                 prompt="prompt"),
-    _read_format("grpo_conversational", "history", "prompt as role/content messages (GRPOTrainer/RLOOTrainer)",
-                 prompt="prompt"),
-    _read_format("rloo", "text", "prompt text with the chat template applied (RLOOTrainer, as GRPO)",
-                 prompt="prompt"),
-    _read_format("rloo_conversational", "history", "prompt as role/content messages (RLOOTrainer, as GRPO)",
-                 prompt="prompt"),
+    _read_format("grpo", "prompt text with the chat template applied (GRPOTrainer/RLOOTrainer)", "text", _PROMPT),
+    _read_format("grpo_conversational", "prompt as role/content messages (GRPOTrainer/RLOOTrainer)", "history",
+                 _PROMPT),
+    _read_format("rloo", "prompt text with the chat template applied (RLOOTrainer, as GRPO)", "text", _PROMPT),
+    _read_format("rloo_conversational", "prompt as role/content messages (RLOOTrainer, as GRPO)", "history", _PROMPT),
     # preference pairs (data.preference_pairs): DPOTrainer always tokenizes itself, so no dpo_tokenized
-    BufferFormat("dpo", _pair_keys(layouts.text_key), partial(_pairs, kind="text"), partial(_pair_features, "text"),
-                 "prompt/chosen/rejected text from preference pairs (DPOTrainer, RewardTrainer)"),
-    BufferFormat("dpo_conversational", _pair_keys(layouts.history_key), partial(_pairs, kind="history"),
-                 partial(_pair_features, "history"),
-                 "prompt/chosen/rejected messages from preference pairs (DPOTrainer, RewardTrainer)"),
-    BufferFormat("reward", (*_pair_keys(layouts.text_key), MARGIN_KEY), partial(_pairs, kind="text", margin=True),
-                 partial(_pair_features, "text", margin=True),
-                 "prompt/chosen/rejected text and the reward gap as margin (RewardTrainer)"),
-    BufferFormat("reward_conversational", (*_pair_keys(layouts.history_key), MARGIN_KEY),
-                 partial(_pairs, kind="history", margin=True), partial(_pair_features, "history", margin=True),
-                 "prompt/chosen/rejected messages and the reward gap as margin (RewardTrainer)"),
-    BufferFormat("reward_tokenized", (*_pair_keys(layouts.token_key), MARGIN_KEY), _reward_tokenized,
-                 _reward_tokenized_features,
+    _read_format("dpo", "prompt/chosen/rejected text from preference pairs (DPOTrainer, RewardTrainer)", "text",
+                 pairs=True),
+    _read_format("dpo_conversational", "prompt/chosen/rejected messages from preference pairs (DPOTrainer, "
+                 "RewardTrainer)", "history", pairs=True),
+    _read_format("reward", "prompt/chosen/rejected text and the reward gap as margin (RewardTrainer)", "text",
+                 pairs=True, extra=MARGIN_KEY),
+    _read_format("reward_conversational", "prompt/chosen/rejected messages and the reward gap as margin "
+                 "(RewardTrainer)", "history", pairs=True, extra=MARGIN_KEY),
+    BufferFormat("reward_tokenized", (*((side, *layouts.token_key(part)) for side, part in _PAIR_PARTS), MARGIN_KEY),
+                 _reward_tokenized, _reward_tokenized_features,
                  "pre-tokenized chosen_ids/rejected_ids (prompt + response) and margin (RewardTrainer)"),
     # unpaired rollouts with a bool label (data.kto_rows)
-    BufferFormat("kto", _kto_keys("text"), partial(_kto, kind="text"), partial(_kto_features, "text"),
-                 "prompt/completion text and a desirable label (KTOTrainer, unpaired)"),
-    BufferFormat("kto_conversational", _kto_keys("history"), partial(_kto, kind="history"),
-                 partial(_kto_features, "history"),
-                 "prompt/completion messages and a desirable label (KTOTrainer, unpaired)"),
+    _read_format("kto", "prompt/completion text and a desirable label (KTOTrainer, unpaired)", "text", _PROMPT,
+                 _COMPLETION, extra=LABEL_KEY),
+    _read_format("kto_conversational", "prompt/completion messages and a desirable label (KTOTrainer, unpaired)",
+                 "history", _PROMPT, _COMPLETION, extra=LABEL_KEY),
 ):
     register_format(_fmt)
 del _fmt

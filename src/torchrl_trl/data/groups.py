@@ -112,8 +112,7 @@ class Groups:
 
 
 def to_rollouts(rollouts, op: str = "find_groups") -> TensorDictBase:
-    """A ``ReplayBuffer`` (all it stores) or a TensorDict of rollouts as a TensorDict ``[N]``;
-    errors start with ``op``, the builder's name."""
+    """A ``ReplayBuffer`` (all it stores) or a TensorDict of rollouts as a TensorDict ``[N]``."""
     from torchrl.data import ReplayBuffer
 
     if isinstance(rollouts, ReplayBuffer) and len(rollouts) == 0:
@@ -133,13 +132,8 @@ def to_rollouts(rollouts, op: str = "find_groups") -> TensorDictBase:
 
 def read_rewards(td: TensorDictBase, reward_key: NestedKey = layouts.REWARD_KEY,
                  op: str = "find_groups") -> torch.Tensor:
-    """One float reward per rollout (``[N]``) from ``reward_key`` (``[N, 1, 1]``, ``[N, 1]`` or
-    ``[N]``; ragged rows must hold one element each); errors start with ``op``.
-
-    Raises:
-        KeyError: naming ``reward_key`` and the available keys when the rollouts lack it.
-        ValueError: when a rollout holds more than one reward value.
-    """
+    """One float reward per rollout (``[N]``) from ``reward_key`` (one value per rollout, ``[N, 1, 1]``,
+    ``[N, 1]`` or ``[N]``); errors start with ``op``."""
     if not layouts.has_key(td, reward_key):
         raise KeyError(
             f"{op}: no reward at key {reward_key!r}; score the rollouts first (a reward transform) or pass "
@@ -156,9 +150,8 @@ def read_rewards(td: TensorDictBase, reward_key: NestedKey = layouts.REWARD_KEY,
 
 
 def read_scored(rollouts, reward_key: NestedKey, op: str) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor, Any]:
-    """``(rollouts [N], rewards [N], indices of finite rewards, stats)``; non-finite ones counted.
-    Rollouts that lost tokens to padding are refused here, before any row is built
-    (:func:`~torchrl_trl.layouts.check_padding_kept`)."""
+    """``(rollouts [N], rewards [N], indices of finite rewards, stats)``; non-finite ones counted, rollouts
+    that lost tokens to padding refused (:func:`~torchrl_trl.layouts.check_padding_kept`)."""
     td = to_rollouts(rollouts, op)
     layouts.check_padding_kept(td, repairable=True)
     rewards = read_rewards(td, reward_key, op)
@@ -249,7 +242,7 @@ def find_groups(rollouts, *, group_key: NestedKey = "query", reward_key: NestedK
 
 
 def take_rows(td: TensorDictBase, index: torch.Tensor) -> TensorDictBase:
-    """Rows ``index`` of a 1-D TensorDict as a new one (tensors shared) that takes keys without touching ``td``."""
+    """Rows ``index`` of a 1-D TensorDict as a new one (tensors shared) whose new keys don't reach ``td``."""
     index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
         from tensordict import lazy_stack

@@ -28,7 +28,7 @@ class HFBatches:
         self.python = python
 
     def start_pass(self, pass_index: int, first: bool) -> dict[str, Any]:
-        """Called once per pass, before its shards are read (see ``ReadingStrategy.start_pass``)."""
+        """Called once per pass, before its shards are read."""
         return self.reading.start_pass(self.reader, pass_index, first)
 
     def batches(self, shard_ids: list[int], pass_index: int = 0, length: int | None = None) -> Iterator[KeyedBatch]:
@@ -50,14 +50,18 @@ class HFBatches:
 
 def iterable_dataset(reader: BufferReader, reading: ReadingStrategy, columns: RowColumns, sharding: Sharding,
                      features, *, tensors: bool = False):
-    """A ``datasets.IterableDataset`` declaring ``features``, made of ``sharding``'s shards."""
-    from .arrow import make_iterable_dataset
+    """A ``datasets.IterableDataset`` declaring ``features``, made of ``sharding``'s shards (``tensors``:
+    tensor columns as 1-row tensor views); its ``set_epoch`` writes ``reader.epoch_counter``."""
+    from .. import _compat
+    from .arrow import ColumnarExamplesIterable, EpochSharingIterableDataset
 
     rank, world = sharding.process()
     k = sharding.shards(reading.shards_per_process, world)
     source = HFBatches(reader, reading, columns, k, rank=rank)
-    return make_iterable_dataset(source, list(range(k)), features, tensors=tensors, num_passes=reading.num_passes,
-                                 epoch_counter=reader.epoch_counter)
+    examples = ColumnarExamplesIterable(source, list(range(k)), features, tensors, reading.num_passes)
+    ds = _compat.iterable_dataset_from_examples(examples, features, cls=EpochSharingIterableDataset)
+    ds.epoch_counter = reader.epoch_counter
+    return ds
 
 
 def snapshot(reader: BufferReader, reading: ReadingStrategy, columns: RowColumns, features, *,

@@ -33,7 +33,7 @@ def _to_buffer(stats, make_td: Callable[[], TensorDictBase]):
 
 
 def _check_threshold(name: str, value) -> float:
-    """``value`` as a float, else a ``TypeError`` / ``ValueError`` starting with ``name`` (``"builder: argument"``)."""
+    """``value`` as a float, else an error starting with ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if value != value:
@@ -42,8 +42,7 @@ def _check_threshold(name: str, value) -> float:
 
 
 def _choices(groups, k: int | None = None):
-    """``(g, members, rewards)`` of each group not all tied and, given ``k``, larger than ``k``
-    (others counted)."""
+    """``(g, members, rewards)`` of each group not all tied and, given ``k``, larger than ``k``."""
     for g, rows in enumerate(groups.members):
         r = groups.rewards[rows]
         if k is not None and len(rows) <= k:
@@ -60,27 +59,22 @@ def preference_pairs(rollouts, *, strategy: Literal["best_vs_worst", "all"] = "b
     """Preference pairs from each group of completions of one prompt.
 
     Args:
-        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and
-            one reward.
+        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and one reward.
 
     Keyword Args:
         strategy (str, optional): ``"best_vs_worst"``: one pair per group, the highest-reward
             completion (first in arrival order among equals) against the lowest; ``"all"``:
             every pair of the group whose reward gap is above ``margin``. Defaults to
             ``"best_vs_worst"``.
-        margin (float, optional): a pair is kept only when ``reward_chosen - reward_rejected >
-            margin`` (``0.0``: any strict preference; ties are always skipped). Defaults to ``0.0``.
-        reward_key (NestedKey, optional): the reward (as :func:`~torchrl_trl.data.groups.find_groups`).
-            Defaults to ``("next", "reward")``.
+        margin (float, optional): a pair is kept only when ``reward_chosen - reward_rejected > margin``
+            (ties are always skipped). Defaults to ``0.0``.
+        reward_key (NestedKey, optional): the reward. Defaults to ``("next", "reward")``.
         group_key (NestedKey, optional): the group id. Defaults to ``"query"``.
-        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to
-            ``None`` (one group per id).
+        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to ``None``.
 
     Returns:
-        a new ``ReplayBuffer(LazyStackStorage)``; each row holds ``"chosen"`` and
-        ``"rejected"`` (whole rollouts, tensors shared), float ``"margin"`` (``reward_chosen -
-        reward_rejected``) and int64 ``"group"`` (its group's index). ``.build_stats`` holds
-        the :class:`SkipStats`.
+        a new ``ReplayBuffer(LazyStackStorage)`` of rows holding ``"chosen"`` and ``"rejected"`` (whole
+        rollouts, tensors shared), float ``"margin"`` and int64 ``"group"``; ``.build_stats``: the :class:`SkipStats`.
 
     Raises:
         KeyError: the rollouts lack ``reward_key`` or ``group_key``.
@@ -147,8 +141,7 @@ def kto_rows(rollouts, *, threshold: float | None = None, k: int | None = None,
     """Unpaired desirable/undesirable rows for ``KTOTrainer``.
 
     Args:
-        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and
-            one reward.
+        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and one reward.
 
     Keyword Args:
         threshold (float, optional): a number: every rollout is a row, desirable
@@ -156,17 +149,14 @@ def kto_rows(rollouts, *, threshold: float | None = None, k: int | None = None,
             each group the ``k`` best are desirable, the ``k`` worst not; rewards on both sides
             of the cut, the middle of an odd group, all-tied groups and groups of one are
             skipped. Defaults to ``None``.
-        k (int, optional): rank mode: completions per side (at most ``len(group) // 2``).
-            Defaults to ``None`` (``len(group) // 2``).
-        reward_key (NestedKey, optional): the reward (as :func:`~torchrl_trl.data.groups.find_groups`).
-            Defaults to ``("next", "reward")``.
+        k (int, optional): rank mode: completions per side. Defaults to ``None`` (``len(group) // 2``).
+        reward_key (NestedKey, optional): the reward. Defaults to ``("next", "reward")``.
         group_key (NestedKey, optional): the group id. Defaults to ``"query"``.
-        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to
-            ``None`` (one group per id).
+        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to ``None``.
 
     Returns:
-        a new ``ReplayBuffer(LazyStackStorage)`` of the selected rollouts (tensors shared),
-        each with a bool ``"label"``; ``.build_stats``: the :class:`SkipStats`.
+        a new ``ReplayBuffer(LazyStackStorage)`` of the selected rollouts (tensors shared), each with a bool
+        ``"label"``; ``.build_stats``: the :class:`SkipStats`.
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack
@@ -216,23 +206,20 @@ def best_of_n(rollouts, *, k: int = 1, reward_key: NestedKey = layouts.REWARD_KE
     """Rejection sampling: the ``k`` highest-reward completions of each group, for SFT.
 
     Args:
-        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and
-            one reward.
+        rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and one reward.
 
     Keyword Args:
         k (int, optional): completions kept per group (ties broken by arrival order); groups of
             ``k`` or fewer and all-tied groups are skipped. Defaults to ``1``.
-        reward_key (NestedKey, optional): the reward (as :func:`~torchrl_trl.data.groups.find_groups`).
-            Defaults to ``("next", "reward")``.
+        reward_key (NestedKey, optional): the reward. Defaults to ``("next", "reward")``.
         group_key (NestedKey, optional): the group id. Defaults to ``"query"``.
-        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to
-            ``None`` (one group per id).
+        group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to ``None``.
         min_reward (float, optional): also drop kept completions whose reward is ``< min_reward``
             (counted as ``"below_min_reward"``). Defaults to ``None``.
 
     Returns:
-        a new ``ReplayBuffer(LazyStackStorage)`` of the kept rollouts (tensors shared, all
-        keys kept); ``.build_stats`` holds the :class:`SkipStats`.
+        a new ``ReplayBuffer(LazyStackStorage)`` of the kept rollouts (tensors shared); ``.build_stats``: the
+        :class:`SkipStats`.
 
     >>> import torch
     >>> from tensordict import TensorDict, lazy_stack

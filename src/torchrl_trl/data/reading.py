@@ -1,9 +1,6 @@
-"""Reading a TorchRL replay buffer as TensorDict batches for
-:class:`~torchrl_trl.data.TorchRLBufferDataset`: by storage index or with the buffer's own
-sampler (:class:`BufferReader`, which also sizes an epoch pass beside a live writer), plain
-``ListStorage`` rows as TensorDicts, and the reading strategies (which rows, in which order):
-small frozen values read by ``__iter__`` (``consumer_batches``) and by the Hugging Face
-iterable (``start_pass``, then ``shard_batches`` per shard)."""
+"""A replay buffer read as TensorDict batches for :class:`~torchrl_trl.data.TorchRLBufferDataset`
+(:class:`BufferReader`), and the reading strategies: which rows, in which order, for ``__iter__``
+(``consumer_batches``) and for the Hugging Face iterable (``start_pass``, then ``shard_batches``)."""
 
 from __future__ import annotations
 
@@ -115,7 +112,7 @@ class BufferReader:
         return self._item_rows
 
     def readable(self) -> tuple[int, bool]:
-        """:func:`~torchrl_trl._buffers.readable_length`, refusing a buffer inherited in the middle of a write."""
+        """:func:`~torchrl_trl._buffers.readable_length`; refuses a copy forked in the middle of a write."""
         rb = self.replay_buffer
         if _buffers.forked_mid_write(rb):
             raise RuntimeError(
@@ -153,7 +150,7 @@ class BufferReader:
 
 
 def _restore(cls, state: dict, buffer: bytes):
-    """Rebuild a reader pickled by ``__reduce_ex__`` (``buffer``: our parent's own bytes)."""
+    """Rebuild a reader pickled by ``__reduce_ex__``."""
     import pickle
 
     obj = cls.__new__(cls)
@@ -164,8 +161,8 @@ def _restore(cls, state: dict, buffer: bytes):
 
 def rows_to_td(rows: list, index: Sequence[int] | None = None, path: tuple = (),
                reference: Any = None) -> TensorDictBase:
-    """Plain Python rows (dicts) -> a TensorDict; every row must hold the keys of ``reference``
-    (default ``rows[0]``), no more, no fewer (``index``: storage indices, named in errors).
+    """Plain Python rows (dicts) -> a TensorDict; every row must hold exactly the keys of ``reference``
+    (default ``rows[0]``); ``index``: the storage indices named in errors.
 
     >>> rows_to_td([{"a": 1, "b": "x"}, {"a": 2, "b": "y"}])["a"].tolist()
     [1, 2]
@@ -274,7 +271,7 @@ class EpochPass:
         reader.require_items(whole_batch=True)
 
     def num_rows(self, reader: BufferReader) -> int:
-        """Rows one iterator yields if nothing is written meanwhile (before any filter)."""
+        """Rows one iterator yields if nothing is written meanwhile."""
         if self.num_passes is None:
             raise TypeError(
                 "TorchRLBufferDataset: no length with num_passes=None (endless passes); expected an int for len()"
@@ -293,8 +290,7 @@ class EpochPass:
 
     def shard_batches(self, reader: BufferReader, shard_ids: list[int], num_shards: int, *, rank: int,
                       with_index: bool, pass_index: int = 0, length: int | None = None) -> Iterator[KeyedBatch]:
-        """``(key, batch, storage index)`` chunks of shards ``shard_ids`` (of ``num_shards``)
-        of pass ``pass_index`` over the first ``length`` items (default: taken now)."""
+        """``(key, batch, storage index)`` chunks of shards ``shard_ids`` of pass ``pass_index``."""
         epoch = reader.epoch + pass_index
         n = reader.pass_length(epoch) if length is None else length
         shards = torch.tensor_split(self.order(n, epoch), num_shards)
