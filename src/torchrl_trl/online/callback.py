@@ -44,8 +44,7 @@ def wait_for_items(
     replay_buffer, min_items: int, *, timeout: float | None, check: Callable[[], None] | None = None,
     poll: float = 0.05
 ) -> int:
-    """Block until ``len(replay_buffer) >= min_items``; return the length. ``TimeoutError`` after
-    ``timeout`` seconds.
+    """Block until ``len(replay_buffer) >= min_items``; return the length (``TimeoutError`` after ``timeout`` s).
 
     Args:
         replay_buffer (ReplayBuffer): the buffer a producer fills (local or Ray).
@@ -92,9 +91,7 @@ class CollectorCallback(TrainerCallback):
 
     Args:
         collector (collector): an ``LLMCollector`` (any TorchRL collector) or a ``RayLLMCollector``
-            (runs remotely). A local collector's LLM policy must keep its tokens through padding
-            (:func:`torchrl_trl.safe_policy_wrapper`): a pad == eos policy is refused with a
-            ``ValueError`` (:func:`torchrl_trl.padding.check_policy_padding`).
+            (runs remotely); a local one's pad == eos policy is refused (:func:`torchrl_trl.safe_policy_wrapper`).
 
     Keyword Args:
         replay_buffer (ReplayBuffer, optional): the buffer. Defaults to ``collector.replay_buffer``.
@@ -108,10 +105,8 @@ class CollectorCallback(TrainerCallback):
         wait_timeout (float or None, optional): seconds to wait for data, and the longest one
             synchronous collector batch may take (it runs in a helper thread); ``None``: no
             limit. Defaults to ``60.0``.
-        update_weights_every (int, optional): push the trainer's weights
-            (``collector.update_policy_weights_``: the collector's ``weight_updater``, which
-            bumps the policy version) every this many optimizer steps (``0``: never); a policy
-            that *is* the trainer's model only gets its version bumped. Defaults to ``1``.
+        update_weights_every (int, optional): push the trainer's weights (:meth:`push_weights`) every
+            this many optimizer steps (``0``: never). Defaults to ``1``.
         staleness (StalenessFilter, optional): its ``consumer_version`` follows the policy
             version. Defaults to ``None``.
 
@@ -141,12 +136,11 @@ class CollectorCallback(TrainerCallback):
         staleness: StalenessFilter | None = None,
     ) -> None:
         name = type(self).__name__
-        rb = replay_buffer if replay_buffer is not None else getattr(collector, "replay_buffer", None)
-        if rb is None:
+        self.collector = collector
+        self.replay_buffer = replay_buffer if replay_buffer is not None else getattr(collector, "replay_buffer", None)
+        if self.replay_buffer is None:
             raise ValueError(f"{name}: expected a replay buffer, the collector has none; build it with "
                              "replay_buffer=... (the buffer the dataset reads) or pass replay_buffer=.")
-        self.collector = collector
-        self.replay_buffer = rb
         self.remote = is_ray_collector(collector)
         if not self.remote:  # a pad == eos policy writes rows without their EOS: refused before anything trains
             check_policy_padding(getattr(collector, "policy", None), name)
@@ -192,16 +186,15 @@ class CollectorCallback(TrainerCallback):
         """:meth:`_next_batch` in a helper thread, waited for at most ``wait_timeout`` s."""
         if self.wait_timeout is None:
             return self._next_batch()
-        if self._hung is not None:
-            if self._hung.is_alive():
-                raise TimeoutError(
-                    f"CollectorCallback: a previous collector batch has run past wait_timeout={self.wait_timeout}s "
-                    "and is still running; expected it to end (the collector is stuck)"
-                )
-            self._hung = None
+        if self._hung is not None and self._hung.is_alive():
+            raise TimeoutError(
+                f"CollectorCallback: a previous collector batch has run past wait_timeout={self.wait_timeout}s "
+                "and is still running; expected it to end (the collector is stuck)"
+            )
+        self._hung = None
+        message = (f"CollectorCallback: one collector batch did not finish within wait_timeout={self.wait_timeout}s "
+                   "(the collector blocks: a stuck environment, generation server or iterator?)")
         try:
-            message = (f"CollectorCallback: one collector batch did not finish within wait_timeout={self.wait_timeout}s "
-                       "(the collector blocks: a stuck environment, generation server or iterator?)")
             return run_in_thread(self._next_batch, self.wait_timeout, message, name="torchrl-trl-collect")
         except TimeoutError as err:
             self._hung = getattr(err, "thread", None)  # cannot be killed; later calls refuse at once
@@ -311,7 +304,8 @@ class CollectorCallback(TrainerCallback):
         return collector_policy_version(self.collector)
 
     def push_weights(self, model: torch.nn.Module) -> None:
-        """Send ``model``'s weights to the collector's policy now (and bump its version)."""
+        """Send ``model``'s weights to the collector's policy now, bumping its version (a policy that *is*
+        ``model`` only gets its version bumped)."""
         if self._shares_model(model):
             if self.background:
                 self._warnings.add("shared_model", "CollectorCallback(background=True) with a policy that shares the "

@@ -90,6 +90,8 @@ def save_buffer(
     >>> sorted(p.name for p in path.iterdir())
     ['manifest.json', 'structure.json', 'tensors.safetensors']
     """
+    from safetensors.torch import save_file
+
     path = Path(path)
     storage, sampler, writer = local_parts(replay_buffer, "save_buffer")
     encode = TreeEncoder(allowed_classes(classes))
@@ -107,7 +109,8 @@ def save_buffer(
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _write_files(tmp, encode.tensors, structure)
+        save_file(encode.tensors, str(tmp / TENSORS))
+        (tmp / STRUCTURE).write_text(json.dumps(structure, allow_nan=False))
         manifest = {
             "format": FORMAT, "version": VERSION, "len": n, "write_count": write_count,
             "storage": items["kind"], "extra": extra,
@@ -122,13 +125,6 @@ def save_buffer(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def _write_files(directory: Path, tensors: dict[str, torch.Tensor], structure: dict) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(directory / TENSORS))
-    (directory / STRUCTURE).write_text(json.dumps(structure, allow_nan=False))
 
 
 def _replace_dir(new: Path, path: Path) -> None:
@@ -172,21 +168,6 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return {**meta.get("extra", {}), **meta}
 
 
-def _verify(path: Path, meta: dict) -> None:
-    files = meta.get("files", {})
-    for name in _DATA_FILES:
-        f = path / name
-        expected = files.get(name)
-        if expected is None or not f.is_file():
-            raise BufferCheckpointError(f"load_buffer: {str(f)!r} is missing or not in {MANIFEST}; "
-                                        "refusing a partial checkpoint")
-        if f.stat().st_size != expected["size"] or _sha256(f) != expected["sha256"]:
-            raise BufferCheckpointError(
-                f"load_buffer: {str(f)!r} does not match {MANIFEST} (size or SHA-256 differ): the directory "
-                "mixes files of different saves; refusing it"
-            )
-
-
 def load_buffer(
     replay_buffer, path: str | os.PathLike, *, classes: Iterable[type] = (), restore_state: bool = True
 ) -> dict[str, Any]:
@@ -223,7 +204,14 @@ def load_buffer(
     path = Path(path)
     storage, sampler, writer = local_parts(replay_buffer, "load_buffer")
     meta = read_meta(path)
-    _verify(path, meta)
+    for name in _DATA_FILES:
+        f, expected = path / name, meta.get("files", {}).get(name)
+        if expected is None or not f.is_file():
+            raise BufferCheckpointError(f"load_buffer: {str(f)!r} is missing or not in {MANIFEST}; "
+                                        "refusing a partial checkpoint")
+        if f.stat().st_size != expected["size"] or _sha256(f) != expected["sha256"]:
+            raise BufferCheckpointError(f"load_buffer: {str(f)!r} does not match {MANIFEST} (size or SHA-256 differ): "
+                                        "the directory mixes files of different saves; refusing it")
     try:
         tensors = load_file(str(path / TENSORS))
     except SafetensorError as err:

@@ -80,16 +80,6 @@ def has_reward_spread(group: RolloutGroup) -> bool:
     return max(rewards) > min(rewards)
 
 
-def split_groups(batch: RolloutBatch, group_size: int) -> list[RolloutBatch]:
-    """``batch`` cut into consecutive groups of ``group_size`` rows."""
-    out = []
-    for start in range(0, len(batch["completion_ids"]), group_size):
-        part = RolloutBatch({k: v[start : start + group_size] for k, v in batch.items()})
-        part.steps = [s[start : start + group_size] for s in batch.steps]
-        out.append(part)
-    return out
-
-
 def concat_groups(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     """The rows of ``batches`` (all with the same fields) one after the other."""
     keys = list(batches[0])
@@ -320,9 +310,13 @@ class CollectorGroups:
             episodes = [group[s:e] for _, group in groups for s, e in _episode_bounds(group)]
             key = BEHAVIOUR_KEY if layouts.has_key(episodes[0], BEHAVIOUR_KEY) else GENERATED_LOGPROBS_KEY
             batch = episodes_to_trl(episodes, logprobs_key=key, forward_keys=self.forward_keys)
-            prompts = _prompts(batch.steps[0])[:: self.group_size]
-            for (group_version, _), prompt, part in zip(groups, prompts, split_groups(batch, self.group_size)):
-                group = RolloutGroup(group_version, prompt, part)
+            first, g = batch.steps[0], self.group_size
+            chat = layouts.has_key(first, layouts.history_key("prompt"))
+            prompts = layouts.read_history(first, "prompt") if chat else layouts.read_text(first, "prompt")
+            for i, (group_version, _) in enumerate(groups):
+                part = RolloutBatch({k: v[i * g : (i + 1) * g] for k, v in batch.items()})
+                part.steps = [s[i * g : (i + 1) * g] for s in batch.steps]
+                group = RolloutGroup(group_version, prompts[i * g], part)
                 if keep is None or keep(group):
                     out.append(group)
                 else:
@@ -349,13 +343,15 @@ class CollectorGroups:
                 self.dropped_stale_groups += stale
                 if len(out) == n:
                     return out
-                cause = self._primer_error()
+                cause = None if self._primer is None else self._primer.error
                 if not wait and (running or cause is None or isinstance(cause, PromptSourceEnded)):
                     return out  # what is ready now; a dead source of prompts is not hidden by it
                 counts = f"({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
                 if not running:
-                    raise CollectorError(f"TorchRLRolloutFunc: {self._stop_reason()}; got {len(out)} of {n} groups "
-                                         f"{counts}") from self._primer_error()
+                    reason = "the collector is not running (it stopped or died)" if cause is None else (
+                        str(cause) if isinstance(cause, PromptSourceEnded) else f"the collector died: {cause!r:.200}")
+                    raise CollectorError(
+                        f"TorchRLRolloutFunc: {reason}; got {len(out)} of {n} groups {counts}") from cause
                 if self.timeout is not None and time.monotonic() - start > self.timeout:
                     raise CollectorError(
                         f"TorchRLRolloutFunc: expected {n} groups within max_staleness={self.max_staleness}, "
@@ -365,17 +361,6 @@ class CollectorGroups:
         finally:
             self.wait_s += time.monotonic() - start
             self.consumed_groups += len(out)
-
-    def _primer_error(self) -> BaseException | None:
-        return None if self._primer is None else self._primer.error
-
-    def _stop_reason(self) -> str:
-        cause = self._primer_error()
-        if isinstance(cause, PromptSourceEnded):
-            return str(cause)
-        if cause is not None:
-            return f"the collector died: {cause!r:.200}"
-        return "the collector is not running (it stopped or died)"
 
     def _read_new(self) -> None:
         stats = self.replay_buffer.stats()
@@ -409,8 +394,15 @@ class CollectorGroups:
         """Queue ``items`` as groups ``(version, steps)`` of ``G`` consecutive episodes sharing the group key;
         not ``aligned`` (older items overwritten): a leading partial group is skipped and counted."""
         bounds = _episode_bounds(items)
-        if not aligned:
-            bounds = self._skip_partial_episode(items, bounds)
+        if not aligned and bounds:  # drop a first episode whose first steps were overwritten
+            start, end = bounds[0]
+            if layouts.has_key(items, "step_count"):
+                partial = int(torch.as_tensor(layouts.read_column(items[start : start + 1], "step_count")[0]).max()) > 0
+            else:
+                partial = end - start > 1  # multi-turn
+            if partial:
+                self._missed(end - start)
+                bounds = bounds[1:]
         group_key = GROUP_ID_KEY if layouts.has_key(items, GROUP_ID_KEY) else "query"
         keys = layouts.read_column(items, group_key)
         g = self.group_size
@@ -430,20 +422,6 @@ class CollectorGroups:
                 group = items[run[first][0] : run[first + g - 1][1]]
                 self._pending.append((int(read_policy_version(group).min()), group))
                 self.read_groups += 1
-
-    def _skip_partial_episode(self, items: TensorDictBase, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Drop a first episode whose first steps were overwritten (``step_count`` > 0, or multi-turn)."""
-        if not bounds:
-            return bounds
-        start, end = bounds[0]
-        if layouts.has_key(items, "step_count"):
-            partial = int(torch.as_tensor(layouts.read_column(items[start : start + 1], "step_count")[0]).max()) > 0
-        else:
-            partial = end - start > 1
-        if partial:
-            self._missed(end - start)
-            return bounds[1:]
-        return bounds
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the collector (``async_shutdown``), releasing it if it waits at a batch boundary."""
@@ -475,12 +453,6 @@ def _hashable(value):
     if isinstance(value, torch.Tensor):
         return tuple(value.reshape(-1).tolist())
     return value if isinstance(value, (str, int, float, tuple)) else repr(value)
-
-
-def _prompts(items: TensorDictBase) -> list:
-    if layouts.has_key(items, layouts.history_key("prompt")):
-        return layouts.read_history(items, "prompt")
-    return layouts.read_text(items, "prompt")
 
 
 def _is_running(collector) -> bool:

@@ -74,13 +74,10 @@ class CollectorMetricsCallback(TrainerCallback):
         self._restart_at_first_step = False
         self.restart_window()
 
-    def _write_count(self) -> int:
-        return int(self.replay_buffer.write_count)
-
     def restart_window(self) -> None:
         """Measure throughput from now on (e.g. after the initial fill, before step 1)."""
         # the window: (time, write_count) where it starts; the step and rate of the last one closed
-        self._window_start = (time.monotonic(), self._write_count())
+        self._window_start = (time.monotonic(), int(self.replay_buffer.write_count))
         self._window_step: int | None = None
         self._window_rate = 0.0
 
@@ -96,7 +93,7 @@ class CollectorMetricsCallback(TrainerCallback):
     def metrics(self, step: int | None = None) -> dict[str, float]:
         """The metrics for the log at global step ``step`` (a new ``step`` closes the throughput window)."""
         p = self.log_prefix
-        wc = self._write_count()
+        wc = int(self.replay_buffer.write_count)
         out: dict[str, float] = {f"{p}buffer_size": len(self.replay_buffer), f"{p}write_count": wc,
                                  f"{p}frames_per_sec": self._frames_per_sec(step, wc)}
         if self.collection is not None:

@@ -323,9 +323,12 @@ class TorchRLRolloutFunc:
         return batch
 
     def _logprobs_mode(self, trainer) -> str:
+        """``self.logprobs``; for ``"auto"``, whether ``trainer`` may read the log-probs (no trainer: yes)."""
         if self.logprobs != "auto":
             return self.logprobs
-        return "rescore" if _reads_logprobs(trainer) else "generate"
+        reads = trainer is None or trl_corrects_logprobs(trainer) or getattr(trainer, "reads_rollout_logprobs", False) \
+            or getattr(trainer, "off_policy_mask_threshold", None) is not None
+        return "rescore" if reads else "generate"
 
     def _policy_for(self, trainer, prompts: list):
         if self.policy is not None:
@@ -337,10 +340,7 @@ class TorchRLRolloutFunc:
         from ..rewards.trl_funcs import is_conversational
 
         chat = is_conversational(prompts)
-        if self.env is not None:
-            input_mode = self.env.input_mode
-        else:
-            input_mode = "history" if chat else "text"
+        input_mode = self.env.input_mode if self.env is not None else "history" if chat else "text"
         model = trainer.accelerator.unwrap_model(trainer.model)
         generate_kwargs = {"max_new_tokens": trainer.max_completion_length, "do_sample": True,
                            "temperature": trainer.temperature}
@@ -437,14 +437,6 @@ class TorchRLRolloutFunc:
             for group, sample in zip(groups, step.tensordicts):
                 sample.update({GROUP_ID_KEY: torch.tensor(group), VERSION_KEY: torch.tensor(version),
                                TURN_KEY: torch.tensor(turn)})
-
-
-def _reads_logprobs(trainer) -> bool:
-    """Whether ``trainer`` may read the log-probs a ``rollout_func`` returns (no trainer: yes)."""
-    return trainer is None or bool(
-        trl_corrects_logprobs(trainer) or getattr(trainer, "off_policy_mask_threshold", None) is not None
-        or getattr(trainer, "reads_rollout_logprobs", False)
-    )
 
 
 def _check_policy(policy) -> None:

@@ -26,9 +26,9 @@ __all__ = ["BehaviourLogProbsMixin", "TorchRLRolloutWorker", "TorchRLWeightTrans
 
 class BehaviourLogProbsMixin:
     """Mix into ``GRPOTrainer`` (``class Trainer(BehaviourLogProbsMixin, GRPOTrainer)``) so TRL's
-    loss uses the rollout func's log-probs as ``old_per_token_logps`` (ratio ``pi_theta / mu``),
-    unless TRL corrects them itself (``use_vllm`` with ``vllm_importance_sampling_correction``). NaN behaviour log-probs raise
-    ``ValueError`` on trained tokens and are set to 0 on masked ones.
+    loss uses the rollout func's log-probs as ``old_per_token_logps`` (ratio ``pi_theta / mu``), unless
+    TRL corrects them itself (``use_vllm`` with ``vllm_importance_sampling_correction``). NaN behaviour
+    log-probs raise ``ValueError`` on trained tokens and are set to 0 on masked ones.
 
     Example (``Base`` stands in for ``GRPOTrainer``, whose loss then reads the old log-probs):
 
@@ -226,7 +226,8 @@ class TorchRLWeightTransfer:
     >>> transfer.pause()
     >>> transfer.send_weights(trained.named_parameters())
     >>> transfer.resume()
-    >>> collector.policy_version, all(torch.equal(a, b) for a, b in zip(policy.model.parameters(), trained.parameters()))
+    >>> same = all(torch.equal(a, b) for a, b in zip(policy.model.parameters(), trained.parameters()))
+    >>> collector.policy_version, same
     (1, True)
     """
 
@@ -237,8 +238,8 @@ class TorchRLWeightTransfer:
         self.loaded = 0
 
     def init_weight_transfer(self) -> None:
-        """Nothing to do, as :meth:`pause`, :meth:`resume` and :meth:`destroy`: :meth:`send_weights`
-        loads the weights between two batches."""
+        """Nothing to do (nor in :meth:`pause`, :meth:`resume`, :meth:`destroy`): :meth:`send_weights` waits
+        for a batch boundary."""
 
     pause = resume = destroy = init_weight_transfer
 
