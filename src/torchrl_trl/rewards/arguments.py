@@ -33,9 +33,8 @@ _DECODE = "pass tokenizer= (the policy's) to decode prompts and completions from
 
 
 def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None, *, tokenizer: bool = False) -> list[NestedKey]:
-    """Every key the arguments may be read from: prompt/response keys of ``input_mode``,
-    response tokens and mask, the prompt tokens where prompts are decoded from tokens
-    (``"tokens"``, or ``"auto"`` with a ``tokenizer``), and ``columns``.
+    """Every key the arguments may be read from: prompt/response keys of ``input_mode``, tokens,
+    mask and ``columns``.
 
     >>> input_keys("text", {"answer": ("answer",)})  # doctest: +NORMALIZE_WHITESPACE
     [('text', 'prompt'), ('text', 'response'), ('tokens', 'response'),
@@ -51,10 +50,8 @@ def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None, *, to
 
 
 def resolve_mode(td: TensorDictBase, input_mode: InputMode, tokenizer: Any = None) -> str:
-    """``"history"``, ``"text"`` or ``"tokens"`` (``"auto"``: history when
-    ``("history", "response")`` is present, else text, else tokens with a ``tokenizer``); a
-    ``KeyError`` naming what to use when ``td`` holds no response (or only tokens and no
-    ``tokenizer`` to decode them)."""
+    """``"history"``, ``"text"`` or ``"tokens"`` (``"auto"``: the first present, tokens only with a
+    ``tokenizer``); a ``KeyError`` naming what to use when ``td`` holds no response."""
     inputs = {"history": [[layouts.history_key("response")]], "text": [[layouts.text_key("response")]]}
     if input_mode == "tokens" or (input_mode == "auto" and tokenizer is not None):
         inputs["tokens"] = [[layouts.token_key("prompt"), layouts.token_key("response")]]
@@ -67,8 +64,7 @@ def resolve_mode(td: TensorDictBase, input_mode: InputMode, tokenizer: Any = Non
 
 
 def column_keys(td: TensorDictBase, columns: Mapping[str, tuple] | None) -> dict[str, tuple]:
-    """``{argument: rollout key}``: ``columns``, or every top-level non-tensor field that is
-    not one of TorchRL's own keys."""
+    """``{argument: rollout key}``: ``columns``, or every top-level non-tensor field not TorchRL's."""
     if columns is not None:
         return dict(columns)
     sample = td
@@ -94,16 +90,12 @@ def trl_arguments(
 ) -> dict:
     """The keyword arguments TRL would pass for the ``N`` rollouts in ``td`` (row-major):
     ``prompts``, ``completions``, ``completion_ids`` (``None`` without tokens: a ``KeyError``
-    if one of ``funcs`` declares it) and one ``N``-list per column (looked up in
-    ``columns_td`` when missing from ``td``).
+    if one of ``funcs`` declares it) and one ``N``-list per column (else from ``columns_td``).
 
-    Tokens are the truth: with ``tokenizer`` (the policy's) each completion is its response
-    ids decoded as TRL decodes them (``skip_special_tokens=True``: no EOS), one assistant
-    message for history. Without it, completions are the stored chat (history) or text, read
-    through :mod:`torchrl_trl.layouts`, which refuses rows that lost tokens to padding.
-    Prompts are the stored chat or text; in ``"tokens"`` mode (rollouts of
-    ``ChatEnv(input_mode="tokens")``, ``tokenizer`` required) the prompt ids decoded with
-    their special tokens (the text the policy saw) and completions are strings.
+    With ``tokenizer`` (the policy's) each completion is its response ids decoded as TRL decodes
+    them (``skip_special_tokens=True``); without it, the stored chat or text (rows that lost
+    tokens to padding are refused). In ``"tokens"`` mode prompts are the prompt ids decoded with
+    their special tokens (the text the policy saw), completions strings.
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({"text": {"prompt": ["q"], "response": ["a"]}, "answer": ["4"]}, [1])
@@ -147,9 +139,8 @@ def trl_arguments(
 
 
 def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[list[tuple[int, dict]], dict]:
-    """``(items, shared)`` for an item executor: one ``(function index, kwargs)`` item per
-    function and completion (function-major), per-completion arguments cut to one-element
-    lists; ``shared`` holds the rest. ``log_extra``/``log_metric`` are set by the executor.
+    """``(items, shared)`` for an item executor: one ``(function index, kwargs)`` item per function
+    and completion (function-major), per-completion arguments cut to one-element lists.
 
     >>> items, shared = per_completion_items({"prompts": ["a", "b"], "trainer_state": None, "log_metric": print}, 2)
     >>> items, shared
@@ -164,9 +155,8 @@ def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[l
 
 
 def check_signature(func: Callable, name: str, provided: Sequence[str], owner: str) -> None:
-    """A ``KeyError`` if ``func`` requires an argument not in ``provided``, a ``TypeError`` if
-    it does not accept one that is (TRL passes every column and its extra keywords); both
-    start with ``owner``.
+    """A ``KeyError`` if ``func`` requires an argument not in ``provided``, a ``TypeError`` if it
+    does not accept one that is.
 
     >>> def needs_solution(prompts, completions, solution, **kw): ...
     >>> check_signature(needs_solution, "needs_solution", ["prompts", "completions", "answer"], "Scorer")
@@ -235,11 +225,9 @@ def rollouts_from_trl(
     prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None = None,
     *, columns: dict[str, Sequence[Any]] | None = None, tokenizer=None,
 ) -> TensorDictBase:
-    """TorchRL rollouts (a lazy stack of ``N`` TensorDicts) from TRL's reward-function
-    arguments: ``("history", "prompt" | "response" | "full")`` for chat;
-    ``("text", "response")``, and ``("text", "prompt" | "full")`` for text (for chat with
-    ``tokenizer``: its chat template); ``("tokens", "response")`` from ``completion_ids``,
-    ``("tokens", "prompt" | "full")`` with ``tokenizer``; each column at the top level.
+    """TorchRL rollouts (a lazy stack of ``N`` TensorDicts) from TRL's reward-function arguments:
+    history (chat), text (chat: with ``tokenizer``'s template), tokens (``completion_ids``, the
+    prompt's with ``tokenizer``), each column at the top level.
 
     >>> td = rollouts_from_trl(["2+2="], ["4"], [[19]], columns={"answer": ["4"]})
     >>> list(td["text", "full"]), td["tokens", "response"][0].tolist(), list(td["answer"])

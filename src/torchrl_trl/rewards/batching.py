@@ -28,13 +28,12 @@ class RewardBatching:
             ``min_fill`` x its longest (``None``: budget only). Defaults to ``0.95``.
         pad_to_multiple_of (int, optional): round each micro-batch width up to this multiple.
             Defaults to ``None``.
-        max_length (int, optional): longest sequence fed to the model; longer ones follow
-            ``truncation``. Defaults to ``None``: the model's ``max_position_embeddings`` when known.
+        max_length (int, optional): longest sequence fed to the model. Defaults to ``None``: the
+            model's ``max_position_embeddings`` when known.
         truncation (str, optional): ``"keep_end"`` (keep the last ``max_length`` tokens, where
             reward models pool), ``"keep_start"`` or ``"error"``. Defaults to ``"keep_end"``.
-        packing (bool, optional): score whole sequences back to back in one row per forward,
-            no padding (causal transformers decoders only; see
-            :mod:`torchrl_trl.rewards.packing`). Defaults to ``False``.
+        packing (bool, optional): score whole sequences back to back in one row per forward, no
+            padding (causal transformers decoders only). Defaults to ``False``.
         pad_token_id (int, optional): the id rows are right-padded with (set on a
             ``model.config`` without one). Defaults to ``None``: the model config's.
 
@@ -47,10 +46,6 @@ class RewardBatching:
         [[0, 2], [1]]
         >>> RewardBatching(max_length=2).truncate(ids)[1]  # (ids, how many were cut)
         2
-        >>> RewardBatching(max_tokens_per_batch=0)
-        Traceback (most recent call last):
-        ...
-        ValueError: RewardBatching: max_tokens_per_batch must be a positive integer or None, got 0
     """
 
     max_tokens_per_batch: int | None = 16384
@@ -80,8 +75,7 @@ class RewardBatching:
             raise TypeError(f"RewardBatching: packing must be a bool, got {self.packing!r}")
 
     def truncate(self, ids: Ragged, max_length: int | None = None) -> tuple[Ragged, int]:
-        """``(ids cut to max_length per truncation, number cut)``; ``max_length``
-        defaults to :attr:`max_length`. ``"error"`` raises a ``ValueError``."""
+        """``(ids cut to max_length per truncation, number cut)`` (``"error"``: a ``ValueError``)."""
         max_length = self.max_length if max_length is None else max_length
         if max_length is None or len(ids) == 0:
             return ids, 0
@@ -101,12 +95,10 @@ class RewardBatching:
         return Ragged.from_list(seqs, dtype=ids.values.dtype), n
 
     def micro_batches(self, ids: Ragged, *, pad_token_id: int, equal_lengths: bool = False):
-        """Yield right-padded :class:`MicroBatch` es covering every row of ``ids`` once;
-        ``equal_lengths`` (a model that cannot be told what is padding) batches only
-        sequences of one length together."""
+        """Yield right-padded :class:`MicroBatch` es covering every row of ``ids`` once
+        (``equal_lengths``: only sequences of one length together)."""
         multiple = None if equal_lengths else self.pad_to_multiple_of
-        # row views + one masked copy per micro-batch (no per-batch gather of the flat values)
-        rows = ids.split()
+        rows = ids.split()  # views + one masked copy per micro-batch (no gather of the flat values)
         for index in plan_micro_batches(
             ids.lengths, max_tokens_per_batch=self.max_tokens_per_batch, max_batch_size=self.max_batch_size,
             pad_to_multiple_of=multiple, min_fill=1.0 if equal_lengths else self.min_fill,

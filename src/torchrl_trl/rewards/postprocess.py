@@ -87,10 +87,6 @@ class RewardOutput:
     Examples:
         >>> RewardOutput(head_index=1, on_nonfinite=0.0).shape
         'flat'
-        >>> RewardOutput(on_nonfinite="skip")
-        Traceback (most recent call last):
-        ...
-        ValueError: RewardOutput: on_nonfinite must be 'raise', 'warn' or a finite replacement value, got 'skip'
     """
 
     head_index: int | None = None

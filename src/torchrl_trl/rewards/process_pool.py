@@ -143,14 +143,7 @@ def _run_item(func_index: int, shared: dict, kwargs: dict) -> tuple:
 
 class ProcessItemExecutor(ItemExecutor):
     """Items on a :class:`pebble.ProcessPool` of ``max_workers`` processes, ``"spawn"`` (fresh
-    interpreters) or ``"fork"`` (fastest; inherits the trainer's threads, locks and CUDA).
-
-    Args:
-        funcs (sequence of callables): the reward functions.
-        names (sequence of str): their names, for messages.
-        timeout (float or None): seconds an item may run once its worker has its arguments.
-        config (RewardExecutor): ``max_workers``, ``mp_context`` and ``startup_timeout``.
-    """
+    interpreters) or ``"fork"`` (fastest; inherits the trainer's threads, locks and CUDA)."""
 
     kind = "process"
 

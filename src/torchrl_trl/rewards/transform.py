@@ -145,10 +145,8 @@ class HFRewardTransform(RewardTransform):
     """A :class:`RewardTransform` of reward-model scores, its scorer built from a path or a model.
 
     Args:
-        scorer (HFRewardModelWrapper, RewardServiceClient, nn.Module, str or os.PathLike): an
-            :class:`HFRewardModelWrapper`, a :class:`~torchrl_trl.rewards.service.RewardServiceClient`,
-            or a local path / a loaded reward model (wrapped with ``inference_mode=True``; with
-            ``use_ray_service=True`` a path is served by a ``RewardServiceClient``).
+        scorer (HFRewardModelWrapper, RewardServiceClient, nn.Module, str or os.PathLike): a
+            scorer, or a local path / a loaded reward model (wrapped with ``inference_mode=True``).
 
     Keyword Args:
         reward_key (NestedKey, optional): reward key *inside* ``"next"``. Defaults to ``None``:
@@ -157,24 +155,18 @@ class HFRewardTransform(RewardTransform):
             (the scorer's own ``reward_shape`` is not used). Defaults to ``"step"``.
         accumulate (bool, optional): add to a reward already there instead of overwriting it.
             Defaults to ``False``.
-        use_ray_service (bool, optional): serve ``scorer`` (a local path) from a named Ray actor
-            shared by every transform given the same ``actor_name``. Defaults to ``False``.
-        actor_name (str, optional): the service's name (``use_ray_service=True`` only).
-            Defaults to ``None`` (a private actor).
-        num_cpus (float, optional): the service's Ray CPUs (``use_ray_service=True`` only).
-            Defaults to ``None``.
-        num_gpus (float, optional): the service's Ray GPUs (``use_ray_service=True`` only).
-            Defaults to ``None``.
+        use_ray_service (bool, optional): serve ``scorer`` (a local path) from a Ray actor, a
+            :class:`~torchrl_trl.rewards.service.RewardServiceClient`. Defaults to ``False``.
+        actor_name (str, optional): the service's name, shared by every transform given it
+            (``use_ray_service=True`` only, as the next two). Defaults to ``None`` (a private actor).
+        num_cpus (float, optional): the service's Ray CPUs. Defaults to ``None``.
+        num_gpus (float, optional): the service's Ray GPUs. Defaults to ``None``.
 
     Examples:
-        >>> import tempfile, torch
+        >>> import tempfile
         >>> from tensordict import TensorDict
         >>> from torchrl_trl import testing
-        >>> from torchrl_trl.rewards import HFRewardModelWrapper, RewardBatching
-        >>> paths = testing.tiny_checkpoints(tempfile.mkdtemp())
-        >>> scorer = HFRewardModelWrapper.from_pretrained(
-        ...     paths.reward_model, inference_mode=True, batching=RewardBatching(max_tokens_per_batch=256))
-        >>> transform = HFRewardTransform(scorer, reward_shape="step")
+        >>> transform = HFRewardTransform(testing.tiny_checkpoints(tempfile.mkdtemp()).reward_model)
         >>> rollouts = TensorDict({"text": {"full": ["a nice answer", "no"]}}, batch_size=[2])
         >>> transform(rollouts)["next", "reward"].shape
         torch.Size([2, 1, 1])
