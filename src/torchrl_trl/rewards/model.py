@@ -19,7 +19,7 @@ from .. import layouts
 from .._checks import WarnOnce, config_or_default
 from .._token_ids import check_token_ids, check_tokenizer_fits, embedding_size
 from ..layouts import Ragged
-from .batching import RewardBatching
+from .batching import MicroBatch, RewardBatching
 from .packing import causal_classifier, iter_packs, packing_unsupported, score_pack
 from .postprocess import NonFiniteRewards, RewardOutput, RewardShape, extract_scores, select_head, write_rewards
 from .render import RewardRenderer
@@ -308,7 +308,11 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         else:  # a model that takes no mask cannot tell padding: equal lengths only
             equal = self.attention_mask_key is None and not self._model_takes_mask
             parts = self.batching.micro_batches(ids, pad_token_id=0 if pad is None else pad, equal_lengths=equal)
-        scores, order = [], []
+        return self._score_parts(parts, packing)
+
+    def _score_parts(self, parts, packing: bool = False) -> torch.Tensor:
+        """Scores of the micro-batches (or packs) ``parts``, in the original row order."""
+        pad, scores, order = self.pad_token_id, [], []
         with self._no_grad():
             for part in parts:
                 needs_pad = part.processed_tokens != part.real_tokens or part.index.numel() > 1
@@ -328,8 +332,8 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         flat = torch.cat(scores)
         return self._nonfinite(flat[torch.argsort(torch.cat(order)).to(flat.device)])
 
-    def _given_tokens(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The stored ``[N, T]`` ids (and mask) for a stand-in module, else ``None``."""
+    def _given_tokens(self, td: TensorDictBase) -> list[MicroBatch] | None:
+        """For a stand-in module, the stored ``[N, T]`` ids and mask, unchanged, in budget-sized chunks."""
         r = self.renderer
         if r.part != "full" or not r.keeps_tokens or r.resolve_mode(td) != "tokens":
             return None
@@ -339,34 +343,25 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         if not one_width or (self.max_length is not None and rows[0].shape[0] > self.max_length):
             return None
         ids = torch.stack(rows)
-        if self.attention_mask_key is None:
-            return ids, None
-        mask = torch.stack(layouts.read_column(td, self.attention_mask_key))
+        mask_key = self.attention_mask_key
+        mask = torch.ones_like(ids) if mask_key is None else torch.stack(layouts.read_column(td, mask_key))
         if mask.shape != ids.shape:
             raise ValueError(
-                f"HFRewardModelWrapper: the attention mask at {self.attention_mask_key!r} has shape "
+                f"HFRewardModelWrapper: the attention mask at {mask_key!r} has shape "
                 f"{tuple(mask.shape)}, the tokens at {self.token_key!r} {tuple(ids.shape)}: "
                 "expected the same shape"
             )
-        return ids, mask
-
-    def _score_given(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Rows of stored ``[N, T]`` ids + mask, unchanged, in budget-sized chunks."""
         n, width = ids.shape
         budget, cap = self.batching.max_tokens_per_batch, self.batching.max_batch_size
         rows = n if budget is None else max(1, budget // max(width, 1))
         rows = min(rows, cap or rows)
-        with self._no_grad():
-            scores = [self._forward(ids[i : i + rows], None if mask is None else mask[i : i + rows])
-                      for i in range(0, n, rows)]
-        self.real_tokens += int(mask.sum()) if mask is not None else ids.numel()
-        self.processed_tokens += ids.numel()
-        return self._nonfinite(torch.cat(scores))
+        return [MicroBatch(torch.arange(i, min(i + rows, n)), ids[i : i + rows], mask[i : i + rows])
+                for i in range(0, n, rows)]
 
     def score(self, tensordict: TensorDictBase) -> torch.Tensor:
         """Rewards ``float32 [N]`` for every sample of ``tensordict`` (batch flattened)."""
         given = self._given_tokens(tensordict) if self._as_given else None
-        return super().score(tensordict) if given is None else self._score_given(*given)
+        return super().score(tensordict) if given is None else self._score_parts(given)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Score ``tensordict`` (any batch shape) and write the reward at ``reward_key``."""
