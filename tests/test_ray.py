@@ -161,3 +161,37 @@ def test_ray_buffer_epoch_reads_each_item_once(ray_session):
         assert [r["index"] for r in rows] == [r["id"] for r in rows] == list(range(10))
     finally:
         rb.close()
+
+
+@pytest.mark.timeout(120)
+def test_weights_pushed_to_a_local_actor_go_through_shared_files(ray_session):
+    """On one machine a push hands the actor memory-mapped files, not pickled tensors: the
+    actor's policy holds exactly the pushed weights after each push (a copy: later writes to
+    the files do not reach it), and the push bumps its version."""
+    from torchrl_trl import testing
+    from torchrl_trl.online.weights import _SharedWeights, push_weights
+
+    rb = make_ray_replay_buffer(64)
+    collector = make_ray_collector(_env_factory, _policy_factory, rb, dialog_turns_per_batch=4)
+
+    def actor_weights():
+        state = ray.get(collector._collector.state_dict.remote())["policy_state_dict"]
+        return {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+
+    try:
+        model = testing.make_policy(testing.make_tokenizer())
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_()
+            push_weights(collector, model)
+            got, want = actor_weights(), model.state_dict()
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+            assert collector.policy_version == version
+        files = _SharedWeights._by_collector[collector].files
+        assert files.is_memmap()
+        files.zero_()  # the actor copied the weights: the files are scratch between pushes
+        assert all(torch.equal(v, want[k]) for k, v in actor_weights().items())
+    finally:
+        collector.shutdown()
+        rb.close()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 import threading
+import weakref
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -71,10 +75,50 @@ def push_weights(
     collector, model: torch.nn.Module | TensorDictBase, *, lock: contextlib.AbstractContextManager | None = None,
 ) -> None:
     """Load ``model``'s weights (:func:`collector_weights`) into ``collector``'s policy with
-    ``collector.update_policy_weights_``, holding ``lock`` meanwhile."""
+    ``collector.update_policy_weights_``, holding ``lock`` meanwhile; a Ray actor on this machine
+    reads them from memory-mapped files (``benchmarks/bench_weight_push.py``)."""
     weights = collector_weights(collector, model)
+    if is_ray_collector(collector):
+        weights = _SharedWeights.of(collector, weights)
     with lock if lock is not None else contextlib.nullcontext():
         collector.update_policy_weights_(weights)
+
+
+class _SharedWeights:
+    """Weights for a Ray collector whose actor runs on this machine, in memory-mapped files the
+    actor reads in place: a push pickles their file names, not every tensor through Ray's object
+    store. The actor copies them (``update_``) before
+    ``update_policy_weights_`` returns, so the next push may overwrite them."""
+
+    _by_collector: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, weights: TensorDictBase) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values(True, True))
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        room = shm is not None and shutil.disk_usage(shm).free > 2 * nbytes
+        self._dir = tempfile.TemporaryDirectory(prefix="torchrl_trl_weights_", dir=shm if room else None)
+        self.layout = _layout(weights)
+        self.files = weights.memmap_like(self._dir.name)
+
+    @classmethod
+    def of(cls, collector, weights: TensorDictBase) -> TensorDictBase:
+        """``weights`` copied into ``collector``'s files (made at its first push, or again for
+        other shapes); ``weights`` as they are when Ray runs on more than one machine."""
+        if collector not in cls._by_collector:
+            import ray
+
+            one_machine = sum(node["Alive"] for node in ray.nodes()) == 1
+            cls._by_collector[collector] = cls(weights) if one_machine else None
+        shared = cls._by_collector[collector]
+        if shared is None:
+            return weights
+        if shared.layout != _layout(weights):
+            shared = cls._by_collector[collector] = cls(weights)
+        return shared.files.update_(weights)
+
+
+def _layout(weights: TensorDictBase) -> list:
+    return [(key, t.shape, t.dtype) for key, t in weights.items(True, True)]
 
 
 class GenerationLock:
