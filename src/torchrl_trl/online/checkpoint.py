@@ -90,8 +90,6 @@ def save_buffer(
     >>> sorted(p.name for p in path.iterdir())
     ['manifest.json', 'structure.json', 'tensors.safetensors']
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     storage, sampler, writer = local_parts(replay_buffer, "save_buffer")
     encode = TreeEncoder(allowed_classes(classes))
@@ -109,8 +107,7 @@ def save_buffer(
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file(encode.tensors, str(tmp / TENSORS))
-        (tmp / STRUCTURE).write_text(json.dumps(structure, allow_nan=False))
+        _write_files(tmp, encode.tensors, structure)
         manifest = {
             "format": FORMAT, "version": VERSION, "len": n, "write_count": write_count,
             "storage": items["kind"], "extra": extra,
@@ -125,6 +122,13 @@ def save_buffer(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _write_files(directory: Path, tensors: dict[str, torch.Tensor], structure: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(directory / TENSORS))
+    (directory / STRUCTURE).write_text(json.dumps(structure, allow_nan=False))
 
 
 def _replace_dir(new: Path, path: Path) -> None:

@@ -1,10 +1,6 @@
 """Whole GRPO groups from a TorchRL ``LLMCollector`` / ``RayLLMCollector`` running ahead of the
-trainer: the collector source of :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
-
-New writes into the collector's buffer (by ``write_count``; nothing is taken out of it) are cut
-into episodes at ``("next", "done")``, and those into groups of ``G`` consecutive episodes
-sharing a prompt (:class:`CollectorGroups`). Groups are taken within a staleness bound
-(:func:`take_fresh`) and kept for reuse (:class:`GroupReplay`).
+trainer (:class:`CollectorGroups`), taken within a staleness bound (:func:`take_fresh`) and kept for
+reuse (:class:`GroupReplay`): the collector source of :class:`~torchrl_trl.online.TorchRLRolloutFunc`.
 """
 
 from __future__ import annotations
@@ -151,10 +147,12 @@ class GroupReplay:
 
 class CollectorGroups:
     """The complete GRPO groups a TorchRL ``LLMCollector`` / ``RayLLMCollector`` writes into
-    ``replay_buffer``, read as they come, and the weights pushed back to its policy: the collector
-    source of :class:`~torchrl_trl.online.TorchRLRolloutFunc`, whose :class:`RolloutOptions` give the
-    keyword arguments (``group_size`` may stay ``None`` until :meth:`start`). A group's items share
-    ``"group_id"`` where they have it (``make_prompt_collector``), else ``"query"`` (``MCAdvantage``'s).
+    ``replay_buffer``, and the weights pushed back to its policy; keyword arguments as in
+    :class:`RolloutOptions` (``group_size`` may stay ``None`` until :meth:`start`).
+
+    New writes (by ``write_count``; nothing is taken out of the buffer) are cut into episodes at
+    ``("next", "done")``, and those into groups of ``G`` consecutive episodes sharing ``"group_id"``
+    where they have it (``make_prompt_collector``), else ``"query"`` (``MCAdvantage``'s).
 
     Attributes:
         read_groups, consumed_groups, dropped_stale_groups, dropped_filtered_groups, missed_items,

@@ -1,12 +1,6 @@
-"""TorchRL episodes in, TRL's ``GRPOTrainer`` rows out, and the prompts in between.
-
-* Prompts into a ``ChatEnv`` at each reset (:class:`PromptPrimer`; TorchRL's ``DataLoadingPrimer``
-  rejects a batch of chats), and an ``LLMCollector`` generating GRPO groups from them
-  (:func:`make_prompt_collector`).
-* Episodes -> one TRL row per episode: turn ``k + 1``'s prompt tokens must start with turn
-  ``k``'s prompt + response; the tokens in between (end of turn, a tool's reply) go into
-  ``completion_ids`` with ``env_mask`` 0.
-* Behaviour log-probs (each token's under the weights that generated it), to correct stale groups.
+"""TorchRL episodes in, TRL's ``GRPOTrainer`` rows out (:func:`episodes_to_trl`), the prompts in between
+(:class:`PromptPrimer`, :func:`make_prompt_collector`), and behaviour log-probs to correct stale groups
+(:class:`BehaviourLogProbsPostproc`).
 """
 
 from __future__ import annotations
@@ -64,7 +58,8 @@ def turns_to_trl(
     """``N`` episodes of the same number of turns (``steps[t]``: the ``N`` samples' turn
     ``t``) as TRL's ``prompt_ids``, ``completion_ids``, ``env_mask`` and ``logprobs`` (lists
     of ``N`` lists), the log-probs read at ``logprobs_key`` (TorchRL's generated ones: each
-    turn's first value NaN)."""
+    turn's first value NaN). Turn ``k + 1``'s prompt tokens must start with turn ``k``'s prompt +
+    response; the tokens in between (end of turn, a tool's reply) get ``env_mask`` 0."""
     prompt_ids = layouts.read_tokens(steps[0], "prompt").tolist()
     completion_ids, env_mask, logprobs = ([[] for _ in prompt_ids] for _ in range(3))
     generated = logprobs_key == GENERATED_LOGPROBS_KEY
@@ -203,8 +198,9 @@ def context_columns(context_fn: Callable[[list], dict[str, Sequence[Any]]] | Non
 
 
 class PromptPrimer(Transform):
-    """Give a ``ChatEnv`` its prompts at each reset: ``"query"``, ``"group_id"`` (int64, shared
-    by the ``repeats`` consecutive copies of a prompt) and the columns of ``context_fn``.
+    """Give a ``ChatEnv`` its prompts at each reset (TorchRL's ``DataLoadingPrimer`` rejects a batch of
+    chats): ``"query"``, ``"group_id"`` (int64, shared by the ``repeats`` consecutive copies of a prompt)
+    and the columns of ``context_fn``.
 
     Args:
         prompts (sequence or iterable): TRL prompts (texts or message lists): a sequence,

@@ -173,7 +173,8 @@ class TorchRLRolloutFunc:
             raise ValueError("TorchRLRolloutFunc: max_turns > 1 needs an env (a ChatEnv) to make the next prompt")
         fields = _COLLECTOR_OPTIONS if source is None else ("context_fn",)
         if ignored := [f for f in fields if getattr(options, f) != getattr(_DEFAULTS, f)]:
-            where = "without a collector source" if source is None else "with a collector (make_prompt_collector takes it)"
+            where = ("without a collector source" if source is None
+                     else "with a collector (make_prompt_collector takes it)")
             raise ValueError(f"TorchRLRolloutFunc: RolloutOptions {ignored} do not apply {where}")
         self.groups: CollectorGroups | None = None
         if source is not None:
