@@ -1,9 +1,5 @@
-"""TRL reward-function arguments, both ways: TorchRL rollouts -> the keyword arguments TRL
-passes a reward function (``prompts``, ``completions``, ``completion_ids``, columns:
-:func:`trl_arguments`) and back (:func:`rollouts_from_trl`, the tensordict a TorchRL reward
-module or parser reads); a function's signature checked against them
-(:func:`check_signature`), and cut into one call per completion (:func:`per_completion_items`).
-"""
+"""TRL reward-function arguments, both ways: TorchRL rollouts -> the keyword arguments TRL passes
+a reward function (:func:`trl_arguments`) and back (:func:`rollouts_from_trl`)."""
 
 from __future__ import annotations
 
@@ -217,10 +213,6 @@ def as_messages(completion: Any) -> list[dict]:
     return [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
 
 
-def _completion_text(completion: Any) -> str:
-    return completion if isinstance(completion, str) else "".join(m.get("content") or "" for m in completion)
-
-
 def rollouts_from_trl(
     prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None = None,
     *, columns: dict[str, Sequence[Any]] | None = None, tokenizer=None,
@@ -251,10 +243,9 @@ def rollouts_from_trl(
         from torchrl.data.llm import History
 
     rows = []
-    for i in range(n):
-        prompt, completion = prompts[i], completions[i]
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         row: dict[str, Any] = {}
-        text = {"response": _completion_text(completion)}
+        text = {"response": "".join(m.get("content") or "" for m in as_messages(completion))}
         prompt_text = None if chat else prompt
         if chat:
             completion = as_messages(completion)

@@ -6,7 +6,6 @@ completion at a time in an item executor.
 from __future__ import annotations
 
 import asyncio
-import math
 import numbers
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -118,25 +117,21 @@ def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict
     from trl.trainer.utils import is_async_callable
 
     n = len(kwargs["prompts"])
-    out: list = [None] * len(funcs)
     pending = [i for i, f in enumerate(funcs) if is_async_callable(f)]
-    for i, (func, name) in enumerate(zip(funcs, names)):
-        if i not in pending:
-            value = call_function(func, name, kwargs, timeout, owner)
-            out[i] = to_rewards(value, name=name, expected=n, none=None, owner=owner)
+    out = {i: to_rewards(call_function(f, names[i], kwargs, timeout, owner), name=names[i], expected=n, owner=owner)
+           for i, f in enumerate(funcs) if i not in pending}
     if pending:
         coros = [funcs[i](**kwargs) for i in pending]
         for i, value in zip(pending, run_coroutines(coros, [names[i] for i in pending], timeout, owner)):
-            out[i] = to_rewards(value, name=names[i], expected=n, none=None, owner=owner)
-    return out
+            out[i] = to_rewards(value, name=names[i], expected=n, owner=owner)
+    return [out[i] for i in range(len(funcs))]
 
 
-def to_rewards(output: Any, *, name: str, expected: int, owner: str,
-               none: float | None = math.nan) -> list[float | None]:
-    """One function's output as ``expected`` floats (``None`` -> ``none``), else a ``TypeError``/``ValueError``.
+def to_rewards(output: Any, *, name: str, expected: int, owner: str) -> list[float | None]:
+    """One function's output as ``expected`` floats or ``None``, else a ``TypeError``/``ValueError``.
 
     >>> to_rewards([1, None, 0.5], name="f", expected=3, owner="RewardFunctionWrapper")
-    [1.0, nan, 0.5]
+    [1.0, None, 0.5]
     >>> to_rewards([1.0], name="f", expected=2, owner="RewardFunctionWrapper")
     Traceback (most recent call last):
     ...
@@ -156,33 +151,19 @@ def to_rewards(output: Any, *, name: str, expected: int, owner: str,
         )
     rewards = []
     for i, value in enumerate(output):
-        if value is None:
-            rewards.append(none)
-            continue
         if hasattr(value, "item") and not isinstance(value, (str, bytes)):
             value = value.item()  # tensors, numpy scalars
-        if not isinstance(value, numbers.Real):
+        if value is not None and not isinstance(value, numbers.Real):
             raise TypeError(
                 f"{owner}: reward function {name!r} returned a non-numeric reward at index {i}: "
                 f"{value!r:.40} ({type(value).__name__}); expected a float, an int or None"
             )
-        rewards.append(float(value))
+        rewards.append(None if value is None else float(value))
     return rewards
 
 
 class FailureCounter:
-    """Counts failed items by function name and kind, warning once per (name, kind).
-
-    >>> import warnings
-    >>> from torchrl_trl.rewards.executors import ItemResult
-    >>> failures = FailureCounter(["f"], "RewardFunctionWrapper")
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     for _ in range(2):
-    ...         failures.add("f", ItemResult("timeout", detail="past timeout=1s"), "it is excluded")
-    >>> failures.counts, len(caught)
-    ({'f': {'error': 0, 'timeout': 2, 'crash': 0}}, 1)
-    """
+    """Counts failed items by function name and kind, warning once per (name, kind)."""
 
     def __init__(self, names: Sequence[str], owner: str):
         self.owner, self.names, self._seen = owner, list(names), WarnOnce()  # by (name, kind)
@@ -229,7 +210,7 @@ def score_items(executor, call_kwargs: dict, n: int, names: Sequence[str], failu
         rewards.append([])
         for result in mine:
             if result.status == "ok":
-                rewards[-1] += to_rewards(result.value, name=name, expected=1, none=None, owner=failures.owner)
+                rewards[-1] += to_rewards(result.value, name=name, expected=1, owner=failures.owner)
             else:
                 failures.add(name, result, note)
                 rewards[-1].append(failure_reward)

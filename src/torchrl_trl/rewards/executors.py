@@ -15,8 +15,7 @@ from torchrl_trl._threads import in_caller_modes
 
 from .scheduler import ItemExecutor, ItemResult, _describe, call_item, warm_up
 
-__all__ = ["ItemExecutor", "ItemResult", "RewardExecutor", "ThreadItemExecutor", "FuturesItemExecutor",
-           "RayItemExecutor", "call_item", "reward_executor"]
+__all__ = ["FuturesItemExecutor", "RayItemExecutor", "RewardExecutor", "ThreadItemExecutor", "reward_executor"]
 
 
 @dataclass(frozen=True)

@@ -151,20 +151,20 @@ class TRLRewardFunc:
 
     def _call_items(self, prompts, completions, completion_ids, kwargs) -> list[float | None]:
         """Executor modes: one call per completion, with one-element lists."""
-        n = len(prompts)
+        call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         if not self.is_trl_function:
             self._select_columns(kwargs)  # a missing column fails here, not once per completion
-        call_kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-        if self.is_trl_function and "environments" in call_kwargs and self.executor.kind in ("process", "ray"):
-            if declares(self.reward, "environments"):
-                raise TypeError(
-                    f"TRLRewardFunc: reward function {self.__name__!r} takes TRL's environments (live objects), which "
-                    f"executor={self.executor.kind!r} cannot send; expected executor='thread'"
-                )
-            call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
-        if self.is_trl_function:  # as TRL would fail, but once here rather than per completion
+        else:
+            if "environments" in call_kwargs and self.executor.kind in ("process", "ray"):
+                if declares(self.reward, "environments"):
+                    raise TypeError(
+                        f"TRLRewardFunc: reward function {self.__name__!r} takes TRL's environments (live objects), "
+                        f"which executor={self.executor.kind!r} cannot send; expected executor='thread'"
+                    )
+                call_kwargs.pop("environments")  # only reachable through **kwargs: not sent
+            # as TRL would fail, but once here rather than per completion
             check_signature(self.reward, self.__name__, list(call_kwargs), type(self).__name__)
-        rewards, _ = score_items(self.executor, call_kwargs, n, [self.__name__], self._failures,
+        rewards, _ = score_items(self.executor, call_kwargs, len(prompts), [self.__name__], self._failures,
                                  self.failure_reward, "it is returned as None (excluded by TRL)")
         return rewards[0]  # NaN/inf: counted by __call__
 
