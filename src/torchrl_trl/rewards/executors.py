@@ -121,7 +121,7 @@ class ThreadItemExecutor(ItemExecutor):
     def _begin(self, shared, n):
         self._done: queue.Queue = queue.Queue()  # per run: a late thread reports to its own
 
-    def _submit(self, slot, index, func_index, kwargs, shared):
+    def _submit(self, index, func_index, kwargs, shared):
         done, func = self._done, self.funcs[func_index]
 
         def work():
@@ -177,7 +177,7 @@ class FuturesItemExecutor(ItemExecutor):
             f"({_describe(err)}); expected one that survives, executor='process' replaces workers that die"
         )
 
-    def _submit(self, slot, index, func_index, kwargs, shared):
+    def _submit(self, index, func_index, kwargs, shared):
         try:
             return self.executor.submit(call_item, self.funcs[func_index], {**shared, **kwargs})
         except concurrent.futures.BrokenExecutor as err:
@@ -250,15 +250,15 @@ class RayItemExecutor(ItemExecutor):
                 f"{n - len(ready)} did not start (max_workers={self.max_workers}; fewer free CPUs?)"
             )
 
-    def _slot(self, running: dict):
+    def _slot_free(self, running: dict) -> bool:
         free = self.max_workers - len(running)
         if self._dead and free > 0:  # replace dead workers (as many as are free) before the next item
             n = min(self._dead, free)
             self._dead -= n
             self._warm(n, self._shared_ref)
-        return super()._slot(running)
+        return super()._slot_free(running)
 
-    def _submit(self, slot, index, func_index, kwargs, shared):
+    def _submit(self, index, func_index, kwargs, shared):
         return self._remote.remote(self._funcs_ref, func_index, self._shared_ref, kwargs)
 
     def _collect(self, busy, wait_for):

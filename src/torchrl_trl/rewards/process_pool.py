@@ -193,7 +193,7 @@ class ProcessItemExecutor(ItemExecutor):
     def _first_timeout(self):
         return self.startup_timeout  # until a worker has taken the item and loaded its arguments
 
-    def _submit(self, slot, index, func_index, kwargs, shared):
+    def _submit(self, index, func_index, kwargs, shared):
         return self._pool.schedule(_run_item, (func_index, shared, kwargs), timeout=self.timeout)
 
     def _collect(self, busy, wait_for):

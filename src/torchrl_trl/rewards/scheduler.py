@@ -76,7 +76,7 @@ def _describe(err: BaseException) -> str:
 
 class ItemExecutor:
     """Runs items, at most :attr:`max_workers` at a time, each bounded by :attr:`timeout`.
-    A subclass defines ``_submit(slot, index, func_index, kwargs, shared) -> handle``,
+    A subclass defines ``_submit(index, func_index, kwargs, shared) -> handle``,
     ``_collect(handles, wait_for) -> [(handle, ItemResult)]`` (every handle finished by then,
     waiting up to ``wait_for`` s for a first one: what it leaves out is timed out) and
     ``_cancel(handle) -> detail``."""
@@ -104,12 +104,9 @@ class ItemExecutor:
             self._begin(shared, len(items))
             try:
                 while pending or running:
-                    while pending and (slot := self._slot(running)) is not None:
+                    while pending and self._slot_free(running):
                         index = pending.popleft()
-                        handle = self._submit(slot, index, *items[index], shared)
-                        if handle is None:  # the slot was gone (a dead idle worker): retry
-                            pending.appendleft(index)
-                            continue
+                        handle = self._submit(index, *items[index], shared)
                         seconds = self._first_timeout()
                         running[handle] = [index, None if seconds is None else time.monotonic() + seconds]
                     first = min((d for _, d in running.values() if d is not None), default=None)
@@ -130,8 +127,8 @@ class ItemExecutor:
     def _begin(self, shared: dict, n: int) -> None:
         pass
 
-    def _slot(self, running: dict):  # where the next item can go now (None: wait)
-        return True if len(running) < self.max_workers else None
+    def _slot_free(self, running: dict) -> bool:
+        return len(running) < self.max_workers
 
     def _first_timeout(self) -> float | None:
         return self.timeout
