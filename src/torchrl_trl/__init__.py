@@ -1,10 +1,9 @@
 """torchrl-trl: mix TorchRL and Hugging Face TRL one piece at a time.
 
-The top level re-exports, lazily, the public names of :mod:`torchrl_trl.data` (TorchRL ->
-TRL data), :mod:`torchrl_trl.rewards` (reward models and functions, both ways) and
-:mod:`torchrl_trl.online` (a collector alongside a trainer), so ``import torchrl_trl`` never
-imports ``torch``, ``trl``, ``datasets`` or ``ray``. A new public name = one line in its
-subpackage's ``__init__.pyi``, an entry in ``docs/source/api.rst`` and a ``>>>`` example.
+The top level re-exports :mod:`torchrl_trl.data`, :mod:`torchrl_trl.rewards` and
+:mod:`torchrl_trl.online` lazily (``import torchrl_trl`` imports neither ``torch`` nor ``trl``).
+A new public name = one line in its subpackage's ``__init__.pyi``, an entry in
+``docs/source/api.rst`` and a ``>>>`` example.
 """
 
 from ._exports import attach

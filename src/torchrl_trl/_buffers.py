@@ -1,9 +1,6 @@
-"""A local replay buffer (storage, sampler and writer in this process) told from a remote one
-(a ``RayReplayBuffer`` or its client), through TorchRL's public ``ReplayBuffer`` properties;
-and what a forked process (a DataLoader worker) may read of a local one: ``fork`` waits for a
-write in progress (:func:`guard_fork`), a copy taken mid-write is known (:func:`forked_mid_write`),
-and :func:`readable_length` says how many items the copy holds and whether it grows. Whether
-this TorchRL's ``LazyMemmapStorage`` keeps strings is probed here too."""
+"""A local replay buffer told from a remote one (a ``RayReplayBuffer`` or its client), and what
+a forked process (a DataLoader worker) may read of a local one (:func:`guard_fork`,
+:func:`forked_mid_write`, :func:`readable_length`); whether ``LazyMemmapStorage`` keeps strings."""
 
 from __future__ import annotations
 
@@ -66,23 +63,20 @@ _HELD: list = []
 _FORK_LEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # in a child: len at fork
 _TORN: weakref.WeakSet = weakref.WeakSet()  # in a child: buffers forked mid-write
 _FORK_WAIT_S = 30.0
-_hooks: list = []
-_private_tensor_storages: list = []
+_private_tensor_storages: list = []  # also: whether the fork hooks are registered
 
 
 def guard_fork(replay_buffer) -> None:
     """Make ``fork`` wait for a write in progress on ``replay_buffer`` (the parent holds its lock
-    across the fork and the child records its length); a buffer still locked after 30 s is
-    marked torn in the child (:func:`forked_mid_write`)."""
-    if not is_local(replay_buffer):  # a Ray client: nothing in this process to fork
+    across the fork); one still locked after 30 s is marked torn in the child (:func:`forked_mid_write`)."""
+    if not is_local(replay_buffer):
         return
-    if not _hooks:
+    if not _private_tensor_storages:
         from torchrl.data import LazyMemmapStorage, TensorStorage
 
         # no imports in the hooks (a forked child must not wait for the import lock)
         _private_tensor_storages.extend([TensorStorage, LazyMemmapStorage])
         os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
-        _hooks.append(True)
     _GUARDED.add(replay_buffer)
 
 
@@ -93,8 +87,7 @@ def forked_mid_write(replay_buffer) -> bool:
 
 def readable_length(replay_buffer) -> tuple[int, bool]:
     """``(n, live)``: how many items this process can read consistently, and whether later
-    writes become readable here (a forked worker's private copy of in-process data stops at
-    the fork; memmap, remote and spawned tensor storages are shared: live)."""
+    writes become readable here (a forked worker's copy of in-process data stops at the fork)."""
     import torch.utils.data
     from torchrl.data import LazyMemmapStorage, TensorStorage
 

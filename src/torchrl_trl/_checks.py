@@ -14,8 +14,7 @@ def _is_int(value) -> bool:
 
 
 def check_group_size(group_size, owner: str) -> None:
-    """A ``ValueError`` naming ``owner`` unless ``group_size`` is ``None`` or an int >= 2
-    (completions per prompt)."""
+    """A ``ValueError`` naming ``owner`` unless ``group_size`` is ``None`` or an int >= 2."""
     if group_size is not None and (not _is_int(group_size) or group_size < 2):
         raise ValueError(f"{owner}: group_size must be an integer >= 2 or None, got {group_size!r}")
 
@@ -42,8 +41,7 @@ def config_or_default(value, cls: type, name: str, owner: str):
 
 
 def positive_int(value, name: str, *, allow_none: bool = False):
-    """``value`` if it is an int > 0 (or ``None`` when ``allow_none``), else a ``ValueError``
-    starting with ``name`` (the caller's ``"Owner: argument"``).
+    """``value`` if it is an int > 0 (or ``None`` when ``allow_none``), else a ``ValueError`` starting with ``name``.
 
     >>> positive_int(0, "TorchRLBufferDataset: batch_size")
     Traceback (most recent call last):
@@ -59,15 +57,14 @@ def positive_int(value, name: str, *, allow_none: bool = False):
 
 
 def non_negative_int(value, name: str) -> int:
-    """``value`` if it is an int >= 0, else a ``ValueError`` starting with ``name`` (``"Owner: argument"``)."""
+    """``value`` if it is an int >= 0, else a ``ValueError`` starting with ``name``."""
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return int(value)
 
 
 def positive_seconds(value, name: str) -> float | None:
-    """``value`` as a float if it is a number > 0, ``None`` if ``None``, else a ``ValueError``
-    starting with ``name`` (``"Owner: argument"``)."""
+    """``value`` as a float if it is a number > 0 (or ``None``), else a ``ValueError`` starting with ``name``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
@@ -82,7 +79,7 @@ def key_tuple(key) -> tuple:
 
 def strip_next(key):
     """A nested key without its leading ``"next"``: ``("next", "reward")`` -> ``"reward"``,
-    ``("next", "a", "b")`` -> ``("a", "b")`` (a one-name key as the plain name users wrote)."""
+    ``("next", "a", "b")`` -> ``("a", "b")``."""
     if isinstance(key, tuple) and len(key) > 1 and key[0] == "next":
         return key[1] if len(key) == 2 else key[1:]
     return key

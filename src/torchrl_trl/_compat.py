@@ -6,31 +6,15 @@ from types import SimpleNamespace
 
 
 def replay_lock(replay_buffer):
-    """The ``threading.RLock`` a ``torchrl.data.ReplayBuffer`` holds while it writes or
-    samples (a no-op context for a buffer whose storage lives in a Ray actor).
-
-    Private: ``ReplayBuffer._replay_lock`` (torchrl 0.14.1).
-
-    >>> import threading
-    >>> from torchrl.data import ListStorage, ReplayBuffer
-    >>> rb = ReplayBuffer(storage=ListStorage(4))
-    >>> with replay_lock(rb):
-    ...     writer = threading.Thread(target=rb.add, args=(1,))
-    ...     writer.start(); writer.join(0.2)
-    ...     len(rb), writer.is_alive()  # the writer waits for the lock
-    (0, True)
-    >>> writer.join(); len(rb)
-    1
-    """
+    """The ``threading.RLock`` a ``torchrl.data.ReplayBuffer`` holds while it writes or samples
+    (a no-op context for a Ray client). Private: ``ReplayBuffer._replay_lock`` (torchrl 0.14.1)."""
     return replay_buffer._replay_lock
 
 
 def bind_ray_replay_buffer(buffer, actor) -> None:
-    """Make ``buffer``, a ``RayReplayBuffer`` (subclass) instance made without its
-    ``__init__``, use ``actor``, an existing replay-buffer actor; ``actor=None`` unbinds it.
-
-    Private: the attributes ``RayReplayBuffer.__init__`` sets (torchrl 0.14.1).
-    """
+    """Make ``buffer``, a ``RayReplayBuffer`` made without its ``__init__``, use the existing
+    replay-buffer ``actor`` (``None`` unbinds it). Private: what ``RayReplayBuffer.__init__``
+    sets (torchrl 0.14.1)."""
     if actor is None:
         for name in ("_rb", "_client"):
             buffer.__dict__.pop(name, None)
@@ -43,11 +27,9 @@ def bind_ray_replay_buffer(buffer, actor) -> None:
 
 
 def ray_runtime_lease(ray_init_config: dict | None = None):
-    """A share of this process's Ray runtime, counted with TorchRL's own: ``ray.init`` if
-    needed; the last ``.release()`` shuts Ray down only if a share started it.
-
-    Private: ``torchrl._comm.ray_runtime._RayRuntimeLease`` (torchrl 0.14.1).
-    """
+    """A share of this process's Ray runtime, counted with TorchRL's own (the last
+    ``.release()`` shuts Ray down only if a share started it).
+    Private: ``torchrl._comm.ray_runtime._RayRuntimeLease`` (torchrl 0.14.1)."""
     from torchrl._comm.ray_runtime import _RayRuntimeLease
 
     return _RayRuntimeLease.acquire(ray_init_config)
@@ -55,16 +37,7 @@ def ray_runtime_lease(ray_init_config: dict | None = None):
 
 def reset_replay_lock(replay_buffer) -> None:
     """Give ``replay_buffer`` a fresh, unheld lock (for a forked child); a Ray client is left alone.
-
-    Private: sets ``ReplayBuffer._replay_lock`` (torchrl 0.14.1).
-
-    >>> from torchrl.data import ListStorage, ReplayBuffer
-    >>> rb = ReplayBuffer(storage=ListStorage(4))
-    >>> held = replay_lock(rb); _ = held.acquire()
-    >>> reset_replay_lock(rb)
-    >>> replay_lock(rb) is not held and replay_lock(rb).acquire(blocking=False)
-    True
-    """
+    Private: sets ``ReplayBuffer._replay_lock`` (torchrl 0.14.1)."""
     import threading
 
     if hasattr(getattr(replay_buffer, "_replay_lock", None), "acquire"):
@@ -73,30 +46,14 @@ def reset_replay_lock(replay_buffer) -> None:
 
 def pin_storage_length(storage, n: int) -> None:
     """Make ``len(storage)`` of a ``TensorStorage`` read ``n`` in this process only (a forked child).
-
-    Private: ``TensorStorage._len_value`` (torchrl 0.14.1).
-
-    >>> import torch
-    >>> from tensordict import TensorDict
-    >>> from torchrl import torchrl_logger
-    >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-    >>> torchrl_logger.setLevel("WARNING")  # no storage-creation log line in the output
-    >>> rb = ReplayBuffer(storage=LazyTensorStorage(8))
-    >>> _ = rb.extend(TensorDict({"x": torch.arange(5)}, [5]))
-    >>> pin_storage_length(rb.storage, 3)
-    >>> len(rb.storage)
-    3
-    """
+    Private: ``TensorStorage._len_value`` (torchrl 0.14.1)."""
     storage._len_value = SimpleNamespace(value=int(n))  # a process-private length counter
 
 
 def datasets_examples_iterable_base() -> type:
-    """The base class of what a ``datasets.IterableDataset`` iterates, shards, resumes and
-    reads as Arrow.
-
-    Private: ``datasets.iterable_dataset._BaseExamplesIterable`` (datasets 5.2); the public
-    ``from_generator`` re-encodes every row, 2.5x slower in ``benchmarks/bench_dataset.py``.
-    """
+    """The base class of what a ``datasets.IterableDataset`` iterates, shards, resumes and reads
+    as Arrow. Private: ``datasets.iterable_dataset._BaseExamplesIterable`` (datasets 5.2); the
+    public ``from_generator`` re-encodes every row, 2.5x slower in ``benchmarks/bench_dataset.py``."""
     from datasets.iterable_dataset import _BaseExamplesIterable
 
     return _BaseExamplesIterable

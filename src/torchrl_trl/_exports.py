@@ -12,11 +12,7 @@ from typing import Any
 
 def read_stub(package: str, init_file: str) -> dict[str, str]:
     """``{public name: module that defines it}`` declared by the ``__init__.pyi`` next to
-    ``init_file``; ``package`` is the package's ``__name__``.
-
-    Raises ``ValueError`` naming the stub and line for any other statement, and for a name
-    declared twice.
-    """
+    ``init_file``; ``ValueError`` naming the stub and line for any other statement or a name declared twice."""
     stub = Path(init_file).with_suffix(".pyi")
     exports: dict[str, str] = {}
     for node in ast.parse(stub.read_text(), filename=str(stub)).body:
@@ -39,8 +35,7 @@ def read_stub(package: str, init_file: str) -> dict[str, str]:
 
 
 def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
-    """``(__getattr__, __dir__, __all__)`` for ``package``, whose names :func:`read_stub`
-    reads; a name is imported on first access, then cached in the package.
+    """``(__getattr__, __dir__, __all__)`` for ``package``: a name is imported on first access, then cached.
 
     >>> import torchrl_trl.online as online
     >>> "CollectorCallback" in online.__all__

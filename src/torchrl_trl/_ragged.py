@@ -1,7 +1,6 @@
-"""The :class:`Ragged` container, and reading a key through lazy stacks that ``td.get``
-cannot stack: :class:`Batch` walks a batch's lazy stacks once, then reads each key from its
-dense members; within :func:`read_once` every reader of a batch shares its :class:`Batch`.
-Knows nothing of TorchRL's LLM keys (:mod:`.layouts` does)."""
+"""The :class:`Ragged` container, and reading keys through lazy stacks that ``td.get`` cannot
+stack (:class:`Batch`, shared by the readers of a batch within :func:`read_once`). Knows
+nothing of TorchRL's LLM keys (:mod:`.layouts` does)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase, is_leaf_nontensor
@@ -18,7 +17,7 @@ from tensordict.utils import NestedKey
 
 __all__ = [
     "Batch", "Ragged", "available_keys", "batch_numel", "batch_of", "chunks", "first_member", "flatten",
-    "get_values", "has_key", "leaves", "members", "per_sample", "read_once", "reads_once",
+    "get_values", "has_key", "leaves", "per_sample", "read_once", "reads_once",
 ]
 
 
@@ -27,13 +26,9 @@ class Ragged:
     """Variable-length 1-D sequences stored flat: ``values`` (``[sum(lengths)]``, the samples
     concatenated) and int64 ``lengths`` (``[N]``); sample ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 
-    Examples:
-        >>> seqs = Ragged.from_list([[1, 2, 3], [4]])
-        >>> seqs.tolist(), seqs.lengths.tolist()
-        ([[1, 2, 3], [4]], [3, 1])
-        >>> ids, mask = seqs.to_padded(0, side="left")
-        >>> ids.tolist()
-        [[1, 2, 3], [0, 0, 4]]
+    >>> seqs = Ragged.from_list([[1, 2, 3], [4]])
+    >>> seqs.tolist(), seqs.lengths.tolist(), seqs[1].tolist()
+    ([[1, 2, 3], [4]], [3, 1], [4])
     """
 
     values: torch.Tensor
@@ -67,31 +62,10 @@ class Ragged:
         flat, bounds = self.values.tolist(), self.offsets.tolist()
         return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
 
-    def to_padded(
-        self, pad_value: int | float = 0, *, side: Literal["left", "right"] = "right", width: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(padded, mask)``, both ``[N, width]`` (default: the longest sample); ``mask``
-        is ``True`` on real elements."""
-        n = len(self)
-        longest = int(self.lengths.max()) if n else 0
-        width = longest if width is None else width
-        if width < longest:
-            raise ValueError(f"Ragged.to_padded: expected width >= the longest sample ({longest}), got width={width}")
-        cols = torch.arange(width).expand(n, width)
-        mask = cols < self.lengths[:, None] if side == "right" else cols >= (width - self.lengths)[:, None]
-        padded = self.values.new_full((n, width), pad_value)
-        padded[mask] = self.values
-        return padded, mask
-
-
-def members(td: LazyStackedTensorDict) -> list[TensorDictBase]:
-    """The tensordicts of a lazy stack, in row-major order of its batch."""
-    return td.tensordicts if td.stack_dim == 0 else td.unbind(0)
-
 
 def chunks(value: Any, td: TensorDictBase) -> list[torch.Tensor]:
     """A tensor ``value`` :func:`get_values` read from ``td`` (no lazy stack) as dense ``[n_i, T_i]``
-    chunks in row-major order of its batch: one chunk, or one per sample where values are ragged."""
+    chunks in row-major order: one chunk, or one per sample where values are ragged."""
     if isinstance(value, list):  # one tensor per sample
         return [torch.as_tensor(v).reshape(1, -1) for v in value]
     if value.is_nested:
@@ -102,9 +76,8 @@ def chunks(value: Any, td: TensorDictBase) -> list[torch.Tensor]:
 
 
 def per_sample(value: Any, td: TensorDictBase) -> list[Any]:
-    """A ``value`` :func:`get_values` read from ``td`` (no lazy stack), one per sample: Python
-    objects for non-tensor data, tensors (ragged allowed) otherwise."""
-    if isinstance(value, list):  # one value per sample already
+    """A ``value`` :func:`get_values` read from ``td`` (no lazy stack), one per sample."""
+    if isinstance(value, list):
         return value
     if isinstance(value, (NonTensorData, NonTensorStack)):
         return flatten(value.tolist(), td.batch_dims)
@@ -116,8 +89,7 @@ def per_sample(value: Any, td: TensorDictBase) -> list[Any]:
 
 
 def get_values(td: TensorDictBase, key: NestedKey) -> Any:
-    """``td.get(key)``, or a flat list with one value per sample where the values cannot be
-    stacked. ``KeyError`` when ``key`` is not set."""
+    """``td.get(key)``, or a flat list of one value per sample where they cannot be stacked."""
     try:
         value = td.get(key)
     except RuntimeError:
@@ -137,8 +109,7 @@ def flatten(value: Any, depth: int) -> list:
 
 
 def has_key(td: TensorDictBase, key: NestedKey) -> bool:
-    """Whether ``key`` is set (and not ``None``) in every sample of a tensordict that is no lazy
-    stack, even where its values cannot be stacked (lazy stacks inside it)."""
+    """Whether ``key`` is set (and not ``None``) in every sample of ``td`` (no lazy stack)."""
     try:
         return td.get(key, None) is not None
     except (KeyError, RuntimeError):  # only some samples hold the key, or the values cannot be stacked
@@ -176,22 +147,22 @@ def available_keys(td: TensorDictBase) -> list[str]:
 
 
 def batch_numel(td: TensorDictBase) -> int:
-    """Number of samples, i.e. the product of ``td``'s batch dimensions."""
+    """Number of samples: the product of ``td``'s batch dimensions."""
     return td.batch_size.numel()
 
 
 def leaves(td: TensorDictBase) -> list[TensorDictBase]:
     """The tensordicts that are not lazy stacks under ``td``, in row-major order."""
     if isinstance(td, LazyStackedTensorDict):
-        return [leaf for sub in members(td) for leaf in leaves(sub)]
+        members = td.tensordicts if td.stack_dim == 0 else td.unbind(0)
+        return [leaf for sub in members for leaf in leaves(sub)]
     return [td]
 
 
 class Batch:
-    """A batch of samples walked once into its dense members (the leaves of its lazy stacks),
-    each key then read from them once and kept, with anything else computed once per batch
-    (:meth:`once`): the readers of one batch share the walk and the reads. ``td`` must not
-    change while a ``Batch`` of it is in use.
+    """A batch walked once into its dense members (the leaves of its lazy stacks), each key
+    then read from them once and kept, as is anything computed by :meth:`once`. ``td`` must
+    not change while a ``Batch`` of it is in use.
 
     >>> from tensordict import TensorDict, lazy_stack
     >>> rows = Batch(lazy_stack([TensorDict({"ids": torch.arange(n)}) for n in (2, 3)]))
@@ -204,7 +175,7 @@ class Batch:
     def __init__(self, td: TensorDictBase) -> None:
         self.td = td
         self.leaves = leaves(td)
-        self.numel = td.batch_size.numel()
+        self.numel = batch_numel(td)
         self._read: dict[Any, Any] = {}
 
     def once(self, name: Any, compute: Callable[[], Any]) -> Any:
@@ -220,7 +191,7 @@ class Batch:
         return value
 
     def has(self, key: NestedKey) -> bool:
-        """Whether ``key`` is set (and not ``None``) in every sample, even where its values cannot be stacked."""
+        """Whether ``key`` is set (and not ``None``) in every sample."""
         return self.once(("has", key), lambda: all(has_key(leaf, key) for leaf in self.leaves))
 
     def _members(self, key: NestedKey) -> list[Any]:
@@ -245,8 +216,7 @@ class Batch:
         ])
 
     def stacked(self, key: NestedKey) -> torch.Tensor | None:
-        """The tensors at ``key`` as one ``[numel, ...]`` tensor (a dense member's own, or the
-        members' concatenated), ``None`` where they are not tensors of one shape."""
+        """The tensors at ``key`` as one ``[numel, ...]`` tensor, ``None`` unless they are tensors of one shape."""
 
         def stack() -> torch.Tensor | None:
             parts = self._members(key)
@@ -270,9 +240,8 @@ _BATCHES: ContextVar[dict | None] = ContextVar("torchrl_trl_batches", default=No
 
 @contextmanager
 def read_once():
-    """Within this context (and the ones nested in it) each batch, the same tensordict object, has
-    one :class:`Batch`: it is walked once and each of its keys read once, however many readers
-    read it; it must not change meanwhile."""
+    """Within this context (and those nested in it) each tensordict object has one :class:`Batch`,
+    however many readers read it; it must not change meanwhile."""
     current = _BATCHES.get()
     token = _BATCHES.set({} if current is None else current)
     try:
@@ -293,8 +262,7 @@ def batch_of(td: TensorDictBase) -> Batch:
 
 
 def reads_once(reader: Callable) -> Callable:
-    """``reader(td, ...)`` run within a :func:`read_once` context (the caller's, else one of its
-    own), so that the readers it calls share ``td``'s :class:`Batch`."""
+    """``reader(td, ...)`` run within a :func:`read_once` context (the caller's, else its own)."""
 
     @functools.wraps(reader)
     def read(td, *args, **kwargs):

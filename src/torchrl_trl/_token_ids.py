@@ -1,6 +1,5 @@
-"""Token ids against a vocabulary: integer ids inside a model's embedding, a tokenizer that
-fits it. The one home of these checks, for the dataset's columns and every reward scorer.
-"""
+"""Token ids against a vocabulary (integer ids inside a model's embedding, a tokenizer that
+fits it): the one home of these checks, for the dataset's columns and every reward scorer."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def _sample_of(ids: Ragged, bad: torch.Tensor) -> int:
 
 
 def check_token_ids(ids: Ragged, where: str, *, num_embeddings: int | None = None, hint: str = "") -> Ragged:
-    """``ids`` if they are integer token ids ``>= 0`` (and ``< num_embeddings``), at least one
-    per sample; else an error naming ``where``, the sample and the id (then ``hint``).
+    """``ids`` if they are integer token ids in ``[0, num_embeddings)``, at least one per sample;
+    else an error naming ``where``, the sample and the id (then ``hint``).
 
     >>> check_token_ids(Ragged.from_list([[1, 2], [7]]), "input", num_embeddings=5)
     Traceback (most recent call last):

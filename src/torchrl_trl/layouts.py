@@ -7,12 +7,10 @@ place that knows the keys TorchRL's LLM wrappers, ``ChatEnv`` and ``LLMCollector
     ("history", "prompt" | "response" | "full")       History [*B, n_messages]
     ("next", "reward")                                float [*B, 1, 1] (GRPO convention)
 
-Leading batch dims are flattened row-major (sample ``i`` is the same rollout in every reader);
-inputs may be padded, ragged lazy stacks, lazy stacks of padded batches, or nested tensors.
-Every reader walks the batch's lazy stacks once and reads each key once; the readers it calls,
-and within :func:`read_once` every reader of that batch, share the walk, the reads and the
-padding checks. The tensor side of those checks (what TorchRL's padding took) is in
-:mod:`torchrl_trl.padding`.
+Leading batch dims are flattened row-major; inputs may be padded, ragged lazy stacks, lazy
+stacks of padded batches, or nested tensors. Within :func:`read_once` every reader of a batch
+shares one walk of it, one read of each key and the padding checks (their tensor side is in
+:mod:`torchrl_trl.padding`).
 """
 
 from __future__ import annotations
@@ -92,27 +90,21 @@ def read_tokens(
     td: TensorDictBase, part: Part = "full", *, key: NestedKey | None = None,
     mask_key: NestedKey | None = ATTENTION_MASK_KEY, check: bool = True,
 ) -> Ragged:
-    """The real (unpadded) token ids of each sample at ``("tokens", part)`` (or ``key``, e.g.
-    ``("log_probs", "response")``).
+    """The real token ids of each sample at ``("tokens", part)`` (or ``key``, e.g.
+    ``("log_probs", "response")``) as :class:`Ragged`, unpadded with the full sequence's mask
+    at ``mask_key`` when present; a mask that took real tokens for padding is rebuilt from the
+    tokens (:func:`check_padding_kept`; ``check=False`` skips that). Raises ``KeyError``,
+    ``ValueError`` for a mask that does not fit, :class:`PaddingLostError` for ragged rows that
+    lost tokens to padding.
 
-    Padding is removed with the full sequence's mask at ``mask_key`` when present; ``part``
-    says how it lines up. Padded rows whose mask took real tokens for padding (pad == eos)
-    are read with the mask rebuilt from the tokens (:func:`check_padding_kept`; ``check=False``
-    skips that). Returns :class:`Ragged` int64 ids, one sample per batch element. Raises
-    ``KeyError`` naming the available keys, ``ValueError`` for a mask that does not fit and
-    :class:`PaddingLostError` for ragged rows that lost tokens to padding.
-
-    Examples:
-        Left-padded tokens (``pad_output=True``) and ragged ones read the same:
-
-        >>> from tensordict import TensorDict, lazy_stack
-        >>> padded = TensorDict({"tokens": {"full": torch.tensor([[0, 5, 6], [7, 8, 9]])},
-        ...                      "masks": {"all_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}}, [2])
-        >>> read_tokens(padded).tolist()
-        [[5, 6], [7, 8, 9]]
-        >>> ragged = lazy_stack([TensorDict({"tokens": {"full": torch.tensor(t)}}) for t in ([5, 6], [7, 8, 9])])
-        >>> read_tokens(ragged).tolist()
-        [[5, 6], [7, 8, 9]]
+    >>> from tensordict import TensorDict, lazy_stack
+    >>> padded = TensorDict({"tokens": {"full": torch.tensor([[0, 5, 6], [7, 8, 9]])},
+    ...                      "masks": {"all_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}}, [2])
+    >>> read_tokens(padded).tolist()
+    [[5, 6], [7, 8, 9]]
+    >>> ragged = lazy_stack([TensorDict({"tokens": {"full": torch.tensor(t)}}) for t in ([5, 6], [7, 8, 9])])
+    >>> read_tokens(ragged).tolist()  # ragged rows read the same
+    [[5, 6], [7, 8, 9]]
     """
     b, key = batch_of(td), token_key(part) if key is None else key
     tokens = b.chunks(key, None)
@@ -127,9 +119,8 @@ def read_tokens(
     masks = b.chunks(mask_key)
     if lost is not None and mask_key == ATTENTION_MASK_KEY:
         masks = padding.rebuilt_masks(b.chunks(token_key("full")), masks, b.chunks(token_key("prompt")), lost)
-    if [t.shape[0] for t in tokens] != [m.shape[0] for m in masks]:
-        # one side stacks and the other does not: line them up sample by sample
-        tokens, masks = _rows(tokens), _rows(masks)
+    if [t.shape[0] for t in tokens] != [m.shape[0] for m in masks]:  # line them up sample by sample
+        tokens, masks = ([row for c in side for row in c.split(1)] for side in (tokens, masks))
     if part != "full":
         masks = [_slice_mask(m, t.shape[-1], part) for m, t in zip(masks, tokens)]
     for m, t in zip(masks, tokens):
@@ -145,10 +136,6 @@ def read_tokens(
     return Ragged(values, torch.cat([m.sum(-1) for m in masks]))
 
 
-def _rows(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [row for part in parts for row in part.split(1)]
-
-
 def _slice_mask(full_mask: torch.Tensor, width: int, part: str) -> torch.Tensor | None:
     n = full_mask.shape[-1]
     if n < width:
@@ -157,8 +144,7 @@ def _slice_mask(full_mask: torch.Tensor, width: int, part: str) -> torch.Tensor 
 
 
 def _lost_pad_id(b: Batch) -> tuple[int, bool] | None | Literal[False]:
-    """:func:`torchrl_trl.padding.lost_pad_id` of the batch; ``False`` unless TorchRL's wrapper
-    wrote it (the full tokens, their mask and the prompt)."""
+    """:func:`torchrl_trl.padding.lost_pad_id` of the batch; ``False`` unless TorchRL's wrapper wrote it."""
     masks, fulls = b.chunks(ATTENTION_MASK_KEY, None), b.chunks(token_key("full"), None)
     if masks is None or fulls is None or not b.has(token_key("prompt")):
         return False
@@ -166,7 +152,7 @@ def _lost_pad_id(b: Batch) -> tuple[int, bool] | None | Literal[False]:
 
 
 def _short_rows(b: Batch) -> str | None:
-    """:func:`torchrl_trl.padding.short_row` of the stored widths (the real lengths where nothing is padded)."""
+    """:func:`torchrl_trl.padding.short_row` of the stored widths."""
     try:
         widths = [[n for t in b.chunks(token_key(p)) for n in [t.shape[-1]] * t.shape[0]] for p in PARTS]
     except KeyError:
@@ -174,14 +160,8 @@ def _short_rows(b: Batch) -> str | None:
     return padding.short_row(*widths)
 
 
-def _has_text(b: Batch) -> bool:
-    return any(b.has(key(part)) for key in (text_key, history_key) for part in ("prompt", "full"))
-
-
 def _rebuilt_texts(b: Batch, part: Part, tokenizer: Any) -> list[str] | None:
-    """``None`` for rows whose padding kept every token; for padded rows that lost tokens to
-    padding, ``part``'s text decoded from the rebuilt tokens (a ``PaddingLostError`` without
-    ``tokenizer``); ragged rows that lost tokens raise."""
+    """``None`` where padding kept every token, else ``part``'s text decoded from the rebuilt tokens."""
     if _padding_loss(b, repairable=True) is None:
         return None
     if tokenizer is None:
@@ -192,25 +172,11 @@ def _rebuilt_texts(b: Batch, part: Part, tokenizer: Any) -> list[str] | None:
 @reads_once
 def check_padding_kept(td: TensorDictBase, *, repairable: bool = False) -> None:
     """A :class:`PaddingLostError` when TorchRL's wrapper took real tokens of ``td`` for padding
-    (its pad token was the EOS or another token of the chat):
-
-    - padded rows (``pad_output=True``) where an id under the mask's 0s is also a real token.
-      Their tokens are all there: with ``repairable=True`` they pass (:func:`read_tokens`
-      rebuilds their mask), else the error says how to read them; but rows without text or
-      chat (``input_mode="tokens"``) whose prompt lost tokens were generated from a prompt with
-      those tokens masked out, and are refused;
-    - ragged rows (``pad_output=False``) whose ``("tokens", "full")`` is shorter than prompt +
-      response (chats: the prompt's end-of-turn tokens were dropped): the reply's final EOS, its
-      log-prob and the reply's text are gone, and whether a reply ended cannot be told.
-
-    Not caught: ragged rows of ``input_mode="text"`` or ``"tokens"`` whose only loss is the
-    reply's EOS look whole (the row holds no trace of it); :func:`torchrl_trl.padding.check_policy_padding`
-    refuses the policy that writes them.
-
-    Args:
-        td (TensorDictBase): the rollouts.
-        repairable (bool, optional): let padded rows whose mask can be rebuilt pass. Defaults
-            to ``False``.
+    (its pad token was the EOS or another token of the chat): padded rows where an id under the
+    mask's 0s is also a real token (they pass with ``repairable=True``, unless an
+    ``input_mode="tokens"`` prompt lost tokens), or ragged rows whose ``("tokens", "full")`` is
+    shorter than prompt + response. Ragged rows whose only loss is the reply's EOS look whole:
+    :func:`torchrl_trl.padding.check_policy_padding` refuses the policy that writes them.
 
     >>> from tensordict import TensorDict
     >>> rows = TensorDict({"tokens": {"full": torch.tensor([[5, 2, 6, 7, 2, 2]]), "prompt": torch.tensor([[5, 2, 6]]),
@@ -225,12 +191,11 @@ def check_padding_kept(td: TensorDictBase, *, repairable: bool = False) -> None:
 
 
 def _padding_loss(b: Batch, *, repairable: bool = False) -> int | None:
-    """:func:`check_padding_kept`, returning the pad id of padded rows that pass as repairable
-    (``None``: nothing was lost); the batch is scanned once."""
+    """:func:`check_padding_kept`, returning the pad id of repairable rows (``None``: nothing lost)."""
     lost = b.once("lost_pad_id", lambda: _lost_pad_id(b))
     if lost:
         pad, prompt_masked = lost
-        text = _has_text(b)
+        text = any(b.has(key(part)) for key in (text_key, history_key) for part in ("prompt", "full"))
         if repairable and (text or not prompt_masked):
             return pad
         why = (
@@ -272,12 +237,10 @@ def _strings(td: TensorDictBase, key: NestedKey) -> list[str]:
 
 @reads_once
 def read_text(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None) -> list[str]:
-    """The text of each sample at ``("text", part)``; ``"full"`` falls back to
-    prompt + response. Pad strings TorchRL decoded into the text (``input_mode="history"``,
-    ``pad_output=True``) are removed where the mask says (``tokenizer``: see :func:`padding_text`).
-    Rows that lost tokens to padding (:func:`check_padding_kept`) are decoded from their
-    rebuilt tokens with ``tokenizer`` where padded, else refused. Raises ``TypeError`` for a
-    non-string, ``ValueError`` for strings lost in storage (:func:`check_strings_kept`)."""
+    """The text of each sample at ``("text", part)`` (``"full"`` falls back to prompt + response),
+    pad strings TorchRL decoded into it removed (:func:`padding_text`); rows that lost tokens to
+    padding are decoded from their rebuilt tokens with ``tokenizer``, else refused. Raises
+    ``TypeError`` for a non-string, ``ValueError`` for strings lost in storage."""
     b, key = batch_of(td), text_key(part)
     if b.has(token_key("full")) and (rebuilt := _rebuilt_texts(b, part, tokenizer)) is not None:
         return rebuilt
@@ -310,16 +273,9 @@ _LOST_STRINGS = "LazyMemmapStorage reads every stored string back as the first: 
 
 @reads_once
 def check_strings_kept(td: TensorDictBase, part: Part = "full", strings: list[str] | None = None) -> None:
-    """Raise ``ValueError`` (naming the key and the storages that keep strings) where text
-    cannot be what TorchRL wrote: ``td`` is memory-mapped and :func:`memmap_keeps_strings`
-    is false, or every sample holds the same ``("text", part)`` (``strings`` if already
-    read) while their ``("tokens", part)`` differ.
-
-    Args:
-        td (TensorDictBase): the rollouts.
-        part (str, optional): ``"prompt"``, ``"response"`` or ``"full"``. Defaults to ``"full"``.
-        strings (list of str, optional): the texts of ``part`` if already read. Defaults to ``None``.
-    """
+    """A ``ValueError`` where text cannot be what TorchRL wrote: ``td`` is memory-mapped and
+    :func:`memmap_keeps_strings` is false, or every sample holds the same ``("text", part)``
+    (``strings`` if already read) while their ``("tokens", part)`` differ."""
     b, key, ids_key = batch_of(td), text_key(part), token_key(part)
     _refuse_memmap_strings(b, key, "check_strings_kept")
     if b.numel < 2 or not b.has(ids_key) or (strings is None and not b.has(key)):
@@ -351,16 +307,9 @@ def _pad_counts(b: Batch) -> tuple[list[int], list[int]]:
 
 @reads_once
 def padding_text(td: TensorDictBase, tokenizer: Any = None) -> str | None:
-    """The string one pad token decodes to in ``td``'s stored text, or ``None`` if none.
-
-    ``tokenizer`` decodes the pad id; without it, the pad string is read off the samples,
-    else taken from :func:`decoded_padding`. Raises ``ValueError`` when samples disagree or
-    the padding cannot be told apart from text without the tokenizer.
-
-    Args:
-        td (TensorDictBase): the rollouts.
-        tokenizer (transformers tokenizer, optional): the policy's tokenizer. Defaults to ``None``.
-    """
+    """The string one pad token decodes to in ``td``'s stored text, or ``None``: decoded with
+    ``tokenizer``, else read off the samples, else taken from :func:`decoded_padding`. Raises
+    ``ValueError`` when samples disagree or the padding cannot be told from text."""
     b = batch_of(td)
     lead, trail = _pad_counts(b)
     if not any(lead) and not any(trail):
@@ -398,12 +347,7 @@ _PAD_TEXT: ContextVar[str | None] = ContextVar("torchrl_trl_pad_text", default=N
 @contextmanager
 def decoded_padding(tokenizer: Any = None, *, pad_text: str | None = None):
     """Within this context, readers take ``pad_text`` (default: ``tokenizer``'s decoded pad
-    token) as the pad string of padded text wherever the samples do not show it.
-
-    Args:
-        tokenizer (transformers tokenizer, optional): the policy's tokenizer. Defaults to ``None``.
-        pad_text (str, optional): the pad string itself. Defaults to ``None``.
-    """
+    token) as the pad string of padded text wherever the samples do not show it."""
     if pad_text is None and tokenizer is not None:
         pad_text = padding.pad_string(tokenizer)
     token = _PAD_TEXT.set(pad_text)
@@ -424,8 +368,7 @@ def _messages(conversation: Any) -> list[dict]:
 
 def to_messages(history: Any) -> list[dict[str, str]]:
     """A TorchRL ``History`` (one conversation) or list of message dicts -> TRL's
-    ``[{"role", "content"}, ...]`` (extra fields and ``"<none>"`` padding dropped).
-    Raises ``TypeError`` for a role or content that is not a string."""
+    ``[{"role", "content"}, ...]``; ``TypeError`` for a role or content that is not a string."""
     out = []
     for i, m in enumerate(_messages(history)):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
@@ -440,9 +383,7 @@ def to_messages(history: Any) -> list[dict[str, str]]:
 @reads_once
 def read_history(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = None) -> list[list[dict[str, str]]]:
     """The chat of each sample at ``("history", part)`` as role/content dicts, pad strings
-    TorchRL left in an open turn removed (``tokenizer`` as in :func:`read_text`). Replies of
-    padded rows that lost tokens to padding are rebuilt from their tokens with ``tokenizer``
-    (else refused, as in :func:`read_text`)."""
+    TorchRL left in an open turn removed; ``tokenizer`` as in :func:`read_text`."""
     b, key = batch_of(td), history_key(part)
     b.require(key, "read_history")
     check_strings_kept(td)  # chat content is no witness: two token rows can parse to one chat
@@ -466,8 +407,7 @@ def read_history(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = No
 
 
 def _rebuilt_history(b: Batch, part: Part, replies: list[str], tokenizer: Any) -> list[list[dict[str, str]]]:
-    """The chats of padded rows whose replies were cut by padding: the stored prompt turns, then
-    each reply decoded from its rebuilt tokens, its closing EOS left out."""
+    """The stored prompt turns, then each reply decoded from its rebuilt tokens (without its EOS)."""
     eos = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) if tokenizer.eos_token_id is not None else None
     messages = [[{"role": "assistant", "content": r[: -len(eos)] if eos and r.endswith(eos) else r}] for r in replies]
     if part == "response":

