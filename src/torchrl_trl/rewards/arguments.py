@@ -63,9 +63,7 @@ def column_keys(td: TensorDictBase, columns: Mapping[str, tuple] | None) -> dict
     """``{argument: rollout key}``: ``columns``, or every top-level non-tensor field not TorchRL's."""
     if columns is not None:
         return dict(columns)
-    sample = td
-    while hasattr(sample, "tensordicts") and sample.tensordicts:
-        sample = sample.tensordicts[0]
+    sample = layouts.first_member(td)
     own = (*layouts.TORCHRL_ROOT_KEYS, *_NOT_COLUMNS)
     non_tensor = (NonTensorData, NonTensorStack)
     return {k: (k,) for k in sample.keys() if k not in own and isinstance(sample.get(k), non_tensor)}

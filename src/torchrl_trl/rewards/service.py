@@ -273,13 +273,12 @@ class RewardServiceClient(RenderingScorer):
             eos_token_id=info["eos_token_id"], reward_key="reward",
         )  # fmt: skip
 
-    def _call(self, method: str, *args, timeout: float | None = None):
-        """``actor.method(*args)``, waited for at most ``timeout`` (default: ``self.timeout``)."""
+    def _call(self, method: str, *args):
+        """``actor.method(*args)``, waited for at most :attr:`timeout`."""
         ray = _require_ray()
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        timeout = self.timeout if timeout is None else timeout
-        owner = type(self).__name__
+        timeout, owner = self.timeout, type(self).__name__
         name = f"reward service {self.actor_name!r}" if self.actor_name else "the private reward service"
         try:
             ref = getattr(self.actor, method).remote(*args)
