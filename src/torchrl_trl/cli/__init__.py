@@ -56,9 +56,9 @@ def _require_dir(path: str | os.PathLike) -> Path:
 def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
     """``(ReplayBuffer, manifest)`` holding what :func:`torchrl_trl.save_buffer` wrote at ``path``.
 
-    The buffer has the manifest's storage kind (``LazyStackStorage`` or ``LazyTensorStorage``),
-    the saved length as capacity and the default sampler and writer. ``restore_state=True``
-    also restores the writer's state. Raises :class:`~torchrl_trl.model_paths.CLIError`.
+    The buffer has the manifest's storage kind, the saved length as capacity and the default sampler
+    and writer; ``restore_state=True`` also restores the writer's state. Raises
+    :class:`~torchrl_trl.cli.model_paths.CLIError`.
     """
     path = _require_dir(path)
     from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
@@ -84,8 +84,8 @@ def load_saved_buffer(path: str | os.PathLike, *, restore_state: bool = False):
 
 
 def _layout(td) -> str:
-    """``"padded (...)"``, ``"ragged (...)"``, ``"mixed (...)"`` or ``"no tokens"``, from
-    TorchRL's ``Tokens.padded`` flags when present, else from the stored widths."""
+    """``"padded (...)"``, ``"ragged (...)"``, ``"mixed (...)"`` or ``"no tokens"``, from TorchRL's
+    ``Tokens.padded`` flags when present, else from the stored widths."""
     from .. import layouts
 
     key = layouts.token_key("full")
@@ -231,8 +231,7 @@ def cmd_score(args) -> int:
     return 0
 
 
-def environment() -> dict[str, str]:
-    """Versions and devices, as ``torchrl-trl env`` prints them."""
+def cmd_env(args) -> int:
     from importlib.metadata import PackageNotFoundError, version
 
     info = {"torchrl-trl": __version__}
@@ -253,11 +252,6 @@ def environment() -> dict[str, str]:
         info["cuda"] = f"{torch.version.cuda} ({len(names)} device(s): {', '.join(names)})"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         info["mps"] = "available"
-    return info
-
-
-def cmd_env(args) -> int:
-    info = environment()
     width = max(map(len, info))
     for name, value in info.items():
         print(f"- {name + ':':{width + 1}} {value}")

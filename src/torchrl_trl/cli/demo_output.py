@@ -12,8 +12,7 @@ __all__ = ["plot_reward_curve", "quiet_libraries", "say", "summary_table", "writ
 
 
 def summary_table(results: dict) -> str:
-    """The before/after table the demo prints, one row per phase, from ``run_demo``'s results:
-    the true scores are of fresh answers to the task's held-out prompts."""
+    """The before/after table the demo prints, one row per phase, from ``run_demo``'s results."""
     grpo, sft, label = results["grpo"], results["sft_best_of_n"], results.get("score_label", "true score")
     rm_accuracy = results["reward_model"]["heldout_pairwise_accuracy"]
     rows = [
@@ -49,10 +48,9 @@ def write_outputs(results: dict, output_dir: Path) -> None:
 
 
 def plot_reward_curve(results: dict):
-    """The demo's ``reward_curve.png`` from ``run_demo``'s ``results``: per GRPO iteration, the
-    true score of its samples and, where measured, of fresh answers to the held-out prompts
-    before and after (left axis), and the reward model's score (right axis). Returns the pyplot
-    figure (needs ``matplotlib``: ``pip install 'torchrl-trl[demo]'``).
+    """The demo's ``reward_curve.png`` from ``run_demo``'s ``results``: per GRPO iteration, the true score
+    of its samples and of held-out answers before and after (left axis), and the reward model's score
+    (right axis). Returns the pyplot figure (needs ``matplotlib``).
 
     >>> fig = plot_reward_curve({"grpo": {"true_score": [0.18, 0.43], "rm_score": [-1.1, 1.4]}})
     >>> [line.get_label() for ax in fig.axes for line in ax.get_lines()]

@@ -92,19 +92,20 @@ class RowColumns:
     dataset's ``format=`` (a format name or :class:`~torchrl_trl.data.BufferFormat` is ``RowColumns(format)``).
 
     Args:
-        format (str or BufferFormat, optional): a registered format name (``"sft"``,
-            ``"grpo_conversational"``, ...: see :func:`~torchrl_trl.data.formats.available_formats`) or a
-            :class:`~torchrl_trl.data.BufferFormat`. Defaults to ``None`` (no format).
+        format (str or BufferFormat, optional): a registered format name (``"sft"``, ...: see
+            :func:`~torchrl_trl.data.formats.available_formats`) or a :class:`~torchrl_trl.data.BufferFormat`.
+            Defaults to ``None``.
         columns (mapping of str to NestedKey or callable, optional): ``{column: spec}``, ``spec`` a nested
             key or ``fn(batch) -> list`` (e.g. :meth:`torchrl_trl.online.StalenessFilter.weight_column`),
             yielded beside the format's. Defaults to ``None``.
 
     Keyword Args:
-        index_column (str, optional): yield each row's storage index (an int) under this column
-            name (e.g. for :func:`torchrl_trl.online.update_priorities`; needs
-            ``remove_unused_columns=False`` in the trainer's config). Defaults to ``None``.
+        index_column (str, optional): yield each row's storage index (an int) under this column name (e.g.
+            for :func:`torchrl_trl.online.update_priorities`; needs ``remove_unused_columns=False`` in the
+            trainer's config). Defaults to ``None``.
         sample_filter (callable, optional): ``fn(batch) -> bool tensor [B]``: rows where it is ``False`` are
-            not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`). Defaults to ``None``.
+            not yielded (e.g. :class:`torchrl_trl.online.StalenessFilter`), so an epoch pass yields fewer than
+            ``len(dataset)`` rows. Defaults to ``None``.
         tokenizer (transformers tokenizer, optional): the policy's tokenizer; its pad string is removed from
             decoded ``text``/``history`` (see :func:`torchrl_trl.layouts.read_text`). Defaults to ``None``.
 

@@ -28,35 +28,30 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     works with the same meaning; everything after ``num_batches`` is new.
 
     Args:
-        replay_buffer (ReplayBuffer): any TorchRL ``ReplayBuffer`` (tensor, memmap, list or
-            lazy-stack storage; LLM rollouts padded or ragged; plain dict rows).
+        replay_buffer (ReplayBuffer): any TorchRL ``ReplayBuffer`` (LLM rollouts padded or ragged, dict rows).
         batch_size (int): rows per vectorised read (a ``sample`` call, or a chunk of the pass).
 
     Keyword Args:
-        keys (list of NestedKey, optional): raw keys yielded as ``"a.b"`` columns, alone or
-            beside the format's (e.g. ``["answer"]`` for GRPO's reward functions). A key the
-            samples lack raises ``KeyError``. Defaults to ``None``: every leaf key when
-            ``format`` gives no column.
+        keys (list of NestedKey, optional): raw keys yielded as ``"a.b"`` columns, alone or beside the
+            format's (e.g. ``["answer"]`` for GRPO's reward functions). Defaults to ``None``: every leaf key
+            when ``format`` gives no column.
         device (torch.device or str, optional): tensors yielded by ``__iter__`` are moved there.
             Defaults to ``None``.
         num_batches (int or None, optional): ``sample`` calls per iterator (``None``:
             unbounded), as ``reading=OnlineSampling(num_batches)``. Defaults to ``1``.
-        format (str, BufferFormat or RowColumns, optional): the trainer's columns: a registered
-            format name (``"sft"``, ``"grpo_conversational"``, ...: see
-            :func:`~torchrl_trl.data.formats.available_formats`), a :class:`BufferFormat`, or a
-            :class:`RowColumns` (a format with named columns, the storage index, a row filter,
-            the policy tokenizer). Defaults to ``None``.
-        reading (str, EpochPass or OnlineSampling, optional): ``"online"`` (batches drawn by the
-            buffer's sampler), ``"epoch"`` (each item stored when a pass starts read once; has
-            ``__len__``), or :class:`~torchrl_trl.data.OnlineSampling` /
-            :class:`~torchrl_trl.data.EpochPass`. Defaults to ``None`` (``"online"``).
-        sharding (Sharding, optional): shards of the Hugging Face iterable; ``rank`` /
-            ``world_size`` to split ``__iter__``'s epoch pass over processes. Defaults to
+        format (str, BufferFormat or RowColumns, optional): the trainer's columns: a registered format name
+            (``"sft"``, ``"grpo_conversational"``, ...), a :class:`BufferFormat`, or a :class:`RowColumns`
+            (with named columns, the storage index, a row filter). Defaults to ``None``.
+        reading (str, EpochPass or OnlineSampling, optional): ``"online"`` (batches drawn by the buffer's
+            sampler), ``"epoch"`` (each item stored when a pass starts read once; has ``__len__``), or an
+            :class:`~torchrl_trl.data.OnlineSampling` / :class:`~torchrl_trl.data.EpochPass`. Defaults to
+            ``None`` (``"online"``).
+        sharding (Sharding, optional): shards of the Hugging Face iterable, ranks of ``__iter__``. Defaults to
             ``None`` (``Sharding()``).
 
     Yields:
-        ``dict[str, Any]`` rows: Python values for the format's and named columns; raw keys keep
-        upstream's types (tensors, non-tensor data). ``tokens.<part>`` keys: unpadded tokens.
+        ``dict[str, Any]`` rows: Python values for the format's and named columns; raw keys keep upstream's
+        types (tensors, non-tensor data).
 
     Two LLM rollouts as ``LLMCollector`` stores them, read once as TRL's tokenized SFT rows:
 
@@ -125,7 +120,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         return self._reading.mode
 
     def _check(self) -> dict[str, list]:
-        """The first stored rows' columns as Python values, after checking keys/format."""
+        """The first stored rows' columns as Python values, after checking keys and format."""
         self._reading.check(self._reader)
         peek = self._reader.fetch(torch.arange(min(len(self.replay_buffer), 2)))
         cols = self._columns.check(peek, python=True)
@@ -153,8 +148,8 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     out_keys = column_names
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch mixed into the shuffle seed; with several ranks (call it on every rank) it
-        also fixes the passes of ``epoch`` to the items rank 0 holds now."""
+        """The epoch mixed into the shuffle seed; with several ranks (call it on every rank) it also fixes
+        the passes of ``epoch`` to the items rank 0 holds now."""
         self._reader.set_epoch(epoch)
         self._pin_for_ranks()
 
@@ -167,13 +162,12 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         return self._reader.epoch
 
     def __len__(self) -> int:
-        """Epoch pass: ``num_passes * len(replay_buffer)`` times the rows of one stored item
-        (before ``sample_filter``)."""
+        """Epoch pass: ``num_passes * len(replay_buffer)`` times the rows of one stored item."""
         return self._reading.num_rows(self._reader)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Rows for this DataLoader worker (and ``rank``): online its own ``num_batches``
-        batches, epoch the chunks of the pass dealt round-robin over (rank, worker)."""
+        """Rows for this DataLoader worker (and ``rank``): online its own ``num_batches`` batches, epoch the
+        chunks of the pass dealt round-robin over (rank, worker)."""
         batches = self._reading.consumer_batches(
             self._reader, self._sharding.consumer(), rank=self._sharding.process()[0],
             with_index=self._columns.index_column is not None,
@@ -182,12 +176,10 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             yield from self._columns.rows(batch, python=False, index=index)
 
     def as_hf_dataset(self, *, map_style: bool = False, tensors: bool = False, **snapshot_kwargs):
-        """A ``datasets.IterableDataset`` declaring :attr:`features`, made of the sharding's
-        shards (``map_style=True``: :meth:`to_hf_dataset`). Rows hold Python values;
-        ``tensors=True``: the tensor and token columns of ``keys``/``columns`` as 1-D tensors,
-        one per row, ragged ones too (as upstream; a format's columns are what it builds). Its
-        ``set_epoch`` reaches this dataset. Epoch reading with several ranks: call it on every
-        rank (it broadcasts rank 0's buffer length)."""
+        """A ``datasets.IterableDataset`` declaring :attr:`features`, made of the sharding's shards
+        (``map_style=True``: :meth:`to_hf_dataset`); its ``set_epoch`` reaches this dataset. Rows hold Python
+        values; ``tensors=True``: the tensor columns of ``keys``/``columns`` as 1-D tensors, as upstream.
+        Epoch reading with several ranks: call it on every rank (it broadcasts rank 0's buffer length)."""
         if map_style:
             if tensors:
                 raise TypeError("TorchRLBufferDataset.as_hf_dataset: tensors=True is for the iterable; use "

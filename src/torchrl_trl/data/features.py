@@ -1,6 +1,5 @@
-"""The values of the columns this package yields and their ``datasets.Features``: integer
-rows as :class:`ArrayRow` lists (one array for TRL's collators), features declared by formats,
-else inferred from the first converted batch (with the source tensor dtype when known)."""
+"""Column values and their ``datasets.Features``: integer rows as :class:`ArrayRow` lists, features
+declared by formats, else inferred from the first converted batch (with the source tensor dtype)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 
 from ..layouts import Ragged
 
-__all__ = ["ArrayRow", "array_rows", "infer_feature", "messages", "string", "to_pylist", "token_list", "value"]
+__all__ = ["ArrayRow", "array_rows", "infer_feature", "messages", "to_pylist", "token_list", "value"]
 
 _CPU_DEVICE = np.empty(0).__dlpack_device__()  # (kDLCPU, 0)
 
@@ -26,15 +25,10 @@ _DTYPES[torch.bfloat16] = "float32"  # Arrow has no bfloat16
 
 
 def value(dtype: str = "string"):
-    """``datasets.Value(dtype)``."""
+    """``datasets.Value(dtype)``; a string by default."""
     from datasets import Value
 
     return Value(dtype)
-
-
-def string():
-    """``datasets.Value("string")``."""
-    return value("string")
 
 
 def token_list(dtype: str = "int64"):
@@ -48,7 +42,7 @@ def messages():
     """``List({"role": string, "content": string})``: TRL's conversational format."""
     from datasets import List
 
-    return List({"role": string(), "content": string()})
+    return List({"role": value(), "content": value()})
 
 
 def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
@@ -88,7 +82,7 @@ def infer_feature(values: Sequence[Any], dtype: torch.dtype | None = None):
 
 
 def to_pylist(values: Any) -> list:
-    """A column (:func:`~torchrl_trl.data.columns.read_key_columnar`) as one Python value per row (integer and bool
+    """A column (:func:`~torchrl_trl.data.columns.read_key_columnar`) as one Python value per row (integer
     sequences as :class:`ArrayRow` lists).
 
     >>> import torch
@@ -110,12 +104,9 @@ def to_pylist(values: Any) -> list:
 
 
 class ArrayRow(list):
-    """A plain Python list of integers or bools that hands ``torch.tensor(row)`` its values
-    as one private array copy through DLPack (TRL's collators call ``torch.tensor`` on
-    every row). A slice is an ``ArrayRow`` of the same array (``SFTTrainer`` truncates rows by
-    slicing before collating), so indexing runs in Python (about 0.2 us, ten times a list's).
-    An in-place change of the list drops the array. An empty row gives an int64 tensor (an
-    empty ``list`` gives float32).
+    """A plain list of ints or bools that hands ``torch.tensor(row)`` (TRL's collators, per row) its values
+    as one private array copy through DLPack. A slice keeps the array (``SFTTrainer`` truncates by slicing);
+    an in-place change drops it. An empty row gives an int64 tensor (an empty ``list`` gives float32).
 
     >>> import numpy as np, torch
     >>> row = ArrayRow.from_array(np.array([5, 6, 7]))
@@ -132,7 +123,7 @@ class ArrayRow(list):
 
     @classmethod
     def from_array(cls, array: np.ndarray, values: list | None = None) -> ArrayRow:
-        """The row of 1-D int64 or bool ``array``; ``values``: ``array.tolist()`` if made."""
+        """The row of 1-D int64 or bool ``array``; ``values``: ``array.tolist()`` if already made."""
         row = cls(array.tolist() if values is None else values)
         row._array = array
         return row

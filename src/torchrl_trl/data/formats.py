@@ -33,12 +33,11 @@ class BufferFormat:
 
     Args:
         name (str): registry name.
-        required_keys (tuple of NestedKey): keys every sample must hold (checked before the
-            first batch).
-        convert (callable): ``convert(batch: TensorDictBase) -> dict[str, list]``, one value
-            per row (the batch's leading dims flattened).
-        features (callable): ``features() -> dict[str, datasets feature]`` for the columns
-            ``convert`` returns (a callable so ``datasets`` is imported only when used).
+        required_keys (tuple of NestedKey): keys every sample must hold (checked before the first batch).
+        convert (callable): ``convert(batch: TensorDictBase) -> dict[str, list]``, one value per row (the
+            batch's leading dims flattened).
+        features (callable): ``features() -> dict[str, datasets feature]`` for the columns ``convert``
+            returns (a callable so ``datasets`` is imported only when used).
         description (str, optional): one line for docs and ``repr``. Defaults to ``""``.
 
     A format of one's own (register it to use it by name, see :func:`register_format`):
@@ -76,22 +75,20 @@ _FORMATS: dict[str, BufferFormat] = {}
 
 
 def register_format(fmt: BufferFormat, *, overwrite: bool = False) -> BufferFormat:
-    """Add ``fmt`` to the registry under ``fmt.name`` and return it; ``ValueError`` when the
-    name is taken, unless ``overwrite``.
+    """Add ``fmt`` to the registry under ``fmt.name`` and return it; ``ValueError`` when the name is taken.
 
     Args:
         fmt (BufferFormat): the format.
 
     Keyword Args:
-        overwrite (bool, optional): replace a format registered under the same name. Defaults
-            to ``False``.
+        overwrite (bool, optional): replace a format registered under the same name. Defaults to ``False``.
 
     >>> from torchrl_trl import layouts
     >>> from torchrl_trl.data import features
     >>> answers = register_format(BufferFormat(
     ...     "answers_only", (layouts.text_key("response"),),
     ...     convert=lambda td: {"completion": layouts.read_text(td, "response")},
-    ...     features=lambda: {"completion": features.string()}), overwrite=True)
+    ...     features=lambda: {"completion": features.value()}), overwrite=True)
     >>> get_format("answers_only") is answers
     True
     >>> register_format(answers)
@@ -110,8 +107,7 @@ def register_format(fmt: BufferFormat, *, overwrite: bool = False) -> BufferForm
 
 
 def get_format(fmt: str | BufferFormat) -> BufferFormat:
-    """A registered format by name (or ``fmt`` itself); an unknown name raises
-    ``ValueError`` listing the registered ones.
+    """A registered format by name (or ``fmt`` itself); an unknown name raises ``ValueError``.
 
     Args:
         fmt (str or BufferFormat): a registered name, or a format (returned as it is).
@@ -141,7 +137,7 @@ def available_formats() -> list[str]:
 # Built-in formats. Text columns are read from ("text", part) (prompts with the chat template
 # applied, as TorchRL stores them), conversational ones from ("history", part) as messages.
 _KINDS = {  # kind: (read(td, part) -> one value per row, key(part) -> nested key, its datasets feature)
-    "text": (layouts.read_text, layouts.text_key, F.string),
+    "text": (layouts.read_text, layouts.text_key, F.value),
     "history": (layouts.read_history, layouts.history_key, F.messages),
 }
 _PAIR_PARTS = ((CHOSEN_KEY, "prompt"), (CHOSEN_KEY, "response"), (REJECTED_KEY, "prompt"), (REJECTED_KEY, "response"))

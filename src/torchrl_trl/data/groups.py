@@ -38,17 +38,13 @@ class SkipStats:
     Args:
         op (str): the builder (``"best_of_n"``, ``"preference_pairs"``, ...).
         rollouts (int, optional): rollouts read from the input. Defaults to ``0``.
-        groups (int, optional): complete groups found (before the builder's own skips).
-            Defaults to ``0``.
-        used_groups (int, optional): groups that produced at least one output row. Defaults
-            to ``0``.
-        rows (int, optional): output rows written (pairs, KTO rows, best-of-n rollouts).
-            Defaults to ``0``.
-        skipped (Counter, optional): ``{reason: count}``: ``"nonfinite_reward"``,
-            ``"incomplete_group"`` (and ``"incomplete_group_rollouts"``), ``"singleton_group"``,
-            ``"tied_group"``, ``"tied_pair"``, ``"below_margin"``, ``"tied_at_cut"``,
-            ``"middle_rollout"``, ``"below_min_reward"``, ``"group_not_larger_than_k"``.
-            Defaults to an empty ``Counter``.
+        groups (int, optional): complete groups found (before the builder's own skips). Defaults to ``0``.
+        used_groups (int, optional): groups that produced at least one output row. Defaults to ``0``.
+        rows (int, optional): output rows written (pairs, KTO rows, best-of-n rollouts). Defaults to ``0``.
+        skipped (Counter, optional): ``{reason: count}``: ``"nonfinite_reward"``, ``"incomplete_group"`` (and
+            ``"incomplete_group_rollouts"``), ``"singleton_group"``, ``"tied_group"``, ``"tied_pair"``,
+            ``"below_margin"``, ``"tied_at_cut"``, ``"middle_rollout"``, ``"below_min_reward"``,
+            ``"group_not_larger_than_k"``. Defaults to an empty ``Counter``.
 
     >>> stats = SkipStats(op="my_builder", rollouts=6, groups=2)
     >>> stats.skip("tied_group")
@@ -96,8 +92,7 @@ class Groups:
 
     Attributes:
         rollouts: the rollouts ``[N]``; rewards: their float rewards ``[N]``.
-        ids: each group's id (str, number or tuple); members: its int64 indices into
-            ``rollouts``, in arrival order.
+        ids: each group's id (str, number or tuple); members: its int64 indices into ``rollouts``, in order.
         stats: the :class:`SkipStats` of what was left out.
     """
 
@@ -182,19 +177,17 @@ def find_groups(rollouts, *, group_key: NestedKey = "query", reward_key: NestedK
     """Group scored rollouts by prompt.
 
     Args:
-        rollouts (ReplayBuffer or TensorDictBase): a ``ReplayBuffer`` (all it stores is read)
-            or a TensorDict of rollouts, each with a group id at ``group_key`` and one reward at
-            ``reward_key``.
+        rollouts (ReplayBuffer or TensorDictBase): a ``ReplayBuffer`` (all it stores is read) or a TensorDict
+            of rollouts, each with a group id at ``group_key`` and one reward at ``reward_key``.
 
     Keyword Args:
-        group_key (NestedKey, optional): the group id (``MCAdvantage``'s ``prompt_key``):
-            string or tensor. Defaults to ``"query"``.
-        reward_key (NestedKey, optional): the reward, ``[*, 1, 1]`` as TorchRL's GRPO
-            pipeline writes it. Defaults to ``("next", "reward")``.
-        group_size (int, optional): ``None``: all rollouts sharing an id form one group
-            (groups of one skipped). An int: as ``MCAdvantage(grpo_size=...)``, every
-            ``group_size`` rollouts of an id close a group, in arrival order (a remainder is
-            skipped). Defaults to ``None``.
+        group_key (NestedKey, optional): the group id (``MCAdvantage``'s ``prompt_key``): string or tensor.
+            Defaults to ``"query"``.
+        reward_key (NestedKey, optional): the reward, ``[*, 1, 1]`` as TorchRL's GRPO pipeline writes it.
+            Defaults to ``("next", "reward")``.
+        group_size (int, optional): ``None``: all rollouts sharing an id form one group (groups of one
+            skipped). An int: as ``MCAdvantage(grpo_size=...)``, every ``group_size`` rollouts of an id close
+            a group, in arrival order (a remainder is skipped). Defaults to ``None``.
         op (str, optional): the name used in stats and messages. Defaults to ``"find_groups"``.
 
     Returns:

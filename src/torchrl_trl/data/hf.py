@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from .columns import RowColumns
@@ -14,18 +15,17 @@ from .sharding import Sharding
 __all__ = ["HFBatches", "iterable_dataset", "snapshot"]
 
 
+@dataclass(eq=False)
 class HFBatches:
     """Picklable source of column batches: ``self(shard_ids)`` yields ``(key, {column: values})``
     (``python``: their form, see :meth:`RowColumns.convert`); ``rank`` is mixed into seeds."""
 
-    def __init__(self, reader: BufferReader, reading: ReadingStrategy, columns: RowColumns, num_shards: int,
-                 rank: int = 0, python: bool | str = "columnar") -> None:
-        self.reader = reader
-        self.reading = reading
-        self.columns = columns
-        self.num_shards = num_shards
-        self.rank = rank
-        self.python = python
+    reader: BufferReader
+    reading: ReadingStrategy
+    columns: RowColumns
+    num_shards: int
+    rank: int = 0
+    python: bool | str = "columnar"
 
     def start_pass(self, pass_index: int, first: bool) -> dict[str, Any]:
         """Called once per pass, before its shards are read."""

@@ -62,10 +62,9 @@ def preference_pairs(rollouts, *, strategy: Literal["best_vs_worst", "all"] = "b
         rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and one reward.
 
     Keyword Args:
-        strategy (str, optional): ``"best_vs_worst"``: one pair per group, the highest-reward
-            completion (first in arrival order among equals) against the lowest; ``"all"``:
-            every pair of the group whose reward gap is above ``margin``. Defaults to
-            ``"best_vs_worst"``.
+        strategy (str, optional): ``"best_vs_worst"``: one pair per group, the highest-reward completion (first
+            in arrival order among equals) against the lowest; ``"all"``: every pair of the group whose reward
+            gap is above ``margin``. Defaults to ``"best_vs_worst"``.
         margin (float, optional): a pair is kept only when ``reward_chosen - reward_rejected > margin``
             (ties are always skipped). Defaults to ``0.0``.
         reward_key (NestedKey, optional): the reward. Defaults to ``("next", "reward")``.
@@ -144,11 +143,10 @@ def kto_rows(rollouts, *, threshold: float | None = None, k: int | None = None,
         rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and one reward.
 
     Keyword Args:
-        threshold (float, optional): a number: every rollout is a row, desirable
-            (``label=True``) when its reward is ``>= threshold``, no grouping. ``None``: within
-            each group the ``k`` best are desirable, the ``k`` worst not; rewards on both sides
-            of the cut, the middle of an odd group, all-tied groups and groups of one are
-            skipped. Defaults to ``None``.
+        threshold (float, optional): a number: every rollout is a row, desirable (``label=True``) when its
+            reward is ``>= threshold``, no grouping. ``None``: within each group the ``k`` best are desirable,
+            the ``k`` worst not; rewards on both sides of the cut, the middle of an odd group, all-tied groups
+            and groups of one are skipped. Defaults to ``None``.
         k (int, optional): rank mode: completions per side. Defaults to ``None`` (``len(group) // 2``).
         reward_key (NestedKey, optional): the reward. Defaults to ``("next", "reward")``.
         group_key (NestedKey, optional): the group id. Defaults to ``"query"``.
@@ -209,13 +207,13 @@ def best_of_n(rollouts, *, k: int = 1, reward_key: NestedKey = layouts.REWARD_KE
         rollouts (ReplayBuffer or TensorDictBase): scored rollouts, each with a group id and one reward.
 
     Keyword Args:
-        k (int, optional): completions kept per group (ties broken by arrival order); groups of
-            ``k`` or fewer and all-tied groups are skipped. Defaults to ``1``.
+        k (int, optional): completions kept per group (ties broken by arrival order); groups of ``k`` or fewer
+            and all-tied groups are skipped. Defaults to ``1``.
         reward_key (NestedKey, optional): the reward. Defaults to ``("next", "reward")``.
         group_key (NestedKey, optional): the group id. Defaults to ``"query"``.
         group_size (int, optional): as :func:`~torchrl_trl.data.groups.find_groups`. Defaults to ``None``.
-        min_reward (float, optional): also drop kept completions whose reward is ``< min_reward``
-            (counted as ``"below_min_reward"``). Defaults to ``None``.
+        min_reward (float, optional): also drop kept completions whose reward is ``< min_reward``. Defaults to
+            ``None``.
 
     Returns:
         a new ``ReplayBuffer(LazyStackStorage)`` of the kept rollouts (tensors shared); ``.build_stats``: the

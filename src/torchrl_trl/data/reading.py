@@ -231,12 +231,11 @@ class EpochPass:
     """Read each item stored when a pass begins exactly once per pass.
 
     Args:
-        shuffle (bool, optional): visit the items in an order drawn from ``(seed, epoch)``
-            (else storage order). Defaults to ``False``.
+        shuffle (bool, optional): visit the items in an order drawn from ``(seed, epoch)`` (else storage
+            order). Defaults to ``False``.
         seed (int, optional): the shuffle seed; must be equal on every rank. Defaults to ``0``.
-        num_passes (int or None, optional): passes one iterator makes, pass ``k`` in the order
-            of epoch ``epoch + k`` (``None``: endless, e.g. for a trainer driven by
-            ``max_steps``). Defaults to ``1``.
+        num_passes (int or None, optional): passes one iterator makes, pass ``k`` in the order of epoch
+            ``epoch + k`` (``None``: endless, e.g. for a trainer driven by ``max_steps``). Defaults to ``1``.
 
     >>> import torch
     >>> from tensordict import TensorDict
@@ -318,11 +317,10 @@ class OnlineSampling:
     """Draw batches with the replay buffer's own sampler, as upstream's dataset does.
 
     Args:
-        num_batches (int or None, optional): batches drawn per iterator (``None``: unbounded):
-            by each DataLoader worker, split over the Hugging Face iterable's shards. Defaults
-            to ``1``.
-        seed (int, optional): base seed of the sampling streams, one per (rank, worker or
-            shard, iteration). Defaults to ``None`` (``torch.initial_seed()``).
+        num_batches (int or None, optional): batches drawn per iterator (``None``: unbounded): by each
+            DataLoader worker, split over the Hugging Face iterable's shards. Defaults to ``1``.
+        seed (int, optional): base seed of the sampling streams, one per (rank, worker or shard, iteration).
+            Defaults to ``None`` (``torch.initial_seed()``).
 
     >>> import torch
     >>> from tensordict import TensorDict

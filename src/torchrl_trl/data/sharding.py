@@ -1,6 +1,5 @@
-"""Who reads what: epoch orders cut into contiguous shards (split over ranks and DataLoader
-workers, each item is read once), per-rank/per-worker random streams, and, beside a live
-writer, one buffer length per pass shared by every reader of it (:class:`PassLengths`)."""
+"""Who reads what: epoch orders cut into contiguous shards over ranks and DataLoader workers, per-rank
+and per-worker random streams, and one buffer length per pass for all its readers (:class:`PassLengths`)."""
 
 from __future__ import annotations
 
@@ -39,12 +38,10 @@ class Sharding:
     DataLoader workers and Hugging Face shards.
 
     Args:
-        num_shards (int, optional): shards of the Hugging Face iterable, split over ranks and
-            workers. Defaults to ``None``: ``4 * world_size`` for epoch reading, ``world_size``
-            online.
-        rank (int, optional): this process's rank, for ``TorchRLBufferDataset.__iter__`` only:
-            split an epoch pass over processes (a plain ``DataLoader``); leave unset when a
-            trainer shards. Defaults to ``None``.
+        num_shards (int, optional): shards of the Hugging Face iterable, split over ranks and workers.
+            Defaults to ``None``: ``4 * world_size`` for epoch reading, ``world_size`` online.
+        rank (int, optional): this process's rank, for ``TorchRLBufferDataset.__iter__`` only: split an epoch
+            pass over processes (a plain ``DataLoader``); leave unset when a trainer shards. Defaults to ``None``.
         world_size (int, optional): the number of processes, with ``rank``. Defaults to ``None``.
 
     >>> s = Sharding(rank=1, world_size=2)
@@ -69,8 +66,8 @@ class Sharding:
             self.process()  # joins the running group: nothing is started
 
     def process(self) -> tuple[int, int]:
-        """``(rank, world_size)`` from accelerate's ``PartialState``, read once in the main process; a
-        DataLoader worker uses its parent's read (else ``(0, 1)`` without a process group)."""
+        """``(rank, world_size)`` from accelerate's ``PartialState``, read once in the main process (a
+        DataLoader worker uses its parent's)."""
         if self._process is None:
             if _in_worker() and not _distributed():
                 return 0, 1
@@ -148,13 +145,9 @@ def broadcast_length(n: int) -> int:
 
 
 class PassLengths:
-    """``len(buffer)`` taken once per epoch pass and shared by everyone reading that pass.
-
-    The DataLoader workers of one loader iteration use the length worker 0 took when it
-    began (worker 0 starts first, so every worker's copy holds those items); later passes
-    take a new length (the first worker there, under a file lock) only where workers see
-    new writes. :meth:`pin` fixes the length of the passes of ``epoch`` (e.g. rank 0's).
-    """
+    """``len(buffer)`` taken once per epoch pass and shared by everyone reading that pass: the length
+    worker 0 took when the loader iteration began; a later pass takes a new one (the first worker there,
+    under a file lock) only where workers see new writes. :meth:`pin` fixes it for ``epoch`` (rank 0's)."""
 
     def __init__(self, slots: int = 64, timeout: float = 120.0) -> None:
         # (key, pass, n) per slot; pin: (epoch, n)
@@ -179,8 +172,8 @@ class PassLengths:
         return int(self._pin[1]) if int(self._pin[0]) == epoch else take()
 
     def length(self, epoch: int, *, first: bool, pass_index: int, take: Callable[[], int], live: bool) -> int:
-        """The length pass ``pass_index`` of ``epoch`` reads (``first``: this iteration's first;
-        ``take()`` reads it; ``live``: see :func:`torchrl_trl._buffers.readable_length`)."""
+        """The length pass ``pass_index`` of ``epoch`` reads (``first``: this iteration's first; ``take()``
+        reads it; ``live``: see :func:`torchrl_trl._buffers.readable_length`)."""
         info = torch.utils.data.get_worker_info()
         if info is None:
             return self._take(epoch, take)
