@@ -71,8 +71,8 @@ class RenderingScorer:
     reward_key: NestedKey
     reward_shape: RewardShape
 
-    def _bind_renderer(self, renderer: RewardRenderer, loaded_tokenizer, *, token_key, attention_mask_key,
-                       eos_token_id, reward_key) -> None:  # fmt: skip
+    def _bind_renderer(self, renderer: RewardRenderer, loaded_tokenizer, *, eos_token_id, token_key=None,
+                       attention_mask_key=layouts.ATTENTION_MASK_KEY, reward_key: NestedKey = "reward") -> None:
         """Bind ``renderer`` to its tokenizer (else ``loaded_tokenizer``) and the keys."""
         tokenizer = loaded_tokenizer if renderer.tokenizer is None else renderer.tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -100,8 +100,7 @@ class RenderingScorer:
         where = f"{mode} at {self.renderer.in_keys(mode)[0]!r}"
         return self.score_ids(self.renderer.render(tensordict, mode), where=where)
 
-    def score_outputs(self, tensordict: TensorDictBase,
-                      columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
+    def score_outputs(self, tensordict: TensorDictBase, columns_td: TensorDictBase | None = None) -> list[torch.Tensor]:
         """``[score(tensordict)]`` (the :class:`~torchrl_trl.rewards.RewardTransform` API)."""
         return [self.score(tensordict)]
 
@@ -186,15 +185,14 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         self._text_config = text_config
         self.max_length = batching.max_length or getattr(text_config, "max_position_embeddings", None)
         self.num_embeddings = embedding_size(model)
-        tokenizer = loaded_tok if renderer.tokenizer is None else renderer.tokenizer
-        check_tokenizer_fits(tokenizer, self.num_embeddings, name)
-        self.pad_token_id = self._resolve_pad(batching.pad_token_id)
         eos = getattr(text_config, "eos_token_id", None)
         self._bind_renderer(
             renderer, loaded_tok, token_key=token_key, attention_mask_key=attention_mask_key,
             eos_token_id=eos[0] if isinstance(eos, (list, tuple)) and eos else eos,
             reward_key=reward_key,
         )  # fmt: skip
+        check_tokenizer_fits(self.tokenizer, self.num_embeddings, name)
+        self.pad_token_id = self._resolve_pad(batching.pad_token_id)
         # a stand-in module (no config, no pad id): stored ids + mask go in as given
         self._as_given = text_config is None and self.pad_token_id is None
         self._model_takes_mask = _takes_argument(model, "attention_mask")

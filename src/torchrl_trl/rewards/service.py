@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import layouts
 from .._checks import config_or_default
 from .._token_ids import check_integer_ids, check_token_ids
 from ..layouts import Ragged
@@ -268,10 +267,7 @@ class RewardServiceClient(RenderingScorer):
 
             trust = bool(settings["model_kwargs"].get("trust_remote_code", False))
             loaded = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust)
-        self._bind_renderer(
-            renderer, loaded, token_key=None, attention_mask_key=layouts.ATTENTION_MASK_KEY,
-            eos_token_id=info["eos_token_id"], reward_key="reward",
-        )  # fmt: skip
+        self._bind_renderer(renderer, loaded, eos_token_id=info["eos_token_id"])
 
     def _call(self, method: str, *args):
         """``actor.method(*args)``, waited for at most :attr:`timeout`."""
