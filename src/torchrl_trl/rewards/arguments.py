@@ -29,13 +29,7 @@ _DECODE = "pass tokenizer= (the policy's) to decode prompts and completions from
 
 
 def input_keys(input_mode: InputMode, columns: Mapping[str, tuple] | None, *, tokenizer: bool = False) -> list[NestedKey]:
-    """Every key the arguments may be read from: prompt/response keys of ``input_mode``, tokens,
-    mask and ``columns``.
-
-    >>> input_keys("text", {"answer": ("answer",)})  # doctest: +NORMALIZE_WHITESPACE
-    [('text', 'prompt'), ('text', 'response'), ('tokens', 'response'),
-     ('masks', 'all_attention_mask'), ('answer',)]
-    """
+    """Every key the arguments may be read from: prompt/response keys of ``input_mode``, tokens, mask, ``columns``."""
     history = [layouts.history_key("prompt"), layouts.history_key("response")]
     text = [layouts.text_key("prompt"), layouts.text_key("response")]
     keys = {"history": history, "text": text, "tokens": []}.get(input_mode, history + text)
@@ -149,15 +143,7 @@ def per_completion_items(call_kwargs: dict, n: int, n_funcs: int = 1) -> tuple[l
 
 
 def check_signature(func: Callable, name: str, provided: Sequence[str], owner: str) -> None:
-    """A ``KeyError`` if ``func`` requires an argument not in ``provided``, a ``TypeError`` if it
-    does not accept one that is.
-
-    >>> def needs_solution(prompts, completions, solution, **kw): ...
-    >>> check_signature(needs_solution, "needs_solution", ["prompts", "completions", "answer"], "Scorer")
-    Traceback (most recent call last):
-    ...
-    KeyError: "Scorer: reward function 'needs_solution' requires the argument 'solution', not a column passed (['answer']); expected columns={'solution': <key>}"
-    """
+    """A ``KeyError`` if ``func`` requires an argument not ``provided``, a ``TypeError`` if it refuses one."""
     try:
         sig = inspect.signature(func)
     except (TypeError, ValueError):
@@ -182,11 +168,7 @@ def check_signature(func: Callable, name: str, provided: Sequence[str], owner: s
 
 
 def declares(func: Callable, arg: str) -> bool:
-    """Whether ``func``'s signature names ``arg`` (not just ``**kwargs``).
-
-    >>> declares(lambda prompts, completion_ids, **kw: None, "completion_ids")
-    True
-    """
+    """Whether ``func``'s signature names ``arg`` (not just ``**kwargs``)."""
     try:
         return arg in inspect.signature(func).parameters
     except (TypeError, ValueError):
@@ -194,11 +176,7 @@ def declares(func: Callable, arg: str) -> bool:
 
 
 def is_conversational(prompts: Sequence[Any]) -> bool:
-    """Whether TRL reads these prompts as chat (``trl.data_utils.is_conversational``).
-
-    >>> is_conversational([[{"role": "user", "content": "hi"}]]), is_conversational(["hi"])
-    (True, False)
-    """
+    """Whether TRL reads these prompts as chat (``trl.data_utils.is_conversational``)."""
     from trl.data_utils import is_conversational as trl_is_conversational
 
     if not prompts or (isinstance(prompts[0], list) and not prompts[0]):

@@ -109,11 +109,7 @@ def call_function(func: Callable, name: str, kwargs: dict, timeout: float | None
 def call_functions(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict, timeout: float | None,
                    owner: str) -> list[list[float | None]]:
     """Each function called once on the whole batch (async ones concurrently): one validated list
-    of rewards per function (``None`` kept).
-
-    >>> call_functions([lambda prompts, **kw: [1.0, None]], ["f"], {"prompts": ["a", "b"]}, None, "Scorer")
-    [[1.0, None]]
-    """
+    of rewards per function (``None`` kept)."""
     from trl.trainer.utils import is_async_callable
 
     n = len(kwargs["prompts"])

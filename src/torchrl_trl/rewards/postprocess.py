@@ -127,11 +127,7 @@ def extract_scores(out: Any) -> torch.Tensor:
 
 
 def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> torch.Tensor:
-    """``[n]`` or ``[n, k]`` model scores -> ``[n]``; a multi-label head needs ``head_index``.
-
-    >>> select_head(torch.tensor([[0.1, 0.9], [0.2, 0.8]]), 1, 2)
-    tensor([0.9000, 0.8000])
-    """
+    """``[n]`` or ``[n, k]`` model scores -> ``[n]``; a multi-label head needs ``head_index``."""
     if logits.ndim == 1 and logits.shape[0] == n_rows:
         if head_index not in (None, 0):
             raise ValueError(f"HFRewardModelWrapper: RewardOutput(head_index={head_index}) given, expected a "
