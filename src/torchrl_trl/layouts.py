@@ -408,7 +408,8 @@ def read_history(td: TensorDictBase, part: Part = "full", *, tokenizer: Any = No
 
 def _rebuilt_history(b: Batch, part: Part, replies: list[str], tokenizer: Any) -> list[list[dict[str, str]]]:
     """The stored prompt turns, then each reply decoded from its rebuilt tokens (without its EOS)."""
-    eos = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) if tokenizer.eos_token_id is not None else None
+    eos = tokenizer.eos_token_id
+    eos = None if eos is None else tokenizer.decode([eos], skip_special_tokens=False)
     messages = [[{"role": "assistant", "content": r[: -len(eos)] if eos and r.endswith(eos) else r}] for r in replies]
     if part == "response":
         return messages

