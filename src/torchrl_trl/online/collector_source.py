@@ -221,8 +221,7 @@ class CollectorGroups:
         self.started = True
 
     def _install_boundary(self) -> None:
-        """Chain a ``post_collect_hook`` that holds the collector between two batches while
-        :meth:`paused` holds it, or while its batch would exceed ``max_pending_groups``."""
+        """A ``post_collect_hook`` holding the collector while :meth:`paused` or ``max_pending_groups`` says so."""
         previous = self.collector.post_collect_hook
 
         def between_batches(batch: TensorDictBase) -> None:
@@ -389,8 +388,7 @@ class CollectorGroups:
         return self._warnings.counts["missed"]
 
     def _split(self, items: TensorDictBase, *, aligned: bool) -> None:
-        """Queue ``items`` as groups ``(version, steps)`` of ``G`` consecutive episodes sharing the group key;
-        not ``aligned`` (older items overwritten): a leading partial group is skipped and counted."""
+        """Queue ``items`` as ``(version, steps)`` groups; not ``aligned``: a leading partial one is skipped."""
         bounds = _episode_bounds(items)
         if not aligned and bounds:  # drop a first episode whose first steps were overwritten
             start, end = bounds[0]

@@ -220,8 +220,7 @@ class TorchRLRolloutFunc:
             return self.rollout(prompts, group_size=group_size, version=version, logprobs=self._logprobs_mode(trainer))
 
     def _collected(self, prompts: list, trainer) -> RolloutBatch:
-        """TRL's batch from whole groups the collector wrote: fresh ones within ``max_staleness``,
-        then reused ones, waiting for fresh ones only for what is still missing."""
+        """TRL's batch from the collector's groups: fresh ones ready now, reused ones, then fresh ones waited for."""
         groups = self.groups
         g = groups.group_size = _group_size(trainer, len(prompts), self.options.group_size or groups.group_size)
         version = self._sync_collector(trainer)
@@ -248,8 +247,7 @@ class TorchRLRolloutFunc:
         return batch
 
     def _sync_collector(self, trainer) -> int:
-        """Push the trainer's weights to the collector when ``global_step`` changed, start it;
-        returns its policy version (the consumer version staleness is measured against)."""
+        """Push the trainer's weights when ``global_step`` changed, start the collector; return its policy version."""
         groups = self.groups
         if trainer is not None:
             step = int(trainer.state.global_step)
