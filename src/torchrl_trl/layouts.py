@@ -73,8 +73,7 @@ def history_key(part: Part) -> NestedKey:
 
 
 def has_key(td: TensorDictBase, key: NestedKey) -> bool:
-    """Whether ``key`` is set (and not ``None``) in every sample of ``td``, even where its
-    values cannot be stacked (lazy stacks, also inside a dense tensordict).
+    """Whether ``key`` is set (and not ``None``) in every sample of ``td``, even where its values cannot be stacked.
 
     >>> from tensordict import TensorDict
     >>> td = TensorDict({"tokens": {"full": torch.tensor([[5, 6], [7, 8]])}}, [2])
@@ -214,9 +213,8 @@ def _padding_loss(b: Batch, *, repairable: bool = False) -> int | None:
 
 @reads_once
 def read_column(td: TensorDictBase, key: NestedKey, *, stack: bool = False) -> list[Any] | torch.Tensor:
-    """Per-sample values at ``key``: Python objects for non-tensor data, tensors (one per
-    sample, ragged allowed) otherwise; with ``stack=True``, one tensor ``[B, ...]`` where every
-    sample holds a tensor of one shape."""
+    """Per-sample values at ``key``: Python objects for non-tensor data, else tensors (ragged allowed);
+    with ``stack=True``, one ``[B, ...]`` tensor where every sample holds a tensor of one shape."""
     b = batch_of(td)
     b.require(key, "read_column")
     if stack and (stacked := b.stacked(key)) is not None:
