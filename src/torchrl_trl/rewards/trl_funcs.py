@@ -21,7 +21,7 @@ from torchrl_trl import _compat, layouts
 from torchrl_trl._checks import WarnOnce, key_tuple, strip_next
 
 from .arguments import TRL_EXTRA_KWARGS, as_messages, check_signature, declares, is_conversational, rollouts_from_trl
-from .calling import FailureCounter, call_function, call_functions, run_with_timeout, score_items
+from .calling import FailureCounter, call_function, call_functions, function_names, run_with_timeout, score_items
 from .executors import RewardExecutor, reward_executor
 from .scheduler import warm_up
 
@@ -82,9 +82,7 @@ class TRLRewardFunc:
         self.tokenizer = tokenizer
         self.is_trl_function = is_trl_function(reward)
         if name is None and self.is_trl_function:
-            from trl.trainer.utils import get_callable_name
-
-            name = get_callable_name(reward)
+            name = function_names([reward])[0]  # TRL's name
         self.__name__ = name or _default_name(reward)
         self.reward_key = reward_key
         self.columns = list(columns) if columns is not None else None
