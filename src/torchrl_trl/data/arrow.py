@@ -1,8 +1,6 @@
-"""Column batches -> ``datasets``: an examples iterable whose rows are already typed, so
-``datasets`` encodes nothing per row; its Arrow path builds one ``pyarrow.Table`` per batch.
-
-A column batch is ``{name: values}``, ``values`` a list, a tensor ``[B, ...]`` or a
-:class:`~torchrl_trl.layouts.Ragged`. This module imports ``datasets``.
+"""Column batches -> ``datasets``: an examples iterable whose rows are already typed (``datasets`` encodes
+nothing per row); its Arrow path builds one ``pyarrow.Table`` per batch. A column batch is ``{name: values}``,
+``values`` a list, a tensor ``[B, ...]`` or a :class:`~torchrl_trl.layouts.Ragged`. Imports ``datasets``.
 """
 
 from __future__ import annotations

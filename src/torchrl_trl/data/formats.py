@@ -1,9 +1,6 @@
-"""Formats: :class:`BufferFormat`, the registry, and the built-ins (their columns:
-``docs/source/formats.md``).
-
-Online trainers (SFT, GRPO, RLOO) read TorchRL's LLM layout. Offline ones read
-:mod:`~torchrl_trl.data.preference` rows: ``"chosen"``/``"rejected"`` rollouts of one prompt and
-a float ``"margin"`` (DPO, RewardTrainer), or a rollout and a bool ``"label"`` (KTO).
+"""Formats: :class:`BufferFormat`, the registry, and the built-ins (their columns: ``docs/source/formats.md``).
+Online trainers (SFT, GRPO, RLOO) read TorchRL's LLM layout; offline ones :mod:`~torchrl_trl.data.preference`
+rows: ``"chosen"``/``"rejected"`` rollouts and a float ``"margin"`` (DPO, Reward), or a bool ``"label"`` (KTO).
 """
 
 from __future__ import annotations
