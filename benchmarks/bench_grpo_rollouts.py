@@ -219,6 +219,7 @@ def _ray_collector_func(ckpt, args):
     rb = make_ray_replay_buffer(100_000, transform_factory=partial(MCAdvantage, grpo_size=args.group))
     collector = make_ray_collector(partial(_ray_env, args), partial(_ray_policy, ckpt, args), rb,
                                    dialog_turns_per_batch=args.batch, num_cpus=1)
+    collector.policy_version  # waits for the actor to load its model: like TRL's, outside the clock
     options = RolloutOptions(group_size=args.group, max_staleness=1, timeout=600)
     return TorchRLRolloutFunc(source=collector, replay_buffer=rb, options=options)
 

@@ -87,8 +87,8 @@ def push_weights(
 class _SharedWeights:
     """Weights for a Ray collector whose actor runs on this machine, in memory-mapped files the
     actor reads in place: a push pickles their file names, not every tensor through Ray's object
-    store. The actor copies them (``update_``) before
-    ``update_policy_weights_`` returns, so the next push may overwrite them."""
+    store. The actor copies them (``update_``) before ``update_policy_weights_`` returns, so the
+    next push may overwrite them."""
 
     _by_collector: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -98,23 +98,20 @@ class _SharedWeights:
         room = shm is not None and shutil.disk_usage(shm).free > 2 * nbytes
         self._dir = tempfile.TemporaryDirectory(prefix="torchrl_trl_weights_", dir=shm if room else None)
         self.layout = _layout(weights)
-        self.files = weights.memmap_like(self._dir.name)
+        self.files = weights.memmap(self._dir.name)
 
     @classmethod
     def of(cls, collector, weights: TensorDictBase) -> TensorDictBase:
         """``weights`` copied into ``collector``'s files (made at its first push, or again for
         other shapes); ``weights`` as they are when Ray runs on more than one machine."""
-        if collector not in cls._by_collector:
+        shared = cls._by_collector.get(collector, False)
+        if shared is False or (shared is not None and shared.layout != _layout(weights)):
             import ray
 
             one_machine = sum(node["Alive"] for node in ray.nodes()) == 1
             cls._by_collector[collector] = cls(weights) if one_machine else None
-        shared = cls._by_collector[collector]
-        if shared is None:
-            return weights
-        if shared.layout != _layout(weights):
-            shared = cls._by_collector[collector] = cls(weights)
-        return shared.files.update_(weights)
+            return weights if not one_machine else cls._by_collector[collector].files
+        return weights if shared is None else shared.files.update_(weights)
 
 
 def _layout(weights: TensorDictBase) -> list:
