@@ -28,7 +28,9 @@ the overlap limit at equal cores, ``(G2 + T2) / max(G1, T1)``: what overlapping 
 one core with training on the other can gain over doing both in turn on two. CPU generation
 of small batches gains little from a second core, so the limit can be above 1.
 
-Prints samples/s, the fraction of the training wall time the trainer waited for rollouts
+Each mode's wall time runs from ``trainer.train()``'s start to its last step (models and a Ray
+actor are loaded before; stopping a collector afterwards, which waits for its batch in flight,
+is printed apart). Prints samples/s, the fraction of that wall time the trainer waited for rollouts
 (time inside ``GRPOTrainer._generate`` for the synchronous modes; time blocked on the
 collector for async) and the ratios against ``trl``. Goal (issue 11): async >= 1.3x trl,
 trainer idle < 20%. On a few CPU cores the generator thread and the trainer share the cores
@@ -240,16 +242,19 @@ def run(mode, ckpt, tok, args):
         start = time.perf_counter()
         try:
             trainer.train()
+            wall = time.perf_counter() - start  # to the last step; stopping the collector is timed apart
         finally:
             if mode.startswith("async") or mode.startswith("llm-collector"):
-                func.close()
-        wall = time.perf_counter() - start
+                closing = time.perf_counter()
+                func.close()  # waits for the collector's batch in flight
+                closing = time.perf_counter() - closing
     groups = getattr(func, "groups", None)  # a collector source's reader (its counters)
     waited = groups.wait_s if groups is not None else trainer.generate_s
     extra = ""
     if mode.startswith("llm-collector"):
         extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {groups.dropped_stale_groups} "
-                 f"of {groups.read_groups} groups read, pushing weights {100 * groups.push_s / wall:.1f}%")
+                 f"of {groups.read_groups} groups read, pushing weights {100 * groups.push_s / wall:.1f}%, "
+                 f"then {closing:.1f} s to stop the collector")
     if mode.startswith("async"):
         produced = int(groups.replay_buffer.write_count) // args.group
         extra = (f"  staleness max {max(func.consumed_staleness)}, dropped {groups.dropped_stale_groups} "

@@ -521,7 +521,7 @@ def test_ray_collector_actor_feeds_grpo_trainer(ray_session, policy_and_tokenize
         corrected = type("Corrected", (BehaviourLogProbsMixin, GRPOTrainer), {})
         trainer = _trainer(model, tok, rollout, Recorder(_reward, "reward"), tmp_path, max_steps=3, cls=corrected)
         trainer.train()
-        version = collector.policy_version
+        version = func.groups.policy_version  # once the last push landed in the actor
     assert trainer.state.global_step == 3 and len(rollout.calls) == 3
     logprobs = [lp for _, _, b in rollout.calls for lp in b["logprobs"]]  # recorded in the actor
     assert logprobs and not any(torch.isnan(torch.tensor(lp)).any() for lp in logprobs)

@@ -165,14 +165,18 @@ def test_ray_buffer_epoch_reads_each_item_once(ray_session):
 
 @pytest.mark.timeout(120)
 def test_weights_pushed_to_a_local_actor_go_through_shared_files(ray_session):
-    """On one machine a push hands the actor memory-mapped files, not pickled tensors: the
-    actor's policy holds exactly the pushed weights after each push (a copy: later writes to
-    the files do not reach it), and the push bumps its version."""
+    """On one machine a push hands the actor memory-mapped files, not pickled tensors, and the
+    trainer goes on while the actor loads them: ``CollectorGroups.push`` returns the version the
+    push makes; once it landed the actor's policy holds exactly the pushed weights (a copy:
+    later writes to the files do not reach it)."""
     from torchrl_trl import testing
-    from torchrl_trl.online.weights import _SharedWeights, push_weights
+    from torchrl_trl.online.collector_source import CollectorGroups
+    from torchrl_trl.online.weights import _SharedWeights
 
     rb = make_ray_replay_buffer(64)
     collector = make_ray_collector(_env_factory, _policy_factory, rb, dialog_turns_per_batch=4)
+    groups = CollectorGroups(collector, rb, group_size=2, max_staleness=1, timeout=60, max_pending_groups=None,
+                             forward_keys=None)
 
     def actor_weights():
         state = ray.get(collector._collector.state_dict.remote())["policy_state_dict"]
@@ -184,14 +188,18 @@ def test_weights_pushed_to_a_local_actor_go_through_shared_files(ray_session):
             with torch.no_grad():
                 for p in model.parameters():
                     p.normal_()
-            push_weights(collector, model)
-            got, want = actor_weights(), model.state_dict()
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+            assert groups.push(model) == version and groups._push_in_flight is not None  # in the background
+            with torch.no_grad():  # the trainer's next step: the push sends the weights as they were
+                next(model.parameters()).add_(1.0)
+            assert groups.policy_version == version == collector.policy_version  # landed
+            got = actor_weights()
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-            assert collector.policy_version == version
         files = _SharedWeights._by_collector[collector].files
         assert files.is_memmap()
         files.zero_()  # the actor copied the weights: the files are scratch between pushes
         assert all(torch.equal(v, want[k]) for k, v in actor_weights().items())
     finally:
+        groups.close()
         collector.shutdown()
         rb.close()

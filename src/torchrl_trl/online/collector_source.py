@@ -5,6 +5,7 @@ reuse (:class:`GroupReplay`): the collector source of :class:`~torchrl_trl.onlin
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import threading
@@ -28,7 +29,7 @@ from .episodes import (
 )
 from .ray import is_ray_collector
 from .staleness import check_max_staleness, read_policy_version
-from .weights import push_weights
+from .weights import staged_weights
 
 __all__ = ["CollectorGroups", "GroupReplay", "RolloutGroup", "take_fresh"]
 
@@ -192,10 +193,13 @@ class CollectorGroups:
         self._closing = threading.Event()
         self._pauses = 0  # paused() callers waiting for, or holding, the collector at a boundary
         self._at_boundary = False  # the collector's thread is in its post_collect_hook
+        self._pusher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._push_in_flight: concurrent.futures.Future | None = None
 
     @property
     def policy_version(self) -> int:
-        """The collector's policy version (its ``PolicyVersion`` tracker)."""
+        """The collector's policy version (its ``PolicyVersion`` tracker), once a push in flight landed."""
+        self._land_push()
         version = self.collector.policy_version
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(
@@ -273,17 +277,33 @@ class CollectorGroups:
     def push(self, model: torch.nn.Module | TensorDictBase | None, *, version: int | None = None) -> int:
         """Send ``model``'s weights (or a TensorDict of them; ``None``: none) to the collector's policy
         between two of its batches (:meth:`paused`); returns its new policy version (``version`` if given).
-        A Ray actor loads them while it generates: a batch in flight can mix two versions and is
-        stamped with the new one, so keep ``max_staleness >= 1`` there."""
+        A Ray actor on this machine loads them in the background from a copy (the trainer goes on;
+        the next push, :attr:`policy_version` and :meth:`close` wait for it). A Ray actor loads
+        them while it generates: a batch in flight can mix two versions and is stamped with the
+        new one, so keep ``max_staleness >= 1`` there."""
         start = time.monotonic()
         with self.paused():
             if model is not None:
-                push_weights(self.collector, model)
+                self._land_push()  # its files are overwritten next
+                weights = staged_weights(self.collector, model)
                 self.weight_pushes += 1
+                if not self.in_process and weights.is_memmap():
+                    pushed = self.policy_version + 1
+                    self._pusher = self._pusher or concurrent.futures.ThreadPoolExecutor(1, "torchrl-trl-push")
+                    self._push_in_flight = self._pusher.submit(self.collector.update_policy_weights_, weights)
+                    self.push_s += time.monotonic() - start
+                    return pushed
+                self.collector.update_policy_weights_(weights)
             if version is not None:
                 self.collector.policy_version_tracker.version = int(version)
         self.push_s += time.monotonic() - start
         return self.policy_version
+
+    def _land_push(self) -> None:
+        """Wait for the push in flight (re-raising its error)."""
+        future, self._push_in_flight = self._push_in_flight, None
+        if future is not None:
+            future.result()
 
     @property
     def pending(self) -> int:
@@ -422,6 +442,10 @@ class CollectorGroups:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the collector (``async_shutdown``), releasing it if it waits at a batch boundary."""
         self._closing.set()
+        with contextlib.suppress(Exception):  # a dead actor's last push: the shutdown below says it
+            self._land_push()
+        if self._pusher is not None:
+            self._pusher.shutdown()
         if self.started:
             self.collector.async_shutdown(timeout=timeout)
 

@@ -248,7 +248,7 @@ class TorchRLRolloutFunc:
 
     def _sync_collector(self, trainer) -> int:
         """Push the trainer's weights when ``global_step`` changed, start the collector; return its policy version."""
-        groups = self.groups
+        groups, pushed = self.groups, None
         if trainer is not None:
             step = int(trainer.state.global_step)
             model = trainer.accelerator.unwrap_model(trainer.model)
@@ -264,12 +264,12 @@ class TorchRLRolloutFunc:
                 collector.postproc = None  # TRL will not read them: no scoring pass per batch
             if step != self._synced_step:
                 if self.sync_weights == "copy":
-                    groups.push(model)
+                    pushed = groups.push(model)  # may still be landing in a Ray actor
                 elif callable(self.sync_weights):
                     self.sync_weights(model, step)
                 self._synced_step = step
         groups.start()
-        self.policy_version = groups.policy_version
+        self.policy_version = groups.policy_version if pushed is None else pushed
         return self.policy_version
 
     @property

@@ -14,7 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .ray import is_ray_collector
 
-__all__ = ["GenerationLock", "collector_weights", "load_weights", "push_weights", "weights_td"]
+__all__ = ["GenerationLock", "collector_weights", "load_weights", "push_weights", "staged_weights", "weights_td"]
 
 
 def collector_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDict:
@@ -77,11 +77,16 @@ def push_weights(
     """Load ``model``'s weights (:func:`collector_weights`) into ``collector``'s policy with
     ``collector.update_policy_weights_``, holding ``lock`` meanwhile; a Ray actor on this machine
     reads them from memory-mapped files (``benchmarks/bench_weight_push.py``)."""
-    weights = collector_weights(collector, model)
-    if is_ray_collector(collector):
-        weights = _SharedWeights.of(collector, weights)
+    weights = staged_weights(collector, model)
     with lock if lock is not None else contextlib.nullcontext():
         collector.update_policy_weights_(weights)
+
+
+def staged_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDictBase:
+    """:func:`collector_weights`, for a Ray actor on this machine copied into its memory-mapped
+    files (``is_memmap()``: a copy, so the trainer may step while the actor loads them)."""
+    weights = collector_weights(collector, model)
+    return _SharedWeights.of(collector, weights) if is_ray_collector(collector) else weights
 
 
 class _SharedWeights:
