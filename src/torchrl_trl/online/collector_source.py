@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -277,26 +278,28 @@ class CollectorGroups:
     def push(self, model: torch.nn.Module | TensorDictBase | None, *, version: int | None = None) -> int:
         """Send ``model``'s weights (or a TensorDict of them; ``None``: none) to the collector's policy
         between two of its batches (:meth:`paused`); returns its new policy version (``version`` if given).
-        A Ray actor on this machine loads them in the background from a copy (the trainer goes on;
-        the next push, :attr:`policy_version` and :meth:`close` wait for it). A Ray actor loads
-        them while it generates: a batch in flight can mix two versions and is stamped with the
-        new one, so keep ``max_staleness >= 1`` there."""
+
+        A Ray actor on this machine loads them from a copy in the background while the trainer goes
+        on (the next push, :attr:`policy_version` and :meth:`close` wait for it). A Ray actor loads
+        them while it generates: a batch in flight can mix two versions and is stamped with the new
+        one, so keep ``max_staleness >= 1`` there."""
         start = time.monotonic()
-        with self.paused():
-            if model is not None:
-                self._land_push()  # its files are overwritten next
-                weights = staged_weights(self.collector, model)
-                self.weight_pushes += 1
-                if not self.in_process and weights.is_memmap():
-                    pushed = self.policy_version + 1
-                    self._pusher = self._pusher or concurrent.futures.ThreadPoolExecutor(1, "torchrl-trl-push")
-                    self._push_in_flight = self._pusher.submit(self.collector.update_policy_weights_, weights)
-                    self.push_s += time.monotonic() - start
-                    return pushed
-                self.collector.update_policy_weights_(weights)
-            if version is not None:
-                self.collector.policy_version_tracker.version = int(version)
-        self.push_s += time.monotonic() - start
+        try:
+            with self.paused():
+                if model is not None:
+                    self._land_push()  # its files are overwritten next
+                    weights = staged_weights(self.collector, model)
+                    self.weight_pushes += 1
+                    if not self.in_process and weights.is_memmap():
+                        pushed = self.policy_version + 1
+                        self._pusher = self._pusher or concurrent.futures.ThreadPoolExecutor(1, "torchrl-trl-push")
+                        self._push_in_flight = self._pusher.submit(self.collector.update_policy_weights_, weights)
+                        return pushed
+                    self.collector.update_policy_weights_(weights)
+                if version is not None:
+                    self.collector.policy_version_tracker.version = int(version)
+        finally:
+            self.push_s += time.monotonic() - start
         return self.policy_version
 
     def _land_push(self) -> None:
@@ -365,8 +368,11 @@ class CollectorGroups:
                     return out  # what is ready now; a dead source of prompts is not hidden by it
                 counts = f"({self.read_groups} read, {self.dropped_stale_groups} dropped stale)"
                 if not running:
-                    reason = "the collector is not running (it stopped or died)" if cause is None else (
-                        str(cause) if isinstance(cause, PromptSourceEnded) else f"the collector died: {cause!r:.200}")
+                    reason = "the collector is not running (it stopped or died)"
+                    if isinstance(cause, PromptSourceEnded):
+                        reason = str(cause)
+                    elif cause is not None:
+                        reason = f"the collector died: {cause!r:.200}"
                     raise CollectorError(
                         f"TorchRLRolloutFunc: {reason}; got {len(out)} of {n} groups {counts}") from cause
                 if self.timeout is not None and time.monotonic() - start > self.timeout:
@@ -442,8 +448,10 @@ class CollectorGroups:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the collector (``async_shutdown``), releasing it if it waits at a batch boundary."""
         self._closing.set()
-        with contextlib.suppress(Exception):  # a dead actor's last push: the shutdown below says it
+        try:
             self._land_push()
+        except Exception as err:  # the collector is stopped anyway: say it, do not mask what stopped it
+            warnings.warn(f"TorchRLRolloutFunc: the last weight push failed: {err!r:.200}", stacklevel=2)
         if self._pusher is not None:
             self._pusher.shutdown()
         if self.started:

@@ -110,13 +110,15 @@ class _SharedWeights:
         """``weights`` copied into ``collector``'s files (made at its first push, or again for
         other shapes); ``weights`` as they are when Ray runs on more than one machine."""
         shared = cls._by_collector.get(collector, False)
-        if shared is False or (shared is not None and shared.layout != _layout(weights)):
+        if shared is None:
+            return weights
+        if shared is False or shared.layout != _layout(weights):  # new files, holding the weights
             import ray
 
             one_machine = sum(node["Alive"] for node in ray.nodes()) == 1
-            cls._by_collector[collector] = cls(weights) if one_machine else None
-            return weights if not one_machine else cls._by_collector[collector].files
-        return weights if shared is None else shared.files.update_(weights)
+            shared = cls._by_collector[collector] = cls(weights) if one_machine else None
+            return weights if shared is None else shared.files
+        return shared.files.update_(weights)
 
 
 def _layout(weights: TensorDictBase) -> list:
