@@ -123,7 +123,7 @@ def from_generator(ds):
     from datasets import IterableDataset
 
     from torchrl_trl.data.arrow import _rows
-    from torchrl_trl.data.hf import HFBatches
+    from torchrl_trl.data.arrow import HFBatches
 
     source = HFBatches(ds._reader, ds._reading, ds._columns, 1)
 

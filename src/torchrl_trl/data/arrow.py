@@ -1,13 +1,15 @@
 """Column batches -> ``datasets``: an examples iterable whose rows are already typed (``datasets`` encodes
 nothing per row); its Arrow path builds one ``pyarrow.Table`` per batch. A column batch is ``{name: values}``,
-``values`` a list, a tensor ``[B, ...]`` or a :class:`~torchrl_trl.layouts.Ragged`. Imports ``datasets``.
+``values`` a list, a tensor ``[B, ...]`` or a :class:`~torchrl_trl.layouts.Ragged`. Imports ``datasets``
+(:class:`~torchrl_trl.data.TorchRLBufferDataset` imports this module only when asked for one).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from copy import deepcopy
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,10 +19,11 @@ from datasets import IterableDataset
 
 from .. import _compat
 from ..layouts import Ragged
-from .columns import per_row
+from .columns import RowColumns, per_row
 from .features import to_pylist
+from .reading import BufferReader, KeyedBatch, ReadingStrategy
 
-__all__ = ["ColumnarExamplesIterable", "EpochSharingIterableDataset", "columns_to_table"]
+__all__ = ["ColumnarExamplesIterable", "EpochSharingIterableDataset", "HFBatches", "columns_to_table"]
 
 ColumnBatch = Mapping[str, Any]
 
@@ -61,13 +64,46 @@ def _rows(cols: ColumnBatch, tensors: bool = False) -> Iterator[dict]:
         yield dict(zip(names, row))
 
 
+@dataclass(eq=False)
+class HFBatches:
+    """Picklable source of column batches: ``self(shard_ids)`` yields ``(key, {column: values})``
+    (``python``: their form, see :meth:`RowColumns.convert`); ``rank`` is mixed into seeds."""
+
+    reader: BufferReader
+    reading: ReadingStrategy
+    columns: RowColumns
+    num_shards: int
+    rank: int = 0
+    python: bool | str = "columnar"
+
+    def start_pass(self, pass_index: int, first: bool) -> dict[str, Any]:
+        """Called once per pass, before its shards are read."""
+        return self.reading.start_pass(self.reader, pass_index, first)
+
+    def batches(self, shard_ids: list[int], pass_index: int = 0, length: int | None = None) -> Iterator[KeyedBatch]:
+        return self.reading.shard_batches(self.reader, shard_ids, self.num_shards, rank=self.rank, length=length,
+                                          with_index=self.columns.index_column is not None, pass_index=pass_index)
+
+    def __call__(self, shard_ids: list[int], pass_index: int = 0,
+                 length: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+        for key, batch, index in self.batches(shard_ids, pass_index, length):
+            cols = self.columns.of_batch(batch, self.python, index)
+            if cols is not None:
+                yield key, cols
+
+    def rows(self, shard_ids: list[int]) -> Iterator[dict[str, Any]]:
+        """Python rows (``from_generator``'s protocol, for the map-style snapshot)."""
+        for _, batch, index in self.batches(shard_ids):
+            yield from self.columns.rows(batch, True, index)
+
+
 class ColumnarExamplesIterable(_compat.datasets_examples_iterable_base()):
     """Examples iterable over ``generate_batches([shard], pass_index=k, **start_pass(k, first)) -> ((key,
-    column batch), ...)`` (a :class:`~torchrl_trl.data.hf.HFBatches`) for each of ``shard_ids`` (which
+    column batch), ...)`` (a :class:`HFBatches`) for each of ``shard_ids`` (which
     ``datasets`` splits over ranks and workers), ``num_passes`` times (``None``: endless)."""
 
-    def __init__(self, generate_batches: Callable[..., Iterator[tuple[Any, ColumnBatch]]], shard_ids: list[int],
-                 features, tensors: bool = False, num_passes: int | None = 1) -> None:
+    def __init__(self, generate_batches: HFBatches, shard_ids: list[int], features, tensors: bool = False,
+                 num_passes: int | None = 1) -> None:
         super().__init__()
         self.generate_batches = generate_batches
         self.shard_ids = list(shard_ids)

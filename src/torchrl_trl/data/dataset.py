@@ -3,6 +3,7 @@ wiring a buffer reader, a reading strategy, a sharding and the row columns."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -10,7 +11,6 @@ import torch
 from tensordict.utils import NestedKey
 
 from .._checks import config_or_default, positive_int
-from . import hf
 from .columns import RowColumns
 from .formats import BufferFormat
 from .reading import (
@@ -189,16 +189,33 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
             raise TypeError(
                 f"TorchRLBufferDataset.as_hf_dataset: {sorted(snapshot_kwargs)} apply with map_style=True only"
             )
-        ds = hf.iterable_dataset(self._reader, self._reading, self._columns, self._sharding, self.features,
-                                 tensors=tensors)
+        from .. import _compat
+        from .arrow import ColumnarExamplesIterable, EpochSharingIterableDataset, HFBatches
+
+        rank, world = self._sharding.process()
+        k = self._sharding.shards(self._reading.shards_per_process, world)
+        source = HFBatches(self._reader, self._reading, self._columns, k, rank=rank)
+        examples = ColumnarExamplesIterable(source, list(range(k)), self.features, tensors, self._reading.num_passes)
+        ds = _compat.iterable_dataset_from_examples(examples, self.features, cls=EpochSharingIterableDataset)
+        ds.epoch_counter = self._reader.epoch_counter  # its set_epoch reaches this dataset
         self._pin_for_ranks()
         return ds
 
     def to_hf_dataset(self, *, cache_dir: str | None = None, keep_in_memory: bool = False,
                       writer_batch_size: int | None = None):
-        """A map-style ``datasets.Dataset`` snapshot of one pass over what is stored now."""
-        return hf.snapshot(self._reader, self._reading, self._columns, self.features, cache_dir=cache_dir,
-                           keep_in_memory=keep_in_memory, writer_batch_size=writer_batch_size)
+        """A map-style ``datasets.Dataset`` snapshot of one pass over what is stored now (the reading's order
+        if an :class:`EpochPass`), under a fresh fingerprint (no hashing of the buffer, no stale cache)."""
+        from datasets import Dataset
+
+        from .arrow import HFBatches
+
+        one_pass = self._reading if isinstance(self._reading, EpochPass) else EpochPass()
+        reading = EpochPass(one_pass.shuffle, one_pass.seed, 1)
+        gen = HFBatches(self._reader, reading, self._columns, 1, python=True).rows
+        kwargs = {"writer_batch_size": writer_batch_size} if writer_batch_size is not None else {}
+        return Dataset.from_generator(gen, features=self.features, gen_kwargs={"shard_ids": [0]}, cache_dir=cache_dir,
+                                      keep_in_memory=keep_in_memory, fingerprint=f"torchrl_trl_{uuid.uuid4().hex}",
+                                      **kwargs)
 
     def __repr__(self) -> str:
         c = self._columns
