@@ -161,13 +161,6 @@ class PaddingLostError(ValueError):
 COLLECT_FIX = "collect with torchrl_trl.safe_policy_wrapper (a pad token of its own)"
 
 
-def _holes(mask: torch.Tensor) -> torch.Tensor:
-    """Per row of a ``[n, T]`` bool mask, whether a 0 lies between its first and last 1."""
-    first = mask.int().argmax(-1)
-    last = mask.shape[-1] - 1 - mask.flip(-1).int().argmax(-1)
-    return mask.any(-1) & (mask.sum(-1) != last - first + 1)
-
-
 def lost_pad_id(fulls: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[int, bool] | None | Literal[False]:
     """``(the pad id, whether a prompt lost tokens)`` where the masks of the ``[n, T]`` chunks
     ``fulls`` took real tokens (0s between real tokens, or an id both masked out and real);
@@ -188,10 +181,9 @@ def lost_pad_id(fulls: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[i
         t, m = t[m.any(-1)], m[m.any(-1)]  # a row with no real token says nothing of its padding
         masked.append(t[~m].unique())
         real.append(t[m].unique())
-        if (holes := _holes(m)).any():
-            row = holes.nonzero()[0, 0]
-            inside = (m[row].int().cumsum(-1) > 0) & (m[row].flip(-1).int().cumsum(-1).flip(-1) > 0)
-            hole_ids.append(t[row][inside & ~m[row]][:1])
+        inside = (m.cumsum(-1) > 0) & (m.flip(-1).cumsum(-1).flip(-1) > 0)  # first to last real token of a row
+        if (holes := inside & ~m).any():
+            hole_ids.append(t[holes][:1])  # the first hole of the first row with one
     if hole_ids:
         return int(hole_ids[0]), True
     if not masked:

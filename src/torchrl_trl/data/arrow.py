@@ -41,10 +41,9 @@ def _column_to_arrow(values: Any, arrow_type):
     if isinstance(values, torch.Tensor) and values.ndim == 2 and not values.is_nested:  # rows of equal length
         values = Ragged(values.reshape(-1), torch.full((values.shape[0],), values.shape[1], dtype=torch.int64))
     if isinstance(values, Ragged) and (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
-        lengths = values.lengths.to(torch.int64)
-        offsets = np.zeros(lengths.numel() + 1, dtype=np.int64 if pa.types.is_large_list(arrow_type) else np.int32)
-        np.cumsum(lengths.numpy(), out=offsets[1:])
-        cls = pa.LargeListArray if pa.types.is_large_list(arrow_type) else pa.ListArray
+        large = pa.types.is_large_list(arrow_type)
+        offsets = values.offsets.numpy().astype(np.int64 if large else np.int32)
+        cls = pa.LargeListArray if large else pa.ListArray
         return cls.from_arrays(offsets, pa.array(_numpy(values.values, arrow_type.value_type)), type=arrow_type)
     if isinstance(values, torch.Tensor) and values.ndim == 1 and not pa.types.is_nested(arrow_type):
         return pa.array(_numpy(values, arrow_type), type=arrow_type)

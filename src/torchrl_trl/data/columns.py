@@ -17,9 +17,7 @@ from .. import layouts
 from .features import infer_feature, to_pylist
 from .formats import BufferFormat, get_format, read_token_ids  # the registry, with every built-in format
 
-__all__ = [
-    "ColumnSpec", "RowColumns", "column_name", "missing_key_error", "per_row", "read_key_columnar", "to_nested_key",
-]  # fmt: skip
+__all__ = ["ColumnSpec", "RowColumns", "column_name", "per_row", "read_key_columnar", "to_nested_key"]
 
 ColumnSpec = Union[NestedKey, Callable[[TensorDictBase], list]]
 
@@ -36,11 +34,6 @@ def to_nested_key(key: NestedKey) -> NestedKey:
 def column_name(key: NestedKey) -> str:
     """The flat ``"a.b"`` name of a nested key."""
     return key if isinstance(key, str) else ".".join(str(k) for k in key)
-
-
-def missing_key_error(td: TensorDictBase, key: NestedKey, what: str) -> KeyError:
-    keys = layouts.available_keys(td)
-    return KeyError(f"{what}: key {column_name(key)!r} is not in the replay buffer's samples. Available keys: {keys}")
 
 
 def per_row(values: Any, python: bool = True) -> list:
@@ -60,7 +53,8 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
     (``None`` for non-tensor data). A missing key raises ``KeyError`` naming the available keys."""
     key = to_nested_key(key)
     if not layouts.has_key(td, key):
-        raise missing_key_error(td, key, "RowColumns")
+        raise KeyError(f"RowColumns: key {column_name(key)!r} is not in the replay buffer's samples. Available keys: "
+                       f"{layouts.available_keys(td)}")
     if isinstance(key, tuple) and len(key) == 2 and key[1] in layouts.PARTS and key[0] in ("tokens", "history"):
         if key[0] == "history":
             return layouts.read_history(td, key[1]), None
@@ -70,20 +64,13 @@ def read_key_columnar(td: TensorDictBase, key: NestedKey) -> tuple[Any, torch.dt
     if isinstance(values, torch.Tensor):
         return values, values.dtype
     if values and isinstance(values[0], torch.Tensor):  # ragged: one tensor per row
-        return _RaggedRows(values), values[0].dtype
+        return values, values[0].dtype
     if values and is_tensor_collection(values[0]):
         raise TypeError(
             f"RowColumns: key {column_name(key)!r} holds a nested {type(values[0]).__name__}, not a leaf; "
             f"name one of its leaves. Available keys: {layouts.available_keys(td)}"
         )
     return values, None
-
-
-class _RaggedRows(list):
-    """Per-row values read row by row; ``tolist`` converts each tensor row to Python."""
-
-    def tolist(self) -> list:
-        return [r.tolist() if isinstance(r, torch.Tensor) else r for r in self]
 
 
 class RowColumns:
@@ -171,14 +158,12 @@ class RowColumns:
         return list(dict.fromkeys(to_nested_key(k) for k in keys))
 
     def check(self, peek: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
-        """Convert ``peek`` (the first stored rows) after checking every key is there."""
+        """Convert ``peek`` (the first stored rows) after checking the format's keys are there (the others
+        are checked as they are read)."""
         if self.format is not None and (missing := self.format.missing_keys(peek)):
             names = [column_name(k) for k in missing]
             raise KeyError(f"TorchRLBufferDataset: format {self.format.name!r} needs keys {names} that the replay "
                            f"buffer's samples lack. Available keys: {layouts.available_keys(peek)}")
-        for spec in [*(self.keys or []), *(s for s in self.columns.values() if not callable(s))]:
-            if not layouts.has_key(peek, spec):
-                raise missing_key_error(peek, spec, "TorchRLBufferDataset")
         cols = self.convert(peek, python=python)
         if self.index_column is not None:
             cols[self.index_column] = list(range(peek.batch_size.numel()))

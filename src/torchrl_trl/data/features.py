@@ -4,7 +4,6 @@ declared by formats, else inferred from the first converted batch (with the sour
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -91,8 +90,8 @@ def to_pylist(values: Any) -> list:
     >>> to_pylist(torch.tensor([0.5, 1.5]))
     [0.5, 1.5]
     """
-    if type(values) is list:
-        return values
+    if type(values) is list:  # ragged tensor rows among them converted one by one
+        return [v.tolist() if isinstance(v, torch.Tensor) else v for v in values]
     rows = array_rows(values)
     if rows is not None:
         return rows
@@ -175,18 +174,18 @@ def array_rows(values: Any) -> list[ArrayRow] | None:
     True
     """
     if isinstance(values, Ragged):
-        flat, lengths = values.values, values.lengths
+        flat = values.values
     elif isinstance(values, torch.Tensor) and values.ndim == 2 and not values.is_nested:
-        flat, lengths = values.reshape(-1), None
+        flat = values.reshape(-1)
     else:
         return None
     if flat.dtype.is_floating_point or flat.dtype.is_complex:
         return None
     # a private copy (later buffer writes don't reach it), of torch.tensor's dtype for such values
     array = flat.detach().cpu().numpy().astype(np.bool_ if flat.dtype == torch.bool else np.int64, copy=True)
-    if lengths is None:
+    if not isinstance(values, Ragged):
         pieces = array.reshape(values.shape)
         return [ArrayRow.from_array(p, v) for p, v in zip(pieces, pieces.tolist())]
-    bounds = [0, *itertools.accumulate(lengths.tolist())]
+    bounds = values.offsets.tolist()
     flat_list = array.tolist()
     return [ArrayRow.from_array(array[a:b], flat_list[a:b]) for a, b in zip(bounds, bounds[1:])]
