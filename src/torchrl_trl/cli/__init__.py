@@ -100,15 +100,10 @@ def _layout(td) -> str:
         flags = None
     if flags == {True, False}:
         return f"mixed padded and ragged samples ({span})"
-    if flags == {False}:
+    widths = {chunk.shape[-1] for chunk in layouts.batch_of(td).chunks(key)}
+    if flags == {False} or len(widths) > 1:
         return f"ragged ({span})"
-    try:
-        value = td.get(key)
-    except RuntimeError:  # samples of different widths cannot be stacked
-        value = None
-    if value is None or value.is_nested:
-        return f"ragged ({span})"
-    return f"padded (width {value.shape[-1]}, {span})"
+    return f"padded (width {widths.pop()}, {span})"
 
 
 #: the formats ``inspect`` shows a row of by default, in order of preference
@@ -133,8 +128,7 @@ def cmd_inspect(args) -> int:
     print("keys:", *(f"  {key}" for key in layouts.available_keys(td)), sep="\n")
     formats = [name for name in available_formats() if not get_format(name).missing_keys(td)]
     print(f"formats: {', '.join(formats) if formats else '(none: no format finds its keys)'}")
-    preferred = [f for f in _SAMPLE_FORMATS if f in formats] + formats
-    fmt = args.format or (preferred[0] if preferred else None)
+    fmt = args.format or next((f for f in (*_SAMPLE_FORMATS, *formats) if f in formats), None)
     if fmt is None:
         return 0
     try:
@@ -266,12 +260,11 @@ def cmd_demo(args) -> int:
         os.environ.setdefault(var, "1")
     from .demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(
+    run_demo(DemoConfig(
         output_dir=args.output_dir, model=args.model, iterations=args.iterations, seed=args.seed, device=args.device,
         policy=policy, reward_model=reward_model, quick=args.quick, progress=not args.no_progress,
         trl_grpo=not args.no_trl_grpo,
-    )
-    run_demo(cfg)
+    ))
     return 0
 
 

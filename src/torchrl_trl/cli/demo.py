@@ -25,9 +25,6 @@ from .model_paths import resolve_model_dir
 
 __all__ = ["PRESETS", "DemoConfig", "plot_reward_curve", "run_demo", "run_trl_grpo"]
 
-#: how every checkpoint is loaded (with ``use_safetensors=True`` for weights)
-SAFE_LOADING = {"trust_remote_code": False}
-
 #: SmolLM2's chat template opens every chat with this line when none is given; TorchRL's ChatEnv does
 #: not, so the demo gives it explicitly: the policy trains on the prompts it is measured on
 SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -169,12 +166,12 @@ def train_reward_model(init_path: Path, task: DemoTask, cfg: DemoConfig) -> dict
     """Step 2: ``trl.RewardTrainer`` on ``task``'s pairs from ``init_path`` (only the score head when
     ``cfg.reward_head_only``). Returns its dir and held-out pairwise accuracy before and after."""
     from datasets import Dataset
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
-    tokenizer = AutoTokenizer.from_pretrained(init_path, **SAFE_LOADING)
+    from torchrl_trl.rewards.model import load_reward_model
+
     torch.manual_seed(cfg.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(init_path, num_labels=1, use_safetensors=True, **SAFE_LOADING)
+    model, tokenizer = load_reward_model(init_path, num_labels=1)  # a new score head on a policy checkpoint
     model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.reward_head_only:
         model.base_model.requires_grad_(False)  # the head learns from the backbone's features: seconds on a CPU
@@ -188,8 +185,7 @@ def train_reward_model(init_path: Path, task: DemoTask, cfg: DemoConfig) -> dict
     )
     trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     _train_quietly(trainer)
-    trainer.save_model(str(out_dir))
-    tokenizer.save_pretrained(out_dir)
+    trainer.save_model(str(out_dir))  # with its processing_class, the tokenizer
     after = _pairwise_accuracy(model.eval(), tokenizer, heldout)
     return {"path": str(out_dir), "heldout_pairwise_accuracy": [before, after]}
 
@@ -309,11 +305,10 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConf
         max_completion_length=cfg.max_new_tokens, max_steps=cfg.updates_per_iteration * cfg.iterations,
         learning_rate=cfg.lr, beta=0.0, gradient_checkpointing=False,
     )
-    trainer = GRPOTrainer(
+    _train_quietly(GRPOTrainer(
         model=model, reward_funcs=[reward], args=args, processing_class=tokenizer, rollout_func=rollout_func,
         train_dataset=Dataset.from_dict({"prompt": [_chat(p, cfg) for p in task.train_prompts]}),
-    )
-    _train_quietly(trainer)
+    ))
     after = measure_true_score(model.eval(), tokenizer, task, cfg)
     return {
         "true_score": true_scores, "true_score_before": before, "true_score_after": after,
@@ -324,13 +319,10 @@ def run_trl_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConf
 def measure_true_score(model, tokenizer, task: DemoTask, cfg: DemoConfig) -> float:
     """Mean true score of fresh answers to ``task.heldout_prompts`` (see ``DemoConfig.eval_samples``)."""
     conversations = [_chat(p, cfg) for p in task.heldout_prompts]
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generate continues the last column
-    try:
-        inputs = tokenizer.apply_chat_template(
-            conversations, add_generation_prompt=True, return_tensors="pt", padding=True, return_dict=True
-        ).to(cfg.device)
-    finally:
-        tokenizer.padding_side = side
+    inputs = tokenizer.apply_chat_template(  # left padding: generate continues the last column
+        conversations, add_generation_prompt=True, return_tensors="pt", padding=True,
+        tokenizer_kwargs={"padding_side": "left"},
+    ).to(cfg.device)
     samples = cfg.eval_samples or 1
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # the caller's CPU generator is left as it was
         torch.manual_seed(cfg.seed + 1)
@@ -366,8 +358,8 @@ def _load_policy(path: Path, cfg: DemoConfig):
     """``(model, tokenizer)`` of the causal LM at ``path``, on ``cfg.device``, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, **SAFE_LOADING)
-    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **SAFE_LOADING)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, trust_remote_code=False)
     return model.to(cfg.device).eval(), tokenizer
 
 
