@@ -4,8 +4,8 @@ time: threads, an ``Executor``, Ray) on one scheduler. Worker processes import t
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -118,33 +118,19 @@ class ThreadItemExecutor(ItemExecutor):
     def _default_workers(self, cpus):
         return min(32, cpus + 4)  # as the standard library's ThreadPoolExecutor
 
-    def _begin(self, shared, n):
-        self._done: queue.Queue = queue.Queue()  # per run: a late thread reports to its own
-
     def _submit(self, index, func_index, kwargs, shared):
-        done, func = self._done, self.funcs[func_index]
+        future, func = concurrent.futures.Future(), self.funcs[func_index]
 
         def work():
             try:
-                value, logs = call_item(func, {**shared, **kwargs})
-                done.put((index, ItemResult("ok", value, logs=logs)))
+                future.set_result(call_item(func, {**shared, **kwargs}))
             except BaseException as err:
-                done.put((index, ItemResult("error", detail=_describe(err))))
+                future.set_exception(err)
 
         threading.Thread(target=in_caller_modes(work), name="torchrl-trl-reward", daemon=True).start()
-        return index
+        return future  # one past its deadline is abandoned: its late result goes nowhere
 
-    def _collect(self, busy, wait_for):
-        done = []
-        try:
-            done.append(self._done.get(timeout=wait_for))
-            while True:
-                done.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
-        return [(index, result) for index, result in done if index in busy]  # else: abandoned, late
-
-    def _cancel(self, index):
+    def _cancel(self, future):
         self.abandoned += 1
         return self._late("thread abandoned")
 
@@ -183,18 +169,10 @@ class FuturesItemExecutor(ItemExecutor):
         except concurrent.futures.BrokenExecutor as err:
             raise self._broken(err, "is broken: it cannot run more reward items") from err
 
-    def _collect(self, busy, wait_for):
-        finished, _ = concurrent.futures.wait(busy, wait_for, concurrent.futures.FIRST_COMPLETED)
-        out = []
-        for future in finished:
-            try:
-                value, logs = future.result()
-                out.append((future, ItemResult("ok", value, logs=logs)))
-            except concurrent.futures.BrokenExecutor as err:
-                raise self._broken(err, "broke while running a reward item") from err
-            except BaseException as err:
-                out.append((future, ItemResult("error", detail=_describe(err))))
-        return out
+    def _error(self, err):
+        if isinstance(err, concurrent.futures.BrokenExecutor):
+            raise self._broken(err, "broke while running a reward item") from err
+        return super()._error(err)
 
     def _cancel(self, future):
         return self._late("cancelled" if future.cancel() else "abandoned")
@@ -263,24 +241,22 @@ class RayItemExecutor(ItemExecutor):
 
     def _collect(self, busy, wait_for):
         import ray
-        from ray import exceptions as rex
 
         finished, _ = ray.wait(busy, num_returns=1, timeout=wait_for)
         if finished:  # and every other one finished by now
             finished, _ = ray.wait(busy, num_returns=len(busy), timeout=0)
-        out = []
-        for ref in finished:
-            try:
-                value, logs = ray.get(ref)
-                out.append((ref, ItemResult("ok", value, logs=logs)))
-            except rex.RayTaskError as err:
-                cause = err.cause if getattr(err, "cause", None) is not None else err
-                out.append((ref, ItemResult("error", detail=_describe(cause))))
-            except (rex.WorkerCrashedError, rex.RayActorError, rex.TaskCancelledError,
-                    rex.ObjectLostError) as err:
-                self._dead += 1
-                out.append((ref, ItemResult("crash", detail=_describe(err).splitlines()[0])))
-        return out
+        return [(ref, self._outcome(functools.partial(ray.get, ref))) for ref in finished]
+
+    def _error(self, err):
+        from ray import exceptions as rex
+
+        if isinstance(err, rex.RayTaskError):
+            return super()._error(err.cause if getattr(err, "cause", None) is not None else err)
+        crashed = (rex.WorkerCrashedError, rex.RayActorError, rex.TaskCancelledError, rex.ObjectLostError)
+        if not isinstance(err, crashed):
+            raise err
+        self._dead += 1
+        return ItemResult("crash", detail=_describe(err).splitlines()[0])
 
     def _cancel(self, ref):
         import ray

@@ -197,15 +197,13 @@ class ProcessItemExecutor(ItemExecutor):
         return self._pool.schedule(_run_item, (func_index, shared, kwargs), timeout=self.timeout)
 
     def _collect(self, busy, wait_for):
-        done, _ = concurrent.futures.wait(busy, min(1.0, 1.0 if wait_for is None else wait_for),
-                                          concurrent.futures.FIRST_COMPLETED)
-        out = [(future, self._result(future)) for future in done]
+        out = super()._collect(busy, 1.0 if wait_for is None else min(1.0, wait_for))
         if not self._pool.active:  # pebble's own threads stopped: nothing more would end
             self.shutdown()
             raise RuntimeError("RewardExecutor: executor='process': the pebble pool broke (a worker died while idle); "
                                "expected it alive (the next call starts a new pool)")
-        now = time.monotonic()
-        for future in set(busy) - done:
+        now, waiting = time.monotonic(), set(busy) - {future for future, _ in out}
+        for future in waiting:
             if future.running():
                 self._running[future][1] = None  # pebble's timeout from here
             elif now >= self._running[future][1]:
@@ -214,11 +212,11 @@ class ProcessItemExecutor(ItemExecutor):
                     f"RewardExecutor: executor='process': a worker did not load the reward functions {self.names} "
                     f"within {self.startup_timeout}s, or an item's arguments; expected a larger startup_timeout"
                 )
-        return out + self._lost(set(busy) - done, now)
+        return out + self._lost(waiting, now)
 
-    def _result(self, future) -> ItemResult:
+    def _outcome(self, get) -> ItemResult:
         try:
-            status, value, detail, logs = future.result()
+            status, value, detail, logs = get()
         except concurrent.futures.TimeoutError:
             self.replaced += 1
             return ItemResult("timeout", detail=self._late("worker killed"))

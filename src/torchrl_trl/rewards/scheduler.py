@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import os
 import sys
@@ -76,10 +77,8 @@ def _describe(err: BaseException) -> str:
 
 class ItemExecutor:
     """Runs items, at most :attr:`max_workers` at a time, each bounded by :attr:`timeout`.
-    A subclass defines ``_submit(index, func_index, kwargs, shared) -> handle``,
-    ``_collect(handles, wait_for) -> [(handle, ItemResult)]`` (every handle finished by then,
-    waiting up to ``wait_for`` s for a first one: what it leaves out is timed out) and
-    ``_cancel(handle) -> detail``."""
+    A subclass defines ``_submit(index, func_index, kwargs, shared) -> handle`` (a future of
+    ``call_item``'s output, else it defines ``_collect``) and ``_cancel(handle) -> detail``."""
 
     kind = "base"
 
@@ -123,6 +122,22 @@ class ItemExecutor:
                     self._cancel(handle)
                 raise
         return results  # type: ignore[return-value]
+
+    def _collect(self, busy: list, wait_for: float | None) -> list:
+        """``[(handle, ItemResult)]`` of every handle finished by then, waiting up to ``wait_for`` s
+        for a first one (what it leaves out is timed out)."""
+        done, _ = concurrent.futures.wait(busy, wait_for, concurrent.futures.FIRST_COMPLETED)
+        return [(future, self._outcome(future.result)) for future in done]
+
+    def _outcome(self, get: Callable) -> ItemResult:
+        try:
+            value, logs = get()
+        except BaseException as err:
+            return self._error(err)
+        return ItemResult("ok", value, logs=logs)
+
+    def _error(self, err: BaseException) -> ItemResult:
+        return ItemResult("error", detail=_describe(err))
 
     def _begin(self, shared: dict, n: int) -> None:
         pass
