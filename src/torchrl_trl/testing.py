@@ -248,13 +248,10 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
 
         package_dir = Path(spec.origin).parent
         tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF)
-        gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-        config = gguf_model.config
-        del config.quantization_config  # a GGUF-loaded model refuses save_pretrained: rebuild it plainly
-        config._name_or_path = str(target)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(gguf_model.state_dict())
-        model.generation_config = gguf_model.generation_config
+        model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        # dequantized to float32 when loaded; save_pretrained refuses it while its GGUF quantizer is set
+        model.hf_quantizer = None
+        del model.config.quantization_config
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
