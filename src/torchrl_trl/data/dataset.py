@@ -16,7 +16,7 @@ from .formats import BufferFormat
 from .reading import (
     BufferReader, EpochPass, OnlineSampling, ReadingStrategy, check_strings_survive, reading_from_arguments,
 )
-from .sharding import Sharding
+from .sharding import Sharding, broadcast_length
 
 __all__ = ["TorchRLBufferDataset"]
 
@@ -121,7 +121,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
     def _check(self) -> dict[str, list]:
         """The first stored rows' columns as Python values, after checking keys and format."""
-        self._reading.check(self._reader)
+        self._reader.require_items(whole_batch=self.mode == "epoch")  # an epoch pass reads whole batches
         peek = self._reader.fetch(torch.arange(min(len(self.replay_buffer), 2)))
         cols = self._columns.check(peek, python=True)
         check_strings_survive(self.replay_buffer, cols)
@@ -154,8 +154,9 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         self._pin_for_ranks()
 
     def _pin_for_ranks(self) -> None:
-        if isinstance(self._reading, EpochPass):
-            self._reader.pin_for_ranks(self._sharding.process()[1])
+        """With several ranks, epoch passes: fix this epoch's to rank 0's length now (every rank calls it)."""
+        if isinstance(self._reading, EpochPass) and self._sharding.process()[1] > 1:
+            self._reader.lengths.pin(self.epoch, broadcast_length(len(self.replay_buffer)))
 
     @property
     def epoch(self) -> int:

@@ -8,6 +8,7 @@ import itertools
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -37,8 +38,6 @@ class BufferReader:
         self.lengths = sharding.PassLengths()  # the items each epoch pass reads
         _buffers.guard_fork(replay_buffer)  # DataLoader workers forked beside a writer thread
         self.iterations = 0  # online streams started in this process (mixed into their seeds)
-        self._python_rows: bool | None = None
-        self._item_rows: int | None = None
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_spawn_keepalive"}
@@ -72,19 +71,18 @@ class BufferReader:
     def set_epoch(self, epoch: int) -> None:
         self.epoch_counter.fill_(int(epoch))
 
+    @cached_property
     def holds_python_rows(self) -> bool:
         """Whether the storage holds plain Python rows (e.g. dicts in a ``ListStorage``)."""
-        if self._python_rows is None:
-            from torchrl.data import ListStorage
+        from torchrl.data import ListStorage
 
-            storage = _buffers.local_storage(self.replay_buffer)  # remote buffers hold TensorDicts
-            self._python_rows = isinstance(storage, ListStorage) and not is_tensor_collection(storage.get(0))
-        return self._python_rows
+        storage = _buffers.local_storage(self.replay_buffer)  # remote buffers hold TensorDicts
+        return isinstance(storage, ListStorage) and not is_tensor_collection(storage.get(0))
 
     def fetch(self, index: torch.Tensor) -> TensorDictBase:
         """The rows at storage ``index`` as one batch (one storage read)."""
         rb = self.replay_buffer
-        if not self.holds_python_rows():
+        if not self.holds_python_rows:
             return rb[index]
         index = index.tolist()
         rows = rb.storage.get(index)
@@ -96,7 +94,7 @@ class BufferReader:
     def sample(self, with_index: bool) -> tuple[TensorDictBase, torch.Tensor | None]:
         """A batch drawn by the buffer's sampler and, when ``with_index``, its storage indices."""
         rb = self.replay_buffer
-        if not self.holds_python_rows():
+        if not self.holds_python_rows:
             if not with_index:
                 return rb.sample(self.batch_size), None
             batch, info = rb.sample(self.batch_size, return_info=True)
@@ -105,11 +103,10 @@ class BufferReader:
         index = torch.as_tensor(index).reshape(-1)
         return self.fetch(index), index
 
+    @cached_property
     def rows_per_item(self) -> int:
         """Rows one stored item yields: the numel of its batch shape."""
-        if self._item_rows is None:
-            self._item_rows = self.fetch(torch.arange(1)).batch_size.numel()
-        return self._item_rows
+        return self.fetch(torch.arange(1)).batch_size.numel()
 
     def readable(self) -> tuple[int, bool]:
         """:func:`~torchrl_trl._buffers.readable_length`; refuses a copy forked in the middle of a write."""
@@ -142,11 +139,6 @@ class BufferReader:
         n, live = self.readable()
         n = self.lengths.length(epoch, first=first, pass_index=pass_index, take=lambda: n, live=live)
         return self.require_items(n, whole_batch=True)
-
-    def pin_for_ranks(self, world_size: int) -> None:
-        """With several ranks: fix this epoch's passes to rank 0's length now (every rank calls it)."""
-        if world_size > 1:
-            self.lengths.pin(self.epoch, sharding.broadcast_length(len(self.replay_buffer)))
 
 
 def _restore(cls, state: dict, buffer: bytes):
@@ -265,10 +257,6 @@ class EpochPass:
         _check_seed(self.seed, "EpochPass: seed", "a non-negative int (equal on every rank)")
         positive_int(self.num_passes, "EpochPass: num_passes", allow_none=True)
 
-    def check(self, reader: BufferReader) -> None:
-        """Refuse a buffer that holds less than one batch."""
-        reader.require_items(whole_batch=True)
-
     def num_rows(self, reader: BufferReader) -> int:
         """Rows one iterator yields if nothing is written meanwhile."""
         if self.num_passes is None:
@@ -276,7 +264,7 @@ class EpochPass:
                 "TorchRLBufferDataset: no length with num_passes=None (endless passes); expected an int for len()"
             )
         n = len(reader.replay_buffer)
-        return self.num_passes * n * (reader.rows_per_item() if n else 1)
+        return self.num_passes * n * (reader.rows_per_item if n else 1)
 
     def order(self, n: int, epoch: int) -> torch.Tensor:
         """int64 ``[n]``: the storage indices of the pass of ``epoch``, in read order."""
@@ -347,9 +335,6 @@ class OnlineSampling:
         positive_int(self.num_batches, "OnlineSampling: num_batches", allow_none=True)
         if self.seed is not None:
             _check_seed(self.seed, "OnlineSampling: seed", "a non-negative int or None")
-
-    def check(self, reader: BufferReader) -> None:
-        reader.require_items()
 
     def num_rows(self, reader: BufferReader) -> int:
         raise TypeError("TorchRLBufferDataset: no length in online mode; expected reading='epoch' for len()")
