@@ -22,7 +22,7 @@ from .weights import GenerationLock, push_weights
 #: consecutive collector batches that write nothing before ``collect`` gives up
 _MAX_EMPTY_BATCHES = 64
 
-__all__ = ["CollectorCallback", "CollectorError", "wait_for_items"]
+__all__ = ["CollectorCallback", "CollectorError", "collector_running", "wait_for_items"]
 
 
 class CollectorError(RuntimeError):
@@ -38,6 +38,19 @@ class CollectorError(RuntimeError):
     ...
     torchrl_trl.online.callback.CollectorError: CollectorCallback: the collector raised ... ConnectionError('generation server down')
     """
+
+
+def collector_running(collector, owner: str) -> bool:
+    """Whether ``collector`` still collects (``True`` if it cannot say); a :class:`CollectorError`
+    naming ``owner`` if it cannot be asked (a dead Ray actor)."""
+    running = getattr(collector, "is_running", None)
+    if not callable(running):
+        return True
+    try:
+        return bool(running())
+    except Exception as err:  # e.g. ray.exceptions.RayActorError: the actor died
+        raise CollectorError(f"{owner}: the collector cannot be reached (its actor died?): {type(err).__name__}: "
+                             f"{err}"[:190]) from err
 
 
 def wait_for_items(
@@ -257,17 +270,8 @@ class CollectorCallback(TrainerCallback):
         if self._error is not None:
             raise CollectorError(f"CollectorCallback: the background collector died: {self._error!r}; the "
                                  f"{len(self.replay_buffer)} items already stored are kept") from self._error
-        if self.remote and self._started_remote:
-            try:
-                running = self.collector.is_running()
-            except Exception as err:  # ray.exceptions.RayActorError and friends
-                raise CollectorError(
-                    f"CollectorCallback: the remote collector is unreachable (actor died?): {err!r}"
-                ) from err
-            if not running:
-                raise CollectorError(
-                    "CollectorCallback: expected the remote collector running, its collection thread ended"
-                )
+        if self.remote and self._started_remote and not collector_running(self.collector, "CollectorCallback"):
+            raise CollectorError("CollectorCallback: expected the remote collector running, its thread ended")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop continuous collection (joins the thread up to ``timeout`` s)."""

@@ -23,13 +23,13 @@ from tensordict.utils import NestedKey
 from .. import layouts
 from .._checks import WarnOnce, non_negative_int, positive_int
 from ..padding import check_policy_padding
-from .callback import CollectorError
+from .callback import CollectorError, collector_running
 from .episodes import (
     BEHAVIOUR_KEY, GENERATED_LOGPROBS_KEY, GROUP_ID_KEY, TORCHRL_REWARD_FIELD, PromptSourceEnded, RolloutBatch,
     episodes_to_trl, find_primer,
 )
 from .ray import is_ray_collector
-from .staleness import check_max_staleness, read_policy_version
+from .staleness import check_max_staleness, collector_policy_version, read_policy_version
 from .weights import staged_weights
 
 __all__ = ["CollectorGroups", "GroupReplay", "RolloutGroup", "take_fresh"]
@@ -201,17 +201,11 @@ class CollectorGroups:
     def policy_version(self) -> int:
         """The collector's policy version (its ``PolicyVersion`` tracker), once a push in flight landed."""
         self._land_push()
-        version = self.collector.policy_version
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise ValueError(
-                f"TorchRLRolloutFunc: expected an int collector.policy_version, got {version!r}: build the collector "
-                "with track_policy_version=True"
-            )
+        version = collector_policy_version(self.collector)
+        if version is None:
+            raise ValueError("TorchRLRolloutFunc: expected an int collector.policy_version: build the collector "
+                             "with track_policy_version=True")
         return version
-
-    @property
-    def tokenizer(self):
-        return self.collector.policy.tokenizer
 
     def start(self) -> None:
         """Start the collector (idempotent)."""
@@ -262,7 +256,8 @@ class CollectorGroups:
             self._pauses += 1
         try:
             with self._reading:
-                while self.started and self.in_process and not self._at_boundary and _is_running(self.collector):
+                while (self.started and self.in_process and not self._at_boundary
+                       and collector_running(self.collector, "TorchRLRolloutFunc")):
                     if self.timeout is not None and time.monotonic() - start > self.timeout:
                         raise CollectorError(
                             f"TorchRLRolloutFunc: the collector's batch in flight did not end within "
@@ -351,7 +346,8 @@ class CollectorGroups:
         start = time.monotonic()
         try:
             while True:
-                running = _is_running(self.collector)  # asked first: what it wrote before stopping counts
+                # asked first: what it wrote before stopping counts
+                running = collector_running(self.collector, "TorchRLRolloutFunc")
                 with self._reading:
                     self._read_new()
                     taken, stale, _ = take_fresh(
@@ -481,15 +477,3 @@ def _hashable(value):
     if isinstance(value, torch.Tensor):
         return tuple(value.reshape(-1).tolist())
     return value if isinstance(value, (str, int, float, tuple)) else repr(value)
-
-
-def _is_running(collector) -> bool:
-    """Whether the collector still collects; ``CollectorError`` if it cannot be asked (a dead Ray actor)."""
-    running = getattr(collector, "is_running", None)
-    if not callable(running):
-        return True
-    try:
-        return bool(running())
-    except Exception as err:  # e.g. ray.exceptions.RayActorError: the actor died
-        raise CollectorError(f"TorchRLRolloutFunc: the collector cannot be reached: {type(err).__name__}: "
-                             f"{err}"[:190]) from err

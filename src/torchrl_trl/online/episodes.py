@@ -112,13 +112,12 @@ def forward_fields(steps: Sequence[TensorDictBase], keys: Sequence[NestedKey] | 
     return fields
 
 
-def rollout_batch(rows: dict[str, list[list]], fields: dict[str, list], steps: list[TensorDictBase]) -> RolloutBatch:
-    """TRL's rollout dict from :func:`turns_to_trl` rows and :func:`forward_fields`;
+def rollout_batch(columns: dict[str, list], steps: list[TensorDictBase]) -> RolloutBatch:
+    """TRL's rollout dict from :func:`turns_to_trl`'s rows and :func:`forward_fields`' columns;
     ``env_mask`` only where some completion token is not the policy's."""
-    out = RolloutBatch(prompt_ids=rows["prompt_ids"], completion_ids=rows["completion_ids"], logprobs=rows["logprobs"])
-    if any(0 in m for m in rows["env_mask"]):
-        out["env_mask"] = rows["env_mask"]
-    out.update(fields)
+    out = RolloutBatch(columns)
+    if all(0 not in m for m in out["env_mask"]):
+        del out["env_mask"]
     out.steps = steps
     return out
 
@@ -140,8 +139,7 @@ def episodes_to_trl(
         for key, values in new.items():
             for i, value in zip(index, values):
                 out.setdefault(key, [None] * n)[i] = value
-    rows = {key: out.pop(key, []) for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs")}
-    return rollout_batch(rows, out, [lazy_stack([episode[0] for episode in episodes])])
+    return rollout_batch(out, [lazy_stack([episode[0] for episode in episodes])])
 
 
 def _to_python(value: Any) -> Any:

@@ -24,7 +24,7 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 from tensordict.utils import NestedKey
 
 from .. import layouts
-from .._checks import WarnOnce, non_negative_int, positive_int, positive_seconds
+from .._checks import WarnOnce, config_or_default, non_negative_int, positive_int, positive_seconds
 from ..padding import check_policy_padding, safe_policy_wrapper
 from .collector_source import CollectorGroups, GroupReplay, concat_groups, has_reward_spread
 from .episodes import (
@@ -166,9 +166,7 @@ class TorchRLRolloutFunc:
             raise ValueError(
                 f"TorchRLRolloutFunc: sync_weights must be 'copy', a callable or None, got {sync_weights!r}"
             )
-        if options is not None and not isinstance(options, RolloutOptions):
-            raise TypeError(f"TorchRLRolloutFunc: options must be a RolloutOptions, got {type(options).__name__}")
-        self.options = options = options or RolloutOptions()
+        self.options = options = config_or_default(options, RolloutOptions, "options", "TorchRLRolloutFunc")
         if positive_int(max_turns, "TorchRLRolloutFunc: max_turns") != 1 and env is None:
             raise ValueError("TorchRLRolloutFunc: max_turns > 1 needs an env (a ChatEnv) to make the next prompt")
         fields = _COLLECTOR_OPTIONS if source is None else ("context_fn",)
@@ -222,7 +220,7 @@ class TorchRLRolloutFunc:
     def _collected(self, prompts: list, trainer) -> RolloutBatch:
         """TRL's batch from the collector's groups: fresh ones ready now, reused ones, then fresh ones waited for."""
         groups = self.groups
-        g = groups.group_size = _group_size(trainer, len(prompts), self.options.group_size or groups.group_size)
+        g = groups.group_size = _group_size(trainer, len(prompts), groups.group_size)
         version = self._sync_collector(trainer)
         n = len(prompts) // g
         keep = has_reward_spread if self.options.drop_zero_std else None
@@ -313,7 +311,7 @@ class TorchRLRolloutFunc:
             if self._scorer is None or self._scorer.model is not self.policy.model:
                 self._scorer = ResponseScorer(self.policy)
             rows["logprobs"] = self._scorer(rows["prompt_ids"], rows["completion_ids"])
-        batch = rollout_batch(rows, forward_fields(steps, self.options.forward_keys), steps)
+        batch = rollout_batch({**rows, **forward_fields(steps, self.options.forward_keys)}, steps)
         self._annotate(steps, group_size, version)
         if self.replay_buffer is not None:
             for step in steps:

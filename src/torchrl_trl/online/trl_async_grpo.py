@@ -180,7 +180,7 @@ class TorchRLRolloutWorker:
 
         batch = group.batch
         n = len(batch["completion_ids"])
-        texts = self.source.tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+        texts = self.source.collector.policy.tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
         chat = isinstance(group.prompt, list)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         fields = {k: v for k, v in batch.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}

@@ -14,17 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .ray import is_ray_collector
 
-__all__ = ["GenerationLock", "collector_weights", "load_weights", "push_weights", "staged_weights", "weights_td"]
-
-
-def collector_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDict:
-    """``model``'s weights (or ``model``, a TensorDict of them) as ``collector.update_policy_weights_``
-    loads them: under ``"model"`` for a ``policy.model`` or a Ray actor (which gets them on the CPU)."""
-    weights = weights_td(model)
-    remote = is_ray_collector(collector)
-    if remote or isinstance(getattr(getattr(collector, "policy", None), "model", None), torch.nn.Module):
-        weights = TensorDict({"model": weights.cpu() if remote else weights}, batch_size=[])
-    return weights
+__all__ = ["GenerationLock", "load_weights", "push_weights", "staged_weights", "weights_td"]
 
 
 def load_weights(module: torch.nn.Module, weights) -> int:
@@ -74,7 +64,7 @@ def weights_td(weights) -> TensorDictBase:
 def push_weights(
     collector, model: torch.nn.Module | TensorDictBase, *, lock: contextlib.AbstractContextManager | None = None,
 ) -> None:
-    """Load ``model``'s weights (:func:`collector_weights`) into ``collector``'s policy with
+    """Load ``model``'s weights (:func:`staged_weights`) into ``collector``'s policy with
     ``collector.update_policy_weights_``, holding ``lock`` meanwhile; a Ray actor on this machine
     reads them from memory-mapped files (``benchmarks/bench_weight_push.py``)."""
     weights = staged_weights(collector, model)
@@ -83,10 +73,15 @@ def push_weights(
 
 
 def staged_weights(collector, model: torch.nn.Module | TensorDictBase) -> TensorDictBase:
-    """:func:`collector_weights`, for a Ray actor on this machine copied into its memory-mapped
-    files (``is_memmap()``: a copy, so the trainer may step while the actor loads them)."""
-    weights = collector_weights(collector, model)
-    return _SharedWeights.of(collector, weights) if is_ray_collector(collector) else weights
+    """``model``'s weights (or ``model``, a TensorDict of them) as ``collector.update_policy_weights_``
+    loads them: under ``"model"`` for a ``policy.model`` or a Ray actor, which gets them on the CPU (on
+    this machine copied into its memory-mapped files, ``is_memmap()``: the trainer may step while it loads them)."""
+    weights = weights_td(model)
+    if is_ray_collector(collector):
+        return _SharedWeights.of(collector, TensorDict({"model": weights.cpu()}, batch_size=[]))
+    if isinstance(getattr(getattr(collector, "policy", None), "model", None), torch.nn.Module):
+        return TensorDict({"model": weights}, batch_size=[])
+    return weights
 
 
 class _SharedWeights:
