@@ -19,9 +19,13 @@ from torchrl_trl._threads import run_async, run_in_thread
 from .arguments import per_completion_items
 
 __all__ = [
-    "FailureCounter", "FunctionTimeout", "RewardFunctionError", "call_function", "call_functions", "function_names",
+    "FAILURES", "FunctionTimeout", "RewardFunctionError", "call_function", "call_functions", "function_names",
     "named_error", "replay_logs", "run_coroutines", "run_with_timeout", "score_items", "to_rewards",
 ]  # fmt: skip
+
+
+#: how an item of an isolated executor fails (the kinds of ``failure_counts``), as its warning says
+FAILURES = {"error": "raised on", "timeout": "ran past its timeout on", "crash": "crashed its worker on"}
 
 
 class RewardFunctionError(RuntimeError):
@@ -158,27 +162,6 @@ def to_rewards(output: Any, *, name: str, expected: int, owner: str) -> list[flo
     return rewards
 
 
-class FailureCounter:
-    """Counts failed items by function name and kind, warning once per (name, kind)."""
-
-    def __init__(self, names: Sequence[str], owner: str):
-        self.owner, self.names, self._seen = owner, list(names), WarnOnce()  # by (name, kind)
-
-    @property
-    def counts(self) -> dict[str, dict[str, int]]:
-        kinds = ("error", "timeout", "crash")
-        return {n: {kind: self._seen.counts[(n, kind)] for kind in kinds} for n in self.names}
-
-    def add(self, name: str, result, value_note: str) -> None:
-        what = {"error": "raised on", "timeout": "ran past its timeout on"}.get(result.status, "crashed its worker on")
-        self._seen.add(
-            (name, result.status),
-            f"reward function {name!r} {what} a completion ({result.detail}); "
-            f"{value_note} (counted in {self.owner}.failure_counts), once per function and kind",
-            stacklevel=6,
-        )
-
-
 def replay_logs(results: Sequence, log_extra: Callable | None, log_metric: Callable | None) -> None:
     """Replay the items' ``log_extra`` calls (one per column, ``None`` for an item that did not log
     it) and ``log_metric`` calls, in item order."""
@@ -194,21 +177,24 @@ def replay_logs(results: Sequence, log_extra: Callable | None, log_metric: Calla
             log_metric(entry[1], entry[2])
 
 
-def score_items(executor, call_kwargs: dict, n: int, names: Sequence[str], failures: FailureCounter,
+def score_items(executor, call_kwargs: dict, n: int, names: Sequence[str], failures: WarnOnce, owner: str,
                 failure_reward: float | None, excluded: str) -> tuple[list[list[float | None]], list[list[bool]]]:
     """Each function on each of the ``n`` completions alone, in an item ``executor``: ``(rewards,
-    failed)``, per function one entry per completion (``failure_reward`` where it failed)."""
+    failed)``, per function one entry per completion (``failure_reward`` where it failed, counted
+    in ``failures`` by ``(name, kind)`` and warned once)."""
     results = executor.run(*per_completion_items(call_kwargs, n, len(names)))
     note = excluded if failure_reward is None else f"its reward is failure_reward={failure_reward}"
+    note += f" (counted in {owner}.failure_counts), once per function and kind"
     rewards, failed = [], []
     for i, name in enumerate(names):
         mine = results[i * n : (i + 1) * n]
         rewards.append([])
         for result in mine:
             if result.status == "ok":
-                rewards[-1] += to_rewards(result.value, name=name, expected=1, owner=failures.owner)
+                rewards[-1] += to_rewards(result.value, name=name, expected=1, owner=owner)
             else:
-                failures.add(name, result, note)
+                failures.add((name, result.status), f"reward function {name!r} {FAILURES[result.status]} a completion "
+                             f"({result.detail}); {note}", stacklevel=5)
                 rewards[-1].append(failure_reward)
         failed.append([r.status != "ok" for r in mine])
         replay_logs(mine, call_kwargs.get("log_extra"), call_kwargs.get("log_metric"))

@@ -18,7 +18,7 @@ from torchrl_trl import layouts
 from torchrl_trl._checks import WarnOnce, key_tuple, strip_next
 
 from .arguments import InputMode, check_signature, input_keys, trl_arguments
-from .calling import FailureCounter, FunctionTimeout, RewardFunctionError, call_functions, function_names, score_items
+from .calling import FAILURES, FunctionTimeout, RewardFunctionError, call_functions, function_names, score_items
 from .executors import RewardExecutor, reward_executor
 from .postprocess import RewardShape, trailing_dims, write_rewards
 from .scheduler import warm_up
@@ -126,9 +126,8 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         self.timeout = config.timeout
         self.failure_reward = config.failure_reward
         self.executor = config.build(funcs, self.names) if config.isolated else None
-        self._failures = FailureCounter(self.names, name)
         self.logs = SimpleNamespace(extra={}, metrics={})  # where log_extra/log_metric calls land
-        self._none, self._nonfinite, self._unscorable = WarnOnce(), WarnOnce(), WarnOnce()
+        self._none, self._nonfinite, self._unscorable, self._failures = WarnOnce(), WarnOnce(), WarnOnce(), WarnOnce()
 
     @property
     def none_counts(self) -> dict[str, int]:
@@ -148,7 +147,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
     @property
     def failure_counts(self) -> dict[str, dict[str, int]]:
         """Failed items (executor modes) by function and kind: ``{"f": {"error": 0, "timeout": 1, "crash": 0}}``."""
-        return self._failures.counts
+        return {n: {kind: self._failures.counts[(n, kind)] for kind in FAILURES} for n in self.names}
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (a later call starts new ones)."""
@@ -194,7 +193,7 @@ class RewardFunctionWrapper(TensorDictModuleBase):
         for func, name in zip(self.funcs, self.names):
             check_signature(func, name, list(call_kwargs), type(self).__name__)
         if self.executor is not None:
-            values, failed = score_items(self.executor, call_kwargs, n, self.names, self._failures,
+            values, failed = score_items(self.executor, call_kwargs, n, self.names, self._failures, type(self).__name__,
                                          self.failure_reward, "it is excluded like None")
         else:
             values = call_functions(self.funcs, self.names, call_kwargs, self.timeout, type(self).__name__)

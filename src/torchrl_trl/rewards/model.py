@@ -21,7 +21,7 @@ from .._token_ids import check_token_ids, check_tokenizer_fits, embedding_size
 from ..layouts import Ragged
 from .batching import MicroBatch, RewardBatching
 from .packing import causal_classifier, iter_packs, packing_unsupported, score_pack
-from .postprocess import NonFiniteRewards, RewardOutput, RewardShape, extract_scores, select_head, write_rewards
+from .postprocess import RewardOutput, RewardShape, extract_scores, nonfinite_scores, select_head, write_rewards
 from .render import RewardRenderer
 
 __all__ = ["HFRewardModelWrapper", "load_reward_model"]
@@ -198,8 +198,7 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         self._model_takes_mask = _takes_argument(model, "attention_mask")
         # right padding comes after every real token: a causal decoder needs no mask for it
         self._causal = causal_classifier(model)
-        self._nonfinite = NonFiniteRewards(output.on_nonfinite)
-        self._truncations = WarnOnce(RuntimeWarning)
+        self._nonfinite, self._truncations = WarnOnce(RuntimeWarning), WarnOnce(RuntimeWarning)
         self.real_tokens = self.processed_tokens = 0
 
     @classmethod
@@ -255,7 +254,7 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
 
     @property
     def nonfinite_count(self) -> int:
-        return self._nonfinite.count
+        return self._nonfinite.counts["nonfinite"]
 
     @property
     def truncated_count(self) -> int:
@@ -328,7 +327,8 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
                     scores.append(self._forward(part.input_ids, None if self._causal else part.attention_mask))
                 order.append(part.index)
         flat = torch.cat(scores)
-        return self._nonfinite(flat[torch.argsort(torch.cat(order)).to(flat.device)])
+        return nonfinite_scores(flat[torch.argsort(torch.cat(order)).to(flat.device)], self.output.on_nonfinite,
+                                self._nonfinite)
 
     def _given_tokens(self, td: TensorDictBase) -> list[MicroBatch] | None:
         """For a stand-in module, the stored ``[N, T]`` ids and mask, unchanged, in budget-sized chunks."""

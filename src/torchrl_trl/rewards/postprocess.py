@@ -24,8 +24,8 @@ from torchrl.envs import Transform
 from .. import layouts
 from .._checks import WarnOnce
 
-__all__ = ["NonFiniteRewards", "RewardOutput", "RewardShape", "RewardShapeError", "RunningRewardNorm",
-           "extract_scores", "select_head", "trailing_dims", "write_rewards"]
+__all__ = ["RewardOutput", "RewardShape", "RewardShapeError", "RunningRewardNorm", "extract_scores", "nonfinite_scores",
+           "select_head", "trailing_dims", "write_rewards"]
 
 RewardShape = Literal["flat", "trailing", "step"]
 _TRAILING = {"flat": (), "trailing": (1,), "step": (1, 1)}
@@ -151,33 +151,23 @@ def select_head(logits: torch.Tensor, head_index: int | None, n_rows: int) -> to
     return logits[:, head_index]
 
 
-class NonFiniteRewards:
-    """What a scorer does with NaN/inf scores, by ``policy`` (:attr:`RewardOutput.on_nonfinite`):
-    raise a ``FloatingPointError``, or count them in :attr:`count`, warn once, and keep them
-    (``"warn"``) or write the number given instead."""
-
-    def __init__(self, policy: str | float = "raise") -> None:
-        self.policy, self._warn = policy, WarnOnce(RuntimeWarning)
-
-    @property
-    def count(self) -> int:
-        return self._warn.counts["nonfinite"]
-
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        finite = torch.isfinite(scores)
-        if bool(finite.all()):
-            return scores
-        bad = int((~finite).sum())
-        if self.policy == "raise":
-            raise FloatingPointError(
-                f"HFRewardModelWrapper: expected finite rewards, the model returned {bad} NaN/inf of "
-                f"{scores.numel()}; pass output=RewardOutput(on_nonfinite='warn' or a value) to go on"
-            )
-        self._warn.add("nonfinite", f"reward model returned {bad} non-finite reward(s); counted in "
-                       "nonfinite_count", n=bad, stacklevel=4)  # fmt: skip
-        if self.policy != "warn":
-            scores = torch.where(finite, scores, scores.new_tensor(float(self.policy)))
+def nonfinite_scores(scores: torch.Tensor, policy: str | float, counter: WarnOnce) -> torch.Tensor:
+    """``scores`` by ``policy`` (:attr:`RewardOutput.on_nonfinite`) where NaN/inf: a ``FloatingPointError``,
+    or counted in ``counter`` (warned once) and kept (``"warn"``) or replaced by the number given."""
+    finite = torch.isfinite(scores)
+    if bool(finite.all()):
         return scores
+    bad = int((~finite).sum())
+    if policy == "raise":
+        raise FloatingPointError(
+            f"HFRewardModelWrapper: expected finite rewards, the model returned {bad} NaN/inf of "
+            f"{scores.numel()}; pass output=RewardOutput(on_nonfinite='warn' or a value) to go on"
+        )
+    counter.add("nonfinite", f"reward model returned {bad} non-finite reward(s); counted in "
+                "nonfinite_count", n=bad, stacklevel=4)  # fmt: skip
+    if policy != "warn":
+        scores = torch.where(finite, scores, scores.new_tensor(float(policy)))
+    return scores
 
 
 class RunningRewardNorm(Transform):

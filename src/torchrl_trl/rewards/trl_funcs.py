@@ -21,7 +21,7 @@ from torchrl_trl import _compat, layouts
 from torchrl_trl._checks import WarnOnce, key_tuple, strip_next
 
 from .arguments import TRL_EXTRA_KWARGS, as_messages, check_signature, declares, is_conversational, rollouts_from_trl
-from .calling import FailureCounter, call_function, call_functions, function_names, run_with_timeout, score_items
+from .calling import FAILURES, call_function, call_functions, function_names, run_with_timeout, score_items
 from .executors import RewardExecutor, reward_executor
 from .scheduler import warm_up
 
@@ -92,7 +92,7 @@ class TRLRewardFunc:
         self._parsers: dict[str, Any] = {}
         self.failure_reward = config.failure_reward
         self.executor = None
-        self._failures = FailureCounter([self.__name__], type(self).__name__)
+        self._failures = WarnOnce()  # by (name, kind)
         if config.isolated:  # the workers run the function, or a copy of this without executor
             inner = copy.copy(self)
             inner.timeout = None  # the executor bounds each completion
@@ -107,7 +107,7 @@ class TRLRewardFunc:
     @property
     def failure_counts(self) -> dict[str, int]:
         """Failed completions by kind (executor modes): ``{"error", "timeout", "crash"}``."""
-        return self._failures.counts[self.__name__]
+        return {kind: self._failures.counts[(self.__name__, kind)] for kind in FAILURES}
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes (a later call starts new ones)."""
@@ -163,7 +163,7 @@ class TRLRewardFunc:
             # as TRL would fail, but once here rather than per completion
             check_signature(self.reward, self.__name__, list(call_kwargs), type(self).__name__)
         rewards, _ = score_items(self.executor, call_kwargs, len(prompts), [self.__name__], self._failures,
-                                 self.failure_reward, "it is returned as None (excluded by TRL)")
+                                 type(self).__name__, self.failure_reward, "it is returned as None (excluded by TRL)")
         return rewards[0]  # NaN/inf: counted by __call__
 
     def raw_rewards(self, prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
