@@ -179,16 +179,13 @@ def cmd_score(args) -> int:
 
     import torch
     from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
 
     from .. import layouts
     from ..online import save_buffer
     from ..rewards import HFRewardModelWrapper, RewardBatching, RewardRenderer
 
-    policy_tokenizer = None
-    if tok_dir is not None:
-        from transformers import AutoTokenizer
-
-        policy_tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
+    policy_tokenizer = None if tok_dir is None else AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
     # in place: keep the writer's position; to a copy: the items are all that is needed
     rb, meta = load_saved_buffer(args.path, restore_state=args.out is None)
     n = len(rb)

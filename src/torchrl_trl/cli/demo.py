@@ -236,8 +236,7 @@ def run_grpo(policy_path: Path, rm_path: Path, task: DemoTask, cfg: DemoConfig) 
     for rollouts in tqdm(collector, total=cfg.iterations, desc="GRPO", disable=not cfg.progress):
         archive.extend(rollouts.clone())  # as collected: MCAdvantage's regrouping drops the prompt/reply split
         buffer.extend(rollouts)
-        rewards = torch.stack(layouts.read_column(rollouts, layouts.REWARD_KEY)).float()
-        rm_scores.append(float(rewards.mean()))
+        rm_scores.append(float(layouts.read_column(rollouts, layouts.REWARD_KEY, stack=True).float().mean()))
         prompts = layouts.read_column(rollouts, "query")
         true_scores.append(_mean_true_score(task, prompts, layouts.read_text(rollouts, "response")))
         for batch in buffer:

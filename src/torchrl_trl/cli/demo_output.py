@@ -3,6 +3,7 @@ summary table, ``results.json`` and the reward curve (``reward_curve.png``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import warnings
@@ -80,9 +81,8 @@ def plot_reward_curve(results: dict):
     return fig
 
 
-def say(message: str) -> None:
-    """One line of the demo's output, flushed at once."""
-    print(message, flush=True)
+#: one line of the demo's output, flushed at once
+say = functools.partial(print, flush=True)
 
 
 def quiet_libraries() -> None:

@@ -35,7 +35,14 @@ def resolve_model_dir(value: str | os.PathLike, what: str) -> Path:
                 f"{what}: expected a local directory, {text!r} is a hub id and the hub is offline "
                 f"(HF_HUB_OFFLINE): 'hf download {text} --local-dir DIR' where online, and pass DIR"
             )
-        path = _download(text, what)
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:  # the weights, config and tokenizer files only
+            patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+            path = Path(snapshot_download(text, allow_patterns=patterns))
+        except (HfHubHTTPError, OSError, ValueError) as err:
+            raise CLIError(f"{what}: could not download {text!r} from the Hugging Face hub: {err}") from err
     if not path.is_dir():
         raise CLIError(f"{what}: {text!r} is a file; expected a checkpoint directory (config.json + *.safetensors)")
     if not (path / "config.json").is_file():
@@ -48,14 +55,3 @@ def resolve_model_dir(value: str | os.PathLike, what: str) -> Path:
             "trusted: from_pretrained(DIR).save_pretrained(DIR)"
         )
     return path
-
-
-def _download(repo_id: str, what: str) -> Path:
-    """Download the safetensors weights, config and tokenizer files of ``repo_id``."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
-    except (HfHubHTTPError, OSError, ValueError) as err:
-        raise CLIError(f"{what}: could not download {repo_id!r} from the Hugging Face hub: {err}") from err
