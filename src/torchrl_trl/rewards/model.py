@@ -275,9 +275,6 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
         param = next(iter(self.model.parameters()), None)
         return param.device if param is not None else torch.device("cpu")
 
-    def _no_grad(self):
-        return torch.no_grad() if self.inference_mode else contextlib.nullcontext()
-
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         """One model call -> float ``[n]`` scores (head selected)."""
         device = self._model_device()
@@ -310,7 +307,7 @@ class HFRewardModelWrapper(RenderingScorer, TensorDictModuleBase):
     def _score_parts(self, parts, packing: bool = False) -> torch.Tensor:
         """Scores of the micro-batches (or packs) ``parts``, in the original row order."""
         pad, scores, order = self.pad_token_id, [], []
-        with self._no_grad():
+        with torch.no_grad() if self.inference_mode else contextlib.nullcontext():
             for part in parts:
                 needs_pad = part.processed_tokens != part.real_tokens or part.index.numel() > 1
                 if not packing and pad is None and needs_pad and self._text_config is not None:

@@ -32,11 +32,6 @@ def _conversations(prompts, completions) -> list[list[dict]]:
     return [list(p) + as_messages(c) for p, c in zip(prompts, completions)]
 
 
-def _default_name(reward: Any) -> str:
-    path = getattr(getattr(getattr(reward, "model", None), "config", None), "name_or_path", "")
-    return str(path).rstrip("/").split("/")[-1] if path else type(reward).__name__
-
-
 def is_trl_function(reward: Any) -> bool:
     """Whether ``reward`` is a plain TRL reward function (called with ``prompts=``,
     ``completions=``...) rather than a TorchRL module called with a TensorDict: not a
@@ -83,7 +78,8 @@ class TRLRewardFunc:
         self.is_trl_function = is_trl_function(reward)
         if name is None and self.is_trl_function:
             name = function_names([reward])[0]  # TRL's name
-        self.__name__ = name or _default_name(reward)
+        path = getattr(getattr(getattr(reward, "model", None), "config", None), "name_or_path", "")
+        self.__name__ = name or (str(path).rstrip("/").split("/")[-1] if path else type(reward).__name__)
         self.reward_key = reward_key
         self.columns = list(columns) if columns is not None else None
         self.timeout = config.timeout
