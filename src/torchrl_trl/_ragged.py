@@ -251,10 +251,8 @@ def read_once():
 
 
 def batch_of(td: TensorDictBase) -> Batch:
-    """The :class:`Batch` of ``td``: this :func:`read_once` context's (made on first use), else a new one."""
+    """The :class:`Batch` of ``td`` in this :func:`read_once` context (made on first use)."""
     batches = _BATCHES.get()
-    if batches is None:
-        return Batch(td)
     found = batches.get(id(td))
     if found is None:
         found = batches[id(td)] = Batch(td)  # it holds td: its id cannot be reused while the context lives

@@ -72,6 +72,7 @@ def history_key(part: Part) -> NestedKey:
     return _part_key("history", part)
 
 
+@reads_once
 def has_key(td: TensorDictBase, key: NestedKey) -> bool:
     """Whether ``key`` is set (and not ``None``) in every sample of ``td``, even where its values cannot be stacked.
 

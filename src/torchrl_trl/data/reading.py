@@ -137,7 +137,7 @@ class BufferReader:
     def pass_length(self, epoch: int, *, first: bool = True, pass_index: int = 0) -> int:
         """The items epoch pass ``pass_index`` reads, taken once when it begins for all its readers."""
         n, live = self.readable()
-        n = self.lengths.length(epoch, first=first, pass_index=pass_index, take=lambda: n, live=live)
+        n = self.lengths.length(epoch, n, first=first, pass_index=pass_index, live=live)
         return self.require_items(n, whole_batch=True)
 
 

@@ -9,7 +9,6 @@ import os
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -168,22 +167,20 @@ class PassLengths:
         self._pin[1] = n
         self._pin[0] = epoch
 
-    def _take(self, epoch: int, take: Callable[[], int]) -> int:
-        return int(self._pin[1]) if int(self._pin[0]) == epoch else take()
-
-    def length(self, epoch: int, *, first: bool, pass_index: int, take: Callable[[], int], live: bool) -> int:
-        """The length pass ``pass_index`` of ``epoch`` reads (``first``: this iteration's first; ``take()``
-        reads it; ``live``: see :func:`torchrl_trl._buffers.readable_length`)."""
+    def length(self, epoch: int, n: int, *, first: bool, pass_index: int, live: bool) -> int:
+        """The length pass ``pass_index`` of ``epoch`` reads (``first``: this iteration's first; ``n``: the
+        length this reader sees now; ``live``: see :func:`torchrl_trl._buffers.readable_length`)."""
+        n = int(self._pin[1]) if int(self._pin[0]) == epoch else n
         info = torch.utils.data.get_worker_info()
         if info is None:
-            return self._take(epoch, take)
+            return n
         if first:
             self._iterations += 1
         key = ((info.seed - info.id) * 1_000_003 + self._iterations) % (2**62)
         if first:
             head = self._slot(key, -1)
             if info.id == 0:
-                self._first = self._publish(head, key, -1, self._take(epoch, take))
+                self._first = self._publish(head, key, -1, n)
             else:
                 self._first = self._wait(head, key, -1)
             return self._first
@@ -194,7 +191,7 @@ class PassLengths:
             fcntl.flock(f, fcntl.LOCK_EX)
             if self._matches(slot, key, pass_index):
                 return int(self._table[slot, 2])
-            return self._publish(slot, key, pass_index, self._take(epoch, take))
+            return self._publish(slot, key, pass_index, n)
 
     def _slot(self, key: int, pass_index: int) -> int:
         return (key + 7919 * pass_index) % self._table.shape[0]
