@@ -1,6 +1,6 @@
 """A local replay buffer told from a remote one (a ``RayReplayBuffer`` or its client), and what
 a forked process (a DataLoader worker) may read of a local one (:func:`guard_fork`,
-:func:`forked_mid_write`, :func:`readable_length`); whether ``LazyMemmapStorage`` keeps strings."""
+:func:`readable_length`); whether ``LazyMemmapStorage`` keeps strings."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import weakref
 
 from . import _compat
 
-__all__ = ["forked_mid_write", "guard_fork", "is_local", "local_parts", "local_sampler", "local_storage",
-           "memmap_keeps_strings", "readable_length"]
+__all__ = ["guard_fork", "is_local", "local_parts", "local_sampler", "local_storage", "memmap_keeps_strings",
+           "readable_length"]
 
 
 def is_local(replay_buffer) -> bool:
@@ -68,7 +68,7 @@ _private_tensor_storages: list = []  # also: whether the fork hooks are register
 
 def guard_fork(replay_buffer) -> None:
     """Make ``fork`` wait for a write in progress on ``replay_buffer`` (the parent holds its lock
-    across the fork); one still locked after 30 s is marked torn in the child (:func:`forked_mid_write`)."""
+    across the fork); one still locked after 30 s is marked torn in the child (:func:`readable_length`)."""
     if not is_local(replay_buffer):
         return
     if not _private_tensor_storages:
@@ -80,17 +80,18 @@ def guard_fork(replay_buffer) -> None:
     _GUARDED.add(replay_buffer)
 
 
-def forked_mid_write(replay_buffer) -> bool:
-    """Whether this process was forked while another thread was writing ``replay_buffer``."""
-    return replay_buffer in _TORN
-
-
 def readable_length(replay_buffer) -> tuple[int, bool]:
     """``(n, live)``: how many items this process can read consistently, and whether later
-    writes become readable here (a forked worker's copy of in-process data stops at the fork)."""
+    writes become readable here (a forked worker's copy of in-process data stops at the fork);
+    ``RuntimeError`` where this process was forked while another thread wrote the buffer."""
     import torch.utils.data
     from torchrl.data import LazyMemmapStorage, TensorStorage
 
+    if replay_buffer in _TORN:
+        raise RuntimeError(
+            "TorchRLBufferDataset: this DataLoader worker was forked while the buffer was written (lock held "
+            "30 s): its copy may be torn; use num_workers=0, 'spawn', or pause the writer"
+        )
     n = len(replay_buffer)
     if torch.utils.data.get_worker_info() is None:
         return n, True

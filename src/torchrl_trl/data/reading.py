@@ -108,20 +108,10 @@ class BufferReader:
         """Rows one stored item yields: the numel of its batch shape."""
         return self.fetch(torch.arange(1)).batch_size.numel()
 
-    def readable(self) -> tuple[int, bool]:
-        """:func:`~torchrl_trl._buffers.readable_length`; refuses a copy forked in the middle of a write."""
-        rb = self.replay_buffer
-        if _buffers.forked_mid_write(rb):
-            raise RuntimeError(
-                "TorchRLBufferDataset: this DataLoader worker was forked while the buffer was written (lock held "
-                "30 s): its copy may be torn; use num_workers=0, 'spawn', or pause the writer"
-            )
-        return _buffers.readable_length(rb)
-
     def require_items(self, n: int | None = None, *, whole_batch: bool = False) -> int:
         """``n`` (default: the readable length) if >= 1 (``whole_batch``: ``batch_size``), else ``ValueError``."""
         if n is None:
-            n = self.readable()[0]
+            n = _buffers.readable_length(self.replay_buffer)[0]
         if n == 0:
             raise ValueError(
                 "TorchRLBufferDataset: the replay buffer is empty; fill it (e.g. run the "
@@ -136,7 +126,7 @@ class BufferReader:
 
     def pass_length(self, epoch: int, *, first: bool = True, pass_index: int = 0) -> int:
         """The items epoch pass ``pass_index`` reads, taken once when it begins for all its readers."""
-        n, live = self.readable()
+        n, live = _buffers.readable_length(self.replay_buffer)
         n = self.lengths.length(epoch, n, first=first, pass_index=pass_index, live=live)
         return self.require_items(n, whole_batch=True)
 
