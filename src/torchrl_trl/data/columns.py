@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDictBase, is_tensor_collection
 from tensordict.utils import NestedKey
 
-from .. import layouts
+from .. import layouts, padding
 from .features import infer_feature, to_pylist
 from .formats import BufferFormat, get_format, read_token_ids  # the registry, with every built-in format
 
@@ -139,8 +139,7 @@ class RowColumns:
         bound = copy.copy(self)
         bound.keys = None if keys is None else [to_nested_key(k) for k in keys]
         bound.device = torch.device(device) if device is not None else None
-        tok = self.tokenizer
-        bound.pad_text = None if tok is None else tok.decode([tok.pad_token_id], skip_special_tokens=False)
+        bound.pad_text = None if self.tokenizer is None else padding.pad_string(self.tokenizer)
         bound.tokenizer = None
         bound.dtypes = {}
         return bound

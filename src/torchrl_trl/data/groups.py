@@ -67,12 +67,9 @@ class SkipStats:
             self.skipped[reason] += int(n)
 
     def summary(self) -> str:
-        return f"{self.op}: {self._counts()}"
-
-    def _counts(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "nothing"
         grouped = f" in {self.groups} complete groups, {self.used_groups} used," if self.groups else ","
-        return f"read {self.rollouts} rollouts{grouped} {self.rows} rows written; skipped: {skipped}"
+        return f"{self.op}: read {self.rollouts} rollouts{grouped} {self.rows} rows written; skipped: {skipped}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"rollouts": self.rollouts, "groups": self.groups, "used_groups": self.used_groups,
@@ -81,7 +78,7 @@ class SkipStats:
     def report(self) -> None:
         """Warn (once per call) when anything was skipped; raise when nothing is left."""
         if self.rows == 0:
-            raise ValueError(f"{self.op}: {self._counts()}; expected rows to train on, none left")
+            raise ValueError(f"{self.summary()}; expected rows to train on, none left")
         if self.skipped:
             warnings.warn(self.summary(), SkippedRolloutsWarning, stacklevel=4)  # the builder's caller
 
