@@ -65,15 +65,14 @@ def _rows(cols: ColumnBatch, tensors: bool = False) -> Iterator[dict]:
 
 @dataclass(eq=False)
 class HFBatches:
-    """Picklable source of column batches: ``self(shard_ids)`` yields ``(key, {column: values})``
-    (``python``: their form, see :meth:`RowColumns.convert`); ``rank`` is mixed into seeds."""
+    """Picklable source of column batches: ``self(shard_ids)`` yields ``(key, {column: values})`` in
+    :func:`~torchrl_trl.data.columns.read_key_columnar` forms; ``rank`` is mixed into seeds."""
 
     reader: BufferReader
     reading: ReadingStrategy
     columns: RowColumns
     num_shards: int
     rank: int = 0
-    python: bool | str = "columnar"
 
     def start_pass(self, pass_index: int, first: bool) -> dict[str, Any]:
         """Called once per pass, before its shards are read."""
@@ -86,7 +85,7 @@ class HFBatches:
     def __call__(self, shard_ids: list[int], pass_index: int = 0,
                  length: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
         for key, batch, index in self.batches(shard_ids, pass_index, length):
-            cols = self.columns.of_batch(batch, self.python, index)
+            cols = self.columns.of_batch(batch, "columnar", index)
             if cols is not None:
                 yield key, cols
 

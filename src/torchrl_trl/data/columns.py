@@ -156,14 +156,14 @@ class RowColumns:
         keys = [*self.raw_keys(batch), *(self.format.required_keys if self.format else ()), *named]
         return list(dict.fromkeys(to_nested_key(k) for k in keys))
 
-    def check(self, peek: TensorDictBase, *, python: bool | str) -> dict[str, Any]:
-        """Convert ``peek`` (the first stored rows) after checking the format's keys are there (the others
-        are checked as they are read)."""
+    def check(self, peek: TensorDictBase) -> dict[str, Any]:
+        """``peek`` (the first stored rows) as Python values, after checking the format's keys are there (the
+        others are checked as they are read)."""
         if self.format is not None and (missing := self.format.missing_keys(peek)):
             names = [column_name(k) for k in missing]
             raise KeyError(f"TorchRLBufferDataset: format {self.format.name!r} needs keys {names} that the replay "
                            f"buffer's samples lack. Available keys: {layouts.available_keys(peek)}")
-        cols = self.convert(peek, python=python)
+        cols = self.convert(peek, python=True)
         if self.index_column is not None:
             cols[self.index_column] = list(range(peek.batch_size.numel()))
         return cols

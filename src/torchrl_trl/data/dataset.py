@@ -123,7 +123,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         """The first stored rows' columns as Python values, after checking keys and format."""
         self._reader.require_items(whole_batch=self.mode == "epoch")  # an epoch pass reads whole batches
         peek = self._reader.fetch(torch.arange(min(len(self.replay_buffer), 2)))
-        cols = self._columns.check(peek, python=True)
+        cols = self._columns.check(peek)
         check_strings_survive(self.replay_buffer, cols)
         return cols
 
@@ -212,7 +212,7 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
 
         one_pass = self._reading if isinstance(self._reading, EpochPass) else EpochPass()
         reading = EpochPass(one_pass.shuffle, one_pass.seed, 1)
-        gen = HFBatches(self._reader, reading, self._columns, 1, python=True).rows
+        gen = HFBatches(self._reader, reading, self._columns, 1).rows
         kwargs = {"writer_batch_size": writer_batch_size} if writer_batch_size is not None else {}
         return Dataset.from_generator(gen, features=self.features, gen_kwargs={"shard_ids": [0]}, cache_dir=cache_dir,
                                       keep_in_memory=keep_in_memory, fingerprint=f"torchrl_trl_{uuid.uuid4().hex}",
