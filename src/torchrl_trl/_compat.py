@@ -36,12 +36,11 @@ def ray_runtime_lease(ray_init_config: dict | None = None):
 
 
 def reset_replay_lock(replay_buffer) -> None:
-    """Give ``replay_buffer`` a fresh, unheld lock (for a forked child); a Ray client is left alone.
+    """Give a local ``replay_buffer`` a fresh, unheld lock (for a forked child).
     Private: sets ``ReplayBuffer._replay_lock`` (torchrl 0.14.1)."""
     import threading
 
-    if hasattr(getattr(replay_buffer, "_replay_lock", None), "acquire"):
-        replay_buffer._replay_lock = threading.RLock()
+    replay_buffer._replay_lock = threading.RLock()
 
 
 def pin_storage_length(storage, n: int) -> None:
