@@ -107,10 +107,8 @@ def read_tokens(
     [[5, 6], [7, 8, 9]]
     """
     b, key = batch_of(td), token_key(part) if key is None else key
-    tokens = b.chunks(key, None)
-    if tokens is None:
-        b.require(key, "read_tokens")
-        tokens = b.chunks(key)
+    b.require(key, "read_tokens")
+    tokens = b.chunks(key)
     lost = _padding_loss(b, repairable=True) if check and key[0] in ("tokens", "log_probs") else None
     if mask_key is None or not b.has(mask_key):
         values = [t.reshape(-1) for t in tokens]
