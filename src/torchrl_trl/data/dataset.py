@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Sequence
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -97,7 +98,6 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         rows = format if isinstance(format, RowColumns) else RowColumns(format)
         self._columns = rows.bind(keys=keys, device=device)
         self._reader = BufferReader(replay_buffer, batch_size)
-        self._features = None
         if len(replay_buffer) > 0:
             self._check()
 
@@ -133,12 +133,10 @@ class TorchRLBufferDataset(torch.utils.data.IterableDataset):
         self._reader.require_items()
         return self._columns.in_keys(self._reader.fetch(torch.arange(1)))
 
-    @property
+    @cached_property
     def features(self):
         """``datasets.Features`` of the rows :meth:`as_hf_dataset` yields."""
-        if self._features is None:
-            self._features = self._columns.features(self._check())
-        return self._features
+        return self._columns.features(self._check())
 
     @property
     def column_names(self) -> list[str]:
