@@ -203,11 +203,11 @@ def main():
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--max-tokens-per-batch", type=int, default=8192)
     p.add_argument("--pack-tokens", default=None,
-                   help="packing=True token budgets, comma-separated (default: half and twice the longest)")
+                   help="packing=True token budgets, comma-separated ('' for none; default: half and twice the longest)")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of ours / packed / limits (>= 1)")
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     p.add_argument("--skip-baselines", action="store_true", help="only ours, packed and the limits")
-    p.add_argument("--skip-limits", action="store_true", help="only ours and the baselines (no packing, no limits)")
+    p.add_argument("--skip-limits", action="store_true", help="no zero-padding limits (limit_single, limit_grouped)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                    help="tiny: a random 4-layer Llama; smollm2: the real SmolLM2-135M-Instruct backbone")
@@ -217,7 +217,8 @@ def main():
     if args.model == "smollm2" and not args.small and args.device == "cpu":
         hi = 512  # a 1024-wide padded batch of a 135M model takes minutes per pass on a CPU
     n = args.n or n
-    pack_budgets = [int(x) for x in (args.pack_tokens or f"{hi // 2},{2 * hi}").split(",") if x]
+    pack_tokens = f"{hi // 2},{2 * hi}" if args.pack_tokens is None else args.pack_tokens
+    pack_budgets = [int(x) for x in pack_tokens.split(",") if x]
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -267,12 +268,9 @@ def main():
 
     timed = {
         "ours": scorer_fn(max_tokens_per_batch=args.max_tokens_per_batch),
+        **{f"packed{b}": scorer_fn(max_tokens_per_batch=b, packing=True) for b in pack_budgets},
     }
     limits = {
-        **{
-            f"packed{b}": scorer_fn(max_tokens_per_batch=b, packing=True)
-            for b in pack_budgets
-        },
         "limit_single": lambda: (limit_single(model, seqs, device), real),
         "limit_grouped": lambda: (limit_grouped(model, seqs, device, args.max_tokens_per_batch), real),
     }
@@ -321,9 +319,11 @@ def main():
         print_limits(results, timed, o)
     for base in baselines:
         b = results[base]
-        print(f"ours vs {base}: throughput x{b['time'] / o['time']:.2f}, "
-              f"peak memory /{b['mem'] / max(o['mem'], 1):.1f}, "
-              f"max |reward diff| {float((o['rewards'] - b['rewards']).abs().max()):.2e}")
+        for name in (k for k in timed if k not in limits):  # ours, then each packing budget
+            r = results[name]
+            print(f"{name} vs {base}: throughput x{b['time'] / r['time']:.2f}, "
+                  f"peak memory /{b['mem'] / max(r['mem'], 1):.1f}, "
+                  f"max |reward diff| {float((r['rewards'] - b['rewards']).abs().max()):.2e}")
 
 
 if __name__ == "__main__":
