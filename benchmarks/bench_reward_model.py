@@ -207,7 +207,8 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of ours / packed / limits (>= 1)")
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     p.add_argument("--skip-baselines", action="store_true", help="only ours, packed and the limits")
-    p.add_argument("--skip-limits", action="store_true", help="no zero-padding limits (limit_single, limit_grouped)")
+    p.add_argument("--skip-limits", action="store_true",
+                   help="only ours and the baselines (no limits; packing only at the --pack-tokens given)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                    help="tiny: a random 4-layer Llama; smollm2: the real SmolLM2-135M-Instruct backbone")
@@ -217,7 +218,9 @@ def main():
     if args.model == "smollm2" and not args.small and args.device == "cpu":
         hi = 512  # a 1024-wide padded batch of a 135M model takes minutes per pass on a CPU
     n = args.n or n
-    pack_tokens = f"{hi // 2},{2 * hi}" if args.pack_tokens is None else args.pack_tokens
+    pack_tokens = args.pack_tokens
+    if pack_tokens is None:
+        pack_tokens = "" if args.skip_limits else f"{hi // 2},{2 * hi}"
     pack_budgets = [int(x) for x in pack_tokens.split(",") if x]
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
