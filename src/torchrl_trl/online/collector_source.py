@@ -275,8 +275,8 @@ class CollectorGroups:
         between two of its batches (:meth:`paused`); returns its new policy version (``version`` if given).
 
         A Ray actor on this machine loads them from a copy in the background while the trainer goes
-        on (the next push, :attr:`policy_version` and :meth:`close` wait for it). A Ray actor loads
-        them while it generates: a batch in flight can mix two versions and is stamped with the new
+        on, unless ``version`` is given (the next push, :attr:`policy_version` and :meth:`close` wait
+        for it). A Ray actor loads them while it generates: a batch in flight can mix two versions and is stamped with the new
         one, so keep ``max_staleness >= 1`` there."""
         start = time.monotonic()
         try:
@@ -285,7 +285,7 @@ class CollectorGroups:
                     self._land_push()  # its files are overwritten next
                     weights = staged_weights(self.collector, model)
                     self.weight_pushes += 1
-                    if not self.in_process and weights.is_memmap():
+                    if version is None and not self.in_process and weights.is_memmap():
                         pushed = self.policy_version + 1
                         self._pusher = self._pusher or concurrent.futures.ThreadPoolExecutor(1, "torchrl-trl-push")
                         self._push_in_flight = self._pusher.submit(self.collector.update_policy_weights_, weights)
